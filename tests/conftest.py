@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random HF targets (Llama, Qwen3, Qwen3.5 hybrid, Qwen3.5 VL wrapper) saved to disk.
+
+Each is a real transformers model with a small vocabulary, built once per test session and loaded through the
+same `Target.load(path)` that users call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 97
+
+
+def _tiny_config(kind: str):
+    from transformers import LlamaConfig, Qwen3Config
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "llama":
+        return LlamaConfig(**common, head_dim=16)
+    if kind == "qwen3":
+        return Qwen3Config(**common, head_dim=16)
+    text = dict(common, head_dim=16, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                  "full_attention"] * 2,
+                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4)
+    if kind == "qwen3_5":
+        return Qwen3_5TextConfig(**text)
+    if kind == "qwen3_5_vl":
+        return Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                                  num_heads=2, out_hidden_size=64))
+    raise ValueError(kind)
+
+
+def build_tiny_target(kind: str, path: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = _tiny_config(kind)
+    model = Qwen3_5ForConditionalGeneration(cfg) if kind == "qwen3_5_vl" else AutoModelForCausalLM.from_config(cfg)
+    # Random init of transformers is tiny (std 0.02): scale up so logits have real margins and greedy paths vary.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("targets")
+    return {k: build_tiny_target(k, root / k) for k in ("llama", "qwen3", "qwen3_5", "qwen3_5_vl")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_target_dirs) -> Path:
+    return tiny_target_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tiny_target_dirs) -> Path:
+    return tiny_target_dirs["qwen3_5"]
