@@ -1,0 +1,125 @@
+"""`dflashkit prepare`: conversations → target-regenerated responses → token ids with a loss mask.
+
+    dflashkit prepare --data sharegpt|PATH --out DIR [--limit N] [--max-new-tokens N] [--temperature T]
+                      [--batch-size N] [--max-length N] [--no-regenerate] [--on-error stop|skip]
+                      [--thinking on|off] [--target …]
+
+Writes into DIR:
+    regenerated.jsonl  the target's responses (dflashkit.regenerate; resumable: a rerun continues it)
+    tokens.jsonl       {"id", "input_ids", "loss_mask": [0|1, …]} per sample, rewritten atomically
+    prepare.json       counts (read, skipped with reasons, truncated, tokens, supervised tokens), the target,
+                       chat template kwargs, generation settings and the ShareGPT held-out policy
+With --no-regenerate the conversations' own assistant turns are supervised (all of them, multi-turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dflashkit.cli import command, target_args
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    p.add_argument("--data", required=True, help="sharegpt, sharegpt-heldout, mtbench, humaneval, or a JSONL file")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap for regeneration")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--max-length", type=int, default=3072, help="truncate training samples to N tokens")
+    p.add_argument("--no-regenerate", action="store_true", help="train on the data's own assistant turns")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
+    p.add_argument("--thinking", choices=("on", "off"), default=None,
+                   help="chat template enable_thinking switch (Qwen3-style templates); default: the template's")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+
+
+def _tokens_line(sample_id: str, input_ids: list[int], loss_mask: list[bool]) -> str:
+    return json.dumps({"id": sample_id, "input_ids": input_ids, "loss_mask": [int(b) for b in loss_mask]}) + "\n"
+
+
+@command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
+def _prepare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dflashkit.data import tokenize_for_training, tokenize_regenerated
+    from dflashkit.datasets import HELDOUT_POLICY, load_dataset
+    from dflashkit.errors import DataError
+    from dflashkit.io_utils import atomic_path, atomic_write_text
+    from dflashkit.regenerate import read_regenerated, regenerate
+    from dflashkit.target import Target
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    conversations, problems = load_dataset(args.data, args.limit, on_error=args.on_error)
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    tok = target.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise DataError(f"target {target.source}: needs a tokenizer with a chat template")
+    kwargs: dict[str, Any] = {}
+    if args.thinking is not None:
+        if target.chat_template_info()["thinking_switch"]:
+            kwargs["enable_thinking"] = args.thinking == "on"
+        else:
+            print(f"note: the chat template of {target.source} has no enable_thinking switch; --thinking ignored")
+
+    skipped: dict[str, str] = {}
+    regen_stats = None
+    if args.no_regenerate:
+        items = [(c.id, c.messages, None) for c in conversations]
+    else:
+        regen_path = out / "regenerated.jsonl"
+        stats = regenerate(target, conversations, regen_path, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+                           chat_template_kwargs=kwargs, seed=args.seed, max_prompt_length=args.max_length)
+        regen_stats = stats.to_dict()
+        skipped.update(stats.skipped)
+        wanted = {c.id for c in conversations}
+        items = [(r["id"], r["messages"], r.get("response_token_ids")) for r in read_regenerated(regen_path)
+                 if r["id"] in wanted]
+
+    truncated = total_tokens = supervised = written = 0
+    with atomic_path(out / "tokens.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for sample_id, messages, response_ids in tqdm(items, desc="tokenise", unit="conv", disable=len(items) < 200):
+            try:
+                if response_ids is not None:
+                    sample = tokenize_regenerated(tok, messages[:-1], response_ids, max_length=args.max_length,
+                                                  chat_template_kwargs=kwargs)
+                else:
+                    sample = tokenize_for_training(tok, messages, max_length=args.max_length,
+                                                   chat_template_kwargs=kwargs)
+            except DataError as e:
+                skipped[sample_id] = str(e)
+                continue
+            if sample.num_supervised == 0:
+                skipped[sample_id] = f"no supervised tokens within max length {args.max_length}"
+                continue
+            f.write(_tokens_line(sample_id, sample.input_ids, sample.loss_mask))
+            written += 1
+            truncated += int(sample.truncated)
+            total_tokens += len(sample.input_ids)
+            supervised += sample.num_supervised
+
+    report = {
+        "data": args.data, "conversations_read": len(conversations), "malformed": problems,
+        "samples_written": written, "skipped": len(skipped), "skipped_reasons": skipped,
+        "truncated": truncated, "total_tokens": total_tokens, "supervised_tokens": supervised,
+        "max_length": args.max_length, "target": target.source, "chat_template_kwargs": kwargs,
+        "regenerated": not args.no_regenerate, "regeneration": regen_stats,
+        "heldout_policy": HELDOUT_POLICY if str(args.data).startswith("sharegpt") else None,
+    }
+    atomic_write_text(out / "prepare.json", json.dumps(report, indent=2) + "\n")
+    if not written:
+        raise DataError(f"no training samples written to {out / 'tokens.jsonl'} (see {out / 'prepare.json'})")
+    print(f"prepared {written} samples from {len(conversations)} conversations ({len(problems)} malformed, "
+          f"{len(skipped)} skipped, {truncated} truncated): {total_tokens:,} tokens, {supervised:,} supervised")
+    if regen_stats:
+        print(f"regenerated {regen_stats['generated']} (+{regen_stats['already_done']} reused), "
+              f"{regen_stats['new_tokens']:,} new tokens at {regen_stats['tokens_per_s']:.1f} tok/s")
+    print(f"wrote {out / 'tokens.jsonl'} and {out / 'prepare.json'}")
+    return 0
