@@ -1,0 +1,73 @@
+"""`dflashkit capture`: run the target over tokens.jsonl and store its layer features in sharded files.
+
+    dflashkit capture --tokens data/tokens.jsonl --out data/features [--layer-ids 1,8,14,20,27 |
+        --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N]
+
+Rerunning the same command after a kill resumes: finished shards are kept, the rest are captured.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflashkit.cli import command, target_args
+from dflashkit.errors import ConfigError
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    p.add_argument("--tokens", required=True, help="tokens.jsonl written by `dflashkit prepare`")
+    p.add_argument("--out", required=True, help="output directory (manifest.json + shard-*.safetensors)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--layer-ids", default=None, help="comma-separated 0-based target layer ids, e.g. 1,8,14")
+    which.add_argument("--drafter-config", default=None,
+                       help="drafter checkpoint directory or config.json whose target_layer_ids to capture")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="storage dtype (default bf16)")
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default ≈ 1 GiB of features)")
+    p.add_argument("--batch-tokens", type=int, default=0,
+                   help="let equal-length samples share a forward of up to N tokens (0 = one per forward)")
+    p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
+    p.add_argument("--no-target-tokens", action="store_true", help="do not store the target's argmax tokens")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
+    if args.layer_ids:
+        try:
+            return [int(x) for x in args.layer_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--layer-ids {args.layer_ids!r}: expected comma-separated integers, e.g. 1,8,14")
+    if args.drafter_config:
+        from dflashkit.config import DrafterConfig
+        from dflashkit.target import check_drafter_fits
+
+        path = Path(args.drafter_config)
+        cfg = DrafterConfig.load(path / "config.json" if path.is_dir() else path)
+        check_drafter_fits(cfg, target, source=str(path))
+        return list(cfg.target_layer_ids)
+    from dflashkit.info import default_drafter_config
+    return list(default_drafter_config(target).target_layer_ids)
+
+
+@command("capture", "capture the target's hidden-state features of tokens.jsonl into sharded files (resumable)", _args)
+def _capture(args: argparse.Namespace) -> int:
+    from dflashkit.features import format_bytes, capture
+    from dflashkit.samples import read_tokens
+    from dflashkit.target import Target
+
+    samples, _ = read_tokens(args.tokens)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ConfigError(f"--limit must be ≥ 1, got {args.limit}")
+        samples = samples[:args.limit]
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    layer_ids = _layer_ids(args, target)
+    m = capture(target, samples, args.out, layer_ids=layer_ids, dtype=args.dtype,
+                store_target_tokens=not args.no_target_tokens, shard_max_tokens=args.shard_tokens,
+                batch_tokens=args.batch_tokens, tokens_file=args.tokens, progress=not args.quiet)
+    run = m.run_stats
+    rate = f"{run['tokens'] / run['seconds']:,.0f} tok/s" if run.get("seconds") else "nothing to do"
+    print(f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "
+          f"layers {m.layer_ids}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})")
+    return 0

@@ -1,0 +1,471 @@
+"""Target features for training: captured once to sharded safetensors files, or computed online.
+
+    capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
+    CapturedFeatures(out_dir, expect_target=target, expect_layer_ids=ids)[i]   # → Sample with features
+    OnlineFeatures(target, samples, layer_ids=ids)[i]                          # same, nothing on disk
+
+The feature of layer i is the output of decoder layer i (HF `output_hidden_states[i + 1]`), concatenated in
+`layer_ids` order → (T, K·H) per sample. `target_tokens` are the argmax of the verifier logits, i.e. the
+target's FINAL layer through its final norm and LM head (never an intermediate layer).
+
+On-disk format (format_version 1), one directory:
+    manifest.json            written atomically at the start and after every finished shard
+    shard-00000.safetensors  several whole samples each, written atomically; for global sample index k:
+        "{k}.features"       (T, K·H) storage dtype (bf16 / fp16 / fp32)
+        "{k}.input_ids"      (T,) int32
+        "{k}.loss_mask"      (T,) bool
+        "{k}.target_tokens"  (T,) int32, only when store_target_tokens
+The manifest holds the target (source, architecture, num_layers, hidden_size, fingerprint), layer_ids, dtype,
+the shard plan (file, first sample, count, tokens, done, bytes), one entry per sample (id, shard, length,
+supervised), totals, the tokens file and a digest of the samples. The shard plan is a pure function of the
+samples and `shard_max_tokens`, so a killed run resumes by redoing only the shards not marked done, and
+the result is byte-identical to an uninterrupted run. The default storage dtype is bf16 (half the disk of
+fp32; features are converted to float32 when read); pass dtype="fp32" for bit-exact features.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from dflashkit.errors import DataError
+from dflashkit.io_utils import atomic_path, atomic_write_text
+from dflashkit.samples import Sample
+
+if TYPE_CHECKING:
+    from dflashkit.target import Target
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_SHARD_BYTES = 1 << 30  # default shard size: ~1 GiB of features, whatever the target's width
+_RESUME_FIELDS = ("target.fingerprint", "target.num_layers", "target.hidden_size", "layer_ids", "dtype",
+                  "store_target_tokens", "samples_sha256", "shard_max_tokens")
+
+
+def target_fingerprint(target: Target) -> str:
+    """Cheap, stable identity of a target: its text config (minus paths/dtype), parameter shapes, a few weights.
+
+    Weight slices are hashed after rounding to bf16, so the same checkpoint loaded in fp32 or bf16 matches.
+    """
+    cfg = target.text_config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache"):
+        cfg.pop(k, None)
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    params = dict(target.model.named_parameters())
+    for name in sorted(params):
+        h.update(f"{name}:{list(params[name].shape)};".encode())
+    for w in (target.embed_weight, target.lm_head_weight, next(target.layers[0].parameters()),
+              next(target.layers[-1].parameters())):
+        head = w.detach().reshape(-1)[:256].cpu().to(torch.bfloat16)  # (≤256,)
+        h.update(head.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def samples_digest(samples: Sequence[Sample]) -> str:
+    """sha256 over every sample's id, input_ids and loss_mask: a resumed capture must see the same data."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.id.encode() + b"\0")
+        h.update(s.input_ids.to(torch.int64).numpy().tobytes())
+        h.update(s.loss_mask.to(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def bytes_per_token(feature_dim: int, dtype: str, store_target_tokens: bool) -> int:
+    """Disk bytes per captured token: features + int32 ids + bool mask (+ int32 target token)."""
+    return feature_dim * STORAGE_DTYPES[dtype].itemsize + 4 + 1 + (4 if store_target_tokens else 0)
+
+
+def plan_shards(lengths: Sequence[int], shard_max_tokens: int) -> list[dict[str, Any]]:
+    """Greedy, order-preserving split into shards of whole samples with ≤ shard_max_tokens tokens (≥ 1 sample)."""
+    shards: list[dict[str, Any]] = []
+    first, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        if i > first and tokens + n > shard_max_tokens:
+            shards.append({"first": first, "count": i - first, "tokens": tokens})
+            first, tokens = i, 0
+        tokens += n
+    shards.append({"first": first, "count": len(lengths) - first, "tokens": tokens})
+    for j, s in enumerate(shards):
+        s.update(file=f"shard-{j:05d}.safetensors", done=False, bytes=0)
+    return shards
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@dataclass
+class Manifest:
+    """Contents of manifest.json (see the module docstring); totals are derived, never trusted from disk."""
+
+    target: dict[str, Any]
+    layer_ids: list[int]
+    dtype: str
+    store_target_tokens: bool
+    shard_max_tokens: int
+    samples_sha256: str
+    tokens_file: str | None
+    shards: list[dict[str, Any]]
+    samples: list[dict[str, Any]]
+    format_version: int = FORMAT_VERSION
+    run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
+
+    @property
+    def complete(self) -> bool:
+        return all(s["done"] for s in self.shards)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s["length"] for s in self.samples)
+
+    @property
+    def total_supervised(self) -> int:
+        return sum(s["supervised"] for s in self.samples)
+
+    @property
+    def done_samples(self) -> int:
+        return sum(s["count"] for s in self.shards if s["done"])
+
+    @property
+    def bytes(self) -> int:
+        return sum(s["bytes"] for s in self.shards)
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.layer_ids) * int(self.target["hidden_size"])
+
+    def get(self, dotted: str) -> Any:
+        obj: Any = self
+        for part in dotted.split("."):
+            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        return obj
+
+    def to_json(self) -> str:
+        """JSON text with one line per shard and per sample (readable, and small for 100K+ samples)."""
+        head = {"format_version": self.format_version, "target": self.target, "layer_ids": self.layer_ids,
+                "dtype": self.dtype, "store_target_tokens": self.store_target_tokens,
+                "shard_max_tokens": self.shard_max_tokens, "tokens_file": self.tokens_file,
+                "samples_sha256": self.samples_sha256,
+                "totals": {"samples": self.num_samples, "tokens": self.total_tokens,
+                           "supervised": self.total_supervised, "done_samples": self.done_samples,
+                           "bytes": self.bytes, "complete": self.complete}}
+        parts = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
+        for key, rows in (("shards", self.shards), ("samples", self.samples)):
+            body = ",\n".join("    " + json.dumps(r) for r in rows)
+            parts.append(f'  "{key}": [\n{body}\n  ]')
+        return "{\n" + ",\n".join(parts) + "\n}\n"
+
+    def save(self, out_dir: str | Path) -> None:
+        atomic_write_text(Path(out_dir) / MANIFEST_NAME, self.to_json())
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> "Manifest":
+        out_dir = Path(out_dir)
+        what = "expected a directory written by `dflashkit capture`"
+        if not out_dir.is_dir():
+            raise DataError(f"capture dir {out_dir} does not exist ({what})")
+        path = out_dir / MANIFEST_NAME
+        if not path.is_file():
+            raise DataError(f"capture dir {out_dir} has no {MANIFEST_NAME} ({what})")
+        try:
+            raw = json.loads(path.read_text())
+            version = raw.get("format_version")
+            if version != FORMAT_VERSION:
+                raise DataError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}; recapture it "
+                                f"with this dflashkit")
+            return cls(**{k: raw[k] for k in ("target", "layer_ids", "dtype", "store_target_tokens",
+                                              "shard_max_tokens", "samples_sha256", "tokens_file", "shards",
+                                              "samples")})
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{path}: malformed manifest (missing or bad field {e}); {what}") from None
+
+
+def _new_manifest(target: Target, samples: Sequence[Sample], *, layer_ids: list[int], dtype: str,
+                  store_target_tokens: bool, shard_max_tokens: int, tokens_file: str | None) -> Manifest:
+    shards = plan_shards([len(s) for s in samples], shard_max_tokens)
+    entries: list[dict[str, Any]] = []
+    for j, sh in enumerate(shards):
+        for s in samples[sh["first"]:sh["first"] + sh["count"]]:
+            entries.append({"id": s.id, "shard": j, "length": len(s), "supervised": s.num_supervised})
+    info = {"source": target.source, "architecture": target.architecture, "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size, "fingerprint": target_fingerprint(target)}
+    return Manifest(target=info, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
+                    shard_max_tokens=shard_max_tokens, samples_sha256=samples_digest(samples),
+                    tokens_file=tokens_file, shards=shards, samples=entries)
+
+
+def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None]) -> Manifest:
+    """The manifest to work from: `fresh`, or the one already in out_dir when every setting matches."""
+    if not (out_dir / MANIFEST_NAME).is_file():
+        return fresh
+    old = Manifest.load(out_dir)
+    for name in _RESUME_FIELDS:
+        if old.get(name) != fresh.get(name):
+            raise DataError(f"{out_dir} already holds a capture with {name} {old.get(name)!r} but this run has "
+                            f"{fresh.get(name)!r}; rerun with the same settings to resume it, or use another --out")
+    for sh in old.shards:
+        if sh["done"] and not (out_dir / sh["file"]).is_file():
+            log(f"capture: {sh['file']} is listed as done but missing; capturing it again")
+            sh["done"], sh["bytes"] = False, 0
+    return old
+
+
+def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer_ids: list[int],
+                   store: torch.dtype, store_target_tokens: bool, batch_tokens: int, bar: tqdm) -> dict[str, Tensor]:
+    """Run the target over one shard's samples; equal-length samples may share a forward (no padding)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(chunk)), key=lambda i: (len(chunk[i]), i)) if batch_tokens > 0 else range(len(chunk)):
+        n = len(chunk[i])
+        if groups and len(chunk[groups[-1][0]]) == n and (len(groups[-1]) + 1) * n <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    tensors: dict[str, Tensor] = {}
+    for g in groups:
+        ids = torch.stack([chunk[i].input_ids for i in g])  # (B, T)
+        out = target.forward(ids, layer_ids=layer_ids, logits=store_target_tokens, feature_dtype=store)
+        feats = out.features.cpu()  # (B, T, K·H) in the storage dtype
+        tokens = out.logits.argmax(-1).cpu() if store_target_tokens else None  # (B, T) final-layer argmax
+        for b, i in enumerate(g):
+            k, s = first + i, chunk[i]
+            tensors[f"{k}.features"] = feats[b].clone()  # clone: safetensors refuses tensors sharing storage
+            tensors[f"{k}.input_ids"] = s.input_ids.to(torch.int32)
+            tensors[f"{k}.loss_mask"] = s.loss_mask.to(torch.bool)
+            if tokens is not None:
+                tensors[f"{k}.target_tokens"] = tokens[b].to(torch.int32)
+        bar.update(ids.numel())
+    return tensors
+
+
+def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, layer_ids: Sequence[int],
+            dtype: str = "bf16", store_target_tokens: bool = True, shard_max_tokens: int | None = None,
+            batch_tokens: int = 0, tokens_file: str | Path | None = None, progress: bool = True,
+            log: Callable[[str], None] | None = print,
+            on_shard: Callable[[int, Manifest], None] | None = None) -> Manifest:
+    """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
+
+    shard_max_tokens: tokens per shard (default: ~1 GiB of features; a resumed run keeps the existing plan).
+    batch_tokens: > 0 lets equal-length samples of a shard share one forward of ≤ batch_tokens tokens
+    (0 = one sequence per forward, bit-identical to a plain per-sample forward).
+    on_shard(shard_index, manifest) is called after each shard is on disk and the manifest updated.
+    """
+    log = log or (lambda _msg: None)
+    layer_ids = [int(i) for i in layer_ids]
+    target.check_layer_ids(layer_ids)
+    if dtype not in STORAGE_DTYPES:
+        raise DataError(f"capture dtype {dtype!r} is not supported; expected one of {sorted(STORAGE_DTYPES)}")
+    if not samples:
+        raise DataError("capture: no samples to capture (empty dataset)")
+    out_dir = Path(out_dir)
+    per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens)
+    if shard_max_tokens is None:
+        existing = out_dir / MANIFEST_NAME
+        shard_max_tokens = (Manifest.load(out_dir).shard_max_tokens if existing.is_file()
+                            else max(1, DEFAULT_SHARD_BYTES // per_token))
+    if shard_max_tokens < 1:
+        raise DataError(f"shard_max_tokens must be ≥ 1, got {shard_max_tokens}")
+    fresh = _new_manifest(target, samples, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
+                          shard_max_tokens=int(shard_max_tokens),
+                          tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()))
+    manifest = _resume(out_dir, fresh, log)
+    todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
+    todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
+    manifest.run_stats = {"tokens": 0, "seconds": 0.0, "shards": 0}
+    if not todo:
+        log(f"capture: {out_dir} is already complete ({manifest.num_samples} samples, {manifest.total_tokens:,} "
+            f"tokens); nothing to do")
+        return manifest
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
+        stale.unlink()
+    need = todo_tokens * per_token
+    free = shutil.disk_usage(out_dir).free
+    log(f"capture: {manifest.num_samples} samples, {manifest.total_tokens:,} tokens × {len(layer_ids)} layers × "
+        f"{target.hidden_size} hidden × {STORAGE_DTYPES[dtype].itemsize} B ({dtype})"
+        f"{' + target tokens' if store_target_tokens else ''} ≈ {format_bytes(manifest.total_tokens * per_token)}; "
+        f"to write now: {todo_tokens:,} tokens in {len(todo)} shard(s) ≈ {format_bytes(need)}; "
+        f"free at {out_dir}: {format_bytes(free)}")
+    if need * 1.02 + (16 << 20) > free:
+        raise DataError(f"not enough disk space in {out_dir}: the capture needs ≈ {format_bytes(need)} but only "
+                        f"{format_bytes(free)} is free; free space, use --dtype bf16, --limit, or another --out")
+    manifest.save(out_dir)
+
+    store = STORAGE_DTYPES[dtype]
+    t0 = time.perf_counter()
+    with tqdm(total=manifest.total_tokens, initial=manifest.total_tokens - todo_tokens, unit="tok",
+              unit_scale=True, desc="capture", disable=not progress, dynamic_ncols=True) as bar:
+        for j in todo:
+            sh = manifest.shards[j]
+            tensors = _capture_shard(target, samples[sh["first"]:sh["first"] + sh["count"]], sh["first"],
+                                     layer_ids=layer_ids, store=store, store_target_tokens=store_target_tokens,
+                                     batch_tokens=batch_tokens, bar=bar)
+            path = out_dir / sh["file"]
+            with atomic_path(path) as tmp:
+                # one metadata key only: safetensors writes metadata in hash order, so several would make
+                # otherwise identical shards differ byte-wise between runs
+                save_file(tensors, str(tmp), metadata={"format": f"dflashkit-features/{FORMAT_VERSION}"})
+            sh["done"], sh["bytes"] = True, path.stat().st_size
+            manifest.save(out_dir)
+            manifest.run_stats["tokens"] += sh["tokens"]
+            manifest.run_stats["shards"] += 1
+            manifest.run_stats["seconds"] = time.perf_counter() - t0
+            if on_shard is not None:
+                on_shard(j, manifest)
+    return manifest
+
+
+def _check_expected(out_dir: Path, m: Manifest, expect_target: Target | str | None, expect_layer_ids: Sequence[int] | None) -> None:
+    if expect_layer_ids is not None and [int(i) for i in expect_layer_ids] != list(m.layer_ids):
+        raise DataError(f"capture dir {out_dir} was made with target_layer_ids {list(m.layer_ids)} but the drafter "
+                        f"needs {[int(i) for i in expect_layer_ids]}; capture again with those layer ids")
+    if expect_target is None:
+        return
+    made = f"capture dir {out_dir} was made with target {m.target.get('source')!r}"
+    if isinstance(expect_target, str):
+        expected = {"fingerprint": expect_target}
+    else:
+        expected = {"num_layers": expect_target.num_layers, "hidden_size": expect_target.hidden_size,
+                    "fingerprint": target_fingerprint(expect_target)}
+    for key, want in expected.items():
+        if m.target.get(key) != want:
+            other = "" if isinstance(expect_target, str) else f" ({expect_target.source!r})"
+            raise DataError(f"{made} with {key} {m.target.get(key)!r} but the expected target{other} has "
+                            f"{key} {want!r}; features only fit the target they were captured from")
+
+
+class CapturedFeatures:
+    """Map-style dataset over a finished capture dir: `ds[i]` → Sample with float32 CPU features.
+
+    Shards are opened lazily (safetensors `safe_open`), keeping at most `max_open_shards` handles (LRU);
+    handles are dropped when the dataset is pickled (DataLoader workers reopen their own).
+    """
+
+    def __init__(self, out_dir: str | Path, *, expect_target: Target | str | None = None,
+                 expect_layer_ids: Sequence[int] | None = None, max_open_shards: int = 4) -> None:
+        self.dir = Path(out_dir)
+        self.manifest = Manifest.load(self.dir)
+        m = self.manifest
+        _check_expected(self.dir, m, expect_target, expect_layer_ids)
+        if not m.complete:
+            missing = m.num_samples - m.done_samples
+            shards = sum(1 for s in m.shards if not s["done"])
+            raise DataError(f"capture dir {self.dir} is incomplete: {missing} of {m.num_samples} samples "
+                            f"({shards} of {len(m.shards)} shards) not captured yet; rerun `dflashkit capture` "
+                            f"with the same arguments to resume it")
+        for sh in m.shards:
+            if not (self.dir / sh["file"]).is_file():
+                raise DataError(f"capture dir {self.dir}: shard file {sh['file']} is missing (the manifest lists "
+                                f"{sh['count']} samples in it); rerun `dflashkit capture` with the same arguments "
+                                f"to recreate it")
+        self.max_open_shards = max_open_shards
+        self._handles: OrderedDict[str, Any] = OrderedDict()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.manifest.layer_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s["length"] for s in self.manifest.samples]
+
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": OrderedDict()}
+
+    def _handle(self, name: str) -> Any:
+        if name in self._handles:
+            self._handles.move_to_end(name)
+            return self._handles[name]
+        path = self.dir / name
+        if not path.is_file():
+            raise DataError(f"capture dir {self.dir}: shard file {name} is missing; rerun `dflashkit capture` "
+                            f"with the same arguments to recreate it")
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        self._handles[name] = handle
+        while len(self._handles) > self.max_open_shards:
+            self._handles.popitem(last=False)
+        return handle
+
+    def __getitem__(self, i: int) -> Sample:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for {n} captured samples")
+        i %= n
+        entry = self.manifest.samples[i]
+        name = self.manifest.shards[entry["shard"]]["file"]
+        h = self._handle(name)
+        try:
+            feats = h.get_tensor(f"{i}.features").float()  # (T, K·H)
+            ids = h.get_tensor(f"{i}.input_ids").long()     # (T,)
+            mask = h.get_tensor(f"{i}.loss_mask").bool()    # (T,)
+            tokens = h.get_tensor(f"{i}.target_tokens").long() if self.manifest.store_target_tokens else None
+        except Exception as e:  # safetensors raises its own error type for a missing key
+            raise DataError(f"capture dir {self.dir}: shard {name} lacks the tensors of sample {i} "
+                            f"({entry['id']!r}): {e}") from None
+        if feats.shape != (entry["length"], self.manifest.feature_dim):
+            raise DataError(f"capture dir {self.dir}: {name} '{i}.features' has shape {list(feats.shape)}, "
+                            f"expected {[entry['length'], self.manifest.feature_dim]}")
+        return Sample(id=entry["id"], input_ids=ids, loss_mask=mask, features=feats, target_tokens=tokens)
+
+
+class OnlineFeatures:
+    """Same interface as CapturedFeatures, but runs the target at access time and stores nothing.
+
+    Features are float32 on `feature_device` (default CPU; pass the target's device to keep them there).
+    """
+
+    def __init__(self, target: Target, samples: Sequence[Sample], *, layer_ids: Sequence[int],
+                 feature_device: torch.device | str | None = None, target_tokens: bool = True) -> None:
+        self.target = target
+        self.samples = list(samples)
+        self._layer_ids = [int(i) for i in layer_ids]
+        target.check_layer_ids(self._layer_ids)
+        self.feature_device = torch.device(feature_device or "cpu")
+        self.target_tokens = target_tokens
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self._layer_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s) for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        s = self.samples[i]
+        out = self.target.forward(s.input_ids[None], layer_ids=self._layer_ids, logits=self.target_tokens,
+                                  feature_device=self.feature_device, feature_dtype=torch.float32)
+        tokens = out.logits.argmax(-1)[0].to(self.feature_device) if self.target_tokens else None  # (T,)
+        return Sample(id=s.id, input_ids=s.input_ids, loss_mask=s.loss_mask, features=out.features[0],  # (T, K·H)
+                      target_tokens=tokens)
