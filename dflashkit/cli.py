@@ -68,4 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module so subcommands register in the same registry as `dflashkit.cli`.
+    from dflashkit.cli import main as _main
+    sys.exit(_main())

@@ -228,10 +228,14 @@ class Target:
     @torch.no_grad()
     def forward(self, input_ids: Tensor, *, layer_ids: list[int] | tuple[int, ...] = (),
                 position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                cache: Any = None, use_cache: bool = False, logits: bool = True,
+                cache: Any = None, use_cache: bool = False, logits: bool = True, logits_to_keep: int = 0,
                 feature_device: torch.device | str | None = None, feature_dtype: torch.dtype | None = None,
                 ) -> TargetOutput:
-        """One target pass. input_ids (B, T); features of `layer_ids` concatenated in the given order."""
+        """One target pass. input_ids (B, T); features of `layer_ids` concatenated in the given order.
+
+        `logits_to_keep=n` computes verifier logits for the last n positions only (0 = all): a long prefill
+        then costs one LM-head row instead of T.
+        """
         layer_ids = [int(i) for i in layer_ids]
         self.check_layer_ids(layer_ids)
         with self._hooks(layer_ids) as captured:
@@ -245,8 +249,9 @@ class Target:
             features = torch.cat([captured[i] for i in layer_ids], dim=-1)  # (B, T, K·H)
             if feature_device is not None or feature_dtype is not None:
                 features = features.to(device=feature_device or features.device, dtype=feature_dtype or features.dtype)
+        head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
         return TargetOutput(features=features, final_hidden=final_hidden,
-                            logits=self.verifier_logits(final_hidden) if logits else None,
+                            logits=self.verifier_logits(head_in) if logits else None,
                             cache=getattr(out, "cache", None))
 
     def new_cache(self) -> Any:

@@ -1,0 +1,251 @@
+"""Speculative generation with a DFlash drafter: chain and DDTree verification, AR baseline, sampling.
+
+One round (batch 1):
+  1. draft:  block = [bonus, MASK × (bs−1)] at positions start…start+bs−1; one drafter pass appends the new
+             context K/V (features of the tokens committed last round) to the drafter cache and reads the block;
+             slot k predicts the token *at* start+k (slot 0 is discarded).
+  2. verify: the target runs the block (chain) or the flattened DDTree (tree mask, positions start+depth).
+  3. commit: longest accepted prefix + the target's own next token (the new bonus); the target cache is cropped
+             (chain) or compacted to the accepted path (tree); hybrid targets restore their recurrent states and
+             re-run only the accepted tokens.
+The acceptance length L = accepted + 1 counts the bonus token. `method="ar"` (or no drafter) runs plain
+autoregressive decoding through the same loop: verify one token, commit it.
+Decoding policy (block size, tree budget, sampling) is arguments, never model state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dflashkit import target_cache as tc
+from dflashkit.model import DFlashDrafter, DrafterCache
+from dflashkit.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
+from dflashkit.target import Target, check_drafter_fits
+from dflashkit.tree import build_tree, follow_tree, tree_attention_mask
+
+METHODS = ("ar", "chain", "tree")
+
+
+@dataclass
+class GenerationResult:
+    prompt_len: int
+    tokens: list[int]                                   # generated tokens (prompt excluded)
+    acceptance_lengths: list[int] = field(default_factory=list)  # L per round, bonus included
+    timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per stage
+    stop_reason: str = "max_new_tokens"
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per round (the first token, from prefill, is not a round)."""
+        return sum(self.acceptance_lengths) / max(1, self.rounds)
+
+
+class _Clock:
+    def __init__(self, device: torch.device, timings: dict[str, float]) -> None:
+        self.sync = device.type == "cuda"
+        self.timings = timings
+
+    def __call__(self, stage: str) -> "_Stage":
+        return _Stage(self, stage)
+
+
+class _Stage:
+    def __init__(self, clock: _Clock, stage: str) -> None:
+        self.clock, self.stage = clock, stage
+
+    def __enter__(self) -> None:
+        if self.clock.sync:
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.clock.sync:
+            torch.cuda.synchronize()
+        self.clock.timings[self.stage] += time.perf_counter() - self.t0
+
+
+def _pick(logits: Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    return int(logits.argmax(-1)) if params.greedy else int(sample(probs(logits, params), gen))
+
+
+@torch.no_grad()
+def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashDrafter | None = None,
+             method: str = "chain", max_new_tokens: int = 128, block_size: int | None = None,
+             tree_budget: int = 16, tree_top_k: int = 8, force_spine: bool = False,
+             sampling: SamplingParams = SamplingParams(), draft_sampling: bool = False,
+             stop_token_ids: list[int] | tuple[int, ...] = (), seed: int | None = None,
+             check_invariants: bool = False) -> GenerationResult:
+    """Generate up to `max_new_tokens` after `prompt_ids` (batch 1). See the module docstring for the loop.
+
+    method: "ar" | "chain" | "tree" (DDTree with `tree_budget` nodes over the top `tree_top_k` tokens per depth).
+    draft_sampling: at temperature > 0, sample drafts from the drafter (min(1, p/q) rule) instead of argmax
+    drafts (sample-and-match). Both are exactly lossless.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods: {list(METHODS)}")
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
+    prompt_len = ids.shape[1]
+    if prompt_len == 0:
+        raise ValueError("empty prompt")
+    max_pos = getattr(target.text_config, "max_position_embeddings", None)
+    if max_pos is not None and prompt_len + max_new_tokens > max_pos:
+        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
+                         f"context window of {max_pos} tokens")
+    use_drafter = method != "ar" and drafter is not None
+    if method != "ar" and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+    if use_drafter:
+        check_drafter_fits(drafter.config, target)
+        bs = block_size or drafter.config.block_size
+        if bs < 2:
+            use_drafter = False
+    if method == "tree" and not sampling.greedy:
+        raise ValueError("tree verification supports greedy decoding only (temperature 0)")
+    layer_ids = drafter.config.target_layer_ids if use_drafter else []
+    gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
+    result = GenerationResult(prompt_len=prompt_len, tokens=[])
+    clock = _Clock(target.device, result.timings)
+    stops = set(int(t) for t in stop_token_ids)
+    hybrid_tree = method == "tree" and target.is_hybrid  # see _verify_tree: spine only on hybrid targets
+
+    cache = target.new_cache()
+    with clock("prefill"):
+        out = target.forward(ids, layer_ids=layer_ids, cache=cache, use_cache=True, logits_to_keep=1,
+                             feature_device=drafter.device if use_drafter else None)
+    bonus = _pick(out.logits[0, -1], sampling, gen)
+    result.tokens.append(bonus)
+    dcache = DrafterCache()
+    new_ctx, new_pos = (out.features, torch.arange(prompt_len)[None]) if use_drafter else (None, None)
+    if bonus in stops:
+        result.stop_reason = "stop_token"
+        return result
+
+    while len(result.tokens) < max_new_tokens:
+        start = prompt_len + len(result.tokens) - 1          # position of the bonus token
+        room = max_new_tokens - len(result.tokens)           # tokens we may still add after the bonus
+        block_len = min(bs, room + 1) if use_drafter else 1
+        drafts: Tensor | None = None
+        draft_q: Tensor | None = None
+        draft_logits: Tensor | None = None
+        if block_len > 1:
+            with clock("draft"):
+                embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, block_len)
+                hidden = drafter(new_ctx, embeds, context_positions=new_pos,
+                                 block_positions=torch.arange(start, start + block_len)[None], cache=dcache)
+                draft_logits = drafter.logits(hidden[0, 1:], target.lm_head_weight).float()  # (bl−1, V')
+                if sampling.greedy or not draft_sampling:
+                    drafts = drafter.to_target_ids(draft_logits.argmax(-1))
+                else:
+                    draft_q = probs(draft_logits, sampling)
+                    drafts = drafter.to_target_ids(sample(draft_q, gen))
+                    if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
+                        full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
+                        draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
+        if method == "tree" and drafts is not None and not hybrid_tree:
+            committed, next_token, feats = _verify_tree(target, cache, bonus, draft_logits, drafter, start,
+                                                        layer_ids, tree_budget, tree_top_k, force_spine, clock)
+        else:
+            block = torch.tensor([[bonus] + ([] if drafts is None else drafts.tolist())])  # (1, bl)
+            committed, next_token, feats = _verify_chain(target, cache, block, start, layer_ids, sampling,
+                                                         draft_q, gen, clock, drafter)
+        with clock("commit"):
+            accepted_drafts = committed[1:]
+            result.acceptance_lengths.append(len(committed))
+            new_tokens = accepted_drafts + [next_token]
+            stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
+            if stop_at is not None:
+                new_tokens = new_tokens[:stop_at + 1]
+            result.tokens.extend(new_tokens[:max_new_tokens - len(result.tokens)])
+            if use_drafter:
+                new_ctx = feats
+                new_pos = torch.arange(start, start + len(committed))[None]
+            bonus = next_token
+            if check_invariants:
+                _check(len(committed), tc.kv_length(cache), start, dcache.length if drafts is not None else None,
+                       bs if use_drafter else 1, tree_budget if method == "tree" and not hybrid_tree else None)
+            if stop_at is not None:
+                result.stop_reason = "stop_token"
+                break
+    return result
+
+
+def _verify_chain(target: Target, cache: object, block: Tensor, start: int, layer_ids: list[int],
+                  sampling: SamplingParams, draft_q: Tensor | None, gen: torch.Generator | None, clock: _Clock,
+                  drafter: DFlashDrafter | None) -> tuple[list[int], int, Tensor | None]:
+    """Verify a chain block (1, bl) at positions start…; returns (committed block tokens, next token, features)."""
+    bl = block.shape[1]
+    recurrent = tc.has_recurrent_state(cache)
+    with clock("verify"):
+        snap = tc.snapshot(cache) if recurrent and bl > 1 else None
+        out = target.forward(block, layer_ids=layer_ids, cache=cache, use_cache=True,
+                             position_ids=torch.arange(start, start + bl)[None],
+                             feature_device=drafter.device if drafter is not None and layer_ids else None)
+    logits = out.logits[0].float()  # (bl, V)
+    drafts = block[0, 1:].to(logits.device)
+    if sampling.greedy:
+        posterior = logits.argmax(-1)
+        accepted = int((drafts == posterior[:-1]).long().cumprod(0).sum())
+        next_token = int(posterior[accepted])
+    elif draft_q is not None:
+        accepted, next_token = accept_sampled_drafts(drafts, probs(logits, sampling), draft_q, gen)
+    else:
+        accepted, next_token = accept_argmax_drafts(drafts, probs(logits, sampling), gen)
+    keep = accepted + 1
+    with clock("commit"):
+        if keep < bl:
+            if snap is not None:  # rejected tokens must leave no trace in recurrent states: rewind, re-run accepted
+                tc.restore(cache, snap)
+                target.forward(block[:, :keep], cache=cache, use_cache=True, logits=False,
+                               position_ids=torch.arange(start, start + keep)[None])
+            else:
+                tc.crop(cache, start + keep)
+    feats = out.features[:, :keep] if out.features is not None else None
+    return block[0, :keep].tolist(), next_token, feats
+
+
+def _verify_tree(target: Target, cache: object, bonus: int, draft_logits: Tensor, drafter: DFlashDrafter,
+                 start: int, layer_ids: list[int], budget: int, top_k: int, force_spine: bool,
+                 clock: _Clock) -> tuple[list[int], int, Tensor]:
+    """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache."""
+    with clock("tree_build"):
+        logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
+        tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine)
+        if drafter.config.draft_vocab_size is not None:
+            tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])
+        n = tree.size
+        mask = torch.ones(n, start + n, dtype=torch.bool)
+        mask[:, start:] = tree_attention_mask(tree.parents)                        # (N, start + N)
+        additive = torch.zeros(1, 1, n, start + n, dtype=target.dtype, device=target.device)
+        additive.masked_fill_(~mask.to(target.device)[None, None], torch.finfo(target.dtype).min)
+    with clock("verify"):
+        out = target.forward(tree.tokens[None], layer_ids=layer_ids, cache=cache, use_cache=True,
+                             position_ids=(start + tree.depths)[None], attention_mask=additive,
+                             feature_device=drafter.device)
+    target_tokens = out.logits[0].argmax(-1)  # (N,)
+    path = follow_tree(tree, target_tokens)
+    with clock("commit"):
+        rows = torch.tensor(path)
+        tc.keep_positions(cache, start, rows)
+    return tree.tokens[rows].tolist(), int(target_tokens[path[-1]]), out.features[:, rows]
+
+
+def _check(L: int, kv_len: int, start: int, drafter_len: int | None, bs: int, budget: int | None) -> None:
+    """Per-round invariants: 1 ≤ L ≤ 1 + min(B, bs − 1); the target cache holds exactly the committed tokens
+    (everything up to and including the accepted drafts; the new bonus is not in it yet); the drafter cache holds
+    context strictly before the block."""
+    upper = 1 + min(budget, bs - 1) if budget is not None else bs
+    if not 1 <= L <= upper:
+        raise AssertionError(f"acceptance length {L} outside [1, {upper}]")
+    if kv_len != start + L:
+        raise AssertionError(f"target cache holds {kv_len} tokens, expected {start + L}")
+    if drafter_len is not None and drafter_len != start:
+        raise AssertionError(f"drafter cache holds {drafter_len} context tokens, expected {start}")
