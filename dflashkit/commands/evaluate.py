@@ -1,0 +1,271 @@
+"""`dflashkit generate`, `eval`, `simulate` and `report`.
+
+    dflashkit generate --drafter CKPT --prompt "…" [--method chain|tree|ar] [--max-new-tokens N]
+                       [--temperature T --top-p P --top-k K] [--tree-budget B --tree-top-k K] [--target …]
+    dflashkit eval --drafter NAME=CKPT [--drafter …] --dataset mtbench|humaneval|sharegpt-heldout|sharegpt|PATH
+                   [--limit N] [--methods ar,chain,ddtree:8] [--max-new-tokens N] --out DIR [--target …]
+    dflashkit simulate --drafter NAME=CKPT [--drafter …] --dataset … --cache DIR [--budgets 4,8,16] --out DIR
+    dflashkit report RESULTS.json [MORE.json …] [--out DIR]
+
+Datasets: a bundled name or a JSONL file. Targets without a tokenizer take pre-tokenised prompts: JSONL lines
+`{"id": "...", "prompt_ids": [3, 14, 15]}` (and `generate --prompt-ids 3,14,15`).
+`eval` writes DIR/results.json (source of truth), DIR/progress.jsonl (per prompt; a rerun resumes), DIR/report.md
+and the PNG plots. `simulate` writes the transcript cache (reused by later runs), then DIR/results.json + report.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from dflashkit.cli import command, target_args
+from dflashkit.errors import ConfigError
+
+
+def _drafter_specs(values: list[str] | None) -> dict[str, str]:
+    """['name=ckpt', 'ckpt2'] → {name: path}; a bare path is named after its directory."""
+    out: dict[str, str] = {}
+    for v in values or []:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = Path(v).name or v, v
+        if not name or not path:
+            raise ConfigError(f"--drafter {v!r}: expected NAME=CHECKPOINT_DIR or CHECKPOINT_DIR")
+        if name in out:
+            raise ConfigError(f"--drafter: name {name!r} given twice (use NAME=CKPT to tell them apart)")
+        out[name] = path
+    return out
+
+
+def _check_dataset(name: str) -> None:
+    """Refuse an unknown dataset name before loading anything."""
+    from dflashkit.datasets import DATASETS
+    from dflashkit.errors import DataError
+
+    if name not in DATASETS and not Path(name).expanduser().is_file():
+        raise DataError(f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)} or a path to a JSONL "
+                        f"file (chat records, or pre-tokenised lines {{\"prompt_ids\": [...]}})")
+
+
+def _load_drafters(specs: dict[str, str], device: str) -> dict[str, Any]:
+    from dflashkit.checkpoint import load_drafter
+
+    return {name: load_drafter(path, device=device) for name, path in specs.items()}
+
+
+def _ints(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated integers") from None
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from dflashkit.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+
+
+def _stops(args: argparse.Namespace, target: Any) -> list[int]:
+    from dflashkit.evaluate import default_stop_token_ids
+
+    return [] if args.ignore_eos else default_stop_token_ids(target)
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (not needed for --method ar)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="user message (rendered with the chat template when the target has one)")
+    which.add_argument("--prompt-ids", help="pre-tokenised prompt, comma-separated ids (targets without a tokenizer)")
+    p.add_argument("--method", choices=("chain", "tree", "ar"), default="chain")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    _sampling_args(p)
+    p.add_argument("--tree-budget", type=int, default=16, help="DDTree node budget B (verify length 1 + B)")
+    p.add_argument("--tree-top-k", type=int, default=8, help="tokens per depth considered by DDTree")
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("generate", "generate from one prompt with speculative decoding; print the text and τ", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.data import encode_prompt
+    from dflashkit.decode import generate
+    from dflashkit.errors import DataError
+    from dflashkit.target import Target
+
+    if args.method != "ar" and not args.drafter:
+        raise ConfigError(f"--method {args.method} needs --drafter CKPT (or use --method ar)")
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    drafter = load_drafter(args.drafter, device=args.device) if args.drafter else None
+    tok = target.tokenizer
+    if args.prompt_ids is not None:
+        ids = _ints(args.prompt_ids, "--prompt-ids")
+        if not ids or not all(0 <= t < target.vocab_size for t in ids):
+            raise DataError(f"--prompt-ids: expected token ids in [0, {target.vocab_size})")
+    elif tok is None:
+        raise DataError(f"target {target.source} has no tokenizer: pass --prompt-ids instead of --prompt")
+    elif getattr(tok, "chat_template", None):
+        ids = encode_prompt(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = list(tok(args.prompt, add_special_tokens=True)["input_ids"])
+    sampling = _sampling(args)
+    t0 = time.perf_counter()
+    try:
+        res = generate(target, ids, drafter=drafter, method=args.method, max_new_tokens=args.max_new_tokens,
+                       block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
+                       sampling=sampling, stop_token_ids=_stops(args, target), seed=args.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    wall = time.perf_counter() - t0
+    print(tok.decode(res.tokens, skip_special_tokens=True) if tok is not None else " ".join(map(str, res.tokens)))
+    print(f"\n[{args.method}] {len(res.tokens)} tokens in {res.rounds} rounds, τ = {res.tau:.2f}, "
+          f"{len(res.tokens) / wall:.1f} tok/s, stop: {res.stop_reason}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- eval
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT",
+                   help="drafter checkpoint, repeatable; NAME= labels it in the results")
+    p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--methods", default="ar,chain,ddtree:8", help="comma-separated: ar, chain, ddtree:B")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    _sampling_args(p)
+    p.add_argument("--block-size", type=int, default=None, help="override every drafter's block size")
+    p.add_argument("--tree-top-k", type=int, default=8)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--no-resume", action="store_true", help="start over instead of continuing progress.jsonl")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
+    p.add_argument("--hf-baseline", action="store_true", help="also time HF generate as a second AR baseline")
+    p.add_argument("--triage-threshold", type=float, default=None,
+                   help="top-2 logit margin below which a greedy divergence is a numerical near-tie")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+@command("eval", "evaluate drafters (τ, speedup vs AR, greedy equality) on a dataset; write results + report",
+         _eval_args)
+def _eval(args: argparse.Namespace) -> int:
+    from dflashkit.eval_stats import load_prompts, parse_methods
+    from dflashkit.evaluate import evaluate
+    from dflashkit.report import render, summary_table
+    from dflashkit.target import Target
+
+    methods = parse_methods(args.methods)  # user errors before any loading
+    _check_dataset(args.dataset)
+    specs = _drafter_specs(args.drafter)
+    if any(m.kind != "ar" for m in methods) and not specs:
+        raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    drafters = _load_drafters(specs, args.device)
+    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    doc = evaluate(target, drafters, prompts, methods=[m.name for m in methods], max_new_tokens=args.max_new_tokens,
+                   sampling=_sampling(args), out_dir=args.out, resume=not args.no_resume, block_size=args.block_size,
+                   tree_top_k=args.tree_top_k, stop_token_ids=_stops(args, target), dataset=args.dataset,
+                   skipped=skipped, triage_threshold=args.triage_threshold, seed=args.seed, warmup=not args.no_warmup,
+                   hf_baseline=args.hf_baseline, drafter_sources=specs, progress=not args.quiet)
+    render(doc, Path(args.out))
+    print(summary_table(doc))
+    if skipped:
+        print(f"{len(skipped)} prompts skipped (reasons in results.json)")
+    bugs = sum(st["divergence_verdicts"]["bug"] for m in doc["results"].values() for st in m.values())
+    if bugs:
+        print(f"WARNING: {bugs} greedy divergences not explained by numerical near-ties (see report.md)")
+    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'report.md'}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- simulate
+def _simulate_args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT", help="repeatable")
+    p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--cache", required=True, help="transcript cache directory (built once, reused)")
+    p.add_argument("--budgets", default="4,8,16", help="DDTree budgets to simulate (empty: chain only)")
+    p.add_argument("--no-chain", action="store_true", help="simulate trees only")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--tree-top-k", type=int, default=8)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--quiet", action="store_true")
+
+
+@command("simulate", "teacher-forced τ of many drafters (chain and DDTree budgets) from cached target transcripts",
+         _simulate_args)
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from dflashkit.eval_stats import load_prompts
+    from dflashkit.io_utils import atomic_write_text
+    from dflashkit.report import render, summary_table
+    from dflashkit.simulate import build_transcripts, simulate_many, simulation_results
+    from dflashkit.target import Target, check_drafter_fits
+
+    budgets = _ints(args.budgets, "--budgets") or []
+    _check_dataset(args.dataset)
+    specs = _drafter_specs(args.drafter)
+    if not specs:
+        raise ConfigError("simulate needs at least one --drafter NAME=CKPT")
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    drafters = _load_drafters(specs, args.device)
+    for name, d in drafters.items():
+        check_drafter_fits(d.config, target, source=f"drafter {name!r}")
+    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    layers = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
+    cache = build_transcripts(target, prompts, args.cache, max_new_tokens=args.max_new_tokens, layer_ids=layers,
+                              stop_token_ids=_stops(args, target), progress=not args.quiet)
+    results = simulate_many(drafters, cache, block_size=args.block_size, tree_budgets=budgets,
+                            tree_top_k=args.tree_top_k, chain=not args.no_chain, prompt_ids=[p.id for p in prompts],
+                            progress=not args.quiet)
+    doc = simulation_results(cache, drafters, results, dataset=args.dataset, block_size=args.block_size,
+                             tree_top_k=args.tree_top_k, drafter_sources=specs)
+    doc["dataset"]["skipped"] = skipped
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "results.json", json.dumps(doc, indent=1) + "\n")
+    render(doc, out)
+    print(summary_table(doc))
+    print(f"wrote {out / 'results.json'} and {out / 'report.md'} (transcripts in {args.cache})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="results.json files (or directories holding one)")
+    p.add_argument("--out", default=None, help="output directory (default: next to a single results.json)")
+
+
+@command("report", "render results.json as Markdown + PNG plots; several files: a side-by-side comparison",
+         _report_args)
+def _report(args: argparse.Namespace) -> int:
+    from dflashkit.report import compare, render
+
+    if len(args.results) == 1:
+        text = render(args.results[0], args.out)
+    else:
+        text = compare(args.results, args.out)
+    print(text)
+    return 0
