@@ -15,6 +15,7 @@ an argument of the caller, never state here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflashkit.config import DrafterConfig
 
-# A mask is either one tensor for every layer, or one per layer type ("full_attention" / "sliding_attention").
-AttentionMask = Tensor | dict[str, Tensor] | None
+# A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
+# ("full_attention" / "sliding_attention").
+AttentionMask = Any
 
 
 def _qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
@@ -71,6 +73,18 @@ def positional_mask(q_pos: Tensor, k_pos: Tensor, *, causal: bool, window: int |
         if not causal:
             visible &= -diff < window
     return visible[:, None]
+
+
+_FLEX: Any = None
+
+
+def _flex_attention() -> Any:
+    """flex_attention, compiled once on CUDA (eager flex is a slow reference path there)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return _FLEX
 
 
 @dataclass
@@ -139,9 +153,13 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self._kv(block, *block_rope)                 # (B, kvh, Tq, hd)
         k = torch.cat([k_ctx, k_blk], dim=2)                        # (B, kvh, Tc_all + Tq, hd)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask is None else to_additive(mask, q.dtype),
-            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        if mask is not None and not isinstance(mask, Tensor):  # a flex-attention BlockMask (CUDA training)
+            out = _flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5,
+                                    enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if mask is None else to_additive(mask, q.dtype),
+                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim))
 
 

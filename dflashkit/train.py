@@ -185,8 +185,12 @@ def prepare_inputs(rows: RowBatch, *, drafter_config: Any, labels: str, max_anch
     return StepInputs(features=feats, blocks=blocks, labels=lab.to(device), masks=masks)
 
 
-def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Additive (B, 1, Nq, T + Nq) training mask per layer type, in the attention dtype."""
+def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype) -> dict[str, Any]:
+    """Training mask per layer type: flex-attention BlockMasks on CUDA (sparse, no dense (Nq, T + Nq) tensor),
+    additive (B, 1, Nq, T + Nq) tensors in the attention dtype elsewhere. Both are tested against the same
+    naive reference (tests/test_blocks.py)."""
+    if blocks.anchors.device.type == "cuda":
+        return masks_for_layer_types(drafter_config, blocks, backend="flex")
     return {k: to_additive(m, dtype) for k, m in masks_for_layer_types(drafter_config, blocks).items()}
 
 

@@ -254,3 +254,27 @@ def test_flex_block_mask_attention_equals_dense_sdpa(causal: bool, window: int |
     mask = dense_mask(batch, causal_in_block=causal, window=window)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_drafter_flex_path_equals_dense_path() -> None:
+    """The drafter's flex-attention branch (BlockMask per layer type; CUDA training) gives the same hidden states
+    as its SDPA branch with dense masks (CPU), on a sliding + full drafter."""
+    from dflashkit.blocks import masks_for_layer_types
+    from dflashkit.config import DrafterConfig
+    from dflashkit.model import DFlashDrafter
+
+    cfg = DrafterConfig(hidden_size=32, vocab_size=50, num_target_layers=4, target_layer_ids=[0, 2],
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, block_size=4, mask_token_id=1,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    _, batch = _batch_with_padding(7, 4)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    feats = torch.randn(batch.batch_size, batch.context_len, 2 * 32)
+    embeds = drafter.block_embeddings(batch.first_tokens, torch.randn(50, 32), 4)
+    kw = dict(context_positions=batch.context_positions, block_positions=batch.block_positions)
+    with torch.no_grad():  # flex attention has no CPU backward; on CUDA it trains
+        dense = drafter(feats, embeds, attention_mask=masks_for_layer_types(cfg, batch), **kw)
+        flex = drafter(feats, embeds, attention_mask=masks_for_layer_types(cfg, batch, backend="flex"), **kw)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
