@@ -1,0 +1,139 @@
+"""`dflashkit inspect | diff | doctor | logs | convert`: diagnostics and checkpoint conversion.
+
+    dflashkit inspect CKPT [--json]
+    dflashkit diff A B [--target T] [--json]
+    dflashkit doctor --target T --drafter D [--prompts N] [--max-new-tokens N] [--features DIR] [--json]
+    dflashkit logs RUN [RUN …] [--acc 0.5] [--acc-slot K] [--out DIR] [--json]
+    dflashkit convert SRC OUT [--to zlab|speculators] [--dtype bf16] [--num-target-layers N]
+
+`doctor` exits 1 when a check FAILs; `inspect` exits 1 when the checkpoint has a FAIL finding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dflashkit.cli import command, target_args
+
+
+def _dump(obj: object) -> str:
+    return json.dumps(obj, indent=2, default=str)
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="drafter checkpoint directory (dflashkit, z-lab or speculators format)")
+    p.add_argument("--no-values", action="store_true", help="skip the NaN/inf scan of every tensor")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+@command("inspect", "what a drafter checkpoint is (read from its tensors) and where it disagrees with its config",
+         _inspect_args)
+def _inspect(args: argparse.Namespace) -> int:
+    from dflashkit.inspect_ckpt import inspect_checkpoint, render_report
+
+    report = inspect_checkpoint(args.checkpoint, check_values=not args.no_values)
+    print(_dump(report.to_json()) if args.json else render_report(report))
+    return 0 if report.ok else 1
+
+
+def _diff_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="checkpoint A")
+    p.add_argument("b", help="checkpoint B")
+    p.add_argument("--target", default=None, help="the drafters' target (model dir, .gguf or 'default'): lets diff "
+                   "say whether a drafter copied the target's attention geometry")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--no-weights", action="store_true", help="architecture only, no weight statistics")
+    p.add_argument("--json", action="store_true")
+
+
+@command("diff", "every architectural difference between two drafters, plus weight statistics", _diff_args)
+def _diff(args: argparse.Namespace) -> int:
+    from dflashkit.diff import diff_checkpoints, render_diff
+
+    target = None
+    if args.target:
+        from dflashkit.target import Target
+        target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    report = diff_checkpoints(args.a, args.b, target=target, weights=not args.no_weights)
+    print(_dump(report.to_json()) if args.json else render_diff(report))
+    return 0
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    p.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    p.add_argument("--prompts", type=int, default=3, help="prompts for the draft-and-verify run")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--features", default=None, help="a `dflashkit capture` directory the drafter was trained on")
+    p.add_argument("--dtype", default=None, help="target dtype (fp32, bf16, …; default: fp32 on CPU)")
+    p.add_argument("--json", action="store_true")
+
+
+@command("doctor", "checks before spending GPU hours: fit, layers, mask, geometry, capture, lossless decoding, "
+         "label shift", _doctor_args)
+def _doctor(args: argparse.Namespace) -> int:
+    from dflashkit.doctor import run_doctor
+    from dflashkit.target import Target
+
+    target = Target.load(args.target, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    report = run_doctor(target, args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                        features=args.features)
+    if args.json:
+        print(_dump({"findings": [f.__dict__ for f in report.findings], "tau": report.tau,
+                     "offset_accuracy": report.offsets, "exit_code": report.exit_code}))
+    else:
+        print(report.render())
+    return report.exit_code
+
+
+def _logs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="training run directories (holding metrics.jsonl) or metrics files")
+    p.add_argument("--acc", type=float, default=0.5, help="accuracy threshold for 'steps to reach' (default 0.5)")
+    p.add_argument("--acc-slot", type=int, default=None,
+                   help="use this block slot's accuracy (e.g. 1) instead of the mean over slots 1…bs−1")
+    p.add_argument("--out", default=None, help="write PNG plots into this directory")
+    p.add_argument("--json", action="store_true")
+
+
+@command("logs", "training health from metrics.jsonl: grad-norm collapse, bimodal loss, accuracy, τ, schedules",
+         _logs_args)
+def _logs(args: argparse.Namespace) -> int:
+    from dflashkit.logs import analyze, compare, plot, read_run, render
+
+    from pathlib import Path
+
+    short = [Path(r).name if Path(r).is_dir() else Path(r).parent.name for r in args.runs]
+    logs = [read_run(r, name=s if short.count(s) == 1 else r.rstrip("/")) for r, s in zip(args.runs, short)]
+    analyses = [analyze(lg) for lg in logs]
+    comparison = compare(logs, acc=args.acc, slot=args.acc_slot)
+    written = plot(logs, args.out) if args.out else []
+    if args.json:
+        for a in analyses:
+            a["findings"] = [f.__dict__ for f in a["findings"]]
+        print(_dump({"runs": analyses, "comparison": comparison, "plots": [str(p) for p in written]}))
+    else:
+        print(render(analyses, comparison))
+        if written:
+            print(f"plots: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="source checkpoint (speculators, z-lab or dflashkit format; detected)")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--to", choices=("zlab", "speculators"), default="zlab",
+                   help="output format (default zlab: what vLLM method=dflash and SGLang DFLASH load)")
+    p.add_argument("--dtype", default=None, help="cast floating tensors (bf16, fp16, fp32)")
+    p.add_argument("--num-target-layers", type=int, default=None,
+                   help="the target's decoder-layer count (speculators configs do not record it)")
+
+
+@command("convert", "convert drafter checkpoints: speculators → z-lab (vLLM/SGLang), z-lab → speculators; --dtype",
+         _convert_args)
+def _convert(args: argparse.Namespace) -> int:
+    from dflashkit.convert import convert
+
+    print(convert(args.src, args.out, to=args.to, dtype=args.dtype, num_target_layers=args.num_target_layers).render())
+    return 0
