@@ -130,10 +130,14 @@ class Target:
         except OSError as e:
             raise TargetError(f"{path}: cannot load model files ({e})") from None
         tokenizer = None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        except Exception:  # tiny test models and some exports ship no tokenizer; callers that need one check
-            tokenizer = None
+        # Only when tokenizer files exist: otherwise transformers builds an empty stand-in whose length would
+        # make real embedding rows look "spare".
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if gguf or any((Path(path) / f).is_file() for f in tokenizer_files):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            except Exception:  # a broken tokenizer must not stop feature capture; callers that need one check
+                tokenizer = None
         return cls(model.to(device), tokenizer, source=str(Path(path) / gguf if gguf else path))
 
     # ------------------------------------------------------------------ facts
