@@ -238,7 +238,14 @@ class DFlashDrafter(nn.Module):
         """Draft logits from the target's LM head: (…, H) → (…, V), or (…, draft_vocab) with a reduced vocab."""
         weight = lm_head_weight
         if self.config.draft_vocab_size is not None:
-            weight = lm_head_weight[self.draft_to_target.to(lm_head_weight.device)]
+            # The reduced head is gathered once per (head tensor, map) and reused every round.
+            key = (lm_head_weight.data_ptr(), lm_head_weight._version, self.draft_to_target._version)
+            cached = getattr(self, "_reduced_head", None)
+            if cached is None or cached[0] != key or self.training:
+                cached = (key, lm_head_weight.index_select(0, self.draft_to_target.to(lm_head_weight.device)))
+                if not self.training:
+                    self._reduced_head = cached
+            weight = cached[1]
         return F.linear(hidden.to(weight.dtype), weight.to(hidden.device) if weight.device != hidden.device else weight)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:

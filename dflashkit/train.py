@@ -225,9 +225,23 @@ def _loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | float)
                             inp.blocks.block_positions, masks)                # (B, Nq, H)
     bs = inp.blocks.block_size
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss == "kl" else None
-    return block_loss(hidden.reshape(-1, bs, hidden.shape[-1]), run.lm_head, inp.labels.reshape(-1, bs),
+    head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
+    return block_loss(hidden.reshape(-1, bs, hidden.shape[-1]), head, labels.reshape(-1, bs),
                       weights=run.weights, kind=cfg.loss, target_logits=target, chunk_size=cfg.loss_chunk_size,
                       normalizer=normalizer)
+
+
+def draft_vocab_head(drafter: Any, lm_head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """With a reduced draft vocabulary: the LM-head rows of the draft tokens (N, H) and labels mapped to draft
+    ids; target tokens outside the draft vocabulary get −100 (no loss, not counted in accuracy — they can never
+    be drafted, which evaluation measures). Without one: the full head and the labels unchanged."""
+    if drafter.config.draft_vocab_size is None:
+        return lm_head, labels
+    d2t = drafter.draft_to_target.to(lm_head.device)                            # (N,)
+    t2d = torch.full((lm_head.shape[0],), -100, dtype=torch.long, device=labels.device)
+    t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)
+    mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], torch.full_like(labels, -100))
+    return lm_head.index_select(0, d2t), mapped
 
 
 # ---------------------------------------------------------------------------------------------- data

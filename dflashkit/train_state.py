@@ -389,6 +389,9 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
         torch.manual_seed(cfg.seed)
         drafter = DFlashDrafter(wanted)
     check_drafter_fits(drafter.config, target, source="drafter")
+    if cfg.loss == "kl" and drafter.config.draft_vocab_size is not None:
+        raise ConfigError("loss: kl needs the full vocabulary; this drafter has a reduced draft vocabulary "
+                          f"(draft_vocab_size {drafter.config.draft_vocab_size}) — use loss: ce")
     drafter = drafter.to(device=device, dtype=torch.float32).train()
 
     source = dataset if dataset is not None else open_feature_source(cfg, target, drafter.config)

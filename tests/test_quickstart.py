@@ -1,0 +1,41 @@
+"""End to end: `dflashkit quickstart` on the embedded SmolLM2 with a tiny budget (checks the pipeline, not the
+numbers), then a re-run that reuses every finished stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+TINY = ["--regen-minutes", "0.05", "--regen-batch", "4", "--max-new-tokens-regen", "24", "--train-minutes", "0.4",
+        "--eval-prompts", "1", "--eval-max-new-tokens", "12", "--methods", "ar,chain,ddtree:4"]
+
+
+def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import main
+
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--out", str(out), *TINY]) == 0
+    screen = capsys.readouterr().out
+    for needle in ("τ macro", "speedup", "mtbench", "humaneval", "chain", "ddtree:4", str(out / "drafter")):
+        assert needle in screen, needle
+    state = json.loads((out / "quickstart.json").read_text())
+    assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
+    assert state["done"]["prepare"]["conversations"] >= 4
+    drafter = load_drafter(out / "drafter")          # exported z-lab checkpoint loads strictly
+    assert drafter.config.learned_mask_embedding
+    for dataset in ("mtbench", "humaneval"):
+        doc = json.loads((out / "eval" / dataset / "results.json").read_text())
+        chain = doc["results"]["quickstart"]["chain"]
+        assert chain["greedy_equal_fraction"] == 1.0 and chain["n_prompts"] == 1
+        assert (out / "eval" / dataset / "report.md").is_file()
+        assert list((out / "eval" / dataset).glob("*.png"))
+    # training never saw the evaluation prompts: held-out sets are MT-Bench / HumanEval, training is ShareGPT
+    ids = [json.loads(line)["id"] for line in (out / "data" / "tokens.jsonl").read_text().splitlines()]
+    assert ids and all(not i.startswith(("mtbench", "humaneval")) for i in ids)
+    # a re-run reuses every stage and prints the same screen
+    assert main(["quickstart", "--out", str(out), *TINY]) == 0
+    assert "speedup" in capsys.readouterr().out
