@@ -40,7 +40,7 @@ class QuickstartSettings:
     # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
     num_hidden_layers: int = 2
     block_size: int = 8
-    max_anchors: int = 128
+    max_anchors: int = 64
     draft_vocab: int = 8192            # reduced draft vocabulary (0: the target's full 49152)
     lr: float = 1.5e-3
     seed: int = 0
@@ -73,26 +73,29 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
 
     convs, _ = load_dataset("sharegpt", None)
     tok = target.tokenizer
-    short = []
-    for c in convs:  # order is the dataset's (deterministic); keep prompts that fit the budget
-        try:
-            if len(encode_prompt(tok, prompt_messages(c))) <= s.max_prompt_tokens:
-                short.append(c)
-        except DataError:
-            continue
-        if len(short) >= 4000:
-            break
     regen = out / "data" / "regenerated.jsonl"
     regen.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_regenerated(regen, repair=True)} if regen.exists() else set()
-    todo = [c for c in short if c.id not in done]
-    chunk = s.regen_batch * 2
     _say(f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min")
-    while todo and time.monotonic() < deadline:
-        batch, todo = todo[:chunk], todo[chunk:]
-        regenerate(target, batch, regen,
-                   max_new_tokens=s.max_new_tokens_regen, batch_size=s.regen_batch, progress=False)
-        done |= {c.id for c in batch}
+    chunk: list[Any] = []
+    first = True
+    for c in convs:  # the dataset's order (deterministic); prompts that fit the length budget
+        if c.id in done:
+            continue
+        try:
+            if len(encode_prompt(tok, prompt_messages(c))) > s.max_prompt_tokens:
+                continue
+        except DataError:
+            continue
+        chunk.append(c)
+        if len(chunk) < 2 * s.regen_batch:
+            continue
+        if not first and time.monotonic() >= deadline:
+            break
+        regenerate(target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=s.regen_batch,
+                   progress=False)
+        done |= {c.id for c in chunk}
+        chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
         _say(f"prepare: {len(done)} responses")
     records = read_regenerated(regen)
     n_tokens = supervised = 0
@@ -125,12 +128,15 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
     from dflashkit.train import train
     from dflashkit.train_config import TrainConfig
 
+    n_samples = sum(1 for _ in open(out / "data" / "tokens.jsonl"))
+    val_samples = min(8, n_samples // 5)  # a small held-out check; never more than a fifth of the data
+
     def config(max_steps: int, budget: float) -> TrainConfig:
         return TrainConfig.from_dict({
             "features": str(out / "features"), "target": "default", "out": str(out / "train"),
             "drafter": {"num_hidden_layers": s.num_hidden_layers, "block_size": s.block_size},
             "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr, "max_steps": max_steps,
-            "warmup_ratio": 0.05, "time_budget_minutes": budget, "save_every": 50, "val_samples": 8,
+            "warmup_ratio": 0.05, "time_budget_minutes": budget, "save_every": 50, "val_samples": val_samples,
             "eval_every": 0, "seed": s.seed, "tensorboard": True,
             **({"init_from": str(init)} if init is not None else {}),
         }, source="quickstart")
