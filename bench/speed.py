@@ -113,7 +113,9 @@ def run_bench(target: Target, drafter: Any, prompts: list[Prompt], *, max_new_to
         for name in names:
             run(name, prompts[0], min(8, max_new_tokens))
     raw: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for i, p in enumerate(prompts):
+    from tqdm import tqdm
+
+    for i, p in enumerate(tqdm(prompts, desc="prompts (all methods)", unit="prompt", file=sys.stderr)):
         order = names[i % len(names):] + names[:i % len(names)]  # rotate: no method always runs first
         outs = {name: run(name, p, max_new_tokens) for name in order}
         ref = outs[HF_AR][0]
