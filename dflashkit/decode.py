@@ -23,12 +23,17 @@ import torch
 from torch import Tensor
 
 from dflashkit import target_cache as tc
+from dflashkit.errors import DFlashError
 from dflashkit.model import DFlashDrafter, DrafterCache
 from dflashkit.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.target import Target, check_drafter_fits
 from dflashkit.tree import build_tree, follow_tree, tree_attention_mask
 
 METHODS = ("ar", "chain", "tree")
+
+
+class GenerationError(DFlashError, ValueError):
+    """Bad generation arguments (unknown method, prompt too long for the context window, …): one-line CLI error."""
 
 
 @dataclass
@@ -91,25 +96,25 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
     drafts (sample-and-match). Both are exactly lossless.
     """
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods: {list(METHODS)}")
+        raise GenerationError(f"unknown method {method!r}; valid methods: {list(METHODS)}")
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
     prompt_len = ids.shape[1]
     if prompt_len == 0:
-        raise ValueError("empty prompt")
+        raise GenerationError("empty prompt")
     max_pos = getattr(target.text_config, "max_position_embeddings", None)
     if max_pos is not None and prompt_len + max_new_tokens > max_pos:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
+        raise GenerationError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
                          f"context window of {max_pos} tokens")
     use_drafter = method != "ar" and drafter is not None
     if method != "ar" and drafter is None:
-        raise ValueError(f"method {method!r} needs a drafter")
+        raise GenerationError(f"method {method!r} needs a drafter")
     if use_drafter:
         check_drafter_fits(drafter.config, target)
         bs = block_size or drafter.config.block_size
         if bs < 2:
             use_drafter = False
     if method == "tree" and not sampling.greedy:
-        raise ValueError("tree verification supports greedy decoding only (temperature 0)")
+        raise GenerationError("tree verification supports greedy decoding only (temperature 0)")
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
     gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
     result = GenerationResult(prompt_len=prompt_len, tokens=[])
