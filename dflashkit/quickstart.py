@@ -36,7 +36,7 @@ class QuickstartSettings:
     regen_batch: int = 16
     eval_prompts: int = 8              # per evaluation dataset (MT-Bench turn 1, HumanEval)
     eval_max_new_tokens: int = 96
-    methods: str = "ar,chain,ddtree:8"
+    methods: str = "ar,chain,ddtree:4,ddtree:8"   # the screen reports the best DDTree budget
     # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
     num_hidden_layers: int = 2
     block_size: int = 8
@@ -269,7 +269,14 @@ def summary_screen(state: dict[str, Any]) -> str:
                 lines.append(f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
                              f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}")
     d = state["done"]
-    lines += ["",
+    best = []
+    for dataset, where in d["eval"].items():
+        doc = json.loads(Path(where["results"]).read_text())
+        trees = {m: r for methods in doc["results"].values() for m, r in methods.items() if m.startswith("ddtree")}
+        if trees:
+            m, r = max(trees.items(), key=lambda kv: kv[1]["tok_s"])
+            best.append(f"{dataset} {m} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
+    lines += ["", f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
               f"  training data   {d['prepare']['conversations']} target-regenerated responses, "
               f"{d['prepare']['supervised_tokens']:,} supervised tokens",
               f"  training        {d['train']['steps']} steps ({d['train']['stopped']})",

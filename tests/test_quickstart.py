@@ -20,7 +20,8 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     out = tmp_path / "qs"
     assert main(["quickstart", "--out", str(out), *TINY]) == 0
     screen = capsys.readouterr().out
-    for needle in ("τ macro", "speedup", "mtbench", "humaneval", "chain", "ddtree:4", str(out / "drafter")):
+    for needle in ("τ macro", "speedup", "mtbench", "humaneval", "chain", "ddtree:4", "best DDTree",
+                   str(out / "drafter")):
         assert needle in screen, needle
     state = json.loads((out / "quickstart.json").read_text())
     assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
