@@ -65,10 +65,9 @@ def _say(msg: str) -> None:
 
 def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float) -> dict[str, Any]:
     """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise."""
-    from dflashkit.data import encode_prompt, prompt_messages, tokenize_regenerated
+    from dflashkit.data import encode_prompt, prompt_messages, write_tokens
     from dflashkit.datasets import load_dataset
     from dflashkit.errors import DataError
-    from dflashkit.io_utils import atomic_path
     from dflashkit.regenerate import read_regenerated, regenerate
 
     convs, _ = load_dataset("sharegpt", None)
@@ -98,17 +97,9 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
         chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
         _say(f"prepare: {len(done)} responses")
     records = read_regenerated(regen)
-    n_tokens = supervised = 0
-    with atomic_path(out / "data" / "tokens.jsonl") as tmp, open(tmp, "w") as f:
-        for r in records:
-            sample = tokenize_regenerated(tok, r["messages"][:-1], r["response_token_ids"], max_length=1024)
-            if sample.num_supervised < 2:
-                continue
-            f.write(json.dumps({"id": r["id"], "input_ids": sample.input_ids,
-                                "loss_mask": [int(m) for m in sample.loss_mask]}) + "\n")
-            n_tokens += len(sample.input_ids)
-            supervised += sample.num_supervised
-    return {"conversations": len(records), "tokens": n_tokens, "supervised_tokens": supervised}
+    tokens = write_tokens(tok, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
+                          out / "data" / "tokens.jsonl", max_length=1024, min_supervised=2)
+    return {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
 
 
 def stage_capture(target: Any, layer_ids: list[int], out: Path) -> dict[str, Any]:

@@ -39,18 +39,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
 
 
-def _tokens_line(sample_id: str, input_ids: list[int], loss_mask: list[bool]) -> str:
-    return json.dumps({"id": sample_id, "input_ids": input_ids, "loss_mask": [int(b) for b in loss_mask]}) + "\n"
-
-
 @command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
 def _prepare(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from dflashkit.data import tokenize_for_training, tokenize_regenerated
+    from dflashkit.data import write_tokens
     from dflashkit.datasets import HELDOUT_POLICY, load_dataset
     from dflashkit.errors import DataError
-    from dflashkit.io_utils import atomic_path, atomic_write_text
+    from dflashkit.io_utils import atomic_write_text
     from dflashkit.regenerate import read_regenerated, regenerate
     from dflashkit.target import Target
 
@@ -83,27 +77,11 @@ def _prepare(args: argparse.Namespace) -> int:
         items = [(r["id"], r["messages"], r.get("response_token_ids")) for r in read_regenerated(regen_path)
                  if r["id"] in wanted]
 
-    truncated = total_tokens = supervised = written = 0
-    with atomic_path(out / "tokens.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for sample_id, messages, response_ids in tqdm(items, desc="tokenise", unit="conv", disable=len(items) < 200):
-            try:
-                if response_ids is not None:
-                    sample = tokenize_regenerated(tok, messages[:-1], response_ids, max_length=args.max_length,
-                                                  chat_template_kwargs=kwargs)
-                else:
-                    sample = tokenize_for_training(tok, messages, max_length=args.max_length,
-                                                   chat_template_kwargs=kwargs)
-            except DataError as e:
-                skipped[sample_id] = str(e)
-                continue
-            if sample.num_supervised == 0:
-                skipped[sample_id] = f"no supervised tokens within max length {args.max_length}"
-                continue
-            f.write(_tokens_line(sample_id, sample.input_ids, sample.loss_mask))
-            written += 1
-            truncated += int(sample.truncated)
-            total_tokens += len(sample.input_ids)
-            supervised += sample.num_supervised
+    tokens = write_tokens(tok, items, out / "tokens.jsonl", max_length=args.max_length, chat_template_kwargs=kwargs,
+                          progress=True)
+    skipped.update(tokens.skipped)
+    written, truncated = tokens.written, tokens.truncated
+    total_tokens, supervised = tokens.total_tokens, tokens.supervised
 
     report = {
         "data": args.data, "conversations_read": len(conversations), "malformed": problems,
