@@ -47,6 +47,21 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return ids
 
 
+def layer_ids_problem(layer_ids: list[int], num_target_layers: int) -> str | None:
+    """Why `layer_ids` cannot name decoder layers of a `num_target_layers`-layer target, or None if they can."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        return "target_layer_ids is empty; expected at least one target layer index"
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        return (f"target_layer_ids {bad} out of range: the target has {num_target_layers} decoder layers "
+                f"(expected 0 ≤ id < {num_target_layers})")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        return f"target_layer_ids has duplicates {dup}; each target layer may be read once"
+    return None
+
+
 def default_geometry(hidden_size: int) -> dict[str, int]:
     """The drafter's own attention/MLP geometry, derived from the hidden size alone.
 
@@ -152,16 +167,9 @@ class DrafterConfig:
 
     def check_layer_ids(self, num_target_layers: int) -> None:
         """target_layer_ids must be distinct 0-based decoder-layer indices of the target."""
-        ids = self.target_layer_ids
-        if not ids:
-            raise ConfigError("target_layer_ids is empty; expected at least one target layer index")
-        bad = [i for i in ids if not 0 <= i < num_target_layers]
-        if bad:
-            raise ConfigError(f"target_layer_ids {bad} out of range for a target with {num_target_layers} layers "
-                              f"(expected 0 ≤ id < {num_target_layers})")
-        dup = sorted({i for i in ids if ids.count(i) > 1})
-        if dup:
-            raise ConfigError(f"target_layer_ids has duplicates {dup}; each target layer may be read once")
+        problem = layer_ids_problem(self.target_layer_ids, num_target_layers)
+        if problem:
+            raise ConfigError(problem)
 
     @property
     def num_features(self) -> int:

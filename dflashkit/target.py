@@ -201,13 +201,11 @@ class Target:
         return "flash-linear-attention" if importlib.util.find_spec("fla") else "torch fallback"
 
     def check_layer_ids(self, layer_ids: list[int]) -> None:
-        bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
-        if bad:
-            raise TargetError(f"target_layer_ids {bad} out of range: the target has {self.num_layers} decoder "
-                              f"layers (expected 0 ≤ id < {self.num_layers})")
-        dup = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
-        if dup:
-            raise TargetError(f"target_layer_ids has duplicates {dup}")
+        from dflashkit.config import layer_ids_problem
+
+        problem = layer_ids_problem(list(layer_ids), self.num_layers) if layer_ids else None  # [] = no features
+        if problem:
+            raise TargetError(problem)
 
     # ------------------------------------------------------------------ forward
     @contextmanager
