@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,28 +57,20 @@ class GenerationResult:
         return sum(self.acceptance_lengths) / max(1, self.rounds)
 
 
-class _Clock:
-    def __init__(self, device: torch.device, timings: dict[str, float]) -> None:
-        self.sync = device.type == "cuda"
-        self.timings = timings
+def _clock(device: torch.device, timings: dict[str, float]):
+    """`with clock("verify"):` adds the block's wall time to timings["verify"] (synchronising CUDA first)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def __call__(self, stage: str) -> "_Stage":
-        return _Stage(self, stage)
-
-
-class _Stage:
-    def __init__(self, clock: _Clock, stage: str) -> None:
-        self.clock, self.stage = clock, stage
-
-    def __enter__(self) -> None:
-        if self.clock.sync:
-            torch.cuda.synchronize()
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.clock.sync:
-            torch.cuda.synchronize()
-        self.clock.timings[self.stage] += time.perf_counter() - self.t0
+    @contextmanager
+    def stage(name: str) -> Iterator[None]:
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            timings[name] += time.perf_counter() - t0
+    return stage
 
 
 def _pick(logits: Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
@@ -118,7 +113,7 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
     gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
     result = GenerationResult(prompt_len=prompt_len, tokens=[])
-    clock = _Clock(target.device, result.timings)
+    clock = _clock(target.device, result.timings)
     stops = set(int(t) for t in stop_token_ids)
     hybrid_tree = method == "tree" and target.is_hybrid  # see _verify_tree: spine only on hybrid targets
 
@@ -184,7 +179,7 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
 
 
 def _verify_chain(target: Target, cache: object, block: Tensor, start: int, layer_ids: list[int],
-                  sampling: SamplingParams, draft_q: Tensor | None, gen: torch.Generator | None, clock: _Clock,
+                  sampling: SamplingParams, draft_q: Tensor | None, gen: torch.Generator | None, clock: Any,
                   drafter: DFlashDrafter | None) -> tuple[list[int], int, Tensor | None]:
     """Verify a chain block (1, bl) at positions start…; returns (committed block tokens, next token, features)."""
     bl = block.shape[1]
@@ -219,7 +214,7 @@ def _verify_chain(target: Target, cache: object, block: Tensor, start: int, laye
 
 def _verify_tree(target: Target, cache: object, bonus: int, draft_logits: Tensor, drafter: DFlashDrafter,
                  start: int, layer_ids: list[int], budget: int, top_k: int, force_spine: bool,
-                 clock: _Clock) -> tuple[list[int], int, Tensor]:
+                 clock: Any) -> tuple[list[int], int, Tensor]:
     """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache."""
     with clock("tree_build"):
         logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
