@@ -2,6 +2,7 @@
 
     capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
     CapturedFeatures(out_dir, expect_target=target, expect_layer_ids=ids)[i]   # → Sample with features
+                                     # (ids may be any subset of the captured layers: capture once, try many)
     OnlineFeatures(target, samples, layer_ids=ids)[i]                          # same, nothing on disk
 
 The feature of layer i is the output of decoder layer i (HF `output_hidden_states[i + 1]`), concatenated in
@@ -340,10 +341,19 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
     return manifest
 
 
-def _check_expected(out_dir: Path, m: Manifest, expect_target: Target | str | None, expect_layer_ids: Sequence[int] | None) -> None:
-    if expect_layer_ids is not None and [int(i) for i in expect_layer_ids] != list(m.layer_ids):
+def _layer_columns(out_dir: Path, m: Manifest, expect_layer_ids: Sequence[int] | None) -> list[int] | None:
+    """Positions of the expected layers among the captured ones (None: all of them, in order)."""
+    if expect_layer_ids is None or [int(i) for i in expect_layer_ids] == list(m.layer_ids):
+        return None
+    want = [int(i) for i in expect_layer_ids]
+    missing = [i for i in want if i not in m.layer_ids]
+    if missing:
         raise DataError(f"capture dir {out_dir} was made with target_layer_ids {list(m.layer_ids)} but the drafter "
-                        f"needs {[int(i) for i in expect_layer_ids]}; capture again with those layer ids")
+                        f"needs {want} (layers {missing} were not captured); capture again with those layer ids")
+    return [list(m.layer_ids).index(i) for i in want]
+
+
+def _check_expected(out_dir: Path, m: Manifest, expect_target: Target | str | None) -> None:
     if expect_target is None:
         return
     made = f"capture dir {out_dir} was made with target {m.target.get('source')!r}"
@@ -371,7 +381,8 @@ class CapturedFeatures:
         self.dir = Path(out_dir)
         self.manifest = Manifest.load(self.dir)
         m = self.manifest
-        _check_expected(self.dir, m, expect_target, expect_layer_ids)
+        _check_expected(self.dir, m, expect_target)
+        self._columns = _layer_columns(self.dir, m, expect_layer_ids)  # None: every captured layer
         if not m.complete:
             missing = m.num_samples - m.done_samples
             shards = sum(1 for s in m.shards if not s["done"])
@@ -388,7 +399,8 @@ class CapturedFeatures:
 
     @property
     def layer_ids(self) -> list[int]:
-        return list(self.manifest.layer_ids)
+        ids = list(self.manifest.layer_ids)
+        return ids if self._columns is None else [ids[c] for c in self._columns]
 
     @property
     def lengths(self) -> list[int]:
@@ -433,6 +445,9 @@ class CapturedFeatures:
         if feats.shape != (entry["length"], self.manifest.feature_dim):
             raise DataError(f"capture dir {self.dir}: {name} '{i}.features' has shape {list(feats.shape)}, "
                             f"expected {[entry['length'], self.manifest.feature_dim]}")
+        if self._columns is not None:  # a subset of the captured layers, in the drafter's order
+            hidden = int(self.manifest.target["hidden_size"])
+            feats = feats.view(feats.shape[0], -1, hidden)[:, self._columns].reshape(feats.shape[0], -1)  # (T, K'·H)
         return Sample(id=entry["id"], input_ids=ids, loss_mask=mask, features=feats, target_tokens=tokens)
 
 

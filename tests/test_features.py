@@ -162,6 +162,20 @@ def test_batched_equal_lengths_match_per_sample(llama, tmp_path):
         assert a.id == b.id and torch.equal(a.input_ids, b.input_ids)
 
 
+def test_a_subset_of_the_captured_layers_reads_those_columns_in_the_drafters_order(llama, tmp_path):
+    samples = make_samples([6, 9])
+    quiet(llama, samples, tmp_path, dtype="fp32")
+    full = CapturedFeatures(tmp_path)
+    sub = CapturedFeatures(tmp_path, expect_target=llama, expect_layer_ids=[LAYERS[2], LAYERS[0]])
+    assert sub.layer_ids == [LAYERS[2], LAYERS[0]]
+    H = llama.hidden_size
+    for s, a, b in zip(samples, full, sub):
+        ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
+        want = torch.cat([ref.hidden_states[LAYERS[2] + 1][0], ref.hidden_states[LAYERS[0] + 1][0]], dim=-1)
+        torch.testing.assert_close(b.features, want, rtol=0, atol=0)  # (T, 2·H), bit-exact in fp32
+        assert torch.equal(b.features[:, :H], a.features[:, 2 * H:3 * H]) and torch.equal(b.input_ids, a.input_ids)
+
+
 def test_bad_input_errors(llama, qwen3, tiny_llama_dir, tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         CapturedFeatures(tmp_path / "nope")
@@ -169,7 +183,8 @@ def test_bad_input_errors(llama, qwen3, tiny_llama_dir, tmp_path):
         CapturedFeatures(tmp_path)
     d = tmp_path / "cap"
     quiet(llama, make_samples([5, 9, 4]), d, dtype="fp32", shard_max_tokens=10)
-    with pytest.raises(DataError, match=r"made with target_layer_ids \[1, 4, 6\] but the drafter needs \[1, 4, 7\]"):
+    with pytest.raises(DataError, match=r"made with target_layer_ids \[1, 4, 6\] but the drafter needs \[1, 4, 7\] "
+                                        r"\(layers \[7\] were not captured\)"):
         CapturedFeatures(d, expect_layer_ids=[1, 4, 7])
     with pytest.raises(DataError, match=r"with fingerprint '[0-9a-f]+' but the expected target .*qwen3.* has "
                                         r"fingerprint '[0-9a-f]+'"):
