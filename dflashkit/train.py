@@ -43,7 +43,7 @@ from dflashkit.losses import block_loss, estimated_tau
 from dflashkit.model import to_additive
 from dflashkit.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
 from dflashkit.train_config import TrainConfig
-from dflashkit.train_state import Run, checkpoint_name, save_checkpoint, save_final, setup_run
+from dflashkit.train_state import Run, checkpoint_name, cosine_at, save_checkpoint, save_final, setup_run
 
 
 class TrainingDiverged(DFlashError):
@@ -333,6 +333,12 @@ def _save(run: Run) -> Path:
     return path
 
 
+def _agreed_elapsed(run: Run) -> float:
+    """Training seconds so far (step times over all sessions), the largest over ranks so all agree."""
+    t = torch.tensor([run.state.elapsed_s], dtype=torch.float64, device=run.device)
+    return float(run.dist.all_reduce(t, op="max"))
+
+
 def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
           loss_hook: Callable[[int, Tensor], Tensor] | None) -> TrainResult:
     from tqdm import tqdm
@@ -340,13 +346,20 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
     cfg, dist, st = run.cfg, run.dist, run.state
     bs = run.drafter.config.block_size
     params = [p for p in run.module.parameters() if p.requires_grad]
-    bar = tqdm(total=run.total_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=not (dist.is_main and cfg.progress))
+    schedule_s = 60 * cfg.schedule_minutes if cfg.schedule_minutes else None
+    if schedule_s is None:
+        bar = tqdm(total=run.total_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (dist.is_main and cfg.progress))
+    else:  # a time-based schedule: progress in seconds of training time
+        bar = tqdm(total=round(schedule_s), initial=min(round(st.elapsed_s), round(schedule_s)), desc="train",
+                   unit="s", dynamic_ncols=True, disable=not (dist.is_main and cfg.progress),
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
     t_session, last_ckpt, last_eval_step = time.monotonic(), None, -1
     record: dict[str, Any] = {}
     val: dict[str, Any] | None = None
     batch_iter, iter_epoch = None, -1
-    while st.step < run.total_steps:
+    spent = schedule_s is not None and _agreed_elapsed(run) >= schedule_s
+    while st.step < run.total_steps and not spent:
         t0 = time.monotonic()
         epoch, in_epoch = divmod(st.step, run.steps_per_epoch)
         if iter_epoch != epoch:
@@ -381,6 +394,10 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
                 f"(loss {loss_value}, grad norm {grad_norm}); the last good state (step {st.step}) is saved in "
                 f"{path}. Lower lr, raise warmup_ratio, or check the features for inf/NaN.")
         clipped = cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
+        if schedule_s is not None:  # time-based warmup + cosine: the same elapsed time on every rank
+            mult = cosine_at(_agreed_elapsed(run) / schedule_s, cfg.warmup_ratio, cfg.min_lr_ratio)
+            for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
+                group["lr"] = base * mult
         lr = run.optimizer.param_groups[0]["lr"]
         run.optimizer.step()
         run.scheduler.step()
@@ -401,8 +418,9 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
                   "noise_std": noise, "step_s": dt, **run.rolling.summary("loss")}
         if st.step % cfg.log_every == 0 or st.step == run.total_steps:
             run.logger.log(record)
-        bar.set_postfix(loss=f"{loss_value:.3f}", tau=f"{record['tau']:.2f}", lr=f"{lr:.2e}", refresh=False)
-        bar.update(1)
+        bar.set_postfix(**({} if schedule_s is None else {"step": st.step}), loss=f"{loss_value:.3f}",
+                        tau=f"{record['tau']:.2f}", lr=f"{lr:.2e}", refresh=False)
+        bar.update(1 if schedule_s is None else min(dt, max(0.0, schedule_s - bar.n)))
         if cfg.eval_every and st.step % cfg.eval_every == 0:
             val = evaluate(run)
             last_eval_step = st.step
@@ -412,6 +430,9 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
             last_ckpt = _save(run)
         for cb in callbacks:
             cb(StepEnd(step=st.step, metrics=record, run=run))
+        if schedule_s is not None and _agreed_elapsed(run) >= schedule_s:
+            spent = True
+            break
         budget = cfg.time_budget_minutes
         if budget is not None and time.monotonic() - t_session > budget * 60:
             run.stop_reason = run.stop_reason or "time_budget"
@@ -423,7 +444,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
             run.stop_reason = {v: k for k, v in codes.items()}[int(flag)]
             break
     bar.close()
-    stopped = run.stop_reason if st.step < run.total_steps else "completed"   # agreed by all ranks
+    stopped = run.stop_reason if st.step < run.total_steps and not spent else "completed"   # agreed by all ranks
     if run.val_rows is not None and last_eval_step != st.step and stopped != "interrupted":
         val = evaluate(run)
         if val is not None:

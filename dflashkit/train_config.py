@@ -30,7 +30,7 @@ RESUME_LOCKED = ("target", "features", "tokens", "online", "drafter", "init_from
                  "noise_schedule", "fsdp")
 
 _FLOAT_FIELDS = ("lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip", "gamma", "noise_std",
-                 "val_fraction", "time_budget_minutes")
+                 "val_fraction", "time_budget_minutes", "schedule_minutes")
 _CHOICES = {"loss": ("ce", "kl"), "labels": ("data", "target"), "noise_schedule": ("constant", "cosine"),
             "dtype": ("auto", "fp32", "bf16"), "packing": ("bfd", "greedy")}
 
@@ -70,6 +70,9 @@ class TrainConfig:
     epochs: int = 6
     max_steps: int | None = None       # overrides epochs: the schedule spans exactly this many steps
     time_budget_minutes: float | None = None   # stop cleanly (checkpoint + final/) once exceeded
+    schedule_minutes: float | None = None      # warmup + cosine span this much training time (step times summed
+                                               # over sessions) instead of steps; the run completes when it is
+                                               # spent (max_steps, if set, still caps it; epochs do not)
     # ---- validation, logging, checkpoints
     val_fraction: float = 0.0
     val_samples: int | None = None     # held-out sample count (overrides val_fraction)
@@ -160,8 +163,9 @@ class TrainConfig:
             raise ConfigError(f"{source}: warmup_ratio and val_fraction must be < 1, min_lr_ratio ≤ 1")
         if self.gamma is not None and (not isinstance(self.gamma, (int, float)) or self.gamma <= 0):
             raise ConfigError(f"{source}: gamma must be > 0 or null, got {self.gamma!r}")
-        if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:
-            raise ConfigError(f"{source}: time_budget_minutes must be > 0 or null, got {self.time_budget_minutes}")
+        for name in ("time_budget_minutes", "schedule_minutes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{source}: {name} must be > 0 or null, got {getattr(self, name)}")
         if not isinstance(self.drafter, dict):
             raise ConfigError(f"{source}: drafter must be a mapping of drafter config overrides, got {self.drafter!r}")
         if not (isinstance(self.adam_betas, (list, tuple)) and len(self.adam_betas) == 2):
@@ -184,8 +188,11 @@ class TrainConfig:
     def summary(self) -> str:
         """A few lines for the CLI: data, model, schedule, output."""
         data = f"features {self.features}" if self.features else f"tokens {self.tokens} (online)"
-        stop = f"max_steps {self.max_steps}" if self.max_steps else f"{self.epochs} epochs"
+        stop = (f"max_steps {self.max_steps}" if self.max_steps else
+                "no step limit" if self.schedule_minutes else f"{self.epochs} epochs")
         budget = f", time budget {self.time_budget_minutes} min" if self.time_budget_minutes else ""
+        if self.schedule_minutes:
+            budget += f", schedule over {self.schedule_minutes:g} min of training time"
         return "\n".join([
             f"  data        {data}; rows of ≤ {self.max_tokens} tokens, {self.batch_rows} row(s) × "
             f"{self.grad_accum} accum per rank",

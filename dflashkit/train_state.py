@@ -218,7 +218,7 @@ def load_saved_config(path: str | Path) -> dict[str, Any]:
     return yaml.safe_load(f.read_text()) or {}
 
 
-__all__ = ["DrafterStep", "DistContext", "Run", "TrainState", "capture_rng", "checkpoint_name", "cosine_with_warmup",
+__all__ = ["DrafterStep", "DistContext", "Run", "TrainState", "capture_rng", "checkpoint_name", "cosine_at", "cosine_with_warmup",
            "latest_checkpoint", "open_feature_source", "setup_run",
            "load_checkpoint_state", "load_saved_config", "restore_rng", "save_checkpoint", "save_final"]
 
@@ -238,6 +238,15 @@ class DrafterStep(nn.Module):
         embeds = self.drafter.block_embeddings(first_tokens, self.embed_weight[0], bs)   # (B, Nb·bs, H)
         return self.drafter(features, embeds, context_positions=context_positions,
                             block_positions=block_positions, attention_mask=masks)      # (B, Nb·bs, H)
+
+
+def cosine_at(progress: float, warmup: float, min_ratio: float = 0.0) -> float:
+    """LR multiplier at `progress` ∈ [0, 1] of a run: linear warmup over the first `warmup` fraction (from 1 % of
+    the peak), then cosine down to `min_ratio` at progress 1. For time-based schedules (`schedule_minutes`)."""
+    if progress < warmup:
+        return max(progress, 0.01 * warmup) / warmup
+    progress = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def cosine_with_warmup(total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:
@@ -406,7 +415,9 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     val_rows = PackedRows(source, val_plan) if val_plan is not None and len(val_plan) else None
     spe = steps_per_epoch(len(rows), batch_rows=cfg.batch_rows, grad_accum=cfg.grad_accum,
                           world_size=dist.world_size)
-    total = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * spe
+    # a time-based schedule without max_steps runs until its training time is spent (epochs do not cap it)
+    unbounded = cfg.schedule_minutes is not None and cfg.max_steps is None
+    total = cfg.max_steps if cfg.max_steps is not None else (10 ** 9 if unbounded else cfg.epochs * spe)
 
     embed = target.embed_weight.detach().to(device)
     lm_head = embed if target.lm_head_weight is target.embed_weight else target.lm_head_weight.detach().to(device)

@@ -235,6 +235,40 @@ def test_time_budget_stops_cleanly(tmp_path: Path, target: Target, samples: list
     assert (tmp_path / "final" / "config.json").is_file() and latest_checkpoint(tmp_path).name == "step-000001"
 
 
+def test_time_schedule_spans_training_time_and_resumes(tmp_path: Path, target: Target,
+                                                       samples: list[Sample]) -> None:
+    """schedule_minutes: the lr follows warmup + cosine over summed step times (not steps); the run completes
+    once they are spent, also across a resume, and max_steps still caps it."""
+    from dflashkit.train_state import cosine_at
+
+    seconds = 1.5
+    kw = dict(max_steps=None, epochs=1, schedule_minutes=seconds / 60, warmup_ratio=0.1, save_every=0)
+
+    def stop_at_3(end) -> None:
+        if end.step == 3:
+            signal.raise_signal(signal.SIGINT)
+
+    first = train(cfg_for(tmp_path, **kw), dataset=samples, target=target, callbacks=[stop_at_3])
+    assert first.stopped == "interrupted" and first.step == 3
+    done = train(cfg_for(tmp_path, **kw), dataset=samples, target=target)          # resumes the same schedule
+    assert done.stopped == "completed" and done.step > 3 and done.final_dir is not None
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, done.step + 1))
+    elapsed = 0.0
+    for r in rows:                               # lr of each step = cosine at the training time before it
+        assert r["lr"] == pytest.approx(2e-3 * cosine_at(elapsed / seconds, 0.1), rel=1e-9, abs=1e-15)
+        elapsed += r["step_s"]
+    assert elapsed >= seconds > elapsed - rows[-1]["step_s"]   # stopped by the first step past the schedule
+    lrs = [r["lr"] for r in rows]
+    peak = lrs.index(max(lrs))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))           # cosine: never rises after the peak
+    assert cosine_at(0.0, 0.1) == pytest.approx(0.01) and cosine_at(1.0, 0.1) == 0.0
+    capped = train(cfg_for(tmp_path / "cap", **{**kw, "max_steps": 2}), dataset=samples, target=target)
+    assert capped.stopped == "completed" and capped.step == 2
+    with pytest.raises(ConfigError, match="schedule_minutes must be > 0"):
+        TrainConfig.from_dict({"schedule_minutes": 0}, source="t.yaml")
+
+
 # ---------------------------------------------------------------------------------------------- objectives, metrics
 def test_target_labels_and_kl_train(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
     r1 = train(cfg_for(tmp_path / "t", labels="target", max_steps=2), dataset=samples, target=target)
