@@ -5,12 +5,13 @@ Stages (each one skips what is already done in `--out`, so an interrupted run co
   2. prepare  — ShareGPT *train* prompts; the target regenerates the responses (greedy, batched), time-boxed;
                 tokenised with the chat template, loss on the assistant tokens only
   3. capture  — the target's features for the drafter's layers (+ its final-layer argmax), sharded on disk
-  4. train    — a drafter, time-boxed (checkpoints; resumes)
+  4. train    — a drafter, time-boxed: warmup + cosine span the training minutes themselves (checkpoints; resumes)
   5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree
   6. export   — the drafter in z-lab format (`OUT/drafter`), loadable by vLLM / SGLang DFlash
 Then one screen: τ, tokens/s, speedup, greedy equality, and where the report, plots and checkpoint are.
 
-The defaults below were chosen by measurement on the 2-core CPU this project is developed on (see README).
+The defaults below were chosen by measurement on the 2-core CPU this project is developed on (README; the sweep
+that compares them is `bench/sweep_defaults.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,16 @@ class QuickstartSettings:
     methods: str = "ar,chain,ddtree:4,ddtree:8"   # the screen reports the best DDTree budget
     # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
     num_hidden_layers: int = 2
-    block_size: int = 8
-    max_anchors: int = 64
+    block_size: int = 4                # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
+    max_anchors: int = 128             # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
     draft_vocab: int = 8192            # reduced draft vocabulary (0: the target's full 49152)
     lr: float = 1.5e-3
     seed: int = 0
+    drafter_extra: dict[str, Any] = field(default_factory=dict)   # more DrafterConfig fields (e.g. num_features)
+
+    def drafter_overrides(self) -> dict[str, Any]:
+        """The DrafterConfig overrides of this run (for `default_drafter_config`)."""
+        return {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size, **self.drafter_extra}
 
 
 def _state_path(out: Path) -> Path:
@@ -114,49 +120,43 @@ def stage_capture(target: Any, layer_ids: list[int], out: Path) -> dict[str, Any
 
 
 def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -> dict[str, Any]:
-    """Train within `minutes`. A short probe run measures the step time, so the cosine schedule (with its
-    warmup) spans the steps that actually fit in the budget; the real run then resumes from the probe."""
+    """Train within `minutes`: the warmup + cosine schedule spans the training time itself (`schedule_minutes`),
+    so the run ends with its learning rate decayed however fast this machine is; a re-run resumes it."""
     from dflashkit.train import train
     from dflashkit.train_config import TrainConfig
 
     n_samples = sum(1 for _ in open(out / "data" / "tokens.jsonl"))
     val_samples = min(8, n_samples // 5)  # a small held-out check; never more than a fifth of the data
-
-    def config(max_steps: int, budget: float) -> TrainConfig:
-        return TrainConfig.from_dict({
-            "features": str(out / "features"), "target": "default", "out": str(out / "train"),
-            "drafter": {"num_hidden_layers": s.num_hidden_layers, "block_size": s.block_size},
-            "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr, "max_steps": max_steps,
-            "warmup_ratio": 0.05, "time_budget_minutes": budget, "save_every": 50, "val_samples": val_samples,
-            "eval_every": 0, "seed": s.seed, "tensorboard": True,
-            **({"init_from": str(init)} if init is not None else {}),
-        }, source="quickstart")
-
-    t0 = time.monotonic()
     init = None
     if s.draft_vocab:
         init = out / "init_drafter"
         if not (init / "model.safetensors").is_file():
             coverage = build_initial_drafter(target, s, out / "data" / "tokens.jsonl", init)
             _say(f"train: draft vocabulary of {s.draft_vocab} tokens covers {coverage:.1%} of supervised tokens")
-    plan_path = out / "train_plan.json"
-    if plan_path.is_file():
-        plan = json.loads(plan_path.read_text())
-    else:
-        probe_steps = 4
-        probe = train(config(probe_steps, minutes), target=target)
-        per_step = probe.elapsed_s / max(1, probe.step)
-        left = 60 * minutes - (time.monotonic() - t0)
-        plan = {"probe_seconds_per_step": round(per_step, 3),
-                "max_steps": max(probe_steps + 1, probe_steps + int(0.95 * left / per_step))}
-        atomic_write_text(plan_path, json.dumps(plan) + "\n")
-        _say(f"train: {per_step:.2f} s/step measured → {plan['max_steps']} steps fit in {minutes:g} min")
-    left_min = max(0.5, minutes - (time.monotonic() - t0) / 60)
-    result = train(config(plan["max_steps"], left_min), target=target)
-    return {"steps": result.step, "planned_steps": plan["max_steps"], "stopped": result.stopped,
+    # step times are summed by the schedule; setup, checkpoints and the final validation are not: keep room
+    schedule = max(0.1 * minutes, minutes - max(0.25, 0.04 * minutes))
+    cfg = TrainConfig.from_dict({
+        "features": str(out / "features"), "target": "default", "out": str(out / "train"),
+        "drafter": s.drafter_overrides(), "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr,
+        "schedule_minutes": schedule, "warmup_ratio": 0.05, "time_budget_minutes": minutes,
+        "save_every": 50, "val_samples": val_samples, "eval_every": 0, "seed": s.seed, "tensorboard": True,
+        **({"init_from": str(init)} if init is not None else {}),
+    }, source="quickstart")
+    result = train(cfg, target=target)
+    return {"steps": result.step, "stopped": result.stopped, "schedule_minutes": round(schedule, 2),
             "final": str(result.final_dir),
+            "seconds_per_step": round(step_seconds(out / "train" / "metrics.jsonl"), 3),
             "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
             "val": result.val_metrics}
+
+
+def step_seconds(metrics_file: Path) -> float:
+    """Median seconds per optimizer step of a training run's metrics.jsonl (0.0 when none was logged)."""
+    import statistics
+
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    times = [r["step_s"] for r in rows if r.get("split") == "train" and "step_s" in r]
+    return statistics.median(times) if times else 0.0
 
 
 def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
@@ -177,8 +177,7 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
     order = torch.argsort(counts * target.vocab_size + (target.vocab_size - 1 - torch.arange(target.vocab_size)),
                           descending=True)
     keep = order[: s.draft_vocab].sort().values
-    cfg = default_drafter_config(target, num_hidden_layers=s.num_hidden_layers, block_size=s.block_size,
-                                 draft_vocab_size=s.draft_vocab)
+    cfg = default_drafter_config(target, **s.drafter_overrides(), draft_vocab_size=s.draft_vocab)
     torch.manual_seed(s.seed)
     drafter = DFlashDrafter(cfg)
     drafter.draft_to_target.copy_(keep)
@@ -216,8 +215,7 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     state["settings"] = asdict(s)
     _say(f"output directory {out} (re-running continues from what is done)")
     target = Target.load("default")
-    layer_ids = default_drafter_config(target, num_hidden_layers=s.num_hidden_layers,
-                                       block_size=s.block_size).target_layer_ids
+    layer_ids = default_drafter_config(target, **s.drafter_overrides()).target_layer_ids
     done = state["done"]
     if "prepare" not in done:
         done["prepare"] = stage_prepare(target, s, out, time.monotonic() + 60 * s.regen_minutes)

@@ -351,7 +351,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
         bar = tqdm(total=run.total_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (dist.is_main and cfg.progress))
     else:  # a time-based schedule: progress in seconds of training time
-        bar = tqdm(total=round(schedule_s), initial=min(round(st.elapsed_s), round(schedule_s)), desc="train",
+        bar = tqdm(total=schedule_s, initial=min(st.elapsed_s, schedule_s), desc="train",
                    unit="s", dynamic_ncols=True, disable=not (dist.is_main and cfg.progress),
                    bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
     t_session, last_ckpt, last_eval_step = time.monotonic(), None, -1

@@ -3,7 +3,9 @@ numbers), then a re-run that reuses every finished stage."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,29 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     # a re-run reuses every stage and prints the same screen
     assert main(["quickstart", "--out", str(out), *TINY]) == 0
     assert "speedup" in capsys.readouterr().out
+    check_sweep_on(out, tmp_path, capsys)
+
+
+def check_sweep_on(base, tmp_path, capsys):
+    """bench/sweep_defaults.py on the finished run: a settings variant (3 of the 5 captured target layers, read
+    from the same capture) and a data variant (half the responses, captured again), scored by one simulation."""
+    from dflashkit.checkpoint import load_drafter
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_defaults.py"
+    spec = importlib.util.spec_from_file_location("sweep_defaults", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep"
+    args = ["--base", str(base), "--out", str(out), "--variants", "base,features3,regen3_train12",
+            "--train-minutes", "0.1", "--sim-prompts", "1", "--sim-max-new-tokens", "12",
+            "--sim-cache", str(tmp_path / "sim_cache"), "--budgets", "4"]
+    assert sweep.main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary) == {"base", "features3", "regen3_train12"}
+    assert all(set(t) == {"chain", "ddtree:4"} and all(v >= 1.0 for v in t.values()) for t in summary.values())
+    assert load_drafter(out / "features3" / "train" / "final").config.target_layer_ids == [1, 14, 27]
+    assert (out / "features3" / "features").is_symlink()            # read 3 of the 5 captured layers
+    half = (out / "regen3_train12" / "data" / "regenerated.jsonl").read_text().splitlines()
+    assert 0 < len(half) < len((base / "data" / "regenerated.jsonl").read_text().splitlines())
+    assert "| features3 |" in (out / "sweep.md").read_text()
+    assert sweep.main(args) == 0                                       # resumable: nothing is trained again

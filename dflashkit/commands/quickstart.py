@@ -14,15 +14,23 @@ def _args(p: argparse.ArgumentParser) -> None:
     defaults = QuickstartSettings()
     for f in fields(QuickstartSettings):
         value = getattr(defaults, f.name)
+        if isinstance(value, dict):  # drafter_extra: repeatable KEY=VALUE (DrafterConfig fields)
+            p.add_argument("--drafter", dest=f.name, action="append", default=[], metavar="KEY=VALUE",
+                           help="another DrafterConfig field for the drafter, e.g. --drafter num_features=3 "
+                                "(repeatable)")
+            continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value,
                        help=f"(default: {value})")
 
 
 @command("quickstart", "the whole job on the embedded default target: data → features → drafter → evaluation", _args)
 def _quickstart(args: argparse.Namespace) -> int:
+    from dflashkit.info import parse_overrides
     from dflashkit.quickstart import QuickstartSettings, run_quickstart, summary_screen
 
-    settings = QuickstartSettings(**{f.name: getattr(args, f.name) for f in fields(QuickstartSettings)})
+    values = {f.name: getattr(args, f.name) for f in fields(QuickstartSettings)}
+    values["drafter_extra"] = parse_overrides(values["drafter_extra"])
+    settings = QuickstartSettings(**values)
     state = run_quickstart(settings)
     print(summary_screen(state))
     return 0
