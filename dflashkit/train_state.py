@@ -465,7 +465,9 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     if main:
         print(f"[dflashkit train] {info['train_samples']} samples → {info['rows']} rows (fill {plan.fill:.0%}, "
               f"{plan.truncated} truncated to {cfg.max_tokens} tokens), {info['val_samples']} held out; "
-              f"{spe} steps/epoch, {total} steps; drafter {info['parameters']:,} params on {device}"
+              f"{spe} steps/epoch, "
+              + (f"steps until {cfg.schedule_minutes:g} min of training" if unbounded else f"{total} steps")
+              + f"; drafter {info['parameters']:,} params on {device}"
               + (f"; resuming from {ckpt} at step {state.step}" if ckpt is not None else ""), flush=True)
     return Run(cfg=cfg, dist=dist, device=device, out=out, target=target if keep_target else None, embed=embed,
                lm_head=lm_head, drafter=drafter, module=module, optimizer=optimizer, scheduler=scheduler,

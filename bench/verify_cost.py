@@ -1,0 +1,100 @@
+"""What one verification pass costs, by the number of tokens verified (the cost model behind block size and budget).
+
+    .venv/bin/python bench/verify_cost.py                              # embedded SmolLM2, context 256
+    .venv/bin/python bench/verify_cost.py --tokens 1,2,3,5,9,17 --context 512 --repeats 20 --threads 2
+
+A speculative round pays one target pass over n = 1 + drafts tokens on top of the cached context; plain decoding
+pays n = 1 per token. For each n this prints the median seconds of (all interleaved, on the same cache, cropped
+back after every pass):
+  forward      the target's decoder layers + final norm + LM head over all n positions (what chain/DDTree verify do)
+  body         the decoder layers only (no LM head)
+  head         final norm + LM head over n rows (forward − body, measured directly)
+and the ratio forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1).
+The last line is JSON: {"context": C, "tokens": [...], "forward_s": [...], "body_s": [...], "head_s": [...],
+"ratio": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from dflashkit.target import Target
+from dflashkit.target_cache import crop
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"error: {flag} {text!r}: expected comma-separated positive integers, e.g. 1,5,9")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="default", help="model directory, .gguf, or 'default' (embedded SmolLM2)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--context", type=int, default=256, help="cached context length before each pass")
+    p.add_argument("--tokens", default="1,2,3,5,9,17", help="numbers of tokens verified in one pass")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = p.parse_args(argv)
+    sizes = parse_ints(args.tokens, "--tokens")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = Target.load(args.target, device=args.device)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(10, target.vocab_size, (1, args.context), generator=g)
+    cache = target.new_cache()
+    target.forward(ctx, cache=cache, use_cache=True, logits=False)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    def forward(n: int, logits: bool) -> float:
+        ids = torch.randint(10, target.vocab_size, (1, n), generator=g)
+        pos = torch.arange(args.context, args.context + n)[None]
+        t = timed(lambda: target.forward(ids, cache=cache, use_cache=True, position_ids=pos, logits=logits))
+        crop(cache, args.context)
+        return t
+
+    hidden = torch.randn(1, max(sizes), target.hidden_size, generator=g).to(target.device, target.dtype)
+    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in sizes} for k in ("forward", "body", "head")}
+    for n in sizes:  # warm-up
+        forward(n, True)
+    for _ in range(args.repeats):
+        for n in sizes:  # interleaved, so slow phases of the machine hit every size alike
+            times["forward"][n].append(forward(n, True))
+            times["body"][n].append(forward(n, False))
+            with torch.no_grad():
+                times["head"][n].append(timed(lambda: target.verifier_logits(hidden[:, :n])))
+    med = {k: [statistics.median(v[n]) for n in sizes] for k, v in times.items()}
+    ratio = [f / med["forward"][0] for f in med["forward"]] if sizes[0] == 1 else [None] * len(sizes)
+    print(f"target {target.source} ({target.architecture}), context {args.context}, {torch.get_num_threads()} "
+          f"threads, median of {args.repeats}")
+    print(f"{'tokens':>6} {'forward ms':>11} {'body ms':>8} {'head ms':>8} {'× forward(1)':>13}")
+    for i, n in enumerate(sizes):
+        r = f"{ratio[i]:.2f}" if ratio[i] is not None else "—"
+        print(f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f} "
+              f"{r:>13}")
+    print(json.dumps({"context": args.context, "tokens": sizes, "threads": torch.get_num_threads(),
+                      **{f"{k}_s": [round(x, 5) for x in v] for k, v in med.items()},
+                      "ratio": [None if x is None else round(x, 3) for x in ratio]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
