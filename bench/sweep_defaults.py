@@ -68,26 +68,26 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         return {"data": "base"}
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    records = read_regenerated(base / "data" / "regenerated.jsonl")
     info: dict[str, Any] = {}
-    if "fraction" in spec:
+    if "fraction" in spec:  # a prefix of the base run's responses, tokenised as the quickstart does
+        records = read_regenerated(base / "data" / "regenerated.jsonl")
         records = records[: max(1, round(spec["fraction"] * len(records)))]
         with open(data / "regenerated.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    else:
+        tokens = write_tokens(target.tokenizer, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
+                              data / "tokens.jsonl", max_length=1024, min_supervised=2)
+        info.update({"responses": len(records), "supervised_tokens": tokens.supervised})
+    else:  # the quickstart's own prepare stage continues the base run's responses (and writes tokens.jsonl)
         if not (data / "regenerated.jsonl").exists():
             shutil.copyfile(base / "data" / "regenerated.jsonl", data / "regenerated.jsonl")
         t0 = time.monotonic()
         more = replace(s, regen_minutes=spec["more_regen_minutes"])
-        stage_prepare(target, more, out, time.monotonic() + 60 * more.regen_minutes)
-        info["regen_minutes_added"] = round((time.monotonic() - t0) / 60, 2)
-        records = read_regenerated(data / "regenerated.jsonl")
-    tokens = write_tokens(target.tokenizer, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
-                          data / "tokens.jsonl", max_length=1024, min_supervised=2)
+        prep = stage_prepare(target, more, out, time.monotonic() + 60 * more.regen_minutes)
+        info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2),
+                     "responses": prep["conversations"], "supervised_tokens": prep["supervised_tokens"]})
     t0 = time.monotonic()
     stage_capture(target, layer_ids, out)
-    info.update({"responses": len(records), "supervised_tokens": tokens.supervised,
-                 "capture_minutes": round((time.monotonic() - t0) / 60, 2)})
+    info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
     return info
 
 

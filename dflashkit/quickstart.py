@@ -154,8 +154,9 @@ def step_seconds(metrics_file: Path) -> float:
     """Median seconds per optimizer step of a training run's metrics.jsonl (0.0 when none was logged)."""
     import statistics
 
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    times = [r["step_s"] for r in rows if r.get("split") == "train" and "step_s" in r]
+    from dflashkit.metrics import read_metrics
+
+    times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
     return statistics.median(times) if times else 0.0
 
 

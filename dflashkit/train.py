@@ -358,7 +358,8 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
     record: dict[str, Any] = {}
     val: dict[str, Any] | None = None
     batch_iter, iter_epoch = None, -1
-    spent = schedule_s is not None and _agreed_elapsed(run) >= schedule_s
+    elapsed = _agreed_elapsed(run) if schedule_s is not None else 0.0   # training seconds before this step
+    spent = schedule_s is not None and elapsed >= schedule_s
     while st.step < run.total_steps and not spent:
         t0 = time.monotonic()
         epoch, in_epoch = divmod(st.step, run.steps_per_epoch)
@@ -395,7 +396,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
                 f"{path}. Lower lr, raise warmup_ratio, or check the features for inf/NaN.")
         clipped = cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
         if schedule_s is not None:  # time-based warmup + cosine: the same elapsed time on every rank
-            mult = cosine_at(_agreed_elapsed(run) / schedule_s, cfg.warmup_ratio, cfg.min_lr_ratio)
+            mult = cosine_at(elapsed / schedule_s, cfg.warmup_ratio, cfg.min_lr_ratio)
             for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
                 group["lr"] = base * mult
         lr = run.optimizer.param_groups[0]["lr"]
@@ -430,9 +431,11 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
             last_ckpt = _save(run)
         for cb in callbacks:
             cb(StepEnd(step=st.step, metrics=record, run=run))
-        if schedule_s is not None and _agreed_elapsed(run) >= schedule_s:
-            spent = True
-            break
+        if schedule_s is not None:
+            elapsed = _agreed_elapsed(run)
+            if elapsed >= schedule_s:
+                spent = True
+                break
         budget = cfg.time_budget_minutes
         if budget is not None and time.monotonic() - t_session > budget * 60:
             run.stop_reason = run.stop_reason or "time_budget"

@@ -218,8 +218,8 @@ def load_saved_config(path: str | Path) -> dict[str, Any]:
     return yaml.safe_load(f.read_text()) or {}
 
 
-__all__ = ["DrafterStep", "DistContext", "Run", "TrainState", "capture_rng", "checkpoint_name", "cosine_at", "cosine_with_warmup",
-           "latest_checkpoint", "open_feature_source", "setup_run",
+__all__ = ["DrafterStep", "DistContext", "Run", "TrainState", "capture_rng", "checkpoint_name", "cosine_at",
+           "cosine_with_warmup", "latest_checkpoint", "open_feature_source", "setup_run",
            "load_checkpoint_state", "load_saved_config", "restore_rng", "save_checkpoint", "save_final"]
 
 
@@ -245,8 +245,12 @@ def cosine_at(progress: float, warmup: float, min_ratio: float = 0.0) -> float:
     the peak), then cosine down to `min_ratio` at progress 1. For time-based schedules (`schedule_minutes`)."""
     if progress < warmup:
         return max(progress, 0.01 * warmup) / warmup
-    progress = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return _cosine_decay((progress - warmup) / max(1e-9, 1 - warmup), min_ratio)
+
+
+def _cosine_decay(progress: float, min_ratio: float) -> float:
+    """1 at progress 0 down to `min_ratio` at progress ≥ 1, along half a cosine."""
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def cosine_with_warmup(total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:
@@ -254,8 +258,7 @@ def cosine_with_warmup(total_steps: int, warmup_steps: int, min_ratio: float = 0
     def fn(s: int) -> float:
         if s < warmup_steps:
             return (s + 1) / warmup_steps
-        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return _cosine_decay((s - warmup_steps) / max(1, total_steps - warmup_steps), min_ratio)
     return fn
 
 
