@@ -21,10 +21,12 @@ tensors and plain Python values (optimizer and scheduler state dicts, RNG states
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import random
 import shutil
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
@@ -34,17 +36,19 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from safetensors import SafetensorError
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashkit.checkpoint import save_drafter
 from dflashkit.config import DrafterConfig
-from dflashkit.errors import CheckpointError, ConfigError
-from dflashkit.io_utils import atomic_write_text
+from dflashkit.errors import CheckpointError, ConfigError, DataError
+from dflashkit.io_utils import atomic_write_text, remove_stale_temps, write_failure
 from dflashkit.losses import decay_weights
 from dflashkit.metrics import MetricsLogger, RollingStats
 from dflashkit.model import DFlashDrafter
-from dflashkit.packing import PackedRows, plan_rows, sample_lengths, split_indices, steps_per_epoch
+from dflashkit.packing import (PackedRows, plan_rows, sample_lengths, split_indices, steps_per_epoch,
+                               supervision_problem)
 
 STATE_NAME = "train_state.pt"
 CONFIG_YAML = "train_config.yaml"
@@ -168,16 +172,23 @@ def save_checkpoint(out_dir: str | Path, *, drafter: DFlashDrafter, optimizer: d
     final = root / checkpoint_name(state.step)
     if not (final / STATE_NAME).is_file():          # same step twice (e.g. save_every then stop): keep the first
         tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        save_drafter(drafter, tmp, metadata={"step": str(state.step)})
-        torch.save({"optimizer": optimizer, "scheduler": scheduler, "rng": capture_rng(), "state": asdict(state)},
-                   tmp / STATE_NAME)
-        (tmp / CONFIG_YAML).write_text(yaml.safe_dump(config, sort_keys=False))
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            save_drafter(drafter, tmp, metadata={"step": str(state.step)})
+            torch.save({"optimizer": optimizer, "scheduler": scheduler, "rng": capture_rng(),
+                        "state": asdict(state)}, tmp / STATE_NAME)
+            (tmp / CONFIG_YAML).write_text(yaml.safe_dump(config, sort_keys=False))
+        except (OSError, RuntimeError, SafetensorError) as e:   # a full disk, as torch / safetensors report it
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_failed(out, final, e) from None
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    atomic_write_text(out / LATEST_NAME, f"checkpoints/{final.name}\n")
+    try:
+        atomic_write_text(out / LATEST_NAME, f"checkpoints/{final.name}\n")
+    except OSError as e:
+        raise _save_failed(out, out / LATEST_NAME, e) from None
     if keep > 0:
         steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)
         for old in steps[: max(0, len(steps) - (keep - 1))]:
@@ -185,14 +196,27 @@ def save_checkpoint(out_dir: str | Path, *, drafter: DFlashDrafter, optimizer: d
     return final
 
 
+def _save_failed(out: Path, path: Path, error: BaseException) -> CheckpointError:
+    """The one-line error for a failed checkpoint write; the previous checkpoint is untouched by then."""
+    pointer = out / LATEST_NAME
+    prev = pointer.read_text().strip() if pointer.is_file() else None
+    kept = (f"the previous checkpoint {out / prev} is intact (resume from it: free space, then run the same "
+            f"command again)" if prev else "no earlier checkpoint exists")
+    return CheckpointError(f"cannot write {path}: {write_failure(path, error)}; {kept}")
+
+
 def save_final(out_dir: str | Path, drafter: DFlashDrafter, *, step: int) -> Path:
     """Write out/final (z-lab checkpoint), replacing an older one only once the new one is complete."""
     out = Path(out_dir)
     final = out / "final"
     tmp = out / f".final.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_drafter(drafter, tmp, metadata={"step": str(step)})
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_drafter(drafter, tmp, metadata={"step": str(step)})
+    except (OSError, RuntimeError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failed(out, final, e) from None
     old = out / f".final.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)
@@ -360,8 +384,32 @@ class Run:
         return drafter, optim
 
     def close(self) -> None:
+        """Close the logger and end the process group — in an order that cannot deadlock.
+
+        DDP's C++ Reducer holds a reference to the gloo process group. Destroyed after
+        `destroy_process_group()`, the Reducer is the group's last owner: its destructor (run with the GIL held)
+        joins a gloo worker thread that needs the GIL to free its last work item — a hang at exit. So the
+        wrapper goes first, while the group is alive, and only then the group.
+        """
         self.logger.close()
+        wrapper = weakref.ref(self.module)
+        self.module = self.drafter
+        gc.collect()                        # DDP/FSDP wrappers sit in reference cycles
+        alive = wrapper()
+        if alive is not None:               # someone still holds the wrapper: free its Reducer at least
+            _drop_reducer(alive)
+            del alive
+            gc.collect()
         self.dist.close()
+
+
+def _drop_reducer(module: nn.Module) -> None:
+    """Delete a (possibly compiled) DDP module's Reducer and the Logger that references it."""
+    ddp = getattr(module, "_orig_mod", module)
+    if isinstance(ddp, DDP):
+        for name in ("logger", "reducer"):
+            if name in ddp.__dict__:
+                delattr(ddp, name)
 
 
 def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
@@ -380,6 +428,9 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
                           "set fsdp: false")
     main = dist.is_main
     out = Path(cfg.out)
+    if main:   # temp checkpoint dirs of killed runs or failed (disk-full) saves
+        for d in (out / "checkpoints", out):
+            remove_stale_temps(d, log=lambda msg: print(f"[dflashkit train] {msg}", flush=True))
     if target is None:
         tdev = device if cfg.target_device == "auto" else torch.device(cfg.target_device)
         target = Target.load(cfg.target, device=tdev, trust_remote_code=cfg.trust_remote_code)
@@ -412,6 +463,9 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
                                        seed=cfg.seed)
     plan = plan_rows({i: lengths[i] for i in train_idx}, max_tokens=cfg.max_tokens, seed=cfg.seed,
                      strategy=cfg.packing)
+    problem = supervision_problem(source, plan)   # e.g. max_tokens shorter than every prompt: a loss of 0
+    if problem:
+        raise DataError(problem)
     val_plan = plan_rows({i: lengths[i] for i in val_idx}, max_tokens=cfg.max_tokens, seed=cfg.seed,
                          strategy=cfg.packing) if val_idx else None
     rows = PackedRows(source, plan)

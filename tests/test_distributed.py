@@ -2,12 +2,14 @@
 FSDP2, on a tiny target with online features. Checks each finishes, that only rank 0 wrote (one metrics line
 per step, one set of checkpoints, no stray temp files), and that the weights equal a single-process run with the
 same global batch (2 rows per step: 1 row on each of 2 ranks vs 2 rows in one process). The FSDP run is also
-stopped after its first step and resumed (sharded optimizer state round trip)."""
+stopped after its first step and resumed (sharded optimizer state round trip). And the teardown of a DDP run
+(`Run.close()`), repeated many times by two ranks pinned to one core, never hangs."""
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 
 from dflashkit.checkpoint import read_tensors
 from dflashkit.metrics import read_metrics
+from weights_close import assert_close_after_adam
 
 STEPS = 4
 
@@ -92,6 +95,60 @@ def test_torchrun_two_ranks_matches_single_process(mode: str, tmp_path: Path, ti
     ref = read_metrics(single_out / "metrics.jsonl")
     assert [r["loss"] for r in recs] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
     assert recs[-1]["tokens"] == ref[-1]["tokens"]
-    a, b = read_tensors(out / "final"), read_tensors(single_out / "final")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert recs[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)   # same weights: same gradient
+    # After Adam steps the weights agree only as far as Adam lets them (see weights_close.py)
+    assert_close_after_adam(read_tensors(out / "final"), read_tensors(single_out / "final"), lr=2e-3, steps=STEPS)
+
+
+_TEARDOWN_RANK = textwrap.dedent("""
+    import gc, os, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dflashkit.train_state import DistContext, Run
+
+    class NullLogger:
+        def close(self):
+            pass
+
+    rank, rounds, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})      # both ranks on one core: the worst case
+    torch.set_num_threads(1)
+    for i in range(rounds):
+        dist.init_process_group("gloo", init_method=f"file://{store}-{i}", rank=rank, world_size=2)
+        core = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        module, opt = DDP(core), torch.optim.AdamW(core.parameters(), lr=1e-3)
+        for _ in range(2):
+            module(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        run = Run(cfg=None, dist=DistContext(rank=rank, world_size=2, initialised_here=True),
+                  device=torch.device("cpu"), out=None, target=None, embed=None, lm_head=None, drafter=core,
+                  module=module, optimizer=opt, scheduler=None, rows=None, val_rows=None, steps_per_epoch=1,
+                  total_steps=1, state=None, logger=NullLogger(), rolling=None, weights=None, autocast_dtype=None)
+        del module, opt
+        run.close()
+        del run                  # the old order (group destroyed while DDP lived) hung here within ~2 rounds
+        gc.collect()
+    print(f"rank {rank}: {rounds} teardowns", flush=True)
+""")
+
+
+def test_ddp_teardown_never_hangs(tmp_path: Path) -> None:
+    """`Run.close()` frees DDP's Reducer before destroying the gloo group; the reverse order deadlocks in the
+    Reducer's destructor (seen as torchrun jobs that never exit). 12 rounds on one core; a hang fails fast."""
+    script = tmp_path / "teardown_rank.py"
+    script.write_text(_TEARDOWN_RANK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "12", str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("DDP teardown hung (Run.close order: the wrapper must go before destroy_process_group)")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r}: 12 teardowns" in out, out[-3000:]

@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 2 $(which dflashkit) train configs/smollm2.yaml
 
 Running the same command again in the same `out` directory resumes from its latest checkpoint. Ctrl-C finishes
-the current step, saves a checkpoint and exits; a second Ctrl-C aborts.
+the current step, saves a checkpoint and exits with code 130 (stopped, not finished: scripts can tell); a second
+Ctrl-C aborts. A run that completes or uses up its time budget exits 0.
 """
 
 from __future__ import annotations
@@ -48,4 +49,7 @@ def _train(args: argparse.Namespace) -> int:
         if result.final_dir is not None:
             print(f"  drafter     {result.final_dir}  (z-lab format)")
         print(f"  metrics     {result.out_dir / 'metrics.jsonl'}, TensorBoard {result.out_dir / 'tb'}")
-    return 0
+    return EXIT_INTERRUPTED if result.stopped == "interrupted" else 0
+
+
+EXIT_INTERRUPTED = 130      # 128 + SIGINT, the shell's convention for a job stopped by Ctrl-C
