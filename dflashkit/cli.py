@@ -55,8 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, except that `key=value` overrides may also follow options (`init-drafter OUT --target T k=v`):
+    argparse matches consecutive positionals only once, so overrides after an option would be rejected."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in x and not x.startswith("-") for x in extra):
+        args.overrides.extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     try:
         return int(args.func(args) or 0)
     except DFlashError as e:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dflashkit.config_fields import check_zlab_field_types, field_type_problem
 from dflashkit.errors import ConfigError
 
 FULL_ATTENTION = "full_attention"
@@ -45,6 +46,14 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
             f"cannot pick {num_features} distinct layers in 1..{num_target_layers - 3} of a {num_target_layers}-layer target"
         )
     return ids
+
+
+def stores_target_layer_ids(raw: dict[str, Any]) -> bool:
+    """Whether a z-lab config.json dict names its target layers. When it does not, `DrafterConfig.from_zlab_dict`
+    derives them as z-lab does: `default_target_layer_ids(num_target_layers, num_hidden_layers)` (K = the drafter's
+    layer count, z-lab's `build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)`)."""
+    dflash = raw.get("dflash_config") or {}
+    return dflash.get("target_layer_ids", raw.get("target_layer_ids")) is not None
 
 
 def layer_ids_problem(layer_ids: list[int], num_target_layers: int) -> str | None:
@@ -114,8 +123,12 @@ class DrafterConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("num_hidden_layers", "target_layer_ids"):   # used below: name a wrong type, no TypeError
+            problem = field_type_problem(name, getattr(self, name))
+            if problem:
+                raise ConfigError(f"drafter config field '{name}' {problem}")
         if not self.layer_types:
-            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+            self.layer_types = [FULL_ATTENTION] * int(self.num_hidden_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.validate()
 
@@ -141,6 +154,11 @@ class DrafterConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise ConfigError naming the field and what was expected."""
+        for name in ("rms_norm_eps", "rope_theta", "mask_token_id", "max_position_embeddings", "attention_bias",
+                     "is_causal", "hidden_act", "layer_types", "sliding_window", "draft_vocab_size"):
+            problem = field_type_problem(name, getattr(self, name))
+            if problem:
+                raise ConfigError(f"drafter config field '{name}' {problem}")
         for name in ("hidden_size", "vocab_size", "num_target_layers", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "intermediate_size", "block_size"):
             value = getattr(self, name)
@@ -229,6 +247,7 @@ class DrafterConfig:
         """Parse a z-lab style config (dflash_config first, then top-level fields)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        check_zlab_field_types(raw, source)  # names the field and the expected type before any int()/float()
         dflash = raw.get("dflash_config") or {}
 
         def pick(name: str, default: Any = ConfigError) -> Any:
@@ -241,8 +260,16 @@ class DrafterConfig:
             return default
 
         rope = raw.get("rope_parameters") or {}
-        target_layer_ids = pick("target_layer_ids")
         num_layers = int(pick("num_hidden_layers"))
+        target_layer_ids = pick("target_layer_ids", None)
+        if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
+            if pick("num_target_layers", None) is None:
+                raise ConfigError(f"{source}: neither 'target_layer_ids' nor 'num_target_layers' is given; the layer "
+                                  f"ids cannot be derived (add dflash_config.target_layer_ids)")
+            try:
+                target_layer_ids = default_target_layer_ids(int(pick("num_target_layers")), num_layers)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: no target_layer_ids stored, and z-lab's default rule fails: {e}") from None
         sliding_window = raw.get("sliding_window")
         layer_types = pick("layer_types", None) or [FULL_ATTENTION] * num_layers
         if raw.get("use_sliding_window") is False and "layer_types" not in raw:
@@ -287,9 +314,12 @@ class DrafterConfig:
         if not path.is_file():
             raise ConfigError(f"{path}: file not found (expected a drafter config.json)")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                              f"expected a JSON drafter config.json") from None
         return cls.from_zlab_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:

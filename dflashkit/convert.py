@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from dflashkit.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_tensors, drafter_state_dict, read_tensors
 from dflashkit.config import SLIDING_ATTENTION, DrafterConfig
+from dflashkit.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.io_utils import atomic_path, atomic_write_text
 from dflashkit.model import DFlashDrafter
@@ -100,6 +101,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         return json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{cfg}: not valid UTF-8 (byte offset {e.start}); expected a JSON config") from None
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -130,6 +133,14 @@ def config_from_speculators(raw: dict[str, Any], *, num_target_layers: int | Non
                            "intermediate_size") if f not in tl]
     if missing:
         raise refuse(f"{SPECULATORS_NESTED} lacks required field(s) {missing}")
+    try:
+        check_zlab_field_types({k: v for k, v in raw.items() if k != "dflash_config" and v is not None}, source)
+        check_zlab_field_types(tl, f"{source} ({SPECULATORS_NESTED})")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    aux_raw = raw.get(SPECULATORS_LAYER_IDS)
+    if aux_raw is not None and not field_value_ok("target_layer_ids", aux_raw):
+        raise refuse(f"field '{SPECULATORS_LAYER_IDS}' must be a list of integers, got {aux_raw!r}")
     hidden = int(tl["hidden_size"])
     if raw.get("target_hidden_size") not in (None, hidden):
         raise refuse(f"target_hidden_size {raw['target_hidden_size']} ≠ the drafter's hidden_size {hidden}: "

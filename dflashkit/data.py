@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflashkit.errors import DataError
+from dflashkit.jsonl import read_lines
 
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -140,28 +141,23 @@ def read_jsonl_conversations(path: str | Path, *, on_error: Literal["stop", "ski
     conversations: list[Conversation] = []
     problems: list[str] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(conversations) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
-                conv = conversation_from_record(record, default_id=f"{path.stem}-{lineno}", source=str(path))
-                if conv.id in seen:
-                    raise ValueError(f"field 'id': duplicate id {conv.id!r} (ids must be unique)")
-            except ValueError as e:
-                problem = f"{path}:{lineno}: {e}"
-                if on_error == "stop":
-                    raise DataError(problem + " (use --on-error skip to skip malformed lines)") from None
-                problems.append(problem)
-                continue
-            seen.add(conv.id)
-            conversations.append(conv)
+    for line in read_lines(path):
+        if limit is not None and len(conversations) >= limit:
+            break
+        lineno = line.number
+        try:
+            record = line.json()       # LineProblem: over the line-size cap, not UTF-8, or not JSON
+            conv = conversation_from_record(record, default_id=f"{path.stem}-{lineno}", source=str(path))
+            if conv.id in seen:
+                raise ValueError(f"field 'id': duplicate id {conv.id!r} (ids must be unique)")
+        except ValueError as e:
+            problem = f"{path}:{lineno}: {e}"
+            if on_error == "stop":
+                raise DataError(problem + " (use --on-error skip to skip malformed lines)") from None
+            problems.append(problem)
+            continue
+        seen.add(conv.id)
+        conversations.append(conv)
     if not conversations:
         detail = f"; {len(problems)} malformed lines, first: {problems[0]}" if problems else ""
         raise DataError(f"{path}: no conversations (expected JSONL lines with 'messages', 'conversations' "

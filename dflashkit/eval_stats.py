@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.jsonl import LineProblem, read_lines
 
 METHOD_FORMS = "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. ddtree:8)"
 
@@ -82,49 +83,57 @@ def prompt_sha(ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
-def _read_pretokenised(path: Path, limit: int | None, vocab_size: int) -> list[Prompt]:
+def _read_pretokenised(path: Path, limit: int | None, vocab_size: int,
+                       on_error: str = "stop") -> tuple[list[Prompt], list[str]]:
+    """Prompts of a pre-tokenised JSONL; bad lines raise (on_error="stop") or are returned as problems."""
     out: list[Prompt] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    problems: list[str] = []
+    seen: set[str] = set()
+    for line in read_lines(path):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            rec = line.json()
             ids = rec.get("prompt_ids") if isinstance(rec, dict) else None
-            if (not isinstance(ids, list) or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
-                raise DataError(f"{path}:{lineno}: field 'prompt_ids': expected a non-empty list of token ids in "
-                                f"[0, {vocab_size}) (a file with pre-tokenised prompts needs it on every line)")
-            pid = str(rec.get("id", f"{path.stem}-{lineno}"))
-            if any(p.id == pid for p in out):
-                raise DataError(f"{path}:{lineno}: field 'id': duplicate id {pid!r}")
-            out.append(Prompt(pid, list(ids)))
+            if (not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
+                raise ValueError(f"field 'prompt_ids': expected a non-empty list of token ids in [0, {vocab_size}) "
+                                 f"(a file with pre-tokenised prompts needs it on every line)")
+            pid = str(rec.get("id", f"{path.stem}-{line.number}"))
+            if pid in seen:
+                raise ValueError(f"field 'id': duplicate id {pid!r}")
+        except ValueError as e:
+            if on_error == "stop":
+                raise DataError(f"{path}:{line.number}: {e} (use --on-error skip to skip malformed lines)") from None
+            problems.append(f"{path}:{line.number}: {e}")
+            continue
+        seen.add(pid)
+        out.append(Prompt(pid, list(ids)))
     if not out:
-        raise DataError(f"{path}: no prompts")
-    return out
+        raise DataError(f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0]})"
+                                                 if problems else ""))
+    return out, problems
 
 
 def _is_pretokenised(path: Path) -> bool:
+    """Whether the first readable line of a JSONL file carries "prompt_ids"."""
     if not path.is_file():
         return False
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    return False
-                return isinstance(rec, dict) and "prompt_ids" in rec
+    for line in read_lines(path):
+        try:
+            rec = line.json()
+        except LineProblem:   # unreadable: the reader of either format reports (or skips) it with file:line
+            continue
+        return isinstance(rec, dict) and "prompt_ids" in rec
     return False
 
 
 def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, max_new_tokens: int = 128,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[Prompt], dict[str, str]]:
-    """Prompts of a dataset name or JSONL path for `target`. Returns (prompts, skipped: id → reason)."""
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 on_error: str = "stop") -> tuple[list[Prompt], dict[str, str]]:
+    """Prompts of a dataset name or JSONL path for `target`. Returns (prompts, skipped: id → reason).
+
+    on_error="skip": malformed JSONL lines are skipped and recorded in `skipped` ("unreadable-record-K")."""
     from dflashkit.data import encode_prompt, prompt_messages
     from dflashkit.datasets import load_dataset
 
@@ -132,10 +141,12 @@ def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, 
         raise DataError(f"limit={limit}: expected a positive number of prompts")
     path = Path(str(dataset)).expanduser()
     skipped: dict[str, str] = {}
+    if on_error not in ("stop", "skip"):
+        raise DataError(f"on_error={on_error!r}: expected 'stop' or 'skip'")
     if _is_pretokenised(path):
-        prompts = _read_pretokenised(path, limit, target.vocab_size)
+        prompts, problems = _read_pretokenised(path, limit, target.vocab_size, on_error)
     else:
-        conversations, problems = load_dataset(dataset, limit)
+        conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
         tok = target.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise DataError(f"target {target.source} has no tokenizer with a chat template; give pre-tokenised "
@@ -146,8 +157,8 @@ def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, 
                 prompts.append(Prompt(conv.id, encode_prompt(tok, prompt_messages(conv), chat_template_kwargs)))
             except DataError as e:
                 skipped[conv.id] = str(e)
-        for k, problem in enumerate(problems):
-            skipped[f"unreadable-record-{k}"] = problem
+    for k, problem in enumerate(problems):
+        skipped[f"unreadable-record-{k}"] = problem
     max_pos = getattr(target.text_config, "max_position_embeddings", None)
     kept = []
     for p in prompts:

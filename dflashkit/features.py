@@ -3,7 +3,7 @@
     capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
     CapturedFeatures(out_dir, expect_target=target, expect_layer_ids=ids)[i]   # → Sample with features
                                      # (ids may be any subset of the captured layers: capture once, try many)
-    OnlineFeatures(target, samples, layer_ids=ids)[i]                          # same, nothing on disk
+    OnlineFeatures(target, samples, layer_ids=ids)[i]     # same, nothing on disk (dflashkit.online_features)
 
 The feature of layer i is the output of decoder layer i (HF `output_hidden_states[i + 1]`), concatenated in
 `layer_ids` order → (T, K·H) per sample. `target_tokens` are the argmax of the verifier logits, i.e. the
@@ -17,11 +17,12 @@ On-disk format (format_version 1), one directory:
         "{k}.loss_mask"      (T,) bool
         "{k}.target_tokens"  (T,) int32, only when store_target_tokens
 The manifest holds the target (source, architecture, num_layers, hidden_size, fingerprint), layer_ids, dtype,
-the shard plan (file, first sample, count, tokens, done, bytes), one entry per sample (id, shard, length,
-supervised), totals, the tokens file and a digest of the samples. The shard plan is a pure function of the
-samples and `shard_max_tokens`, so a killed run resumes by redoing only the shards not marked done, and
-the result is byte-identical to an uninterrupted run. The default storage dtype is bf16 (half the disk of
-fp32; features are converted to float32 when read); pass dtype="fp32" for bit-exact features.
+the shard plan (file, first sample, count, tokens, done, bytes, sha256), one entry per sample (id, shard,
+length, supervised), totals, the tokens file and a digest of the samples. The shard plan is a pure function of
+the samples and `shard_max_tokens`, so a killed run resumes by redoing only the shards not marked done (or
+damaged: `dflashkit.shards`), and the result is byte-identical to an uninterrupted run. The default storage
+dtype is bf16 (half the disk of fp32; features are converted to float32 when read); pass dtype="fp32" for
+bit-exact features.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from tqdm import tqdm
 
 from dflashkit.errors import DataError
 from dflashkit.io_utils import atomic_path, atomic_write_text
-from dflashkit.samples import Sample
+from dflashkit.online_features import OnlineFeatures
+from dflashkit.samples import Sample, check_token_ids
+from dflashkit.shards import VERIFY_MODES, file_sha256, shard_problem, size_problem
 
 if TYPE_CHECKING:
     from dflashkit.target import Target
@@ -202,6 +205,8 @@ class Manifest:
                                               "samples")})
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 (byte offset {e.start}); {what}") from None
         except (KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{path}: malformed manifest (missing or bad field {e}); {what}") from None
 
@@ -220,8 +225,9 @@ def _new_manifest(target: Target, samples: Sequence[Sample], *, layer_ids: list[
                     tokens_file=tokens_file, shards=shards, samples=entries)
 
 
-def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None]) -> Manifest:
-    """The manifest to work from: `fresh`, or the one already in out_dir when every setting matches."""
+def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: str = "full") -> Manifest:
+    """The manifest to work from: `fresh`, or the one already in out_dir when every setting matches; finished
+    shards that no longer match their entry (size, header, sha256 unless verify="size") are marked to redo."""
     if not (out_dir / MANIFEST_NAME).is_file():
         return fresh
     old = Manifest.load(out_dir)
@@ -230,9 +236,11 @@ def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None]) -> Manif
             raise DataError(f"{out_dir} already holds a capture with {name} {old.get(name)!r} but this run has "
                             f"{fresh.get(name)!r}; rerun with the same settings to resume it, or use another --out")
     for sh in old.shards:
-        if sh["done"] and not (out_dir / sh["file"]).is_file():
-            log(f"capture: {sh['file']} is listed as done but missing; capturing it again")
+        problem = shard_problem(out_dir / sh["file"], sh, checksum=verify == "full") if sh["done"] else None
+        if problem:
+            log(f"capture: {sh['file']} is listed as done but {problem}; capturing it again")
             sh["done"], sh["bytes"] = False, 0
+            sh.pop("sha256", None)
     return old
 
 
@@ -267,13 +275,15 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
             dtype: str = "bf16", store_target_tokens: bool = True, shard_max_tokens: int | None = None,
             batch_tokens: int = 0, tokens_file: str | Path | None = None, progress: bool = True,
             log: Callable[[str], None] | None = print,
-            on_shard: Callable[[int, Manifest], None] | None = None) -> Manifest:
+            on_shard: Callable[[int, Manifest], None] | None = None, verify: str = "full") -> Manifest:
     """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
 
     shard_max_tokens: tokens per shard (default: ~1 GiB of features; a resumed run keeps the existing plan).
     batch_tokens: > 0 lets equal-length samples of a shard share one forward of ≤ batch_tokens tokens
     (0 = one sequence per forward, bit-identical to a plain per-sample forward).
     on_shard(shard_index, manifest) is called after each shard is on disk and the manifest updated.
+    verify: how a resumed run checks finished shards: "full" (size, header, sha256) or "size" (no full read of
+    a very large capture); damaged shards are captured again.
     """
     log = log or (lambda _msg: None)
     layer_ids = [int(i) for i in layer_ids]
@@ -282,6 +292,9 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
         raise DataError(f"capture dtype {dtype!r} is not supported; expected one of {sorted(STORAGE_DTYPES)}")
     if not samples:
         raise DataError("capture: no samples to capture (empty dataset)")
+    if verify not in VERIFY_MODES:
+        raise DataError(f"capture verify={verify!r}: expected one of {list(VERIFY_MODES)}")
+    check_token_ids(samples, target.vocab_size, what=f"the target {target.source}")
     out_dir = Path(out_dir)
     per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens)
     if shard_max_tokens is None:
@@ -293,7 +306,7 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
     fresh = _new_manifest(target, samples, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
                           shard_max_tokens=int(shard_max_tokens),
                           tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()))
-    manifest = _resume(out_dir, fresh, log)
+    manifest = _resume(out_dir, fresh, log, verify)
     todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
     todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
     manifest.run_stats = {"tokens": 0, "seconds": 0.0, "shards": 0}
@@ -331,7 +344,8 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
                 # one metadata key only: safetensors writes metadata in hash order, so several would make
                 # otherwise identical shards differ byte-wise between runs
                 save_file(tensors, str(tmp), metadata={"format": f"dflashkit-features/{FORMAT_VERSION}"})
-            sh["done"], sh["bytes"] = True, path.stat().st_size
+                digest = file_sha256(tmp)   # of what reached the disk; re-checked on resume (dflashkit.shards)
+            sh["done"], sh["bytes"], sh["sha256"] = True, path.stat().st_size, digest
             manifest.save(out_dir)
             manifest.run_stats["tokens"] += sh["tokens"]
             manifest.run_stats["shards"] += 1
@@ -389,10 +403,11 @@ class CapturedFeatures:
             raise DataError(f"capture dir {self.dir} is incomplete: {missing} of {m.num_samples} samples "
                             f"({shards} of {len(m.shards)} shards) not captured yet; rerun `dflashkit capture` "
                             f"with the same arguments to resume it")
-        for sh in m.shards:
-            if not (self.dir / sh["file"]).is_file():
-                raise DataError(f"capture dir {self.dir}: shard file {sh['file']} is missing (the manifest lists "
-                                f"{sh['count']} samples in it); rerun `dflashkit capture` with the same arguments "
+        for sh in m.shards:   # sizes now (cheap); each header when the shard is first opened
+            problem = size_problem(self.dir / sh["file"], sh)
+            if problem:
+                raise DataError(f"capture dir {self.dir}: shard file {sh['file']} {problem}; it holds "
+                                f"{sh['count']} samples: rerun `dflashkit capture` with the same arguments "
                                 f"to recreate it")
         self.max_open_shards = max_open_shards
         self._handles: OrderedDict[str, Any] = OrderedDict()
@@ -412,6 +427,11 @@ class CapturedFeatures:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": OrderedDict()}
 
+    def loss_mask(self, i: int) -> Tensor:
+        """Sample i's loss mask (T,) bool, read without its features."""
+        return self._handle(self.manifest.shards[self.manifest.samples[i]["shard"]]["file"]).get_tensor(
+            f"{i}.loss_mask").bool()
+
     def _handle(self, name: str) -> Any:
         if name in self._handles:
             self._handles.move_to_end(name)
@@ -420,7 +440,12 @@ class CapturedFeatures:
         if not path.is_file():
             raise DataError(f"capture dir {self.dir}: shard file {name} is missing; rerun `dflashkit capture` "
                             f"with the same arguments to recreate it")
-        handle = safe_open(str(path), framework="pt", device="cpu")
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 — safetensors raises its own error type for damaged files
+            raise DataError(f"capture dir {self.dir}: shard file {name} is damaged (not a readable safetensors "
+                            f"file: {' '.join(str(e).split())[:200]}); rerun `dflashkit capture` with the same "
+                            f"arguments to recreate it") from None
         self._handles[name] = handle
         while len(self._handles) > self.max_open_shards:
             self._handles.popitem(last=False)
@@ -451,36 +476,5 @@ class CapturedFeatures:
         return Sample(id=entry["id"], input_ids=ids, loss_mask=mask, features=feats, target_tokens=tokens)
 
 
-class OnlineFeatures:
-    """Same interface as CapturedFeatures, but runs the target at access time and stores nothing.
-
-    Features are float32 on `feature_device` (default CPU; pass the target's device to keep them there).
-    """
-
-    def __init__(self, target: Target, samples: Sequence[Sample], *, layer_ids: Sequence[int],
-                 feature_device: torch.device | str | None = None, target_tokens: bool = True) -> None:
-        self.target = target
-        self.samples = list(samples)
-        self._layer_ids = [int(i) for i in layer_ids]
-        target.check_layer_ids(self._layer_ids)
-        self.feature_device = torch.device(feature_device or "cpu")
-        self.target_tokens = target_tokens
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(self._layer_ids)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(s) for s in self.samples]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> Sample:
-        s = self.samples[i]
-        out = self.target.forward(s.input_ids[None], layer_ids=self._layer_ids, logits=self.target_tokens,
-                                  feature_device=self.feature_device, feature_dtype=torch.float32)
-        tokens = out.logits.argmax(-1)[0].to(self.feature_device) if self.target_tokens else None  # (T,)
-        return Sample(id=s.id, input_ids=s.input_ids, loss_mask=s.loss_mask, features=out.features[0],  # (T, K·H)
-                      target_tokens=tokens)
+__all__ = ["CapturedFeatures", "MANIFEST_NAME", "Manifest", "OnlineFeatures", "bytes_per_token", "capture",
+           "format_bytes", "plan_shards", "samples_digest", "target_fingerprint"]

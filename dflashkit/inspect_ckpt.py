@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from dflashkit.checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, drafter_state_dict
-from dflashkit.config import DrafterConfig
+from dflashkit.config import DrafterConfig, stores_target_layer_ids
 from dflashkit.errors import CheckpointError, ConfigError
 
 STATUSES = ("OK", "WARN", "FAIL")
@@ -127,13 +127,17 @@ def _config(path: Path, report: CheckpointReport) -> None:
         report.add("FAIL", "config", f"{CONFIG_NAME} is not valid JSON (line {e.lineno}: {e.msg})",
                    "repair or re-export config.json")
         return
+    except UnicodeDecodeError as e:
+        report.add("FAIL", "config", f"{CONFIG_NAME} is not valid UTF-8 (byte offset {e.start})",
+                   "repair or re-export config.json")
+        return
     report.config_raw = raw
     report.format = detect_format(raw)
     try:
         if report.format == "speculators":
             report.config = config_from_speculators(raw, notes=report.notes, source=str(cfg_path))
         else:
-            report.config = DrafterConfig.from_zlab_dict(raw, source=CONFIG_NAME)
+            report.config = DrafterConfig.from_zlab_dict(raw, source=str(cfg_path))
     except (ConfigError, CheckpointError) as e:
         report.add("FAIL", "config", str(e), "fix the named field in config.json")
     if report.format == "speculators":
@@ -142,10 +146,14 @@ def _config(path: Path, report: CheckpointReport) -> None:
 
 
 def _raw_field(raw: dict[str, Any] | None, name: str) -> Any:
+    """A field of an unparsable config, or None when absent or of the wrong type (the config FAIL names it)."""
+    from dflashkit.config_fields import field_value_ok
+
     if not raw:
         return None
-    dflash = raw.get("dflash_config") or {}
-    return dflash.get(name, raw.get(name))
+    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    value = dflash.get(name, raw.get(name))
+    return value if field_value_ok(name, value) else None
 
 
 def _facts(report: CheckpointReport) -> None:
@@ -156,6 +164,13 @@ def _facts(report: CheckpointReport) -> None:
     facts["hidden_size"] = hidden
     ids = cfg.target_layer_ids if cfg else _raw_field(raw, "target_layer_ids")
     facts["target_layer_ids"] = ids
+    # z-lab format without stored ids: from_zlab_dict derived them by z-lab's rule (K = num_hidden_layers)
+    facts["target_layer_ids_derived"] = bool(cfg and report.format != "speculators" and raw
+                                             and not stores_target_layer_ids(raw))
+    if facts["target_layer_ids_derived"]:
+        report.notes.append(f"config.json stores no target_layer_ids: {ids} are derived, as z-lab does, from "
+                            f"num_target_layers {cfg.num_target_layers} and num_hidden_layers {cfg.num_hidden_layers}"
+                            f" (build_target_layer_ids); they are right only if the drafter was trained on them")
     facts["num_target_layers"] = cfg.num_target_layers if cfg else _raw_field(raw, "num_target_layers")
     facts["fc_shape"] = fc
     facts["fc_features"] = fc[1] / hidden if fc and hidden else None
@@ -197,15 +212,16 @@ def _consistency(report: CheckpointReport) -> None:
         report.add("FAIL", "fc", "tensor 'fc.weight' is missing", "the checkpoint is incomplete: re-export it")
     elif fc is not None and ids:
         k = facts["fc_features"]
+        named = "the derived ids name" if facts.get("target_layer_ids_derived") else "config.json names"
         if k != len(ids):
             what = (f"fc reads {k} target layers (fc.weight {fc} = {k} × hidden {facts['hidden_size']}) but "
-                    f"config.json names {len(ids)} (target_layer_ids {ids})" if isinstance(k, int) else
+                    f"{named} {len(ids)} (target_layer_ids {ids})" if isinstance(k, int) else
                     f"fc.weight {fc} is not a multiple of hidden {facts['hidden_size']}")
             report.add("FAIL", "fc width", what,
                        "retrain with an fc over every named layer (design lesson 1), or correct target_layer_ids "
                        "to the layers the fc was trained on")
         else:
-            report.add("OK", "fc width", f"fc reads {k} target layers ({fc[1]} → {fc[0]}), as config.json names")
+            report.add("OK", "fc width", f"fc reads {k} target layers ({fc[1]} → {fc[0]}), as {named}")
     if cfg is None:
         return
     with torch.device("meta"):
@@ -300,10 +316,12 @@ def render_report(report: CheckpointReport) -> str:
     summary = ", ".join(f"{kinds.count(t)} × {t}" for t in dict.fromkeys(kinds))
     mask_txt = ("learned mask embedding (tensor 'mask_embedding')" if mask["learned_embedding_tensor"]
                 else f"target embedding row {mask['mask_token_id']}")
+    named = ("config stores none, derived (z-lab default)" if f.get("target_layer_ids_derived")
+             else f"config names {len(ids) if ids else '?'}")
     lines = [
         f"Checkpoint {report.path}  ({report.format} format)",
-        f"  target features   fc reads {f['fc_features']} layers ({f['fc_shape']}); config names "
-        f"{len(ids) if ids else '?'}: target_layer_ids {ids} of a {f['num_target_layers']}-layer target",
+        f"  target features   fc reads {f['fc_features']} layers ({f['fc_shape']}); {named}: "
+        f"target_layer_ids {ids} of a {f['num_target_layers']}-layer target",
         f"  layers            {f['num_hidden_layers']} ({summary or 'unknown'}), tensors hold {f['layers_in_tensors']}"
         + (f"; sliding window {f['sliding_window']}" if f["sliding_window"] else ""),
         f"  attention         {f['num_attention_heads']} heads × {f['head_dim']}, {f['num_key_value_heads']} kv heads"

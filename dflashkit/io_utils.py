@@ -1,9 +1,14 @@
-"""Small file helpers: atomic writes (temp file + rename) so a kill never leaves a half-written file."""
+"""Small file helpers: atomic writes (temp file + rename) so a kill never leaves a half-written file; clear
+messages for failed writes (a full disk); removal of temp leftovers (`.NAME.tmp-PID`) of dead processes."""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -31,3 +36,68 @@ def atomic_path(path: Path) -> Iterator[Path]:
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+_PID_TEMP = re.compile(r"^\.(.+)\.(tmp|old)-(\d+)$")   # .step-000002.tmp-1234, .final.old-1234
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():   # our own pid on a leftover: a previous process that had it (containers reuse pids)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
+    """Delete `.NAME.tmp-PID` / `.NAME.old-PID` files and directories in `directory` whose process is gone
+    (what a kill or a failed write leaves behind); returns what was removed. Call before writing anything.
+    A `.NAME.old-PID` (the previous version, moved aside for a replacement) whose NAME is missing — killed
+    between the two renames — is renamed back to NAME instead."""
+    removed: list[Path] = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for p in sorted(directory.iterdir()):
+        m = _PID_TEMP.match(p.name)
+        if m is None or _alive(int(m.group(3))):
+            continue
+        if m.group(2) == "old" and not (directory / m.group(1)).exists():
+            os.replace(p, directory / m.group(1))
+            if log is not None:
+                log(f"restored {directory / m.group(1)} from {p.name} (a replacement was interrupted)")
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+        if log is not None:
+            log(f"removed {p} (left by an interrupted write of process {m.group(3)}, no longer running)")
+    return removed
+
+
+def write_failure(path: str | Path, error: BaseException) -> str:
+    """One line saying why writing `path` failed: the disk is full (ENOSPC/EDQUOT, or torch's / safetensors'
+    wrapping of it), or the OS error; with the free space left there."""
+    text = " ".join(str(error).split())
+    code = getattr(error, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "StorageFull" in text
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+        room = f"{free / 1e9:.2f} GB free at {where}"
+    except OSError:
+        room = f"free space at {where} unknown"
+    torn = any(k in text for k in ("unexpected pos", "write failed", "failed writing"))  # torch.save's words
+    if full:
+        return f"the disk is full ({text[:160]}; {room})"
+    if torn:
+        return f"the write failed, most likely a full disk ({text[:160]}; {room})"
+    return f"the write failed ({type(error).__name__}: {text[:160]}; {room})"

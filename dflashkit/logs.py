@@ -70,7 +70,7 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
     if not file.is_file():
         raise DataError(f"{file}: no such file (expected a training run directory holding {METRICS_NAME})")
     log = RunLog(name=name or (path.name if path.is_dir() else path.parent.name) or str(path), path=str(file))
-    lines = file.read_text().splitlines()
+    lines = file.read_text(errors="replace").splitlines()   # a non-UTF-8 byte spoils one value, not the file
     bad = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():

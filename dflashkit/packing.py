@@ -119,6 +119,44 @@ def plan_rows(lengths: Sequence[int] | dict[int, int], *, max_tokens: int, seed:
     return PackPlan(rows=rows, row_tokens=fill, max_tokens=max_tokens, truncated=truncated)
 
 
+def _loss_mask(source: Any, i: int) -> Tensor:
+    """Sample i's loss mask without computing features where the source allows it."""
+    getter = getattr(source, "loss_mask", None)
+    if callable(getter):
+        return getter(i)
+    samples = getattr(source, "samples", None)
+    return (samples[i] if samples is not None and len(samples) == len(source) else source[i]).loss_mask
+
+
+def supervision_problem(source: Any, plan: PackPlan) -> str | None:
+    """Why no row of `plan` can hold a training block, or None when one can (checked before training runs).
+
+    A block needs an anchor: two consecutive supervised tokens of one document within the first `max_tokens`
+    tokens of its sample. The scan stops at the first such sample, so it costs one loss mask when all is well."""
+    earliest, none_at_all, n = None, 0, 0
+    for row in plan.rows:
+        for i in row:
+            mask = _loss_mask(source, i).bool()                         # (T,)
+            pairs = (mask[:-1] & mask[1:]).nonzero()
+            if pairs.numel() and int(pairs[0]) + 1 < plan.max_tokens:
+                return None
+            n += 1
+            if pairs.numel():
+                earliest = int(pairs[0]) if earliest is None else min(earliest, int(pairs[0]))
+            else:
+                none_at_all += 1
+    if not n:
+        return "no training samples (the training split is empty)"
+    if earliest is None:
+        return (f"none of the {n} training samples has two consecutive supervised tokens (loss_mask): there is "
+                f"nothing to train on; check that the data marks the assistant responses")
+    some_none = f" ({none_at_all} have none at all)" if none_at_all else ""
+    return (f"max_tokens={plan.max_tokens} leaves nothing to train on: samples are cut to their first "
+            f"{plan.max_tokens} tokens, but the supervised (response) tokens of all {n} training samples start at "
+            f"position {earliest} (0-based) or later{some_none}, so every loss would be 0; raise max_tokens above "
+            f"{earliest + 1} (the responses come after the prompts)")
+
+
 # ---------------------------------------------------------------------------------------------- rows
 @dataclass
 class PackedRow:

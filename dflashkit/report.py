@@ -33,6 +33,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
                         f"`dflashkit simulate`)") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise DataError(f"{path}: not a results.json written by `dflashkit eval` or `dflashkit simulate` "
+                        f"({type(e).__name__})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
         raise DataError(f"{path}: expected an object with a 'results' field ({{drafter: {{method: stats}}}})")
     for name, methods in doc["results"].items():
@@ -201,7 +204,7 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
              f"hidden {t.get('hidden_size', '?')}, {t.get('dtype', '?')}{', hybrid' if t.get('hybrid') else ''})",
              f"- prompts: {ds.get('n_prompts', '?')}" + (f" ({len(ds['skipped'])} skipped)" if ds.get("skipped") else ""),
              f"- max_new_tokens {s.get('max_new_tokens', '?')}, temperature "
-             f"{(s.get('sampling') or {}).get('temperature', 0)}, tree top-k {s.get('tree_top_k', '—')}",
+             f"{(s.get('sampling') or {}).get('temperature', 0)}, tree top-k {s.get('tree_top_k', '—') or '= budget'}",
              "", "## Summary", "", summary_table(doc), ""]
     if kind != "simulate":
         lines += ["τ counts the bonus token. Speedup = tok/s ÷ AR tok/s in the same run (prefill included); "

@@ -17,6 +17,7 @@ transformers falls back to its torch implementation otherwise (CPU).
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,22 @@ class Target:
         kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
         if gguf:
             kwargs["gguf_file"] = gguf
+        tokenizer = None  # loaded first: a broken tokenizer fails before a long model load
+        # Only when tokenizer files exist: otherwise transformers builds an empty stand-in whose length would
+        # make real embedding rows look "spare".
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        present = [f for f in tokenizer_files if (Path(path) / f).is_file()]
+        if gguf or present:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            except Exception as e:  # noqa: BLE001 — transformers raises many types for broken tokenizer files
+                why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                if present:   # the directory ships a tokenizer and it is broken: say so instead of going on
+                    raise TargetError(f"{path}: the tokenizer files {present} exist but cannot be loaded ({why}); "
+                                      f"repair or remove them (without a tokenizer, give pre-tokenised "
+                                      f"prompts)") from None
+                warnings.warn(f"{Path(path) / gguf}: no usable tokenizer in the GGUF file ({why}); continuing "
+                              f"without one (pre-tokenised prompts only)", stacklevel=2)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
         except ValueError as first:
@@ -129,15 +146,6 @@ class Target:
                 raise TargetError(f"{path}: cannot load as a causal LM ({first})") from None
         except OSError as e:
             raise TargetError(f"{path}: cannot load model files ({e})") from None
-        tokenizer = None
-        # Only when tokenizer files exist: otherwise transformers builds an empty stand-in whose length would
-        # make real embedding rows look "spare".
-        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        if gguf or any((Path(path) / f).is_file() for f in tokenizer_files):
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            except Exception:  # a broken tokenizer must not stop feature capture; callers that need one check
-                tokenizer = None
         return cls(model.to(device), tokenizer, source=str(Path(path) / gguf if gguf else path))
 
     # ------------------------------------------------------------------ facts

@@ -131,6 +131,8 @@ class TrainConfig:
                 raw = yaml.safe_load(path.read_text()) or {}
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path}: not valid YAML ({e})") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}: not valid UTF-8 (byte offset {e.start}); expected a YAML file") from None
             if not isinstance(raw, dict):
                 raise ConfigError(f"{path}: expected a mapping of training options")
         raw = apply_overrides(raw, overrides)

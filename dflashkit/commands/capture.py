@@ -3,7 +3,8 @@
     dflashkit capture --tokens data/tokens.jsonl --out data/features [--layer-ids 1,8,14,20,27 |
         --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N]
 
-Rerunning the same command after a kill resumes: finished shards are kept, the rest are captured.
+Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,
+sha256) are kept, the rest (and any damaged one) are captured.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="let equal-length samples share a forward of up to N tokens (0 = one per forward)")
     p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
     p.add_argument("--no-target-tokens", action="store_true", help="do not store the target's argmax tokens")
+    p.add_argument("--verify", choices=("full", "size"), default="full",
+                   help="how a rerun checks finished shards against manifest.json before keeping them: full "
+                        "(size + sha256, the default) or size (skips reading a very large capture); damaged "
+                        "shards are captured again")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -65,7 +70,8 @@ def _capture(args: argparse.Namespace) -> int:
     layer_ids = _layer_ids(args, target)
     m = capture(target, samples, args.out, layer_ids=layer_ids, dtype=args.dtype,
                 store_target_tokens=not args.no_target_tokens, shard_max_tokens=args.shard_tokens,
-                batch_tokens=args.batch_tokens, tokens_file=args.tokens, progress=not args.quiet)
+                batch_tokens=args.batch_tokens, tokens_file=args.tokens, progress=not args.quiet,
+                verify=args.verify)
     run = m.run_stats
     rate = f"{run['tokens'] / run['seconds']:,.0f} tok/s" if run.get("seconds") else "nothing to do"
     print(f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "

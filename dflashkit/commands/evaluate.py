@@ -3,7 +3,8 @@
     dflashkit generate --drafter CKPT --prompt "…" [--method chain|tree|ar] [--max-new-tokens N]
                        [--temperature T --top-p P --top-k K] [--tree-budget B --tree-top-k K] [--target …]
     dflashkit eval --drafter NAME=CKPT [--drafter …] --dataset mtbench|humaneval|sharegpt-heldout|sharegpt|PATH
-                   [--limit N] [--methods ar,chain,ddtree:8] [--max-new-tokens N] --out DIR [--target …]
+                   [--limit N] [--on-error stop|skip] [--methods ar,chain,ddtree:8] [--max-new-tokens N]
+                   --out DIR [--target …]
     dflashkit simulate --drafter NAME=CKPT [--drafter …] --dataset … --cache DIR [--budgets 4,8,16] --out DIR
     dflashkit report RESULTS.json [MORE.json …] [--out DIR]
 
@@ -78,6 +79,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
 
 
+def _top_k_value(text: str) -> int | None:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"{k}: expected K ≥ 1, or 0 for = the tree budget")
+    return k or None
+
+
+def _tree_top_k_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-top-k", type=_top_k_value, default=None, metavar="K",
+                   help="tokens per depth DDTree considers (default: = the tree budget, as the DDTree reference, "
+                        "so the tree is the B most probable prefixes; give K to cap the branching)")
+
+
 def _stops(args: argparse.Namespace, target: Any) -> list[int]:
     from dflashkit.evaluate import default_stop_token_ids
 
@@ -95,7 +112,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     _sampling_args(p)
     p.add_argument("--tree-budget", type=int, default=16, help="DDTree node budget B (verify length 1 + B)")
-    p.add_argument("--tree-top-k", type=int, default=8, help="tokens per depth considered by DDTree")
+    _tree_top_k_arg(p)
     p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -148,11 +165,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    help="drafter checkpoint, repeatable; NAME= labels it in the results")
     p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="malformed JSONL lines: stop (default) or skip them (recorded in results.json)")
     p.add_argument("--methods", default="ar,chain,ddtree:8", help="comma-separated: ar, chain, ddtree:B")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _sampling_args(p)
     p.add_argument("--block-size", type=int, default=None, help="override every drafter's block size")
-    p.add_argument("--tree-top-k", type=int, default=8)
+    _tree_top_k_arg(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing progress.jsonl")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
@@ -179,7 +198,8 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     drafters = _load_drafters(specs, args.device)
-    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                    on_error=args.on_error)
     doc = evaluate(target, drafters, prompts, methods=[m.name for m in methods], max_new_tokens=args.max_new_tokens,
                    sampling=_sampling(args), out_dir=args.out, resume=not args.no_resume, block_size=args.block_size,
                    tree_top_k=args.tree_top_k, stop_token_ids=_stops(args, target), dataset=args.dataset,
@@ -202,12 +222,13 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT", help="repeatable")
     p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
     p.add_argument("--cache", required=True, help="transcript cache directory (built once, reused)")
     p.add_argument("--budgets", default="4,8,16", help="DDTree budgets to simulate (empty: chain only)")
     p.add_argument("--no-chain", action="store_true", help="simulate trees only")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--tree-top-k", type=int, default=8)
+    _tree_top_k_arg(p)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--quiet", action="store_true")
@@ -233,7 +254,8 @@ def _simulate(args: argparse.Namespace) -> int:
     drafters = _load_drafters(specs, args.device)
     for name, d in drafters.items():
         check_drafter_fits(d.config, target, source=f"drafter {name!r}")
-    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                    on_error=args.on_error)
     layers = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
     cache = build_transcripts(target, prompts, args.cache, max_new_tokens=args.max_new_tokens, layer_ids=layers,
                               stop_token_ids=_stops(args, target), progress=not args.quiet)
