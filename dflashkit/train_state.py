@@ -29,7 +29,6 @@ import shutil
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashkit.checkpoint import save_drafter
 from dflashkit.config import DrafterConfig
+from dflashkit.distributed import DistContext, drop_reducer
 from dflashkit.errors import CheckpointError, ConfigError, DataError
 from dflashkit.io_utils import atomic_write_text, remove_stale_temps, write_failure
 from dflashkit.losses import decay_weights
@@ -53,57 +53,6 @@ from dflashkit.packing import (PackedRows, plan_rows, sample_lengths, split_indi
 STATE_NAME = "train_state.pt"
 CONFIG_YAML = "train_config.yaml"
 LATEST_NAME = "latest"
-
-
-# ---------------------------------------------------------------------------------------------- distributed
-@dataclass
-class DistContext:
-    """Rank facts from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); world 1 without them."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    initialised_here: bool = False
-
-    @classmethod
-    def from_env(cls, *, use_cuda: bool) -> "DistContext":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return cls()
-        import torch.distributed as dist
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        here = False
-        if not dist.is_initialized():
-            if use_cuda:
-                torch.cuda.set_device(local)
-            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
-            here = True
-        return cls(rank=rank, world_size=world, local_rank=local, initialised_here=here)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce (sum or max); identity on one process."""
-        if self.distributed:
-            import torch.distributed as dist
-            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-        return t
-
-    def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.initialised_here:
-            import torch.distributed as dist
-            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -397,19 +346,10 @@ class Run:
         gc.collect()                        # DDP/FSDP wrappers sit in reference cycles
         alive = wrapper()
         if alive is not None:               # someone still holds the wrapper: free its Reducer at least
-            _drop_reducer(alive)
+            drop_reducer(alive)
             del alive
             gc.collect()
         self.dist.close()
-
-
-def _drop_reducer(module: nn.Module) -> None:
-    """Delete a (possibly compiled) DDP module's Reducer and the Logger that references it."""
-    ddp = getattr(module, "_orig_mod", module)
-    if isinstance(ddp, DDP):
-        for name in ("logger", "reducer"):
-            if name in ddp.__dict__:
-                delattr(ddp, name)
 
 
 def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:

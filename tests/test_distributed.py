@@ -105,7 +105,8 @@ _TEARDOWN_RANK = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from dflashkit.train_state import DistContext, Run
+    from dflashkit.distributed import DistContext
+    from dflashkit.train_state import Run
 
     class NullLogger:
         def close(self):
