@@ -364,16 +364,21 @@ def yaml_roundtrip(cfg: TrainConfig) -> dict:
     return yaml.safe_load(cfg.to_yaml())
 
 
+def write_tokens_file(path: Path, n: int) -> Path:
+    """tokens.jsonl with `n` random 20-token documents for the tiny vocabulary (first 4 tokens unsupervised)."""
+    g = torch.Generator().manual_seed(0)
+    with path.open("w") as f:
+        for i in range(n):
+            ids = torch.randint(3, 97, (20,), generator=g).tolist()
+            f.write(json.dumps({"id": f"x{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * 16}) + "\n")
+    return path
+
+
 def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Path) -> None:
     pytest.importorskip("dflashkit.features").OnlineFeatures      # written by the capture work
     from dflashkit.cli import main
 
-    tokens = tmp_path / "tokens.jsonl"
-    g = torch.Generator().manual_seed(0)
-    with tokens.open("w") as f:
-        for i in range(3):
-            ids = torch.randint(3, 97, (20,), generator=g).tolist()
-            f.write(json.dumps({"id": f"x{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * 16}) + "\n")
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 3)
     out = tmp_path / "run"
     rc = main(["train", "--no-progress", "-", f"tokens={tokens}", "online=true", f"target={tiny_llama_dir}",
                f"out={out}", "max_steps=2", "drafter.num_hidden_layers=1", "drafter.block_size=4", "max_tokens=32",
@@ -389,12 +394,7 @@ def test_cli_sigint_from_background_saves_and_exits_130(tmp_path: Path, tiny_lla
     import sys
     import time
 
-    tokens = tmp_path / "tokens.jsonl"
-    g = torch.Generator().manual_seed(0)
-    with tokens.open("w") as f:
-        for i in range(4):
-            ids = torch.randint(3, 97, (20,), generator=g).tolist()
-            f.write(json.dumps({"id": f"x{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * 16}) + "\n")
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
     out = tmp_path / "run"
     cmd = [sys.executable, "-c", "import sys; from dflashkit.cli import main; sys.exit(main())", "train", "-",
            "--no-progress", f"tokens={tokens}", "online=true", f"target={tiny_llama_dir}", f"out={out}",
