@@ -83,7 +83,7 @@ def hf_generate(target: Target, ids: Sequence[int], max_new_tokens: int, stops: 
 
 
 def dk_generate(target: Target, ids: Sequence[int], drafter: Any, method: Method, max_new_tokens: int,
-                stops: list[int], tree_top_k: int) -> tuple[Any, float]:
+                stops: list[int], tree_top_k: int | None) -> tuple[Any, float]:
     """dflashkit `generate` for one Method; returns (GenerationResult, wall seconds)."""
     _sync(target.device)
     t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def dk_generate(target: Target, ids: Sequence[int], drafter: Any, method: Method
 
 # ---------------------------------------------------------------------------------------------- the bench
 def run_bench(target: Target, drafter: Any, prompts: list[Prompt], *, max_new_tokens: int, budgets: list[int],
-              tree_top_k: int = 8, stops: list[int], warmup: bool = True) -> dict[str, Any]:
+              tree_top_k: int | None = None, stops: list[int], warmup: bool = True) -> dict[str, Any]:
     """Every method on every prompt, interleaved; returns per-method statistics (see the module docstring)."""
     spec = [Method("chain", "chain")] + [Method(f"ddtree:{b}", "tree", b) for b in budgets]
     dk = {m.name: m for m in [Method(DK_AR, "ar")] + spec}
@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budgets", default="4,8,16", help="DDTree budgets (comma-separated); the best is reported")
-    p.add_argument("--tree-top-k", type=int, default=8)
+    p.add_argument("--tree-top-k", type=int, default=0,
+                   help="DDTree tokens per depth (0 = the budget, as the DDTree reference)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)

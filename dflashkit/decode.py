@@ -3,11 +3,15 @@
 One round (batch 1):
   1. draft:  block = [bonus, MASK × (bs−1)] at positions start…start+bs−1; one drafter pass appends the new
              context K/V (features of the tokens committed last round) to the drafter cache and reads the block;
-             slot k predicts the token *at* start+k (slot 0 is discarded).
-  2. verify: the target runs the block (chain) or the flattened DDTree (tree mask, positions start+depth).
+             slot k predicts the token *at* start+k (slot 0 is discarded). The block is always full, also in the
+             last round: attention inside it is bidirectional and the drafter was trained on full blocks, so a
+             shorter block would change its drafts (the DDTree reference and z-lab's original loop do the same).
+  2. verify: the target runs the block (chain) or the flattened DDTree (tree mask, positions start+depth), cut to
+             what `max_new_tokens` leaves room for: the first `room` drafts (chain), a tree of depth ≤ room.
   3. commit: longest accepted prefix + the target's own next token (the new bonus); the target cache is cropped
-             (chain) or compacted to the accepted path (tree); hybrid targets restore their recurrent states and
-             re-run only the accepted tokens.
+             (chain) or compacted to the accepted path (tree). Hybrid targets (Gated DeltaNet layers): chain
+             verification restores their recurrent states and re-runs only the accepted tokens; tree verification
+             gives every node the recurrent state of its own path and commits the accepted node's (hybrid_tree.py).
 The acceptance length L = accepted + 1 counts the bonus token. `method="ar"` (or no drafter) runs plain
 autoregressive decoding through the same loop: verify one token, commit it.
 Decoding policy (block size, tree budget, sampling) is arguments, never model state.
@@ -27,10 +31,11 @@ from torch import Tensor
 
 from dflashkit import target_cache as tc
 from dflashkit.errors import DFlashError
+from dflashkit.hybrid_tree import resolve_mode, verify_tree
 from dflashkit.model import DFlashDrafter, DrafterCache
 from dflashkit.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.target import Target, check_drafter_fits
-from dflashkit.tree import build_tree, follow_tree, tree_attention_mask
+from dflashkit.tree import build_tree, follow_tree, tree_attention_bias
 
 METHODS = ("ar", "chain", "tree")
 
@@ -80,15 +85,19 @@ def _pick(logits: Tensor, params: SamplingParams, gen: torch.Generator | None) -
 @torch.no_grad()
 def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashDrafter | None = None,
              method: str = "chain", max_new_tokens: int = 128, block_size: int | None = None,
-             tree_budget: int = 16, tree_top_k: int = 8, force_spine: bool = False,
+             tree_budget: int = 16, tree_top_k: int | None = None, force_spine: bool = False,
              sampling: SamplingParams = SamplingParams(), draft_sampling: bool = False,
              stop_token_ids: list[int] | tuple[int, ...] = (), seed: int | None = None,
-             check_invariants: bool = False) -> GenerationResult:
+             hybrid_tree: str = "auto", check_invariants: bool = False) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt_ids` (batch 1). See the module docstring for the loop.
 
-    method: "ar" | "chain" | "tree" (DDTree with `tree_budget` nodes over the top `tree_top_k` tokens per depth).
+    method: "ar" | "chain" | "tree" (DDTree with `tree_budget` nodes over the top `tree_top_k` tokens per depth;
+    `tree_top_k` None or 0 = the budget, the DDTree reference: exactly the `tree_budget` most probable prefixes).
     draft_sampling: at temperature > 0, sample drafts from the drafter (min(1, p/q) rule) instead of argmax
     drafts (sample-and-match). Both are exactly lossless.
+    hybrid_tree: how tree verification follows Gated DeltaNet states on hybrid targets, all exact (hybrid_tree.py):
+    "scan" (one pass; the recurrence scans every root-to-leaf path), "levels" (one pass; stepped depth by depth),
+    "paths" (root-to-leaf paths as batch rows; any recurrent layer), "auto" (scan where the layers allow it).
     """
     if method not in METHODS:
         raise GenerationError(f"unknown method {method!r}; valid methods: {list(METHODS)}")
@@ -110,12 +119,12 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
             use_drafter = False
     if method == "tree" and not sampling.greedy:
         raise GenerationError("tree verification supports greedy decoding only (temperature 0)")
+    tree_mode = resolve_mode(target, hybrid_tree) if method == "tree" and target.is_hybrid else None
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
     gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
     result = GenerationResult(prompt_len=prompt_len, tokens=[])
     clock = _clock(target.device, result.timings)
     stops = set(int(t) for t in stop_token_ids)
-    hybrid_tree = method == "tree" and target.is_hybrid  # see _verify_tree: spine only on hybrid targets
 
     cache = target.new_cache()
     with clock("prefill"):
@@ -132,16 +141,16 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
     while len(result.tokens) < max_new_tokens:
         start = prompt_len + len(result.tokens) - 1          # position of the bonus token
         room = max_new_tokens - len(result.tokens)           # tokens we may still add after the bonus
-        block_len = min(bs, room + 1) if use_drafter else 1
+        n_verify = min(bs - 1, room) if use_drafter else 0   # drafts that can still be committed
         drafts: Tensor | None = None
         draft_q: Tensor | None = None
         draft_logits: Tensor | None = None
-        if block_len > 1:
-            with clock("draft"):
-                embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, block_len)
+        if n_verify > 0:
+            with clock("draft"):  # always the full block (see the module docstring); only n_verify drafts are used
+                embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, bs)
                 hidden = drafter(new_ctx, embeds, context_positions=new_pos,
-                                 block_positions=torch.arange(start, start + block_len)[None], cache=dcache)
-                draft_logits = drafter.logits(hidden[0, 1:], target.lm_head_weight).float()  # (bl−1, V')
+                                 block_positions=torch.arange(start, start + bs)[None], cache=dcache)
+                draft_logits = drafter.logits(hidden[0, 1:n_verify + 1], target.lm_head_weight).float()  # (nv, V')
                 if sampling.greedy or not draft_sampling:
                     drafts = drafter.to_target_ids(draft_logits.argmax(-1))
                 else:
@@ -150,9 +159,10 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
                     if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
                         full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
                         draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
-        if method == "tree" and drafts is not None and not hybrid_tree:
+        if method == "tree" and drafts is not None:
             committed, next_token, feats = _verify_tree(target, cache, bonus, draft_logits, drafter, start,
-                                                        layer_ids, tree_budget, tree_top_k, force_spine, clock)
+                                                        layer_ids, tree_budget, tree_top_k, force_spine, tree_mode,
+                                                        clock)
         else:
             block = torch.tensor([[bonus] + ([] if drafts is None else drafts.tolist())])  # (1, bl)
             committed, next_token, feats = _verify_chain(target, cache, block, start, layer_ids, sampling,
@@ -171,7 +181,7 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
             bonus = next_token
             if check_invariants:
                 _check(len(committed), tc.kv_length(cache), start, dcache.length if drafts is not None else None,
-                       bs if use_drafter else 1, tree_budget if method == "tree" and not hybrid_tree else None)
+                       bs if use_drafter else 1, tree_budget if method == "tree" else None)
             if stop_at is not None:
                 result.stop_reason = "stop_token"
                 break
@@ -213,19 +223,21 @@ def _verify_chain(target: Target, cache: object, block: Tensor, start: int, laye
 
 
 def _verify_tree(target: Target, cache: object, bonus: int, draft_logits: Tensor, drafter: DFlashDrafter,
-                 start: int, layer_ids: list[int], budget: int, top_k: int, force_spine: bool,
-                 clock: Any) -> tuple[list[int], int, Tensor]:
-    """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache."""
+                 start: int, layer_ids: list[int], budget: int, top_k: int | None, force_spine: bool,
+                 hybrid_mode: str | None, clock: Any) -> tuple[list[int], int, Tensor]:
+    """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache.
+    Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
     with clock("tree_build"):
         logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
         tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine)
         if drafter.config.draft_vocab_size is not None:
             tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])
-        n = tree.size
-        mask = torch.ones(n, start + n, dtype=torch.bool)
-        mask[:, start:] = tree_attention_mask(tree.parents)                        # (N, start + N)
-        additive = torch.zeros(1, 1, n, start + n, dtype=target.dtype, device=target.device)
-        additive.masked_fill_(~mask.to(target.device)[None, None], torch.finfo(target.dtype).min)
+    if hybrid_mode is not None:
+        v = verify_tree(target, cache, tree, start, layer_ids=layer_ids, feature_device=drafter.device,
+                        mode=hybrid_mode, clock=clock)
+        return tree.tokens[torch.tensor(v.path)].tolist(), v.next_token, v.features
+    with clock("tree_build"):
+        additive = tree_attention_bias(tree.parents, start, dtype=target.dtype, device=target.device)  # (1,1,N,s+N)
     with clock("verify"):
         out = target.forward(tree.tokens[None], layer_ids=layer_ids, cache=cache, use_cache=True,
                              position_ids=(start + tree.depths)[None], attention_mask=additive,

@@ -13,15 +13,17 @@ the layers stored, the generation settings and every finished prompt; a rerun sk
 Greedy verification is a pure function of the target's greedy continuation: on the accepted path, the target's
 argmax at each node *is* the next transcript token, and nodes off the path are never followed. So `simulate`
 replays the real loop (decode.py) exactly: bonus at position s, the drafter cache extended with the features of
-the tokens committed last round (the prompt first), block [token[s], MASK…] at positions s…, block length
-min(bs, room + 1); chain L = 1 + longest prefix of drafts equal to the transcript; DDTree-B builds the tree from
-the drafter's marginals and follows the transcript's tokens; s advances by L. At temperature 0 it gives the
-same acceptance lengths as `generate(method="chain"/"tree")`, up to floating-point near-ties between the
-transcript's one-pass features and the loop's incremental ones.
+the tokens committed last round (the prompt first), the full block [token[s], MASK × (bs−1)] at positions s…
+(also in the last round), of which the first min(bs − 1, room) drafts are used; chain L = 1 + longest prefix of
+those drafts equal to the transcript; DDTree-B builds the tree (depth ≤ room) from their marginals and follows the
+transcript's tokens; s advances by L. At temperature 0 it gives the same acceptance lengths as
+`generate(method="chain"/"tree")`, up to floating-point near-ties between the transcript's one-pass features and
+the loop's incremental ones.
 
 Limits: greedy only. When a transcript ends on a stop token, the target's continuation past it is unknown, so a
-final round that accepts through the stop token stops there (the real loop may count more drafts past it). On
-hybrid targets `decode.generate(method="tree")` verifies the chain only; simulation reports the true DDTree.
+final round that accepts through the stop token stops there (the real loop may count more drafts past it). Hybrid
+targets (Gated DeltaNet layers) are no exception: `decode.generate(method="tree")` verifies the whole tree exactly
+there too (hybrid_tree.py), so the DDTree rows are what the real loop accepts.
 """
 
 from __future__ import annotations
@@ -236,7 +238,7 @@ def build_transcripts(target: Target, prompts: Sequence[Prompt | Sequence[int]],
 
 # ---------------------------------------------------------------------------------------------- replay
 def _tree_length(draft_logits: Tensor, root: int, truth: list[int], drafter: DFlashDrafter, budget: int,
-                 top_k: int, force_spine: bool) -> int:
+                 top_k: int | None, force_spine: bool) -> int:
     tree = build_tree(torch.log_softmax(draft_logits, dim=-1), root, budget=budget, top_k=top_k,
                       force_spine=force_spine)
     if drafter.config.draft_vocab_size is not None:
@@ -253,7 +255,7 @@ def _tree_length(draft_logits: Tensor, root: int, truth: list[int], drafter: DFl
 
 @torch.no_grad()
 def replay(drafter: DFlashDrafter, transcript: Transcript, *, embed_weight: Tensor, lm_head_weight: Tensor,
-           max_new_tokens: int, method: Method, block_size: int | None = None, tree_top_k: int = 8,
+           max_new_tokens: int, method: Method, block_size: int | None = None, tree_top_k: int | None = None,
            force_spine: bool = False) -> list[int]:
     """Acceptance lengths (per round, bonus included) of `method` on one fixed greedy transcript."""
     ids, p_len = transcript.ids, transcript.prompt_len
@@ -268,12 +270,12 @@ def replay(drafter: DFlashDrafter, transcript: Transcript, *, embed_weight: Tens
     s = p_len                                                   # position of the bonus token
     while s - p_len + 1 < max_new_tokens and s < last:
         room = max_new_tokens - (s - p_len + 1)
-        block_len = min(bs, room + 1)
-        embeds = drafter.block_embeddings(torch.tensor([[ids[s]]]), embed_weight, block_len)
+        n_verify = min(bs - 1, room)                            # drafts that can still be committed (as decode.py)
+        embeds = drafter.block_embeddings(torch.tensor([[ids[s]]]), embed_weight, bs)  # always the full block
         hidden = drafter(new_ctx, embeds, context_positions=new_pos,
-                         block_positions=torch.arange(s, s + block_len)[None], cache=dcache)
-        draft_logits = drafter.logits(hidden[0, 1:], lm_head_weight).float()  # (bl − 1, V')
-        truth = ids[s + 1: s + block_len]                       # the target's greedy tokens at the draft slots
+                         block_positions=torch.arange(s, s + bs)[None], cache=dcache)
+        draft_logits = drafter.logits(hidden[0, 1:n_verify + 1], lm_head_weight).float()  # (nv, V')
+        truth = ids[s + 1: s + 1 + n_verify]                    # the target's greedy tokens at the used draft slots
         if method.kind == "tree":
             L = _tree_length(draft_logits, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine)
         else:
@@ -299,7 +301,8 @@ def _sim_methods(tree_budgets: Sequence[int], chain: bool, methods: Sequence[str
 
 
 def simulate_many(drafters: dict[str, DFlashDrafter], transcripts: str | Path | TranscriptCache, *,
-                  block_size: int | None = None, tree_budgets: Sequence[int] = (4, 8, 16), tree_top_k: int = 8,
+                  block_size: int | None = None, tree_budgets: Sequence[int] = (4, 8, 16),
+                  tree_top_k: int | None = None,
                   chain: bool = True, methods: Sequence[str] | None = None, prompt_ids: Sequence[str] | None = None,
                   force_spine: bool = False, progress: bool = True) -> dict[str, dict[str, dict[str, Any]]]:
     """Teacher-forced acceptance statistics of every drafter × method on one transcript cache.
@@ -345,7 +348,7 @@ def simulate_many(drafters: dict[str, DFlashDrafter], transcripts: str | Path | 
 
 
 def simulate(drafter: DFlashDrafter, transcripts: str | Path | TranscriptCache, *, block_size: int | None = None,
-             tree_budgets: Sequence[int] = (4, 8, 16), tree_top_k: int = 8, chain: bool = True,
+             tree_budgets: Sequence[int] = (4, 8, 16), tree_top_k: int | None = None, chain: bool = True,
              progress: bool = False, **kw: Any) -> dict[str, dict[str, Any]]:
     """`simulate_many` for one drafter: {method name: stats}."""
     return simulate_many({"drafter": drafter}, transcripts, block_size=block_size, tree_budgets=tree_budgets,
@@ -353,20 +356,17 @@ def simulate(drafter: DFlashDrafter, transcripts: str | Path | TranscriptCache, 
 
 
 def simulation_results(cache: TranscriptCache, drafters: dict[str, DFlashDrafter], results: dict[str, Any], *,
-                       dataset: str = "", block_size: int | None = None, tree_top_k: int = 8,
+                       dataset: str = "", block_size: int | None = None, tree_top_k: int | None = None,
                        drafter_sources: dict[str, str] | None = None) -> dict[str, Any]:
     """The results.json document of a simulation (same schema as `evaluate`; `kind` = "simulate", no timings)."""
     m = cache.manifest
     notes = ["teacher-forced simulation on greedy target transcripts: τ only (no wall-clock timings)"]
-    if m["target"].get("hybrid"):
-        notes.append("hybrid target: decode.generate(method='tree') verifies the chain only; ddtree rows here are "
-                     "the true DDTree acceptance")
     return {"schema": "dflashkit.eval/1", "kind": "simulate", "target": m["target"],
             "dataset": {"name": str(dataset), "n_prompts": max((st["n_prompts"] for per in results.values()
                                                                 for st in per.values()), default=0),
                         "transcripts": str(cache.path)},
             "settings": {"max_new_tokens": cache.max_new_tokens, "sampling": {"temperature": 0.0},
-                         "block_size": block_size, "tree_top_k": tree_top_k, "layers_stored": cache.layer_ids,
+                         "block_size": block_size, "tree_top_k": tree_top_k or None, "layers_stored": cache.layer_ids,
                          "stop_token_ids": m.get("stop_token_ids", [])},
             "drafters": {n: drafter_info(d, source=(drafter_sources or {}).get(n), block_size=block_size)
                          for n, d in drafters.items()},

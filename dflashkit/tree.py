@@ -2,8 +2,11 @@
 
 A DFlash drafter proposes, in one pass, log-distributions q_1 … q_D over the vocabulary for the D positions that
 follow the root (the bonus token, already committed). `build_tree` turns them into a draft tree holding the B
-prefixes u_1 … u_d (1 ≤ d ≤ D, tokens restricted to the top-K per depth) with the highest Π q_i(u_i). It runs a
-best-first search over the sorted top-K lists: popping a node pushes its next sibling (same parent, next rank)
+prefixes u_1 … u_d (1 ≤ d ≤ D, tokens restricted to the top-K per depth) with the highest Π q_i(u_i). By default
+K = min(B, V), as in the DDTree reference: a prefix whose token at some depth is outside that depth's top B has at
+least B sibling prefixes that are as probable, so it is never among the B best (ties aside), and the tree is then
+the B most probable prefixes over the whole vocabulary. A smaller K caps the branching. It runs a best-first search
+over the sorted top-K lists: popping a node pushes its next sibling (same parent, next rank)
 and its first child (rank 0 at the next depth). Since q_i(u) ≤ 1 and siblings are sorted, the popped set is
 exactly the top-B prefixes, and it is prefix-closed. `force_spine=True` always includes the top-1 chain first.
 
@@ -68,24 +71,30 @@ def _make_tree(
     )
 
 
+def resolve_top_k(top_k: int | None, budget: int) -> int:
+    """The tokens per depth DDTree considers: `top_k`, or the budget when `top_k` is None or 0 (the reference)."""
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be ≥ 1 (or None/0 for = budget), got {top_k}")
+    return int(top_k) if top_k else max(1, int(budget))
+
+
 def build_tree(
-    draft_log_probs: Tensor, root_token: int, *, budget: int, top_k: int, force_spine: bool = False
+    draft_log_probs: Tensor, root_token: int, *, budget: int, top_k: int | None = None, force_spine: bool = False
 ) -> DraftTree:
     """Build the DDTree over `draft_log_probs` (D, V) (log-softmax per depth) below `root_token`.
 
     Takes the `budget` most probable prefixes over the top-`top_k` tokens per depth (all of them if fewer exist);
-    the tree has 1 + min(budget, #prefixes) nodes. With `force_spine`, the top-1 chain (min(budget, D) nodes) is
-    taken first and the rest of the budget is filled best-first. Ties go to the entry pushed first.
+    `top_k` None or 0 means min(budget, V), the DDTree reference's choice (the `budget` most probable prefixes
+    of all); the tree has 1 + min(budget, #prefixes) nodes. With `force_spine`, the top-1 chain (min(budget, D)
+    nodes) is taken first and the rest of the budget is filled best-first. Ties go to the entry pushed first.
     """
     if draft_log_probs.dim() != 2:
         raise ValueError(f"draft_log_probs must be (D, V), got shape {tuple(draft_log_probs.shape)}")
     if budget < 0:
         raise ValueError(f"budget must be ≥ 0, got {budget}")
-    if top_k < 1:
-        raise ValueError(f"top_k must be ≥ 1, got {top_k}")
     depth_count, vocab = draft_log_probs.shape
     device = draft_log_probs.device
-    k = min(top_k, vocab)
+    k = min(resolve_top_k(top_k, budget), vocab)
 
     tokens, parents, depths, log_probs, ranks = [int(root_token)], [-1], [0], [0.0], [-1]
     if depth_count == 0 or budget == 0 or vocab == 0:
@@ -151,6 +160,16 @@ def tree_attention_mask(parents: Tensor) -> Tensor:
             break
         mask[rows[valid], cur[valid]] = True
     return mask
+
+
+def tree_attention_bias(parents: Tensor, start: int, *, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """(1, 1, N, start + N) additive mask for verifying the flattened tree after `start` cached tokens: 0 where a
+    node may attend (every cached token, itself, its ancestors), the dtype's minimum elsewhere."""
+    n = parents.shape[0]
+    allowed = torch.ones(n, start + n, dtype=torch.bool, device=parents.device)  # (N, start + N)
+    allowed[:, start:] = tree_attention_mask(parents)
+    bias = torch.zeros(1, 1, n, start + n, dtype=dtype, device=device)
+    return bias.masked_fill_(~allowed.to(device)[None, None], torch.finfo(dtype).min)
 
 
 def tree_position_ids(depths: Tensor, start: int) -> Tensor:

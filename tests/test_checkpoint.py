@@ -159,3 +159,34 @@ def test_drafter_must_fit_target(tiny_llama_dir):
         check_drafter_fits(good.replace(vocab_size=120, mask_token_id=5), target)
     with pytest.raises(TargetError, match="num_target_layers"):
         check_drafter_fits(good.replace(num_target_layers=12, target_layer_ids=[1, 10]), target)
+
+
+def test_zlab_config_without_target_layer_ids_derives_them(tmp_path, tiny_llama_dir, capsys):
+    """z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers) when dflash_config has no
+    target_layer_ids; inspect and info say the ids were derived, not stored."""
+    from dflashkit.info import gather_info, render_info
+    from dflashkit.inspect_ckpt import inspect_checkpoint, render_report
+
+    full = dict(ZLAB_QWEN3_8B, dflash_config={"mask_token_id": 151669})  # 36 target layers, 5 drafter layers
+    assert DrafterConfig.from_zlab_dict(full).target_layer_ids == [1, 9, 17, 25, 33]  # the published ids
+    cfg = zlab_small_config()
+    cfg.update(hidden_size=64, vocab_size=97, head_dim=16, dflash_config={"mask_token_id": 5})
+    sd = zlab_state_dict(cfg, n_features=2)  # K = num_hidden_layers = 2 → round(1 + j·(8 − 4)/1) = [1, 5]
+    path = write_zlab(tmp_path / "z", cfg, sd)
+    drafter = load_drafter(path)
+    assert drafter.config.target_layer_ids == [1, 5] and drafter.config.num_features == 2
+    report = inspect_checkpoint(path)
+    assert report.facts["target_layer_ids_derived"] and report.facts["target_layer_ids"] == [1, 5]
+    text = render_report(report)
+    assert "derived" in text and "config stores none" in text
+    assert not [f for f in report.findings if f.status == "FAIL"]
+    info = gather_info(str(tiny_llama_dir), drafter=str(path))
+    assert info["drafter"]["target_layer_ids_derived"] and "derived" in render_info(info)
+    # ids that are stored are reported as stored
+    stored = inspect_checkpoint(write_zlab(tmp_path / "s", zlab_small_config(), zlab_state_dict(zlab_small_config())))
+    assert not stored.facts["target_layer_ids_derived"] and "derived" not in render_report(stored)
+    # nothing to derive them from
+    del cfg["num_target_layers"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="neither 'target_layer_ids' nor 'num_target_layers'"):
+        load_drafter(path)

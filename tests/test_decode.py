@@ -162,3 +162,103 @@ def test_sampling_matches_target_distribution(tmp_path):
     finally:
         decode_mod.accept_argmax_drafts = orig
     assert 0.5 * (emp - exact).abs().sum().item() > 2 * tol
+
+
+class RecordCalls:
+    """Mixin for a drafter: records every pass (block positions and hidden output) in `self.calls`."""
+
+    def forward(self, context_features, block_embeds, *, context_positions, block_positions, **kw):
+        out = super().forward(context_features, block_embeds, context_positions=context_positions,
+                              block_positions=block_positions, **kw)
+        self.__dict__.setdefault("calls", []).append({"block": block_positions[0].tolist(),
+                                                      "hidden": out.detach().clone()})
+        return out
+
+
+class SpyDrafter(RecordCalls, DFlashDrafter):
+    pass
+
+
+class SpyOracle(RecordCalls, OracleDrafter):
+    pass
+
+
+def test_last_round_drafts_with_the_full_block(tiny_llama_dir, monkeypatch):
+    """Every drafter pass reads the full block, also when max_new_tokens leaves room for fewer than bs tokens; the
+    drafts verified in the last round are those of a direct full-block drafter forward (not of a shorter block,
+    which bidirectional attention makes different)."""
+    target = Target.load(tiny_llama_dir)
+    bs = 6
+    torch.manual_seed(0)
+    drafter = SpyDrafter(drafter_config(bs=bs)).eval()
+    prompt = torch.tensor([3, 14, 15, 92, 65, 35, 8])
+    verified: list[list[int]] = []
+    real_verify = decode_mod._verify_chain
+
+    def spy_verify(target_, cache, block, *args, **kw):
+        verified.append(block[0].tolist())
+        return real_verify(target_, cache, block, *args, **kw)
+
+    monkeypatch.setattr(decode_mod, "_verify_chain", spy_verify)
+    n_new = 9
+    res = generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=n_new, check_invariants=True)
+    assert res.tokens == reference_greedy(target, prompt, n_new)
+    assert len(drafter.calls) == len(verified) == res.rounds
+    assert all(len(c["block"]) == bs for c in drafter.calls)
+    committed = 1                                   # the prefill's token
+    for call, block, L in zip(drafter.calls, verified, res.acceptance_lengths):
+        room = n_new - committed
+        assert len(block) == 1 + min(bs - 1, room)  # only what fits is verified
+        committed += L
+    assert committed >= n_new
+    # the last round: a direct, cache-free, full-block drafter forward proposes exactly the verified drafts
+    last, block = drafter.calls[-1], verified[-1]
+    start = last["block"][0]
+    seq = torch.tensor(prompt.tolist() + res.tokens)[None]
+    ctx = target.forward(seq[:, :start], layer_ids=drafter.config.target_layer_ids, logits=False).features
+    n_verify = len(block) - 1
+    assert n_verify < bs - 1                        # the case under test: the block is cut by max_new_tokens
+
+    def direct(block_len: int) -> torch.Tensor:
+        embeds = drafter.block_embeddings(torch.tensor([[block[0]]]), target.embed_weight, block_len)
+        with torch.no_grad():
+            hidden = DFlashDrafter.forward(drafter, ctx, embeds, context_positions=torch.arange(start)[None],
+                                           block_positions=torch.arange(start, start + block_len)[None])
+        return drafter.logits(hidden[0, 1:n_verify + 1], target.lm_head_weight)  # (nv, V)
+
+    full = direct(bs)
+    assert torch.allclose(full, drafter.logits(last["hidden"][0, 1:n_verify + 1], target.lm_head_weight),
+                          atol=1e-4, rtol=1e-4)
+    assert full.argmax(-1).tolist() == block[1:]
+    assert not torch.allclose(direct(n_verify + 1), full, atol=1e-3)  # a shorter block would draft otherwise
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_greedy_exact_with_odd_max_new_tokens(tiny_target_dirs, kind, monkeypatch):
+    """Full-block drafting with a cut verification keeps greedy equality and the exact token count; in tree mode
+    the drafter reads the full block and the tree's depth is limited to what fits."""
+    target = Target.load(tiny_target_dirs[kind])
+    bs = 6
+    prompt = torch.randint(3, 97, (9,), generator=torch.Generator().manual_seed(21))
+    ref = reference_greedy(target, prompt, 17)
+    depths: list[int] = []
+    real_build = decode_mod.build_tree
+
+    def spy_build(logp, *args, **kw):
+        depths.append(int(logp.shape[0]))
+        return real_build(logp, *args, **kw)
+
+    monkeypatch.setattr(decode_mod, "build_tree", spy_build)
+    for n_new in (1, 2, 5, 9, 13, 17):
+        for method in ("chain", "tree"):
+            drafter = SpyOracle(drafter_config(bs=bs), prompt.tolist() + ref, p_correct=0.9, seed=n_new).eval()
+            depths.clear()
+            res = generate(target, prompt, drafter=drafter, method=method, max_new_tokens=n_new, tree_budget=12,
+                           check_invariants=True)
+            assert res.tokens == ref[:n_new] and len(res.tokens) == n_new, (kind, method, n_new)
+            assert all(len(c["block"]) == bs for c in getattr(drafter, "calls", []))
+            if method == "tree":
+                committed = 1
+                for depth, L in zip(depths, res.acceptance_lengths):
+                    assert depth == min(bs - 1, n_new - committed)
+                    committed += L

@@ -175,3 +175,38 @@ def test_simulation_equals_real_loop_on_hybrid_target(tiny_hybrid_dir, tmp_path)
     sim = simulate(d, cache, tree_budgets=[])
     real = generate(target, p.ids, drafter=d, method="chain", max_new_tokens=20, check_invariants=True)
     assert sim["chain"]["per_prompt"][p.id] == real.acceptance_lengths and real.tau > 1.5
+
+
+class Recording(DFlashDrafter):
+    """A random drafter network that records the length and hidden output of every block it reads."""
+
+    def forward(self, *args, block_positions, **kw):
+        out = super().forward(*args, block_positions=block_positions, **kw)
+        self.__dict__.setdefault("calls", []).append((block_positions.shape[1], out.detach().clone()))
+        return out
+
+
+def test_simulation_drafts_full_last_blocks_like_the_real_loop(llama, tmp_path):
+    """Odd max_new_tokens: the last round's block is still full in the replay and in the real loop (same drafter
+    outputs), only what fits is verified, and the default DDTree top-k (= budget) is the same in both."""
+    p = make_prompts(1, seed=6)[0]
+    bs = 6
+    for n_new in (7, 13):
+        cache = build_transcripts(llama, [p], tmp_path / f"tr{n_new}", max_new_tokens=n_new, layer_ids=[1, 4, 6],
+                                  progress=False)
+        ids = cache.load(0).ids
+        oracle = PositionalOracle(drafter_config(bs=bs), ids, p_correct=0.9, seed=2).eval()
+        sim = simulate(oracle, cache, tree_budgets=[12])
+        for method, kw in (("chain", {}), ("ddtree:12", {"tree_budget": 12})):
+            real = generate(llama, p.ids, drafter=oracle, method="tree" if kw else "chain", max_new_tokens=n_new,
+                            check_invariants=True, **kw)
+            assert sim[method]["per_prompt"][p.id] == real.acceptance_lengths, (n_new, method)
+            assert sum(real.acceptance_lengths) + 1 >= n_new and len(real.tokens) == n_new
+        torch.manual_seed(n_new)
+        rec = Recording(drafter_config(bs=bs)).eval()
+        simulate(rec, cache, tree_budgets=[])
+        sim_calls, rec.calls = rec.calls, []
+        generate(llama, p.ids, drafter=rec, method="chain", max_new_tokens=n_new)
+        assert [n for n, _ in sim_calls] == [n for n, _ in rec.calls] == [bs] * len(rec.calls)
+        for (_, a), (_, b) in zip(sim_calls, rec.calls):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

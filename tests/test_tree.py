@@ -13,6 +13,8 @@ from dflashkit.tree import (
     build_tree,
     chain_tree,
     follow_tree,
+    resolve_top_k,
+    tree_attention_bias,
     tree_attention_mask,
     tree_position_ids,
 )
@@ -128,9 +130,54 @@ def test_build_tree_edge_cases() -> None:
     with pytest.raises(ValueError):
         build_tree(lp, 9, budget=-1, top_k=2)
     with pytest.raises(ValueError):
-        build_tree(lp, 9, budget=3, top_k=0)
+        build_tree(lp, 9, budget=3, top_k=-1)
+    zero, none = build_tree(lp, 9, budget=7, top_k=0), build_tree(lp, 9, budget=7)  # 0 and None mean = budget
+    assert torch.equal(zero.tokens, none.tokens) and torch.equal(zero.parents, none.parents)
     with pytest.raises(ValueError):
         build_tree(lp[0], 9, budget=3, top_k=2)
+
+
+def all_prefixes_top(draft_log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    """Reference without any top-K: every prefix over the whole vocabulary, scored by Π q_i(u_i); the best B."""
+    depth, vocab = draft_log_probs.shape
+    lp = draft_log_probs.double().tolist()
+    scored = [(sum(lp[i][t] for i, t in enumerate(seq)), seq)
+              for d in range(1, depth + 1) for seq in itertools.product(range(vocab), repeat=d)]
+    scored.sort(key=lambda x: -x[0])
+    return {seq for _, seq in scored[:budget]}
+
+
+def test_default_top_k_is_the_budget_and_gives_the_most_probable_prefixes() -> None:
+    """DDTree reference: K = min(B, V), so the tree is exactly the B most probable prefixes of all V^d — also for
+    budgets above 8 (the old default cap), where a K = 8 cap loses probability mass."""
+    assert resolve_top_k(None, 12) == 12 and resolve_top_k(0, 12) == 12 and resolve_top_k(3, 12) == 3
+    assert resolve_top_k(None, 0) == 1
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(6):
+        vocab, depth = (12, 3) if trial % 2 else (6, 4)
+        scale = 0.3 if trial < 2 else 2.0  # flat marginals: many depth-1 tokens beat every deeper prefix
+        lp = torch.log_softmax(torch.randn(depth, vocab, generator=gen, dtype=torch.float64) * scale, dim=-1)
+        for budget in (9, 12, 17, 30, 64):
+            tree = build_tree(lp, 0, budget=budget)
+            check_structure(tree, lp, budget, min(budget, vocab), 0)
+            assert set(prefixes(tree)) == all_prefixes_top(lp, budget), (trial, budget)
+    # flat marginals, B = 12 > 8: the reference tree holds all 12 first tokens; a K = 8 cap holds less probability
+    lp = torch.log_softmax(torch.randn(3, 12, generator=gen, dtype=torch.float64) * 0.1, dim=-1)
+    full, capped = build_tree(lp, 0, budget=12), build_tree(lp, 0, budget=12, top_k=8)
+    assert sorted(full.tokens[1:].tolist()) == list(range(12)) and full.depths[1:].tolist() == [1] * 12
+    assert capped.log_probs[1:].exp().sum() < full.log_probs[1:].exp().sum()
+
+
+def test_explicit_smaller_top_k_caps_the_branching() -> None:
+    gen = torch.Generator().manual_seed(8)
+    lp = random_log_probs(gen, 4, 9)
+    for budget in (10, 25, 60):
+        for top_k in (2, 3):
+            tree = build_tree(lp, 5, budget=budget, top_k=top_k)
+            check_structure(tree, lp, budget, top_k, 5)
+            assert set(prefixes(tree)) == set(brute_force_top_prefixes(lp, budget, top_k))
+            per_depth = {d: len({p[-1] for p in prefixes(tree) if len(p) == d}) for d in range(1, 5)}
+            assert max(per_depth.values()) <= top_k
 
 
 def test_build_tree_ties_are_deterministic() -> None:
@@ -168,6 +215,16 @@ def test_tree_attention_mask_matches_naive_ancestors() -> None:
         tree = build_tree(lp, 0, budget=rng.randint(0, 30), top_k=rng.randint(1, 4), force_spine=rng.random() < 0.5)
         assert torch.equal(tree_attention_mask(tree.parents), naive_mask(tree.parents.tolist()))
     assert torch.equal(tree_attention_mask(torch.tensor([-1])), torch.ones(1, 1, dtype=torch.bool))
+
+
+def test_tree_attention_bias_sees_the_cache_and_ancestors_only() -> None:
+    parents = torch.tensor([-1, 0, 0, 1])
+    bias = tree_attention_bias(parents, 3, dtype=torch.float32, device="cpu")
+    assert bias.shape == (1, 1, 4, 7)
+    allowed = bias[0, 0] == 0
+    assert allowed[:, :3].all()                                              # every cached token
+    assert torch.equal(allowed[:, 3:], naive_mask(parents.tolist()))         # itself and its ancestors
+    assert (bias[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
 
 
 def test_tree_position_ids() -> None:
@@ -243,3 +300,30 @@ def test_follow_tree_path_length_bounds() -> None:
             assert parents[b] == a and toks[b] == target[a].item()
         last = path[-1]
         assert all(toks[c] != target[last].item() for c in tree.children(last))
+
+
+def test_every_tree_top_k_default_is_the_budget() -> None:
+    """generate, simulate, evaluate, bench/speed.py and the CLI all default to K = budget (None), not a cap."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    from dflashkit import decode, evaluate, simulate
+    from dflashkit.cli import build_parser
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "speed.py"
+    spec = importlib.util.spec_from_file_location("bench_speed_defaults", bench)
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    for fn in (decode.generate, simulate.replay, simulate.simulate_many, simulate.simulate,
+               simulate.simulation_results, evaluate.evaluate, speed.run_bench):
+        assert inspect.signature(fn).parameters["tree_top_k"].default is None, fn.__qualname__
+    parser = build_parser()
+    base = {"generate": ["--prompt", "x"], "eval": ["--dataset", "d", "--out", "o"],
+            "simulate": ["--dataset", "d", "--cache", "c", "--out", "o"]}
+    for cmd, rest in base.items():
+        assert parser.parse_args([cmd, *rest]).tree_top_k is None, cmd
+        assert parser.parse_args([cmd, *rest, "--tree-top-k", "4"]).tree_top_k == 4
+        assert parser.parse_args([cmd, *rest, "--tree-top-k", "0"]).tree_top_k is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--tree-top-k", "-2"])
