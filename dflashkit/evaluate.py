@@ -35,6 +35,7 @@ from dflashkit.decode import generate
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.eval_stats import (Method, Prompt, acceptance_stats, drafter_fingerprint, drafter_info, parse_methods,
                                   prompt_sha, target_info)
+from dflashkit.hybrid_tree import resolve_mode
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.model import DFlashDrafter
 from dflashkit.sampling import SamplingParams
@@ -102,7 +103,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _run(target: Target, prompt: Prompt, *, drafter: DFlashDrafter | None, method: Method, max_new_tokens: int,
-         sampling: SamplingParams, block_size: int | None, tree_top_k: int, stops: list[int],
+         sampling: SamplingParams, block_size: int | None, tree_top_k: int | None, stops: list[int],
          seed: int | None) -> tuple[Any, float]:
     _sync(target.device)
     t0 = time.perf_counter()
@@ -216,11 +217,18 @@ def _method_stats(records: list[dict[str, Any]], method: Method, block_size: int
 def evaluate(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
              methods: str | Sequence[str] = ("ar", "chain", "ddtree:8"), max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), out_dir: str | Path, resume: bool = True,
-             block_size: int | None = None, tree_top_k: int = 8, stop_token_ids: Sequence[int] | None = None,
+             block_size: int | None = None, tree_top_k: int | None = None,
+             stop_token_ids: Sequence[int] | None = None,
              dataset: str = "", skipped: dict[str, str] | None = None, triage_threshold: float | None = None,
              seed: int = 0, warmup: bool = True, hf_baseline: bool = False,
-             drafter_sources: dict[str, str] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run AR + every (drafter, method) on `prompts`; write progress.jsonl and results.json; return results."""
+             drafter_sources: dict[str, str] | None = None, progress: bool = True,
+             deadline: float | None = None) -> dict[str, Any]:
+    """Run AR + every (drafter, method) on `prompts`; write progress.jsonl and results.json; return results.
+
+    deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always
+    evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how
+    many. A resumed run continues with the rest.
+    """
     from tqdm import tqdm
 
     todo_methods = parse_methods(methods)
@@ -243,7 +251,8 @@ def evaluate(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequen
     t_info = target_info(target)
     settings = {"methods": [m.name for m in todo_methods], "max_new_tokens": int(max_new_tokens),
                 "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
-                "block_size": block_size, "tree_top_k": int(tree_top_k), "stop_token_ids": stops,
+                "block_size": block_size, "tree_top_k": int(tree_top_k) if tree_top_k else None,
+                "stop_token_ids": stops,
                 "seed": int(seed), "triage_threshold": threshold, "hf_baseline": bool(hf_baseline)}
     key = hashlib.sha256(json.dumps({"settings": settings, "target": t_info["fingerprint"],
                                      "drafters": {n: drafter_fingerprint(d) for n, d in sorted(drafters.items())}},
@@ -305,8 +314,12 @@ def evaluate(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequen
             f.flush()
             os.fsync(f.fileno())
             records[p.id] = rec
+            if deadline is not None and time.monotonic() > deadline:
+                break
     bar.close()
 
+    requested = len(prompts)
+    prompts = [p for p in prompts if p.id in records]      # all of them unless the deadline cut the run short
     chosen = [records[p.id] for p in prompts]
     ar_stats = _ar_stats([r["ar"] for r in chosen], [r["hf"] for r in chosen if "hf" in r])
     results: dict[str, dict[str, Any]] = {}
@@ -316,10 +329,13 @@ def evaluate(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequen
                                                m, bs, ar_stats, sampling.greedy) for m in spec}
     notes = []
     if target.is_hybrid and any(m.kind == "tree" for m in spec):
-        notes.append("hybrid target: tree verification runs the chain (spine) only in decode.generate")
+        notes.append(f"hybrid target: DDTree verifies the whole tree exactly (Gated DeltaNet states followed per "
+                     f"node, '{resolve_mode(target, 'auto')}' mode)")
     doc = {"schema": "dflashkit.eval/1", "kind": "evaluate", "target": t_info,
            "dataset": {"name": str(dataset), "n_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
-                       "skipped": dict(skipped or {})},
+                       "skipped": dict(skipped or {}),
+                       **({"time_boxed": {"requested": requested, "evaluated": len(prompts)}}
+                          if len(prompts) < requested else {})},
            "settings": settings,
            "drafters": {n: drafter_info(d, source=(drafter_sources or {}).get(n), block_size=block_size)
                         for n, d in drafters.items()},

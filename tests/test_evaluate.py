@@ -241,3 +241,37 @@ def test_ar_only_with_hf_baseline(llama, tmp_path):
                    stop_token_ids=(), hf_baseline=True, warmup=False)
     assert doc["results"] == {} and doc["ar"]["hf_generate"]["equal_to_ar_fraction"] == 1.0
     assert "(baseline) | ar" in render(tmp_path / "results.json")
+
+
+def test_deadline_time_boxes_and_resumes(llama, tmp_path):
+    """A passed deadline: one prompt is still evaluated, the results say 1 of 3; a resume does the other two."""
+    import time
+
+    prompts = make_prompts(3, seed=5)
+    drafters = {"random": DFlashDrafter(drafter_config()).eval()}
+    kw = dict(methods="ar,chain", max_new_tokens=6, out_dir=tmp_path, progress=False, stop_token_ids=(),
+              warmup=False)
+    doc = evaluate(llama, drafters, prompts, deadline=time.monotonic(), **kw)
+    assert doc["dataset"]["n_prompts"] == 1 and doc["dataset"]["time_boxed"] == {"requested": 3, "evaluated": 1}
+    assert doc["results"]["random"]["chain"]["n_prompts"] == 1
+    full = evaluate(llama, drafters, prompts, **kw)
+    assert full["dataset"]["n_prompts"] == 3 and "time_boxed" not in full["dataset"]
+
+
+def test_quickstart_shortfall_notes():
+    """The quickstart's final screen names a stage that got much less than an idle machine gives it."""
+    from dataclasses import asdict
+
+    from dflashkit.quickstart import QuickstartSettings, shortfall_notes
+
+    s = asdict(QuickstartSettings())
+    idle = {"settings": s, "done": {"prepare": {"conversations": 190}, "train": {"steps": 300},
+                                    "eval": {"mtbench": {"prompts": 8, "requested": 8}}}}
+    assert shortfall_notes(idle) == []
+    busy = {"settings": s, "done": {"prepare": {"conversations": 32}, "train": {"steps": 140},
+                                    "eval": {"mtbench": {"prompts": 3, "requested": 8}}}}
+    notes = shortfall_notes(busy)
+    assert len(notes) == 3
+    assert "32 responses" in notes[0] and "~192" in notes[0]
+    assert "140 steps" in notes[1] and "~315" in notes[1]
+    assert "3 of 8 prompts" in notes[2]
