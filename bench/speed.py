@@ -154,8 +154,8 @@ def run_bench(target: Target, drafter: Any, prompts: list[Prompt], *, max_new_to
     for m in spec:
         st = _method_stats(raw[m.name], m, bs, ar, greedy=True)  # greedy_equal here means "equal to HF AR"
         stats[m.name] = {k: st[k] for k in ("tokens", "wall_s", "tok_s", "tau_macro", "tau_micro", "rounds",
-                                            "round_s", "speedup_vs_ar", "predicted_speedup", "efficiency",
-                                            "greedy_equal_fraction", "divergences")}
+                                            "round_s", "timings_per_round_s", "speedup_vs_ar", "predicted_speedup",
+                                            "efficiency", "greedy_equal_fraction", "divergences")}
         stats[m.name]["speedup_vs_hf_ar"] = vs_hf(st["tok_s"])
     return {name: stats[name] for name in names}
 
@@ -188,8 +188,14 @@ def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any
     trees = {b: stats[f"ddtree:{b}"] for b in budgets}
     best = max(budgets, key=lambda b: trees[b]["tok_s"] or 0.0)
     chain, tree = stats["chain"], trees[best]
+    speculative = {name: st for name, st in stats.items() if name == "chain" or name.startswith("ddtree:")}
+    best_method = max(speculative, key=lambda n: speculative[n]["tok_s"] or 0.0)
+    ar_step = stats[DK_AR]["t_step_s"]
     return {
         "bench": "speed", **context,
+        # one chain round (draft + verify + commit) in AR steps, measured in the same run: break-even needs τ above it
+        "round_cost_vs_ar": chain["round_s"] / ar_step if chain.get("round_s") and ar_step else None,
+        "best_method": best_method, "speedup_best_vs_hf_ar": speculative[best_method]["speedup_vs_hf_ar"],
         "tau_chain_macro": chain["tau_macro"], "tau_ddtree_best": tree["tau_macro"], "ddtree_best_budget": best,
         "hf_ar_tok_s": stats[HF_AR]["tok_s"], "dflashkit_ar_tok_s": stats[DK_AR]["tok_s"],
         "prompt_lookup_tok_s": stats[PLD]["tok_s"], "chain_tok_s": chain["tok_s"], "ddtree_tok_s": tree["tok_s"],

@@ -197,18 +197,17 @@ def _verify_chain(target: Target, cache: object, block: Tensor, start: int, laye
     with clock("verify"):
         snap = tc.snapshot(cache) if recurrent and bl > 1 else None
         out = target.forward(block, layer_ids=layer_ids, cache=cache, use_cache=True,
-                             position_ids=torch.arange(start, start + bl)[None],
+                             position_ids=torch.arange(start, start + bl)[None], logits=not sampling.greedy,
                              feature_device=drafter.device if drafter is not None and layer_ids else None)
-    logits = out.logits[0].float()  # (bl, V)
-    drafts = block[0, 1:].to(logits.device)
-    if sampling.greedy:
-        posterior = logits.argmax(-1)
-        accepted = int((drafts == posterior[:-1]).long().cumprod(0).sum())
-        next_token = int(posterior[accepted])
-    elif draft_q is not None:
-        accepted, next_token = accept_sampled_drafts(drafts, probs(logits, sampling), draft_q, gen)
-    else:
-        accepted, next_token = accept_argmax_drafts(drafts, probs(logits, sampling), gen)
+        if sampling.greedy:
+            accepted, next_token = _greedy_accept_lazy(target, out.final_hidden[0], block[0, 1:])
+    if not sampling.greedy:
+        logits = out.logits[0].float()  # (bl, V)
+        drafts = block[0, 1:].to(logits.device)
+        if draft_q is not None:
+            accepted, next_token = accept_sampled_drafts(drafts, probs(logits, sampling), draft_q, gen)
+        else:
+            accepted, next_token = accept_argmax_drafts(drafts, probs(logits, sampling), gen)
     keep = accepted + 1
     with clock("commit"):
         if keep < bl:
@@ -220,6 +219,23 @@ def _verify_chain(target: Target, cache: object, block: Tensor, start: int, laye
                 tc.crop(cache, start + keep)
     feats = out.features[:, :keep] if out.features is not None else None
     return block[0, :keep].tolist(), next_token, feats
+
+
+def _greedy_accept_lazy(target: Target, final_hidden: Tensor, drafts: Tensor) -> tuple[int, int]:
+    """Greedy acceptance with a lazy verifier head: final_hidden (bl, H) of the verified block, drafts (bl − 1,).
+
+    The LM head is the largest matmul of a small target's verify pass, and an undertrained drafter's first draft
+    is rejected in most rounds: row 0's logits decide that alone (one row, the AR step's shape), and the other
+    rows' logits are computed only when the first draft is accepted. A row's logits do not depend on the other
+    rows (in float the one-row product may differ in the last bits from a many-row one, as between any two batch
+    shapes; an AR step computes its row the same way)."""
+    first = int(target.verifier_logits(final_hidden[None, :1])[0, 0].float().argmax())
+    if drafts.numel() == 0 or int(drafts[0]) != first:
+        return 0, first
+    rest = target.verifier_logits(final_hidden[None, 1:])[0].float().argmax(-1)   # (bl − 1,)
+    posterior = torch.cat([torch.tensor([first], device=rest.device), rest])        # (bl,)
+    accepted = int((drafts.to(rest.device) == posterior[:-1]).long().cumprod(0).sum())
+    return accepted, int(posterior[accepted])
 
 
 def _verify_tree(target: Target, cache: object, bonus: int, draft_logits: Tensor, drafter: DFlashDrafter,

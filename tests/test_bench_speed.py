@@ -17,7 +17,8 @@ from dflashkit.model import DFlashDrafter
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "speed.py"
 REQUIRED = ("tau_chain_macro", "tau_ddtree_best", "ddtree_best_budget", "hf_ar_tok_s", "chain_tok_s",
             "speedup_chain_vs_hf_ar", "speedup_ddtree_vs_hf_ar", "speedup_prompt_lookup_vs_hf_ar", "efficiency",
-            "greedy_equal_fraction", "n_prompts", "dflashkit_ar_tok_s", "ddtree_tok_s", "ddtree", "threads")
+            "greedy_equal_fraction", "n_prompts", "dflashkit_ar_tok_s", "ddtree_tok_s", "ddtree", "threads",
+            "round_cost_vs_ar", "best_method", "speedup_best_vs_hf_ar")
 
 
 def load_bench():
@@ -64,6 +65,8 @@ def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
     for k in ("hf_ar_tok_s", "chain_tok_s", "ddtree_tok_s", "dflashkit_ar_tok_s", "speedup_chain_vs_hf_ar",
               "speedup_prompt_lookup_vs_hf_ar", "efficiency"):
         assert last[k] > 0, k
+    assert last["round_cost_vs_ar"] > 0 and last["best_method"] in ("chain", "ddtree:2", "ddtree:4")
+    assert last["speedup_best_vs_hf_ar"] == max(last["speedup_chain_vs_hf_ar"], last["speedup_ddtree_vs_hf_ar"])
     assert any(line.startswith("chain") for line in lines[:-1])  # the human table precedes the JSON line
 
 
