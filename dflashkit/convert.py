@@ -3,6 +3,7 @@
     dflashkit convert SRC OUT                      # speculators or z-lab → z-lab (vLLM method=dflash, SGLang DFLASH)
     dflashkit convert SRC OUT --dtype bf16         # … with floating tensors cast to bf16
     dflashkit convert SRC OUT --to speculators     # z-lab → speculators layout (round trips exactly)
+    dflashkit convert SRC OUT.gguf --to gguf --target T.gguf   # llama.cpp dflash GGUF (dflashkit/gguf_export.py)
 
 What differs between the two formats (vllm-project/speculators `src/speculators/models/dflash/{config,core}.py`,
 `src/speculators/model.py`, `src/speculators/data_generation/vocab_mapping.py`; vLLM's

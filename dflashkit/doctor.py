@@ -266,6 +266,10 @@ def mask_finding(cfg: DrafterConfig, drafter: DFlashDrafter | None, target: Any,
     if mid >= len(tok):
         return Finding("OK", "mask token", f"row {mid} lies beyond the tokenizer's {len(tok)} tokens: never produced")
     name = tok.convert_ids_to_tokens(mid)
+    from dflashkit.mask_choice import special_candidates
+    if mid in special_candidates(tok):   # an added special token outside the chat template and control tokens
+        return Finding("OK", "mask token", f"special token {name!r} ({mid}): outside the chat template, not seen in "
+                       f"ordinary text or {sum(map(len, transcripts))} generated tokens")
     if mid in set(getattr(tok, "all_special_ids", []) or []):
         if "mask" in str(name).lower():
             return Finding("OK", "mask token", f"dedicated special token {name!r} ({mid})")

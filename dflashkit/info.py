@@ -5,8 +5,10 @@ Also home of `default_drafter_config(target)`, the one place that turns a loaded
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,21 +31,61 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
 def default_drafter_config(target: Any, **overrides: Any) -> DrafterConfig:
     """The drafter dflashkit builds for `target` (a `Target`): own geometry, z-lab layer ids, mask-token choice.
 
-    The mask token is a spare embedding row when the target has one (z-lab's choice for Qwen3), else a learned
-    mask embedding stored in the drafter (SmolLM2 uses all 49152 rows).
+    The mask token is a spare embedding row when the target has one (z-lab's choice for Qwen3), else the row of
+    a special token no chat produces (SmolLM2: 16 `<empty_output>`; `mask_choice.py`; measured as good as a
+    learned mask at equal training minutes, README "Mask choice"), else a learned mask embedding stored in the
+    drafter. `learned_mask_embedding=True` asks for the learned one.
     """
     valid = {f.name for f in fields(DrafterConfig)} | {"num_features"}
     unknown = sorted(set(overrides) - valid)
     if unknown:
         raise ConfigError(f"unknown drafter config field(s) {unknown}; valid fields: {sorted(valid)}")
     overrides = dict(overrides)
-    mask = overrides.pop("mask_token_id", target.spare_mask_token_id())
-    extra = {"chat_template": target.chat_template_info(), "target_architecture": target.architecture}
+    spare = target.spare_mask_token_id()
+    if overrides.pop("learned_mask_embedding", False):
+        mask, why = None, "a learned mask embedding was asked for"
+    elif "mask_token_id" in overrides:
+        mask, why = overrides.pop("mask_token_id"), "chosen by the user"
+    elif spare is not None:
+        mask, why = spare, f"spare embedding row {spare}: beyond the tokenizer, never produced"
+    else:
+        from dflashkit.mask_choice import unused_special_token
+
+        pick = unused_special_token(target.tokenizer) if target.tokenizer is not None else None
+        mask, why = pick if pick else (None, "every embedding row is a token the tokenizer can produce")
+    extra = {"chat_template": target.chat_template_info(), "target_architecture": target.architecture,
+             "mask_reason": why}
     extra.update(overrides.pop("extra", {}) or {})
     cfg = DrafterConfig.for_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                                    num_target_layers=target.num_layers, mask_token_id=mask, extra=extra, **overrides)
     target.check_layer_ids(cfg.target_layer_ids)
     return cfg
+
+
+def describe_mask(cfg: DrafterConfig, tokenizer: Any = None) -> str:
+    """Which mask the drafter uses, why (as recorded at creation), and where it loads unchanged."""
+    why = cfg.extra.get("mask_reason")
+    if cfg.learned_mask_embedding:
+        text = "learned mask embedding (the drafter's own vector"
+        text += f"; {why})" if why else ")"
+        return text + (f" — vLLM reads it (mask_embedding.pt), llama.cpp only with a table copy in the GGUF; "
+                       f"z-lab and SGLang would use row {cfg.mask_token_id} instead")
+    kind, token = "", None
+    if tokenizer is not None:
+        n = len(tokenizer)
+        if cfg.mask_token_id >= n:
+            kind = "beyond the tokenizer: never produced"
+        else:
+            token = tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
+            special = (cfg.mask_token_id in set(getattr(tokenizer, "all_special_ids", []) or [])
+                       or cfg.mask_token_id in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
+            kind = f"{token!r}, {'a special token' if special else 'an ordinary token'}"
+    if why and token is not None and repr(token) in why:
+        parts = [why]                      # the recorded reason already names the token
+    else:
+        parts = [p for p in (kind, why) if p]
+    return (f"target embedding row {cfg.mask_token_id}" + (f" ({'; '.join(parts)})" if parts else "")
+            + " — loads unchanged in z-lab, vLLM, SGLang and llama.cpp")
 
 
 def _count(n: int) -> str:
@@ -52,7 +94,8 @@ def _count(n: int) -> str:
 
 def gather_info(target_spec: str | None, *, drafter: str | None = None, device: str = "cpu",
                 trust_remote_code: bool = False) -> dict[str, Any]:
-    from dflashkit.checkpoint import describe, load_drafter
+    from dflashkit.checkpoint import CONFIG_NAME, describe, load_drafter
+    from dflashkit.config import stores_target_layer_ids
     from dflashkit.default_target import DEFAULT_ALIASES, cache_root, default_target_dir
     from dflashkit.model import DFlashDrafter
     from dflashkit.target import Target
@@ -65,7 +108,9 @@ def gather_info(target_spec: str | None, *, drafter: str | None = None, device: 
     if drafter:
         model = load_drafter(drafter)
         cfg = model.config
-        drafter_info = {"source": drafter, **describe(drafter)}
+        raw = json.loads((Path(drafter) / CONFIG_NAME).read_text())  # load_drafter has parsed it already
+        drafter_info = {"source": drafter, **describe(drafter),
+                        "target_layer_ids_derived": not stores_target_layer_ids(raw)}
     else:
         cfg = default_drafter_config(target)
         model = DFlashDrafter(cfg)
@@ -85,8 +130,7 @@ def gather_info(target_spec: str | None, *, drafter: str | None = None, device: 
             "load_seconds": round(load_s, 2), "converted_now": is_default and not was_cached,
         },
         "drafter": {**drafter_info, "config": cfg.to_zlab_dict(), "parameters": model.num_parameters(),
-                    "mask": ("learned mask embedding (no spare embedding row)" if cfg.learned_mask_embedding
-                             else f"target embedding row {cfg.mask_token_id}")},
+                    "mask": describe_mask(cfg, target.tokenizer)},
         "cache": {"root": str(cache_root()), "default_target": str(default_target_dir())},
     }
 
@@ -115,7 +159,8 @@ def render_info(info: dict[str, Any]) -> str:
         f"  MLP               {cfg['intermediate_size']}",
         f"  target features   {len(cfg['dflash_config']['target_layer_ids'])} layers "
         f"{cfg['dflash_config']['target_layer_ids']} → fc {len(cfg['dflash_config']['target_layer_ids']) * cfg['hidden_size']}"
-        f" → {cfg['hidden_size']}",
+        f" → {cfg['hidden_size']}"
+        + (" (derived by z-lab's default rule: config.json stores none)" if d.get("target_layer_ids_derived") else ""),
         f"  block size        {cfg['block_size']}",
         f"  mask token        {d['mask']}",
         f"  parameters        {_count(d['parameters'])} (+ the target's frozen embeddings and LM head)",
@@ -127,4 +172,4 @@ def render_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["default_drafter_config", "gather_info", "parse_overrides", "render_info"]
+__all__ = ["default_drafter_config", "describe_mask", "gather_info", "parse_overrides", "render_info"]

@@ -316,6 +316,8 @@ def render_report(report: CheckpointReport) -> str:
     summary = ", ".join(f"{kinds.count(t)} × {t}" for t in dict.fromkeys(kinds))
     mask_txt = ("learned mask embedding (tensor 'mask_embedding')" if mask["learned_embedding_tensor"]
                 else f"target embedding row {mask['mask_token_id']}")
+    if f["extra"].get("mask_reason"):
+        mask_txt += f" — {f['extra']['mask_reason']}"
     named = ("config stores none, derived (z-lab default)" if f.get("target_layer_ids_derived")
              else f"config names {len(ids) if ids else '?'}")
     lines = [

@@ -27,9 +27,12 @@ def test_smollm2_default_converts_loads_and_answers():
     # the captured final state reproduces the model's own logits
     fwd = target.forward(ids, layer_ids=[1, 8])
     torch.testing.assert_close(fwd.logits, target.model(ids).logits, rtol=1e-4, atol=1e-4)
-    # the default drafter: own geometry, learned mask (SmolLM2 has no spare embedding row)
+    # the default drafter: own geometry; SmolLM2 has no spare embedding row, so the mask is the row of its
+    # never-used special token <empty_output> (16), or a learned mask embedding when asked for
     cfg = default_drafter_config(target)
-    assert cfg.learned_mask_embedding and cfg.num_features == 5
+    assert not cfg.learned_mask_embedding and cfg.mask_token_id == 16 and cfg.num_features == 5
+    assert "<empty_output>" in cfg.extra["mask_reason"]
+    assert default_drafter_config(target, learned_mask_embedding=True).learned_mask_embedding
     assert (cfg.num_attention_heads, cfg.head_dim) != (9, 64)
 
 
@@ -38,4 +41,4 @@ def test_info_command_runs(capsys):
 
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "LlamaForCausalLM" in out and "learned mask embedding" in out and "Cache" in out
+    assert "LlamaForCausalLM" in out and "target embedding row 16 ('<empty_output>'" in out and "Cache" in out

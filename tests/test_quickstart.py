@@ -29,7 +29,7 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
     assert state["done"]["prepare"]["conversations"] >= 4
     drafter = load_drafter(out / "drafter")          # exported z-lab checkpoint loads strictly
-    assert drafter.config.learned_mask_embedding
+    assert not drafter.config.learned_mask_embedding and drafter.config.mask_token_id == 16   # <empty_output>
     for dataset in ("mtbench", "humaneval"):
         doc = json.loads((out / "eval" / dataset / "results.json").read_text())
         chain = doc["results"]["quickstart"]["chain"]

@@ -5,6 +5,7 @@
     dflashkit doctor --target T --drafter D [--prompts N] [--max-new-tokens N] [--features DIR] [--json]
     dflashkit logs RUN [RUN …] [--acc 0.5] [--acc-slot K] [--out DIR] [--json]
     dflashkit convert SRC OUT [--to zlab|speculators] [--dtype bf16] [--num-target-layers N]
+    dflashkit convert SRC OUT.gguf --to gguf --target TARGET.gguf [--outtype f32|f16|bf16|q8_0]   # llama.cpp
 
 `doctor` exits 1 when a check FAILs; `inspect` exits 1 when the checkpoint has a FAIL finding.
 """
@@ -123,17 +124,32 @@ def _logs(args: argparse.Namespace) -> int:
 def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (speculators, z-lab or dflashkit format; detected)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--to", choices=("zlab", "speculators"), default="zlab",
-                   help="output format (default zlab: what vLLM method=dflash and SGLang DFLASH load)")
+    p.add_argument("--to", choices=("zlab", "speculators", "gguf"), default="zlab",
+                   help="output format (default zlab: what vLLM method=dflash and SGLang DFLASH load; gguf: a file "
+                   "for llama.cpp --spec-type draft-dflash)")
+    p.add_argument("--target", default=None, help="--to gguf: the target's GGUF file (the one llama.cpp runs; "
+                   "'default' = the embedded SmolLM2); its tokenizer and, when needed, tables are copied")
+    p.add_argument("--outtype", default="f16", help="--to gguf: drafter matrices as f32, f16, bf16 or q8_0 "
+                   "(default f16)")
     p.add_argument("--dtype", default=None, help="cast floating tensors (bf16, fp16, fp32)")
     p.add_argument("--num-target-layers", type=int, default=None,
                    help="the target's decoder-layer count (speculators configs do not record it)")
 
 
-@command("convert", "convert drafter checkpoints: speculators → z-lab (vLLM/SGLang), z-lab → speculators; --dtype",
+@command("convert", "convert drafter checkpoints: speculators → z-lab (vLLM/SGLang), z-lab → speculators, "
+         "→ GGUF (llama.cpp); --dtype",
          _convert_args)
 def _convert(args: argparse.Namespace) -> int:
     from dflashkit.convert import convert
 
+    if args.to == "gguf":
+        from dflashkit.errors import ConfigError
+        from dflashkit.gguf_export import export_gguf
+
+        if args.target is None:
+            raise ConfigError("--to gguf needs --target: the target's GGUF file (or 'default')")
+        print(export_gguf(args.src, args.out, target=args.target, outtype=args.outtype,
+                          num_target_layers=args.num_target_layers).render())
+        return 0
     print(convert(args.src, args.out, to=args.to, dtype=args.dtype, num_target_layers=args.num_target_layers).render())
     return 0
