@@ -23,7 +23,8 @@ cd "$CLONE/repo"
 echo "[stress] fresh clone of $(git rev-parse --short HEAD) in $CLONE/repo"
 
 run_suite() {   # $1: label
-  local start end log="$CLONE/$1.log" rc=0
+  local start end log rc=0
+  log="$CLONE/run-$(echo "$1" | tr -c 'A-Za-z0-9' '_').log"
   start=$(date +%s)
   CI=true bash .ci/run </dev/null >"$log" 2>&1 || rc=$?
   end=$(date +%s)
