@@ -1,6 +1,7 @@
 """Target features for training: captured once to sharded safetensors files, or computed online.
 
     capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
+    capture(target, samples, out_dir, layer_ids=ids, store_topk=32)   # + top-32 log-probs per position
     CapturedFeatures(out_dir, expect_target=target, expect_layer_ids=ids)[i]   # → Sample with features
                                      # (ids may be any subset of the captured layers: capture once, try many)
     OnlineFeatures(target, samples, layer_ids=ids)[i]     # same, nothing on disk (dflashkit.online_features)
@@ -16,13 +17,19 @@ On-disk format (format_version 1), one directory:
         "{k}.input_ids"      (T,) int32
         "{k}.loss_mask"      (T,) bool
         "{k}.target_tokens"  (T,) int32, only when store_target_tokens
-The manifest holds the target (source, architecture, num_layers, hidden_size, fingerprint), layer_ids, dtype,
-the shard plan (file, first sample, count, tokens, done, bytes, sha256), one entry per sample (id, shard,
-length, supervised), totals, the tokens file and a digest of the samples. The shard plan is a pure function of
-the samples and `shard_max_tokens`, so a killed run resumes by redoing only the shards not marked done (or
-damaged: `dflashkit.shards`), and the result is byte-identical to an uninterrupted run. The default storage
-dtype is bf16 (half the disk of fp32; features are converted to float32 when read); pass dtype="fp32" for
-bit-exact features.
+        "{k}.topk_ids"       (T, K) int32, only when store_topk = K > 0: the K most likely next tokens
+        "{k}.topk_logprobs"  (T, K) float16, their log-probs under the full softmax (log_softmax over the whole
+                             vocabulary of the verifier logits, then topk; descending). float16 is ample for
+                             log-probs (error ≤ |ℓ|·2^-11, see `dflashkit.online_features`); they train
+                             `loss: topk` without running the target (6·K bytes per token: 192 B for K = 32)
+The manifest (`Manifest`, in `dflashkit.manifest`, re-exported here) holds the target (source, architecture,
+num_layers, hidden_size, fingerprint), layer_ids, dtype, store_target_tokens, store_topk (0 when absent, so older
+manifests stay valid), the shard plan (file, first sample, count, tokens, done, bytes, sha256), one entry per
+sample (id, shard, length, supervised), totals, the tokens file and a digest of the samples. The shard plan is
+a pure function of the samples and `shard_max_tokens`, so a killed run resumes by redoing only the shards not
+marked done (or damaged: `dflashkit.shards`), and the result is byte-identical to an uninterrupted run. The
+default storage dtype is bf16 (half the disk of fp32; features are converted to float32 when read); pass
+dtype="fp32" for bit-exact features.
 """
 
 from __future__ import annotations
@@ -33,7 +40,6 @@ import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,20 +50,19 @@ from torch import Tensor
 from tqdm import tqdm
 
 from dflashkit.errors import DataError
-from dflashkit.io_utils import atomic_path, atomic_write_text
-from dflashkit.online_features import OnlineFeatures
+from dflashkit.io_utils import atomic_path
+from dflashkit.manifest import (FORMAT_VERSION, MANIFEST_NAME, STORAGE_DTYPES, TOPK_BYTES, Manifest,
+                                bytes_per_token, format_bytes, plan_shards)
+from dflashkit.online_features import OnlineFeatures, topk_logprobs
 from dflashkit.samples import Sample, check_token_ids
 from dflashkit.shards import VERIFY_MODES, file_sha256, shard_problem, size_problem
 
 if TYPE_CHECKING:
     from dflashkit.target import Target
 
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHARD_BYTES = 1 << 30  # default shard size: ~1 GiB of features, whatever the target's width
 _RESUME_FIELDS = ("target.fingerprint", "target.num_layers", "target.hidden_size", "layer_ids", "dtype",
-                  "store_target_tokens", "samples_sha256", "shard_max_tokens")
+                  "store_target_tokens", "store_topk", "samples_sha256", "shard_max_tokens")
 
 
 def target_fingerprint(target: Target) -> str:
@@ -89,130 +94,9 @@ def samples_digest(samples: Sequence[Sample]) -> str:
     return h.hexdigest()
 
 
-def bytes_per_token(feature_dim: int, dtype: str, store_target_tokens: bool) -> int:
-    """Disk bytes per captured token: features + int32 ids + bool mask (+ int32 target token)."""
-    return feature_dim * STORAGE_DTYPES[dtype].itemsize + 4 + 1 + (4 if store_target_tokens else 0)
-
-
-def plan_shards(lengths: Sequence[int], shard_max_tokens: int) -> list[dict[str, Any]]:
-    """Greedy, order-preserving split into shards of whole samples with ≤ shard_max_tokens tokens (≥ 1 sample)."""
-    shards: list[dict[str, Any]] = []
-    first, tokens = 0, 0
-    for i, n in enumerate(lengths):
-        if i > first and tokens + n > shard_max_tokens:
-            shards.append({"first": first, "count": i - first, "tokens": tokens})
-            first, tokens = i, 0
-        tokens += n
-    shards.append({"first": first, "count": len(lengths) - first, "tokens": tokens})
-    for j, s in enumerate(shards):
-        s.update(file=f"shard-{j:05d}.safetensors", done=False, bytes=0)
-    return shards
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-@dataclass
-class Manifest:
-    """Contents of manifest.json (see the module docstring); totals are derived, never trusted from disk."""
-
-    target: dict[str, Any]
-    layer_ids: list[int]
-    dtype: str
-    store_target_tokens: bool
-    shard_max_tokens: int
-    samples_sha256: str
-    tokens_file: str | None
-    shards: list[dict[str, Any]]
-    samples: list[dict[str, Any]]
-    format_version: int = FORMAT_VERSION
-    run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
-
-    @property
-    def complete(self) -> bool:
-        return all(s["done"] for s in self.shards)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.samples)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(s["length"] for s in self.samples)
-
-    @property
-    def total_supervised(self) -> int:
-        return sum(s["supervised"] for s in self.samples)
-
-    @property
-    def done_samples(self) -> int:
-        return sum(s["count"] for s in self.shards if s["done"])
-
-    @property
-    def bytes(self) -> int:
-        return sum(s["bytes"] for s in self.shards)
-
-    @property
-    def feature_dim(self) -> int:
-        return len(self.layer_ids) * int(self.target["hidden_size"])
-
-    def get(self, dotted: str) -> Any:
-        obj: Any = self
-        for part in dotted.split("."):
-            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
-        return obj
-
-    def to_json(self) -> str:
-        """JSON text with one line per shard and per sample (readable, and small for 100K+ samples)."""
-        head = {"format_version": self.format_version, "target": self.target, "layer_ids": self.layer_ids,
-                "dtype": self.dtype, "store_target_tokens": self.store_target_tokens,
-                "shard_max_tokens": self.shard_max_tokens, "tokens_file": self.tokens_file,
-                "samples_sha256": self.samples_sha256,
-                "totals": {"samples": self.num_samples, "tokens": self.total_tokens,
-                           "supervised": self.total_supervised, "done_samples": self.done_samples,
-                           "bytes": self.bytes, "complete": self.complete}}
-        parts = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
-        for key, rows in (("shards", self.shards), ("samples", self.samples)):
-            body = ",\n".join("    " + json.dumps(r) for r in rows)
-            parts.append(f'  "{key}": [\n{body}\n  ]')
-        return "{\n" + ",\n".join(parts) + "\n}\n"
-
-    def save(self, out_dir: str | Path) -> None:
-        atomic_write_text(Path(out_dir) / MANIFEST_NAME, self.to_json())
-
-    @classmethod
-    def load(cls, out_dir: str | Path) -> "Manifest":
-        out_dir = Path(out_dir)
-        what = "expected a directory written by `dflashkit capture`"
-        if not out_dir.is_dir():
-            raise DataError(f"capture dir {out_dir} does not exist ({what})")
-        path = out_dir / MANIFEST_NAME
-        if not path.is_file():
-            raise DataError(f"capture dir {out_dir} has no {MANIFEST_NAME} ({what})")
-        try:
-            raw = json.loads(path.read_text())
-            version = raw.get("format_version")
-            if version != FORMAT_VERSION:
-                raise DataError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}; recapture it "
-                                f"with this dflashkit")
-            return cls(**{k: raw[k] for k in ("target", "layer_ids", "dtype", "store_target_tokens",
-                                              "shard_max_tokens", "samples_sha256", "tokens_file", "shards",
-                                              "samples")})
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 (byte offset {e.start}); {what}") from None
-        except (KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"{path}: malformed manifest (missing or bad field {e}); {what}") from None
-
-
 def _new_manifest(target: Target, samples: Sequence[Sample], *, layer_ids: list[int], dtype: str,
-                  store_target_tokens: bool, shard_max_tokens: int, tokens_file: str | None) -> Manifest:
+                  store_target_tokens: bool, store_topk: int, shard_max_tokens: int,
+                  tokens_file: str | None) -> Manifest:
     shards = plan_shards([len(s) for s in samples], shard_max_tokens)
     entries: list[dict[str, Any]] = []
     for j, sh in enumerate(shards):
@@ -222,7 +106,7 @@ def _new_manifest(target: Target, samples: Sequence[Sample], *, layer_ids: list[
             "hidden_size": target.hidden_size, "fingerprint": target_fingerprint(target)}
     return Manifest(target=info, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
                     shard_max_tokens=shard_max_tokens, samples_sha256=samples_digest(samples),
-                    tokens_file=tokens_file, shards=shards, samples=entries)
+                    tokens_file=tokens_file, shards=shards, samples=entries, store_topk=store_topk)
 
 
 def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: str = "full") -> Manifest:
@@ -245,7 +129,8 @@ def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: 
 
 
 def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer_ids: list[int],
-                   store: torch.dtype, store_target_tokens: bool, batch_tokens: int, bar: tqdm) -> dict[str, Tensor]:
+                   store: torch.dtype, store_target_tokens: bool, store_topk: int, batch_tokens: int,
+                   bar: tqdm) -> dict[str, Tensor]:
     """Run the target over one shard's samples; equal-length samples may share a forward (no padding)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(chunk)), key=lambda i: (len(chunk[i]), i)) if batch_tokens > 0 else range(len(chunk)):
@@ -257,9 +142,11 @@ def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer
     tensors: dict[str, Tensor] = {}
     for g in groups:
         ids = torch.stack([chunk[i].input_ids for i in g])  # (B, T)
-        out = target.forward(ids, layer_ids=layer_ids, logits=store_target_tokens, feature_dtype=store)
+        out = target.forward(ids, layer_ids=layer_ids, logits=store_target_tokens or store_topk > 0,
+                             feature_dtype=store)
         feats = out.features.cpu()  # (B, T, K·H) in the storage dtype
         tokens = out.logits.argmax(-1).cpu() if store_target_tokens else None  # (B, T) final-layer argmax
+        top = [t.cpu() for t in topk_logprobs(out.logits, store_topk)] if store_topk else None  # (B, T, k) ×2
         for b, i in enumerate(g):
             k, s = first + i, chunk[i]
             tensors[f"{k}.features"] = feats[b].clone()  # clone: safetensors refuses tensors sharing storage
@@ -267,17 +154,22 @@ def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer
             tensors[f"{k}.loss_mask"] = s.loss_mask.to(torch.bool)
             if tokens is not None:
                 tensors[f"{k}.target_tokens"] = tokens[b].to(torch.int32)
+            if top is not None:
+                tensors[f"{k}.topk_ids"] = top[0][b].to(torch.int32)          # (T, k)
+                tensors[f"{k}.topk_logprobs"] = top[1][b].clone()           # (T, k) float16
         bar.update(ids.numel())
     return tensors
 
 
 def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, layer_ids: Sequence[int],
-            dtype: str = "bf16", store_target_tokens: bool = True, shard_max_tokens: int | None = None,
+            dtype: str = "bf16", store_target_tokens: bool = True, store_topk: int = 0,
+            shard_max_tokens: int | None = None,
             batch_tokens: int = 0, tokens_file: str | Path | None = None, progress: bool = True,
             log: Callable[[str], None] | None = print,
             on_shard: Callable[[int, Manifest], None] | None = None, verify: str = "full") -> Manifest:
     """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
 
+    store_topk: K > 0 also stores the target's top-K log-probs per position (for `loss: topk`; 0 = off).
     shard_max_tokens: tokens per shard (default: ~1 GiB of features; a resumed run keeps the existing plan).
     batch_tokens: > 0 lets equal-length samples of a shard share one forward of ≤ batch_tokens tokens
     (0 = one sequence per forward, bit-identical to a plain per-sample forward).
@@ -294,9 +186,12 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
         raise DataError("capture: no samples to capture (empty dataset)")
     if verify not in VERIFY_MODES:
         raise DataError(f"capture verify={verify!r}: expected one of {list(VERIFY_MODES)}")
+    if not isinstance(store_topk, int) or isinstance(store_topk, bool) or not 0 <= store_topk <= target.vocab_size:
+        raise DataError(f"capture store_topk={store_topk!r}: expected an integer from 0 (off) to the target's "
+                        f"vocabulary size {target.vocab_size}")
     check_token_ids(samples, target.vocab_size, what=f"the target {target.source}")
     out_dir = Path(out_dir)
-    per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens)
+    per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk)
     if shard_max_tokens is None:
         existing = out_dir / MANIFEST_NAME
         shard_max_tokens = (Manifest.load(out_dir).shard_max_tokens if existing.is_file()
@@ -304,7 +199,7 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
     if shard_max_tokens < 1:
         raise DataError(f"shard_max_tokens must be ≥ 1, got {shard_max_tokens}")
     fresh = _new_manifest(target, samples, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
-                          shard_max_tokens=int(shard_max_tokens),
+                          store_topk=store_topk, shard_max_tokens=int(shard_max_tokens),
                           tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()))
     manifest = _resume(out_dir, fresh, log, verify)
     todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
@@ -322,7 +217,9 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
     free = shutil.disk_usage(out_dir).free
     log(f"capture: {manifest.num_samples} samples, {manifest.total_tokens:,} tokens × {len(layer_ids)} layers × "
         f"{target.hidden_size} hidden × {STORAGE_DTYPES[dtype].itemsize} B ({dtype})"
-        f"{' + target tokens' if store_target_tokens else ''} ≈ {format_bytes(manifest.total_tokens * per_token)}; "
+        f"{' + target tokens' if store_target_tokens else ''}"
+        f"{f' + top-{store_topk} log-probs ({store_topk * TOPK_BYTES} B/token)' if store_topk else ''}"
+        f" ≈ {format_bytes(manifest.total_tokens * per_token)}; "
         f"to write now: {todo_tokens:,} tokens in {len(todo)} shard(s) ≈ {format_bytes(need)}; "
         f"free at {out_dir}: {format_bytes(free)}")
     if need * 1.02 + (16 << 20) > free:
@@ -338,7 +235,7 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
             sh = manifest.shards[j]
             tensors = _capture_shard(target, samples[sh["first"]:sh["first"] + sh["count"]], sh["first"],
                                      layer_ids=layer_ids, store=store, store_target_tokens=store_target_tokens,
-                                     batch_tokens=batch_tokens, bar=bar)
+                                     store_topk=store_topk, batch_tokens=batch_tokens, bar=bar)
             path = out_dir / sh["file"]
             with atomic_path(path) as tmp:
                 # one metadata key only: safetensors writes metadata in hash order, so several would make
@@ -388,14 +285,22 @@ class CapturedFeatures:
 
     Shards are opened lazily (safetensors `safe_open`), keeping at most `max_open_shards` handles (LRU);
     handles are dropped when the dataset is pickled (DataLoader workers reopen their own).
+    require_topk: n > 0 raises DataError unless the capture stored ≥ n top-k log-probs per position (`loss: topk`).
     """
 
     def __init__(self, out_dir: str | Path, *, expect_target: Target | str | None = None,
-                 expect_layer_ids: Sequence[int] | None = None, max_open_shards: int = 4) -> None:
+                 expect_layer_ids: Sequence[int] | None = None, max_open_shards: int = 4,
+                 require_topk: int = 0) -> None:
         self.dir = Path(out_dir)
         self.manifest = Manifest.load(self.dir)
         m = self.manifest
         _check_expected(self.dir, m, expect_target)
+        if require_topk > m.store_topk:
+            have = ("was captured without the target's top-k log-probs" if not m.store_topk else
+                    f"holds only the top-{m.store_topk} log-probs per position, but {require_topk} are asked for")
+            raise DataError(f"loss: topk needs the target's top-k log-probs in the features, but capture dir "
+                            f"{self.dir} {have}; capture again with `dflashkit capture --topk "
+                            f"{max(require_topk, 32)} ...` into a new --out (or train with loss: ce / kl)")
         self._columns = _layer_columns(self.dir, m, expect_layer_ids)  # None: every captured layer
         if not m.complete:
             missing = m.num_samples - m.done_samples
@@ -464,17 +369,26 @@ class CapturedFeatures:
             ids = h.get_tensor(f"{i}.input_ids").long()     # (T,)
             mask = h.get_tensor(f"{i}.loss_mask").bool()    # (T,)
             tokens = h.get_tensor(f"{i}.target_tokens").long() if self.manifest.store_target_tokens else None
+            k = self.manifest.store_topk
+            top_ids = h.get_tensor(f"{i}.topk_ids").long() if k else None             # (T, k)
+            top_lp = h.get_tensor(f"{i}.topk_logprobs").float() if k else None        # (T, k)
         except Exception as e:  # safetensors raises its own error type for a missing key
             raise DataError(f"capture dir {self.dir}: shard {name} lacks the tensors of sample {i} "
                             f"({entry['id']!r}): {e}") from None
         if feats.shape != (entry["length"], self.manifest.feature_dim):
             raise DataError(f"capture dir {self.dir}: {name} '{i}.features' has shape {list(feats.shape)}, "
                             f"expected {[entry['length'], self.manifest.feature_dim]}")
+        for key, t in (("topk_ids", top_ids), ("topk_logprobs", top_lp)):
+            if t is not None and t.shape != (entry["length"], k):
+                raise DataError(f"capture dir {self.dir}: {name} '{i}.{key}' has shape {list(t.shape)}, "
+                                f"expected {[entry['length'], k]}")
         if self._columns is not None:  # a subset of the captured layers, in the drafter's order
             hidden = int(self.manifest.target["hidden_size"])
             feats = feats.view(feats.shape[0], -1, hidden)[:, self._columns].reshape(feats.shape[0], -1)  # (T, K'·H)
-        return Sample(id=entry["id"], input_ids=ids, loss_mask=mask, features=feats, target_tokens=tokens)
+        return Sample(id=entry["id"], input_ids=ids, loss_mask=mask, features=feats, target_tokens=tokens,
+                      topk_ids=top_ids, topk_logprobs=top_lp)
 
 
-__all__ = ["CapturedFeatures", "MANIFEST_NAME", "Manifest", "OnlineFeatures", "bytes_per_token", "capture",
-           "format_bytes", "plan_shards", "samples_digest", "target_fingerprint"]
+__all__ = ["CapturedFeatures", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "OnlineFeatures", "STORAGE_DTYPES",
+           "bytes_per_token", "capture", "format_bytes", "plan_shards", "samples_digest", "target_fingerprint",
+           "topk_logprobs"]

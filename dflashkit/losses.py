@@ -5,16 +5,30 @@ token and has weight 0. The loss is
 
     loss = Σ_{valid slots} w_k · ℓ_slot / Σ_{valid slots} w_k          (or / `normalizer` when given)
 
-with ℓ = cross-entropy against the label (kind="ce") or KL(p_target ‖ p_draft) against the target's own
-final-layer distribution (kind="kl"). A slot is valid when its label is not −100.
+with ℓ = cross-entropy against the label (kind="ce"), KL(p_target ‖ p_draft) against the target's own
+final-layer distribution (kind="kl"), or (kind="topk") a KL to the target's stored top-k distribution mixed with
+the hard-label CE:
+
+    ℓ = (1 − α)·KL(q_k ‖ p_draft) + α·CE(label),    α = `ce_weight`,
+    q_k = the k stored entries renormalised over themselves: q_j = exp(lp_j) / Σ_i exp(lp_i) over the kept
+          entries, lp = the stored log-probs (what most distillation code does; the probability outside the top k
+          is dropped, not kept as a (k+1)-th "rest" bucket).
+
+Entries with id −1 or log-prob −inf are dropped before renormalising (e.g. tokens outside a reduced draft
+vocabulary); a slot left with no entry falls back to the hard label (α = 1 for that slot). The gradient with
+respect to the logits is softmax − q_mix, q_mix = (1 − α)·q_k + α·onehot(label). A slot is valid when its label
+is not −100.
 
 Memory: the [N·bs, V] logits never exist at once. `block_loss` runs a custom autograd function that, chunk by
 chunk of rows, computes the logits, the loss, the metrics and — when gradients are needed — the gradients with
 respect to the hidden states and the LM head (softmax − target, scaled by the slot weight), then drops the
 chunk's logits. Backward only scales those stored gradients, so gradients equal the unchunked computation.
+The top-k target stays sparse — (ids, probs) of shape (M, k) — and is scattered into each chunk's gradient, so no
+(M, V) target ever exists.
 
 Draft vocabulary: `lm_head_weight` may be the reduced draft head; the caller then passes labels as draft ids,
-with −100 where the target token is outside the draft vocabulary (and target logits restricted to it for KL).
+with −100 where the target token is outside the draft vocabulary (and target logits restricted to it for KL;
+top-k ids as draft ids, −1 outside it).
 """
 
 from __future__ import annotations
@@ -70,7 +84,8 @@ class LossOutput:
     """Result of `block_loss`. Per-slot tensors are (bs,) and cover valid slots only."""
 
     loss: Tensor            # scalar, differentiable
-    accuracy: Tensor        # (bs,) float32: argmax == label among valid slots (0 where no valid slot)
+    accuracy: Tensor        # (bs,) float32: argmax == label among valid slots (0 where no valid slot; slot 0,
+                            # the given anchor, is 1 whenever its weight is 0: the head does not run there)
     valid_counts: Tensor    # (bs,) long
     correct_counts: Tensor  # (bs,) long
     weight_sum: Tensor      # scalar: Σ w_k over valid slots (the default normaliser)
@@ -85,8 +100,10 @@ class _ChunkedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, row_w: Tensor,  # type: ignore[override]
-                target: TargetLogits | None, bs: int, chunk_rows: int, need_gh: bool, need_gw: bool):
+                target: TargetLogits | None, bs: int, chunk_rows: int, need_gh: bool, need_gw: bool,
+                soft: tuple[Tensor, Tensor] | None = None, alpha: float = 0.0):
         # hidden: (M, H) with M = N·bs; weight: (V, H); labels, row_w: (M,)
+        # soft: sparse target (ids (M, k) long ≥ 0, probs (M, k); rows sum to 1, or to 0: hard label only)
         m = hidden.shape[0]
         acc = torch.promote_types(weight.dtype, torch.float32)      # float32 for bf16/fp16, else as given
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -101,7 +118,16 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             logp = torch.log_softmax(z, dim=-1)
             w = row_w[start:end].to(acc)                              # (m_c,)
             live = w != 0
-            if target is None:
+            if soft is not None:
+                lab = labels[start:end].clamp(min=0)                  # (m_c,)
+                ids = soft[0][start:end].to(z.device)                 # (m_c, k)
+                q = soft[1][start:end].to(z.device, acc)              # (m_c, k)
+                a = torch.where(q.sum(-1) > 0, alpha, 1.0).to(acc)    # (m_c,) no kept entry → hard label
+                lp = logp.gather(1, ids)                              # (m_c, k)
+                kl = torch.where(q > 0, q * (q.log() - lp), 0.0).sum(-1)
+                nll = -logp.gather(1, lab[:, None]).squeeze(1)
+                per = torch.where(live, (1 - a) * kl + a * nll, 0.0)
+            elif target is None:
                 lab = labels[start:end].clamp(min=0)                  # (m_c,)
                 nll = -logp.gather(1, lab[:, None]).squeeze(1)
                 per = torch.where(live, nll, 0.0)
@@ -115,7 +141,10 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             preds[start:end] = z.argmax(-1)
             if need_gh or need_gw:
                 g = logp.exp()                                        # softmax (m_c, V)
-                if target is None:
+                if soft is not None:                                  # g −= q_mix, one chunk at a time
+                    g.scatter_add_(1, ids, -(1 - a)[:, None] * q)
+                    g[torch.arange(end - start, device=g.device), lab] -= a
+                elif target is None:
                     g[torch.arange(end - start, device=g.device), lab] -= 1.0
                 else:
                     g -= q
@@ -134,26 +163,55 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         d_h = gh * grad_total.to(gh.dtype) if gh is not None else None
         d_w = (gw * grad_total).to(ctx.weight_dtype) if gw is not None else None
-        return d_h, d_w, None, None, None, None, None, None, None
+        return d_h, d_w, None, None, None, None, None, None, None, None, None
+
+
+def sparse_topk_target(ids: Tensor, logprobs: Tensor, shape: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
+    """(ids (…, k), log-probs (…, k)) → (ids (M, k) long ≥ 0, probs (M, k) ≥ float32): each slot's kept entries
+    (id ≥ 0 and log-prob > −inf) renormalised to sum to 1; dropped entries get id 0 and prob 0, and a slot with
+    no kept entry sums to 0 (the loss then uses its hard label)."""
+    k = ids.shape[-1]
+    if ids.shape != logprobs.shape or ids.shape[:-1] != shape:
+        raise ValueError(f"topk_ids {tuple(ids.shape)} and topk_logprobs {tuple(logprobs.shape)} must both be "
+                         f"{tuple(shape) + (k,)}")
+    ids = ids.reshape(-1, k).long()                                       # (M, k)
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise ValueError(f"topk_ids hold id {int(ids.max())} ≥ the head's vocabulary {vocab}; map them to draft "
+                         f"ids (−1 outside the draft vocabulary) first")
+    lp = logprobs.reshape(-1, k).to(torch.promote_types(logprobs.dtype, torch.float32))
+    lp = torch.where(ids >= 0, lp, float("-inf"))                         # dropped entries
+    top = lp.amax(-1, keepdim=True)
+    e = torch.where(lp > float("-inf"), torch.exp(lp - top.clamp_min(torch.finfo(lp.dtype).min)), 0.0)
+    total = e.sum(-1, keepdim=True)
+    probs = torch.where(total > 0, e / total.clamp_min(torch.finfo(lp.dtype).tiny), 0.0)   # (M, k)
+    return ids.clamp(min=0), probs
 
 
 def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weights: Tensor | None = None,
                kind: str = "ce", target_logits: TargetLogits | None = None, chunk_size: int | None = None,
-               normalizer: Tensor | float | None = None) -> LossOutput:
+               normalizer: Tensor | float | None = None, topk_ids: Tensor | None = None,
+               topk_logprobs: Tensor | None = None, ce_weight: float = 0.0) -> LossOutput:
     """Weighted block loss over drafter outputs.
 
     hidden: (N, bs, H) final-normed drafter states (any leading dims (..., bs, H) are flattened to N);
     lm_head_weight: (V, H) (the target's LM head, or the reduced draft head); labels: (N, bs) long, −100 invalid;
     weights: (bs,) slot weights, default `decay_weights(bs)`;
     kind: "ce" (labels) or "kl" (KL(target ‖ draft); `target_logits` (N, bs, V) or a callable
-        `(row_start, row_end) -> (rows, bs, V)` over the flattened N rows; labels still mark validity/accuracy);
+        `(row_start, row_end) -> (rows, bs, V)` over the flattened N rows; labels still mark validity/accuracy)
+        or "topk" ((1 − ce_weight)·KL(renormalised top-k ‖ draft) + ce_weight·CE; `topk_ids` (N, bs, k) long in
+        [0, V) or −1 (dropped) and `topk_logprobs` (N, bs, k), −inf where dropped; see the module docstring);
     chunk_size: rows (blocks) per chunk; default keeps a chunk's logits under 2^26 elements;
     normalizer: divide by this instead of the valid-slot weight sum (e.g. a global sum across ranks).
     """
-    if kind not in ("ce", "kl"):
-        raise ValueError(f"kind must be 'ce' or 'kl', got {kind!r}")
+    if kind not in ("ce", "kl", "topk"):
+        raise ValueError(f"kind must be 'ce', 'kl' or 'topk', got {kind!r}")
     if (kind == "kl") != (target_logits is not None):
         raise ValueError("target_logits is required for kind='kl' and only allowed with it")
+    if (kind == "topk") != (topk_ids is not None and topk_logprobs is not None) or (
+            kind != "topk" and (topk_ids is not None or topk_logprobs is not None)):
+        raise ValueError("topk_ids and topk_logprobs are required for kind='topk' and only allowed with it")
+    if not 0.0 <= ce_weight <= 1.0 or (ce_weight and kind != "topk"):
+        raise ValueError(f"ce_weight must be in [0, 1] and is only used with kind='topk', got {ce_weight}")
     bs, h_dim = hidden.shape[-2], hidden.shape[-1]
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
@@ -177,15 +235,31 @@ def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weight
         if target.shape[:-1] != labels.shape or target.shape[-1] != vocab:
             raise ValueError(f"target_logits must be {tuple(labels.shape) + (vocab,)}, got {tuple(target.shape)}")
         target = target.reshape(-1, vocab)
+    soft = None
+    if kind == "topk":
+        soft = sparse_topk_target(topk_ids, topk_logprobs, labels.shape, vocab)
     rows = chunk_size if chunk_size is not None else max(1, _CHUNK_LOGITS // max(1, bs * vocab))
     if rows < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
     grad_on = torch.is_grad_enabled()
-    loss, preds = _ChunkedLinearLoss.apply(flat_h, lm_head_weight, flat_lab, row_w, target, bs, rows,
-                                           grad_on and flat_h.requires_grad,
-                                           grad_on and lm_head_weight.requires_grad)
+    live_rows, all_labels = None, flat_lab
+    if not callable(target) and flat_lab.numel():
+        # Rows with weight 0 (slot 0 — the given anchor — and slots without a label) add nothing to the loss or
+        # the gradients: the LM head runs only over the rows that carry one (a quarter fewer at block size 4).
+        live_rows = (row_w != 0).nonzero().squeeze(1)                    # (M_live,)
+        flat_h, flat_lab, row_w = flat_h.index_select(0, live_rows), flat_lab[live_rows], row_w[live_rows]
+        target = target[live_rows] if target is not None else None
+        soft = (soft[0][live_rows], soft[1][live_rows]) if soft is not None else None
+    args = (flat_h, lm_head_weight, flat_lab, row_w, target, bs, rows, grad_on and flat_h.requires_grad,
+            grad_on and lm_head_weight.requires_grad)
+    loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight)) if soft is not None else \
+        _ChunkedLinearLoss.apply(*args)
+    if live_rows is not None:   # rows the head did not run over: slot 0 is the given anchor (counted as right),
+        full = torch.full((n, bs), -1, dtype=torch.long, device=preds.device)     # the others predict nothing
+        full[:, 0] = all_labels.view(n, bs)[:, 0]
+        preds = full.view(-1).index_copy_(0, live_rows, preds)
     with torch.no_grad():
-        correct = ((preds.view(n, bs) == flat_lab.view(n, bs)) & valid).sum(0)   # (bs,)
+        correct = ((preds.view(n, bs) == all_labels.view(n, bs)) & valid).sum(0)   # (bs,)
         counts = valid.sum(0)                                                    # (bs,)
         acc = correct.float() / counts.clamp_min(1).float()
     return LossOutput(loss=loss, accuracy=acc, valid_counts=counts, correct_counts=correct,

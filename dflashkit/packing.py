@@ -5,8 +5,10 @@
     batch = collate_rows([rows[i] for i in ids])                 # RowBatch, rows padded to one length T
 
 A row holds whole documents back to back; `doc_ids` (−1 on padding) and per-document `positions` keep them apart
-(the training mask never lets a block see another document). A sample longer than `max_tokens` is cut to
-`max_tokens` (counted in `PackPlan.truncated`). Packing is best-fit-decreasing ("bfd", ties broken by a seeded
+(the training mask never lets a block see another document). The target's argmax tokens and top-k log-probs
+travel with their positions (`target_tokens` −1, `topk_ids` −1 / `topk_logprobs` −inf where a sample has none
+and on padding); shifting them to the slot they supervise is `dflashkit.slot_targets`'s job. A sample longer than
+`max_tokens` is cut to `max_tokens` (counted in `PackPlan.truncated`). Packing is best-fit-decreasing ("bfd", ties broken by a seeded
 shuffle) or greedy in a seeded order ("greedy").
 
 Distribution over steps and ranks: each epoch permutes the rows with a seed derived from (seed, epoch); a global
@@ -168,6 +170,8 @@ class PackedRow:
     loss_mask: Tensor             # (T,) bool
     features: Tensor              # (T, K·H)
     target_tokens: Tensor | None  # (T,) long, −1 where a sample has none; None when no sample has any
+    topk_ids: Tensor | None = None       # (T, K) long, −1 where a sample has none; None when no sample has any
+    topk_logprobs: Tensor | None = None  # (T, K) float32, −inf where a sample has none
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -177,8 +181,12 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
     """Concatenate whole samples (each cut to max_tokens) into one row."""
     if not samples:
         raise DataError("cannot pack an empty row")
-    ids, docs, pos, mask, feats, tgts = [], [], [], [], [], []
+    ids, docs, pos, mask, feats, tgts, top_ids, top_lp = [], [], [], [], [], [], [], []
     have_targets = any(s.target_tokens is not None for s in samples)
+    ks = {int(s.topk_ids.shape[1]) for s in samples if s.topk_ids is not None}
+    if len(ks) > 1:
+        raise DataError(f"samples of one row hold different numbers of top-k log-probs {sorted(ks)}")
+    k = ks.pop() if ks else 0
     for d, s in enumerate(samples):
         if s.features is None:
             raise DataError(f"sample {s.id!r} has no features; train from `dflashkit capture` output or set "
@@ -195,6 +203,16 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
         if have_targets:
             tgts.append(s.target_tokens[:n].long() if s.target_tokens is not None
                         else torch.full((n,), -1, dtype=torch.long))
+        if k:
+            if s.topk_ids is None or s.topk_logprobs is None:
+                top_ids.append(torch.full((n, k), -1, dtype=torch.long))
+                top_lp.append(torch.full((n, k), float("-inf")))
+            else:
+                if s.topk_ids.shape[0] < n or s.topk_logprobs.shape != s.topk_ids.shape:
+                    raise DataError(f"sample {s.id!r}: top-k ids {list(s.topk_ids.shape)} and log-probs "
+                                    f"{list(s.topk_logprobs.shape)} must both cover its {len(s)} tokens")
+                top_ids.append(s.topk_ids[:n].long())
+                top_lp.append(s.topk_logprobs[:n].float())
     total = sum(len(x) for x in ids)
     if total > max_tokens:
         raise DataError(f"row holds {total} tokens > max_tokens {max_tokens} (the pack plan and data disagree)")
@@ -203,7 +221,8 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
         raise DataError(f"samples of one row have different feature widths {sorted(widths)}")
     return PackedRow(input_ids=torch.cat(ids), doc_ids=torch.cat(docs), positions=torch.cat(pos),
                      loss_mask=torch.cat(mask), features=torch.cat(feats),
-                     target_tokens=torch.cat(tgts) if have_targets else None)
+                     target_tokens=torch.cat(tgts) if have_targets else None,
+                     topk_ids=torch.cat(top_ids) if k else None, topk_logprobs=torch.cat(top_lp) if k else None)
 
 
 class PackedRows(torch.utils.data.Dataset):
@@ -222,7 +241,8 @@ class PackedRows(torch.utils.data.Dataset):
 
 @dataclass
 class RowBatch:
-    """B rows padded to a common length T. Padding: doc_ids −1, loss_mask False, features 0, ids 0."""
+    """B rows padded to a common length T. Padding: doc_ids −1, loss_mask False, features 0, ids 0, target tokens
+    and top-k ids −1, top-k log-probs −inf."""
 
     input_ids: Tensor             # (B, T) long
     doc_ids: Tensor               # (B, T) long
@@ -231,6 +251,8 @@ class RowBatch:
     features: Tensor              # (B, T, K·H)
     target_tokens: Tensor | None  # (B, T) long, −1 where unknown / padding
     row_ids: list[int]            # global row indices (seed anchors and noise per row)
+    topk_ids: Tensor | None = None       # (B, T, K) long, −1 where unknown / padding
+    topk_logprobs: Tensor | None = None  # (B, T, K) float32, −inf where unknown / padding
 
     @property
     def num_tokens(self) -> int:
@@ -239,7 +261,8 @@ class RowBatch:
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "RowBatch":
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return RowBatch(mv(self.input_ids), mv(self.doc_ids), mv(self.positions), mv(self.loss_mask),
-                        mv(self.features), mv(self.target_tokens), list(self.row_ids))
+                        mv(self.features), mv(self.target_tokens), list(self.row_ids), mv(self.topk_ids),
+                        mv(self.topk_logprobs))
 
 
 def collate_rows(rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None, *,
@@ -258,6 +281,12 @@ def collate_rows(rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None
     features = torch.zeros(b, t, width, dtype=rows[0].features.dtype)      # (B, T, K·H)
     have_targets = any(r.target_tokens is not None for r in rows)
     targets = torch.full((b, t), -1, dtype=torch.long) if have_targets else None
+    ks = {int(r.topk_ids.shape[1]) for r in rows if r.topk_ids is not None}
+    if len(ks) > 1:
+        raise DataError(f"rows of one batch hold different numbers of top-k log-probs {sorted(ks)}")
+    k = ks.pop() if ks else 0
+    top_ids = torch.full((b, t, k), -1, dtype=torch.long) if k else None               # (B, T, K)
+    top_lp = torch.full((b, t, k), float("-inf")) if k else None                       # (B, T, K)
     for i, r in enumerate(rows):
         n = len(r)
         if r.features.shape[1] != width:
@@ -269,8 +298,11 @@ def collate_rows(rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None
         features[i, :n] = r.features
         if targets is not None and r.target_tokens is not None:
             targets[i, :n] = r.target_tokens
+        if k and r.topk_ids is not None:
+            top_ids[i, :n] = r.topk_ids
+            top_lp[i, :n] = r.topk_logprobs
     return RowBatch(input_ids, doc_ids, positions, loss_mask, features, targets,
-                    list(row_ids) if row_ids is not None else list(range(b)))
+                    list(row_ids) if row_ids is not None else list(range(b)), top_ids, top_lp)
 
 
 # ---------------------------------------------------------------------------------------------- schedule

@@ -2,7 +2,10 @@
 
 `tokens.jsonl` (written by `dflashkit prepare`) holds one JSON object per line:
     {"id": str, "input_ids": [int, …], "loss_mask": [0/1, …]}
-A `Sample` is one such sequence plus, once captured (or computed online), the target's features for it.
+A `Sample` is one such sequence plus, once captured (or computed online), the target's features for it — and,
+when captured with `--topk K` (or online with `store_topk`), the target's top-K log-probs per position for the
+`loss: topk` objective (`topk_logprobs[i]` is the target's distribution over the token at i+1, like
+`target_tokens[i]`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class Sample:
     features: Tensor | None = None       # (T, K·H) target layer outputs (None until captured / computed online)
     target_tokens: Tensor | None = None  # (T,) long — target's final-layer argmax at each position (predicts t+1)
     origin: str | None = None            # "file:line" it was read from, for error messages (None: unknown)
+    topk_ids: Tensor | None = None       # (T, K) long — the target's K most likely next tokens at each position
+    topk_logprobs: Tensor | None = None  # (T, K) float32 — their log-probs under the full softmax, descending
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -15,6 +15,11 @@ Labels ("same position"): slot k of the block at anchor a predicts the token AT 
     labels="data":   input_ids[a+k]
     labels="target": target_tokens[a+k−1], the target's final-layer argmax at index a+k−1, i.e. the target's
                      own prediction for the token at a+k (Sample.target_tokens[i] predicts position i+1).
+Objectives (`loss`): "ce" on those labels; "kl" to the target's full distribution at a+k−1 (runs the target every
+step); "topk": (1 − topk_ce_weight)·KL(q ‖ p_draft) + topk_ce_weight·CE(label), q = the target's top-k at a+k−1
+stored by `dflashkit capture --topk K` (or computed online), renormalised over its k entries — no target forward
+during training. With a reduced draft vocabulary the top-k entries outside it are dropped before renormalising
+(a slot left with none trains on its hard label). The alignment lives in `dflashkit.slot_targets`.
 Noise (noise_std > 0) is added to the context features going into fc, never to labels or target logits.
 
 Everything random is seeded per (seed, epoch, row) rather than drawn from a global stream, so a resumed run
@@ -35,13 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dflashkit.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
-from dflashkit.errors import DataError, DFlashError
+from dflashkit.errors import DFlashError
 from dflashkit.losses import block_loss, estimated_tau
 from dflashkit.model import to_additive
 from dflashkit.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
+from dflashkit.slot_targets import (block_labels, draft_vocab_head, draft_vocab_topk, kl_target_logits,
+                                    topk_targets)
 from dflashkit.train_config import TrainConfig
 from dflashkit.train_state import Run, checkpoint_name, cosine_at, save_checkpoint, save_final, setup_run
 
@@ -121,29 +128,6 @@ def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> l
     return out
 
 
-def block_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> Tensor:
-    """Labels (B, Nb, bs) for `mode` "data" (input_ids[a+k]) or "target" (target_tokens[a+k−1]); −100 invalid.
-
-    Slot 0 keeps the data token (it has weight 0). A target label is valid where the data label is valid (same
-    document, supervised, in range) and the target token at a+k−1 is known."""
-    if mode == "data":
-        return blocks.labels
-    if rows.target_tokens is None:
-        raise DataError("labels: target needs the target's argmax tokens (Sample.target_tokens); capture them "
-                        "with the features or train with online: true")
-    b, t = rows.target_tokens.shape
-    bs, nb = blocks.block_size, blocks.num_blocks
-    docs = rows.doc_ids
-    shifted = torch.full_like(rows.target_tokens, -1)                  # (B, T): target's token FOR index i
-    same = docs[:, 1:] == docs[:, :-1]
-    shifted[:, 1:] = torch.where(same, rows.target_tokens[:, :-1], -1)
-    idx = (blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(bs, device=docs.device))  # (B, Nb, bs)
-    got = shifted.gather(1, idx.clamp(max=t - 1).reshape(b, nb * bs)).view(b, nb, bs)
-    labels = torch.where(blocks.label_valid & (got >= 0), got, -100)
-    labels[:, :, 0] = blocks.labels[:, :, 0]
-    return labels
-
-
 def noise_std_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
     """fc-input noise std at `step` (0-based): constant, or a cosine from noise_std down to 0."""
     if cfg.noise_std <= 0:
@@ -194,27 +178,6 @@ def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype)
     return {k: to_additive(m, dtype) for k, m in masks_for_layer_types(drafter_config, blocks).items()}
 
 
-def kl_target_logits(run: Run, rows: RowBatch, blocks: BlockBatch) -> Callable[[int, int], Tensor]:
-    """For kind="kl": the target's final-layer logits predicting each slot's token (index a+k−1), as the
-    chunk callable `block_loss` takes. Documents of a row run through the target separately."""
-    b, t = rows.input_ids.shape
-    logits = None
-    for i in range(b):
-        for d in rows.doc_ids[i].unique().tolist():
-            if d < 0:
-                continue
-            sel = (rows.doc_ids[i] == d).nonzero().flatten()            # contiguous indices of document d
-            out = run.target.forward(rows.input_ids[i, sel][None], logits=True).logits[0]   # (n, V)
-            if logits is None:
-                logits = torch.zeros(b, t, out.shape[-1], dtype=out.dtype, device=run.device)
-            logits[i, sel.to(run.device)] = out.to(run.device)
-    bs, nb = blocks.block_size, blocks.num_blocks
-    idx = (blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(bs, device=run.device) - 1).clamp(0, t - 1)
-    flat_b = torch.arange(b, device=run.device).repeat_interleave(nb)          # (B·Nb,)
-    flat_idx = idx.reshape(b * nb, bs)                                          # (B·Nb, bs)
-    return lambda r0, r1: logits[flat_b[r0:r1, None], flat_idx[r0:r1]]          # (rows, bs, V)
-
-
 def _loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | float):
     cfg = run.cfg
     masks = inp.masks
@@ -226,22 +189,15 @@ def _loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | float)
     bs = inp.blocks.block_size
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss == "kl" else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
+    soft: dict[str, Any] = {}
+    if cfg.loss == "topk":   # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
+        ids, lps = topk_targets(inp.blocks, rows, cfg.topk)                        # (B, Nb, bs, K)
+        ids = draft_vocab_topk(run.drafter, ids, run.lm_head.shape[0])
+        soft = dict(topk_ids=ids.reshape(-1, bs, ids.shape[-1]), topk_logprobs=lps.reshape(-1, bs, lps.shape[-1]),
+                    ce_weight=cfg.topk_ce_weight)
     return block_loss(hidden.reshape(-1, bs, hidden.shape[-1]), head, labels.reshape(-1, bs),
                       weights=run.weights, kind=cfg.loss, target_logits=target, chunk_size=cfg.loss_chunk_size,
-                      normalizer=normalizer)
-
-
-def draft_vocab_head(drafter: Any, lm_head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """With a reduced draft vocabulary: the LM-head rows of the draft tokens (N, H) and labels mapped to draft
-    ids; target tokens outside the draft vocabulary get −100 (no loss, not counted in accuracy — they can never
-    be drafted, which evaluation measures). Without one: the full head and the labels unchanged."""
-    if drafter.config.draft_vocab_size is None:
-        return lm_head, labels
-    d2t = drafter.draft_to_target.to(lm_head.device)                            # (N,)
-    t2d = torch.full((lm_head.shape[0],), -100, dtype=torch.long, device=labels.device)
-    t2d[d2t.to(labels.device)] = torch.arange(d2t.numel(), device=labels.device)
-    mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], torch.full_like(labels, -100))
-    return lm_head.index_select(0, d2t), mapped
+                      normalizer=normalizer, **soft)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -467,5 +423,6 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
                        train_metrics=record, val_metrics=val, elapsed_s=time.monotonic() - t_session)
 
 
-__all__ = ["StepEnd", "StepInputs", "TrainResult", "TrainingDiverged", "block_labels", "evaluate", "fc_noise",
-           "handle_stop_signal", "kl_target_logits", "noise_std_at", "prepare_inputs", "row_anchors", "train"]
+__all__ = ["StepEnd", "StepInputs", "TrainResult", "TrainingDiverged", "block_labels", "draft_vocab_head",
+           "draft_vocab_topk", "evaluate", "fc_noise", "handle_stop_signal", "kl_target_logits", "noise_std_at",
+           "prepare_inputs", "row_anchors", "topk_targets", "train"]

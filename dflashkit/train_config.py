@@ -8,7 +8,8 @@ override one entry with `drafter.KEY=VALUE` or the whole dict with `drafter={...
 
 Resume compatibility: a run restarted in an existing `out` directory continues from its latest checkpoint. The
 fields in `RESUME_LOCKED` (architecture, data, batch geometry, optimiser, labels/loss) must not change then;
-`check_resume_compatible` names the field and both values. Run-length and bookkeeping fields (epochs, max_steps,
+`check_resume_compatible` names the field and both values; a locked field that a checkpoint predates counts as its
+default there (so adding a field keeps older runs resumable). Run-length and bookkeeping fields (epochs, max_steps,
 time budget, save/eval/log cadence, devices, compile) may change; a changed schedule length re-shapes the cosine
 from the current step on (so only an unchanged config reproduces an uninterrupted run exactly).
 """
@@ -27,11 +28,12 @@ from dflashkit.errors import ConfigError
 RESUME_LOCKED = ("target", "features", "tokens", "online", "drafter", "init_from", "max_tokens", "packing",
                  "batch_rows", "grad_accum", "seed", "labels", "loss", "gamma", "max_anchors", "val_fraction",
                  "val_samples", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "adam_betas", "noise_std",
-                 "noise_schedule", "fsdp")
+                 "noise_schedule", "fsdp", "topk", "topk_ce_weight")
 
 _FLOAT_FIELDS = ("lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip", "gamma", "noise_std",
-                 "val_fraction", "time_budget_minutes", "schedule_minutes")
-_CHOICES = {"loss": ("ce", "kl"), "labels": ("data", "target"), "noise_schedule": ("constant", "cosine"),
+                 "val_fraction", "time_budget_minutes", "schedule_minutes", "topk_ce_weight")
+DEFAULT_ONLINE_TOPK = 32   # loss: topk with online features and topk: null — entries per position
+_CHOICES = {"loss": ("ce", "kl", "topk"), "labels": ("data", "target"), "noise_schedule": ("constant", "cosine"),
             "dtype": ("auto", "fp32", "bf16"), "packing": ("bfd", "greedy")}
 
 
@@ -55,7 +57,12 @@ class TrainConfig:
     grad_accum: int = 1                # micro-batches per optimizer step
     max_anchors: int = 512             # blocks per document, resampled every epoch
     # ---- objective
-    loss: str = "ce"                   # "ce" hard labels, "kl" to the target's final-layer distribution
+    loss: str = "ce"                   # "ce" hard labels, "kl" to the target's final-layer distribution (runs
+                                       # the target every step), "topk" KL to its stored top-k log-probs
+                                       # (`dflashkit capture --topk K`), renormalised over the k entries
+    topk: int | None = None            # loss: topk — entries used per position: None = all captured ones
+                                       # (online: DEFAULT_ONLINE_TOPK); fewer keeps the largest of a capture
+    topk_ce_weight: float = 0.0        # loss: topk — α in (1 − α)·KL_topk + α·CE(hard label)
     labels: str = "data"               # "data" tokens, or "target" = the target's final-layer argmax
     gamma: float | None = None         # decay of slot weights; None → 7 for bs 16, 5 for 10, 4 for 8
     noise_std: float = 0.0             # Gaussian noise on the fc inputs (target features) only
@@ -163,6 +170,13 @@ class TrainConfig:
             raise ConfigError(f"{source}: lr must be > 0, got {self.lr}")
         if self.warmup_ratio >= 1 or self.val_fraction >= 1 or self.min_lr_ratio > 1:
             raise ConfigError(f"{source}: warmup_ratio and val_fraction must be < 1, min_lr_ratio ≤ 1")
+        if not isinstance(self.topk_ce_weight, (int, float)) or isinstance(self.topk_ce_weight, bool) or \
+                not 0 <= self.topk_ce_weight <= 1:
+            raise ConfigError(f"{source}: topk_ce_weight must be a number in [0, 1], got {self.topk_ce_weight!r}")
+        if self.topk is not None and (not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1):
+            raise ConfigError(f"{source}: topk must be a positive integer or null (all captured), got {self.topk!r}")
+        if self.loss != "topk" and (self.topk is not None or self.topk_ce_weight):
+            raise ConfigError(f"{source}: topk / topk_ce_weight only apply to loss: topk (loss is {self.loss!r})")
         if self.gamma is not None and (not isinstance(self.gamma, (int, float)) or self.gamma <= 0):
             raise ConfigError(f"{source}: gamma must be > 0 or null, got {self.gamma!r}")
         for name in ("time_budget_minutes", "schedule_minutes"):
@@ -199,11 +213,19 @@ class TrainConfig:
             f"  data        {data}; rows of ≤ {self.max_tokens} tokens, {self.batch_rows} row(s) × "
             f"{self.grad_accum} accum per rank",
             f"  target      {self.target}   drafter overrides {self.drafter or '{}'}",
-            f"  objective   {self.loss} on {self.labels} labels, γ {self.gamma or 'default'}, ≤ {self.max_anchors} "
-            f"anchors/doc" + (f", fc noise {self.noise_std} ({self.noise_schedule})" if self.noise_std else ""),
+            f"  objective   {self.loss}{self._topk_summary()} on {self.labels} labels, γ {self.gamma or 'default'}, "
+            f"≤ {self.max_anchors} anchors/doc" + (f", fc noise {self.noise_std} ({self.noise_schedule})"
+                                                    if self.noise_std else ""),
             f"  optimiser   AdamW lr {self.lr}, warmup {self.warmup_ratio}, clip {self.grad_clip}, {stop}{budget}",
             f"  output      {self.out}  (save every {self.save_every}, eval every {self.eval_every or 'end'})",
         ])
+
+    def _topk_summary(self) -> str:
+        if self.loss != "topk":
+            return ""
+        k = (f"top-{self.topk}" if self.topk else f"top-{DEFAULT_ONLINE_TOPK}" if self.online else
+             "captured top-k")
+        return f" (KL to the target's {k}, renormalised; CE weight {self.topk_ce_weight:g})"
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -231,8 +253,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
 def check_resume_compatible(saved: dict[str, Any], now: TrainConfig, *, where: str) -> None:
     """Raise ConfigError when a locked field differs between the checkpoint's config and this run's."""
     current = now.to_dict()
+    defaults = TrainConfig().to_dict()
     for name in RESUME_LOCKED:
-        old, new = saved.get(name), current.get(name)
+        old, new = saved.get(name, defaults[name]), current.get(name)   # a field the checkpoint predates
         if name == "drafter":
             keys = sorted(set(old or {}) | set(new or {}))
             for k in keys:
@@ -248,4 +271,4 @@ def check_resume_compatible(saved: dict[str, Any], now: TrainConfig, *, where: s
                               f"revert it or use a new `out` directory")
 
 
-__all__ = ["RESUME_LOCKED", "TrainConfig", "apply_overrides", "check_resume_compatible"]
+__all__ = ["DEFAULT_ONLINE_TOPK", "RESUME_LOCKED", "TrainConfig", "apply_overrides", "check_resume_compatible"]

@@ -236,18 +236,23 @@ def cosine_with_warmup(total_steps: int, warmup_steps: int, min_ratio: float = 0
 
 
 def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) -> Any:
-    """The configured feature source: captured features (`features`) or online ones (`tokens`, online: true)."""
+    """The configured feature source: captured features (`features`) or online ones (`tokens`, online: true).
+    With loss: topk, captured features must hold the top-k log-probs (a DataError naming the directory and the
+    fix otherwise) and online ones compute them (`topk`, default DEFAULT_ONLINE_TOPK entries)."""
     from dflashkit import features as feats
     from dflashkit.samples import read_tokens
+    from dflashkit.train_config import DEFAULT_ONLINE_TOPK
 
     ids = list(drafter_config.target_layer_ids)
     if cfg.features is None and cfg.tokens is None:
         raise ConfigError("no training data: set features (a `dflashkit capture` directory) or tokens "
                           "(tokens.jsonl from `dflashkit prepare`) with online: true")
     if cfg.features is not None:
-        return feats.CapturedFeatures(cfg.features, expect_target=target, expect_layer_ids=ids)
+        return feats.CapturedFeatures(cfg.features, expect_target=target, expect_layer_ids=ids,
+                                      require_topk=(cfg.topk or 1) if cfg.loss == "topk" else 0)
     samples, _ = read_tokens(cfg.tokens)
-    return feats.OnlineFeatures(target, samples, layer_ids=ids)
+    topk = (cfg.topk or DEFAULT_ONLINE_TOPK) if cfg.loss == "topk" else 0
+    return feats.OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size))
 
 
 def _resolve_device(spec: str, local_rank: int) -> torch.device:

@@ -1,7 +1,9 @@
 """`dflashkit capture`: run the target over tokens.jsonl and store its layer features in sharded files.
 
     dflashkit capture --tokens data/tokens.jsonl --out data/features [--layer-ids 1,8,14,20,27 |
-        --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N]
+        --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N] [--topk K]
+
+--topk K also stores the target's top-K log-probs per position (K·6 bytes per token) for `loss: topk`.
 
 Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,
 sha256) are kept, the rest (and any damaged one) are captured.
@@ -30,6 +32,9 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="let equal-length samples share a forward of up to N tokens (0 = one per forward)")
     p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
     p.add_argument("--no-target-tokens", action="store_true", help="do not store the target's argmax tokens")
+    p.add_argument("--topk", type=int, default=0, metavar="K",
+                   help="also store the target's top-K log-probs per position (int32 id + float16 log-prob, "
+                        "6·K bytes per token) for `loss: topk` training (default 0: off)")
     p.add_argument("--verify", choices=("full", "size"), default="full",
                    help="how a rerun checks finished shards against manifest.json before keeping them: full "
                         "(size + sha256, the default) or size (skips reading a very large capture); damaged "
@@ -69,11 +74,12 @@ def _capture(args: argparse.Namespace) -> int:
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     layer_ids = _layer_ids(args, target)
     m = capture(target, samples, args.out, layer_ids=layer_ids, dtype=args.dtype,
-                store_target_tokens=not args.no_target_tokens, shard_max_tokens=args.shard_tokens,
-                batch_tokens=args.batch_tokens, tokens_file=args.tokens, progress=not args.quiet,
-                verify=args.verify)
+                store_target_tokens=not args.no_target_tokens, store_topk=args.topk,
+                shard_max_tokens=args.shard_tokens, batch_tokens=args.batch_tokens, tokens_file=args.tokens,
+                progress=not args.quiet, verify=args.verify)
     run = m.run_stats
     rate = f"{run['tokens'] / run['seconds']:,.0f} tok/s" if run.get("seconds") else "nothing to do"
+    topk = f", top-{m.store_topk} log-probs" if m.store_topk else ""
     print(f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "
-          f"layers {m.layer_ids}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})")
+          f"layers {m.layer_ids}{topk}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})")
     return 0
