@@ -2,6 +2,7 @@
 
     dflashkit info [--target PATH|default] [--drafter CKPT]   target, default drafter config, parameter counts, cache
     dflashkit init-drafter OUT [--target …] [key=value …]     write a freshly initialised drafter checkpoint
+        [--warm-start [--warm-start-layers 28,29] [--warm-start-fc last|mean|random]]  … from the target's layers
 
 User errors (`DFlashError`) print one line and exit 2; no traceback.
 """

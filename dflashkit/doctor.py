@@ -13,8 +13,9 @@ transcript and its slot-k predictions are scored against the token at a+k−1, a
 
 Geometry rule (design lesson 4): heads and head_dim different from the target's → OK. Equal → OK when they are
 also dflashkit's own default for that hidden size (a coincidence: z-lab's 32 × 128 for Qwen3-8B, or 4 × 16 on a
-64-wide test target); otherwise FAIL on a large target (hidden ≥ 1024), WARN on a small one, where few head
-layouts exist and equality may be chance.
+64-wide test target), or when the checkpoint records a warm start (`extra.warm_start`: its layers were copied from
+the target's, which needs the target's geometry); otherwise FAIL on a large target (hidden ≥ 1024), WARN on a
+small one, where few head layouts exist and equality may be chance.
 """
 
 from __future__ import annotations
@@ -107,7 +108,12 @@ def config_fit(cfg: DrafterConfig, target: Any, fc_features: int | None) -> list
     tc = target.text_config
     t_heads = int(tc.num_attention_heads)
     t_hd = int(getattr(tc, "head_dim", None) or tc.hidden_size // t_heads)
-    out.append(geometry_finding(cfg.num_attention_heads, cfg.head_dim, t_heads, t_hd, target.hidden_size))
+    warm = cfg.extra.get("warm_start")
+    if isinstance(warm, dict) and (cfg.num_attention_heads, cfg.head_dim) == (t_heads, t_hd):
+        out.append(Finding("OK", "geometry", f"drafter geometry {t_heads} heads × {t_hd} equals the target's on "
+                           f"purpose: warm-started from target layers {warm.get('source_layers')}"))
+    else:
+        out.append(geometry_finding(cfg.num_attention_heads, cfg.head_dim, t_heads, t_hd, target.hidden_size))
     return out
 
 

@@ -139,6 +139,8 @@ def render_info(info: dict[str, Any]) -> str:
     t, d, c = info["target"], info["drafter"], info["cache"]
     cfg = d["config"]
     att = t["attention"]
+    from dflashkit.warm_start import describe as describe_warm_start
+    warm = describe_warm_start((cfg["dflash_config"].get("dflashkit") or {}).get("warm_start"))
     lines = [
         "Target",
         f"  source            {t['source']}",
@@ -155,7 +157,7 @@ def render_info(info: dict[str, Any]) -> str:
         f"  layers            {cfg['num_hidden_layers']} × {cfg['layer_types'][0]}"
         + (f", sliding window {cfg['sliding_window']}" if cfg.get("use_sliding_window") else ""),
         f"  attention         {cfg['num_attention_heads']} heads × {cfg['head_dim']}, "
-        f"{cfg['num_key_value_heads']} kv heads (own geometry)",
+        f"{cfg['num_key_value_heads']} kv heads " + ("(the target's: warm start)" if warm else "(own geometry)"),
         f"  MLP               {cfg['intermediate_size']}",
         f"  target features   {len(cfg['dflash_config']['target_layer_ids'])} layers "
         f"{cfg['dflash_config']['target_layer_ids']} → fc {len(cfg['dflash_config']['target_layer_ids']) * cfg['hidden_size']}"
@@ -164,6 +166,7 @@ def render_info(info: dict[str, Any]) -> str:
         f"  block size        {cfg['block_size']}",
         f"  mask token        {d['mask']}",
         f"  parameters        {_count(d['parameters'])} (+ the target's frozen embeddings and LM head)",
+        *([f"  warm start        {warm}"] if warm else []),
         "",
         "Cache",
         f"  root              {c['root']}  (set DFLASHKIT_CACHE to move it)",

@@ -28,6 +28,12 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output checkpoint directory")
     p.add_argument("overrides", nargs="*", help="drafter config overrides, key=value (e.g. num_hidden_layers=3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start", action="store_true",
+                   help="copy the target's top decoder layers into the drafter (it takes their geometry)")
+    p.add_argument("--warm-start-layers", default=None, metavar="I,J,…",
+                   help="target layers to copy, one per drafter layer (default: those after the deepest captured one)")
+    p.add_argument("--warm-start-fc", default="last", choices=("last", "mean", "random"),
+                   help="fc init with --warm-start: pass the deepest captured layer through, average all, or random")
 
 
 @command("init-drafter", "write a freshly initialised drafter checkpoint for a target", _init_args)
@@ -35,13 +41,25 @@ def _init_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from dflashkit.checkpoint import save_drafter
+    from dflashkit.errors import ConfigError
     from dflashkit.info import default_drafter_config, parse_overrides
     from dflashkit.model import DFlashDrafter
     from dflashkit.target import Target
+    from dflashkit.warm_start import describe, parse_layers, warm_start, warm_start_overrides
 
+    if not args.warm_start and (args.warm_start_layers or args.warm_start_fc != "last"):
+        raise ConfigError("--warm-start-layers / --warm-start-fc only apply with --warm-start")
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    cfg = default_drafter_config(target, **parse_overrides(args.overrides))
+    overrides = parse_overrides(args.overrides)
+    layers = parse_layers(args.warm_start_layers)
+    if args.warm_start:
+        overrides = warm_start_overrides(target, overrides, source_layers=layers)
+    cfg = default_drafter_config(target, **overrides)
     torch.manual_seed(args.seed)
-    out = save_drafter(DFlashDrafter(cfg), args.out)
-    print(f"wrote {out} ({DFlashDrafter(cfg).num_parameters():,} parameters)")
+    drafter = DFlashDrafter(cfg)
+    if args.warm_start:
+        report = warm_start(drafter, target, source_layers=layers, fc=args.warm_start_fc)
+        print(f"warm start {describe(report)}")
+    out = save_drafter(drafter, args.out)
+    print(f"wrote {out} ({drafter.num_parameters():,} parameters)")
     return 0
