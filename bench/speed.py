@@ -38,6 +38,7 @@ from dflashkit.checkpoint import load_drafter
 from dflashkit.decode import generate
 from dflashkit.eval_stats import Method, Prompt, load_prompts
 from dflashkit.evaluate import _ar_stats, _method_stats, _record, default_stop_token_ids, triage_divergence
+from dflashkit.few_rows import stock_products
 from dflashkit.quickstart import QuickstartSettings
 from dflashkit.target import Target
 
@@ -77,7 +78,8 @@ def hf_generate(target: Target, ids: Sequence[int], max_new_tokens: int, stops: 
                            pad_token_id=stops[0] if stops else 0, prompt_lookup_num_tokens=prompt_lookup)
     _sync(target.device)
     t0 = time.perf_counter()
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)  # (1, T + n)
+    with stock_products():   # HF as users run it: stock F.linear products (dflashkit.few_rows)
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)  # (1, T + n)
     _sync(target.device)
     return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
 

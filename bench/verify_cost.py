@@ -10,8 +10,10 @@ back after every pass):
   body         the decoder layers only (no LM head)
   head         final norm + LM head over n rows (forward − body, measured directly)
 and the ratio forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1).
+`stock forward` is the same pass with every product through F.linear (`few_rows.stock_products()`), i.e. without
+the weight-stationary products dflashkit uses for 2–16 rows on CPU — interleaved with the others.
 The last line is JSON: {"context": C, "tokens": [...], "forward_s": [...], "body_s": [...], "head_s": [...],
-"ratio": [...]}.
+"stock_forward_s": [...], "ratio": [...], "stock_ratio": [...]}.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 
 import torch
 
+from dflashkit.few_rows import stock_products
 from dflashkit.target import Target
 from dflashkit.target_cache import crop
 
@@ -72,27 +75,35 @@ def main(argv: list[str] | None = None) -> int:
         return t
 
     hidden = torch.randn(1, max(sizes), target.hidden_size, generator=g).to(target.device, target.dtype)
-    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in sizes} for k in ("forward", "body", "head")}
+    kinds = ("forward", "body", "head", "stock_forward")
+    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in sizes} for k in kinds}
     for n in sizes:  # warm-up
         forward(n, True)
     for _ in range(args.repeats):
         for n in sizes:  # interleaved, so slow phases of the machine hit every size alike
             times["forward"][n].append(forward(n, True))
             times["body"][n].append(forward(n, False))
+            with stock_products():
+                times["stock_forward"][n].append(forward(n, True))
             with torch.no_grad():
                 times["head"][n].append(timed(lambda: target.verifier_logits(hidden[:, :n])))
     med = {k: [statistics.median(v[n]) for n in sizes] for k, v in times.items()}
     ratio = [f / med["forward"][0] for f in med["forward"]] if sizes[0] == 1 else [None] * len(sizes)
+    stock_ratio = ([f / med["stock_forward"][0] for f in med["stock_forward"]] if sizes[0] == 1
+                   else [None] * len(sizes))
     print(f"target {target.source} ({target.architecture}), context {args.context}, {torch.get_num_threads()} "
           f"threads, median of {args.repeats}")
-    print(f"{'tokens':>6} {'forward ms':>11} {'body ms':>8} {'head ms':>8} {'× forward(1)':>13}")
+    print(f"{'tokens':>6} {'forward ms':>11} {'body ms':>8} {'head ms':>8} {'× forward(1)':>13} "
+          f"{'stock ms':>9} {'stock ×(1)':>11}")
     for i, n in enumerate(sizes):
         r = f"{ratio[i]:.2f}" if ratio[i] is not None else "—"
+        sr = f"{stock_ratio[i]:.2f}" if stock_ratio[i] is not None else "—"
         print(f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f} "
-              f"{r:>13}")
+              f"{r:>13} {1e3 * med['stock_forward'][i]:>9.1f} {sr:>11}")
     print(json.dumps({"context": args.context, "tokens": sizes, "threads": torch.get_num_threads(),
                       **{f"{k}_s": [round(x, 5) for x in v] for k, v in med.items()},
-                      "ratio": [None if x is None else round(x, 3) for x in ratio]}))
+                      "ratio": [None if x is None else round(x, 3) for x in ratio],
+                      "stock_ratio": [None if x is None else round(x, 3) for x in stock_ratio]}))
     return 0
 
 

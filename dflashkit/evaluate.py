@@ -33,6 +33,7 @@ import torch
 
 from dflashkit.decode import generate
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.few_rows import stock_products
 from dflashkit.eval_stats import (Method, Prompt, acceptance_stats, drafter_fingerprint, drafter_info, parse_methods,
                                   prompt_sha, target_info)
 from dflashkit.hybrid_tree import resolve_mode
@@ -132,7 +133,8 @@ def _hf_generate(target: Target, prompt: Prompt, max_new_tokens: int, stops: lis
     # An explicit config: with no stop ids HF must not fall back to the model's own eos (the AR loop does not stop).
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stops) or None,
                            pad_token_id=stops[0] if stops else 0)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+    with stock_products():   # HF as users run it: stock F.linear products (dflashkit.few_rows)
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     _sync(target.device)
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import TargetError
+from dflashkit.few_rows import linear_few_rows, route_linears
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -89,6 +90,7 @@ class Target:
             raise TargetError(f"{type(model).__name__} has no LM head (expected a causal LM)")
         self.lm_head: nn.Module = head
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
+        route_linears(self.layers)   # verify passes' 2–16 rows: weight-stationary products on CPU (few_rows)
         cfg = self.text_config
         self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
 
@@ -233,7 +235,11 @@ class Target:
 
     def verifier_logits(self, final_hidden: Tensor) -> Tensor:
         """Final norm + LM head over the last layer's pre-norm output: (B, T, H) → (B, T, V)."""
-        return self.lm_head(self.final_norm(final_hidden.to(self.device)))
+        h = self.final_norm(final_hidden.to(self.device))
+        w = getattr(self.lm_head, "weight", None)
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and w is not None:
+            return linear_few_rows(h, w, min_rows=1)   # a decoding step's 1–16 rows: weight-stationary on CPU
+        return self.lm_head(h)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, *, layer_ids: list[int] | tuple[int, ...] = (),
