@@ -2,17 +2,25 @@
 
     .venv/bin/python bench/sweep_defaults.py                      # every variant below, on runs/quickstart's data
     .venv/bin/python bench/sweep_defaults.py --variants lr3e-3,features3 --train-minutes 4 --sim-prompts 8
+    .venv/bin/python bench/sweep_defaults.py --variants base,topk32,warm_start --seeds 0,1   # the lever table
 
 Each variant is the quickstart's training stage (`quickstart.stage_train`: warmup + cosine over the training
 time itself, so every variant ends with its learning rate decayed) with one setting changed, on the data of a finished quickstart
 run (`--base`, default runs/quickstart: its regenerated responses, tokens and captured features). Variants that
 change the amount of regenerated data rebuild it from the base run's responses (a prefix of them, in
 regeneration order) or extend it by regenerating more (the same prompts order the quickstart uses), then capture
-again. All drafters are then scored by one teacher-forced simulation (`dflashkit simulate`: chain and DDTree
+again. Lever variants may capture the base tokens again with the target's top-k log-probs (`capture_topk`),
+add the ORIGINAL ShareGPT assistant text of further conversations (`original_text`: teacher-forced, the target's
+own argmax as labels; capture is far cheaper than regeneration), change TrainConfig fields (`train`: loss,
+labels, ...) or warm-start the drafter from the target's top layers (`settings.warm_start`). Shared data of a
+plan lives in OUT/_data/PLAN and is built once (its capture minutes are reported next to the variant).
+With `--seeds 0,1` every variant is trained once per seed, in alternating order (seed 0 in table order, seed 1
+reversed, ...), so slow drift of the machine hits all variants alike; the table gives the mean and the
+half-range over seeds (the noise a difference must beat). All drafters are then scored by one teacher-forced simulation (`dflashkit simulate`: chain and DDTree
 budgets) on held-out MT-Bench turn-1 prompts; the table prints τ next to the training stats of each variant.
 
 Variants run one after another (the machine must otherwise be idle: budgets are wall-clock) and are resumable:
-a variant whose `OUT/NAME/done.json` exists is not trained again. "base" is the base run's own drafter when its
+a variant whose `OUT/NAME/done.json` (seed 0) or `OUT/NAME-sS/done.json` exists is not trained again. "base" is the base run's own drafter when its
 settings are the current defaults (it is the same training), else it is trained here like the others.
 Writes OUT/sweep.json and OUT/sweep.md (plus the simulation's results.json, report.md and PNGs in OUT/sim).
 """
@@ -20,8 +28,10 @@ Writes OUT/sweep.json and OUT/sweep.md (plus the simulation's results.json, repo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -30,9 +40,12 @@ from typing import Any
 
 from dflashkit.quickstart import QuickstartSettings, stage_capture, stage_prepare, stage_train, step_seconds
 
-# name → (settings changes, data plan). Data plan: "fraction" keeps that share of the base responses, "more_regen_
-# minutes" regenerates that much more; "train_scale" multiplies the training budget (the regeneration/training
-# split: the base run spent 6 min regenerating and 9 training).
+# name → (settings changes, data plan, TrainConfig changes). Data plan: "fraction" keeps that share of the base
+# responses, "more_regen_minutes" regenerates that much more, "capture_topk" captures the base tokens again with
+# the target's top-k log-probs, "original_text" adds that many further ShareGPT conversations with their ORIGINAL
+# first assistant turn (labels then come from the target: `train.labels = "target"`), "drop_regen" leaves the
+# regenerated responses out; "train_scale" multiplies the training budget (the regeneration/training split: the
+# base run spent 6 min regenerating and 9 training).
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
     "lr3e-3": {"settings": {"lr": 3e-3}},
@@ -43,7 +56,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lr7.5e-4": {"settings": {"lr": 7.5e-4}},
     "block4_anchors128": {"settings": {"block_size": 4, "max_anchors": 128}},   # same block tokens per row
     "seed1": {"settings": {"seed": 1}},   # the base again with another seed: how large is the noise?
+    # τ-per-training-minute levers (README "Levers")
+    "topk32": {"capture_topk": 32, "train": {"loss": "topk"}},
+    "topk32_ce": {"capture_topk": 32, "train": {"loss": "topk", "topk_ce_weight": 0.5}},
+    "warm_start": {"settings": {"warm_start": True}},
+    "orig_mix": {"original_text": 300, "train": {"labels": "target"}},
+    "orig_only": {"original_text": 300, "drop_regen": True, "train": {"labels": "target"}},
+    "layers1": {"settings": {"num_hidden_layers": 1}},   # the default since it won the lever table
+    "layers2": {"settings": {"num_hidden_layers": 2}},   # the default before it
+    "vocab4096": {"settings": {"draft_vocab": 4096}},
+    "train13_eval5": {"train_scale": 13 / 9},   # the budget split: 4 of the 9 evaluation minutes moved to training
 }
+_DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen")
 
 
 def _say(msg: str) -> None:
@@ -55,17 +79,89 @@ def _link(src: Path, dst: Path) -> None:
         dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
+def _original_text_items(base: Path, n: int, max_prompt_tokens: int, tokenizer: Any) -> list[tuple]:
+    """`n` ShareGPT train conversations the base run did not regenerate (dataset order), as (id, messages, None):
+    the prompt the quickstart would use plus the conversation's ORIGINAL first assistant reply."""
+    from dflashkit.data import encode_prompt, prompt_messages
+    from dflashkit.datasets import load_dataset
+    from dflashkit.errors import DataError
+    from dflashkit.regenerate import read_regenerated
+
+    used = {r["id"] for r in read_regenerated(base / "data" / "regenerated.jsonl")}
+    convs, _ = load_dataset("sharegpt", None)
+    items: list[tuple] = []
+    for c in convs:
+        if c.id in used:
+            continue
+        try:
+            prompt = prompt_messages(c)
+            if len(encode_prompt(tokenizer, prompt)) > max_prompt_tokens:
+                continue
+        except DataError:
+            continue
+        reply = next((m for m in c.messages[len(prompt):] if m["role"] == "assistant"), None)
+        if reply is None or not reply["content"].strip():
+            continue
+        items.append((f"orig-{c.id}", [*prompt, reply], None))
+        if len(items) >= n:
+            break
+    return items
+
+
+def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, root: Path,
+                 layer_ids: list[int]) -> tuple[Path, dict[str, Any]]:
+    """Data + features of a top-k / original-text plan, built once under OUT/_data/PLAN (all seeds share it)."""
+    from dflashkit.data import write_tokens
+    from dflashkit.features import capture
+    from dflashkit.samples import read_tokens
+
+    plan = {k: spec[k] for k in ("capture_topk", "original_text", "drop_regen") if k in spec}
+    name = "-".join(f"{k}{v}" for k, v in plan.items()) + "-" + hashlib.sha1(
+        json.dumps(plan, sort_keys=True).encode()).hexdigest()[:6]
+    d = root / "_data" / name
+    info_file = d / "info.json"
+    if info_file.is_file():
+        return d, json.loads(info_file.read_text())
+    (d / "data").mkdir(parents=True, exist_ok=True)
+    info: dict[str, Any] = {"plan": plan}
+    tokens = base / "data" / "tokens.jsonl"
+    if "original_text" in plan:
+        items = _original_text_items(base, int(plan["original_text"]), s.max_prompt_tokens, target.tokenizer)
+        orig = d / "data" / "original.jsonl"
+        rep = write_tokens(target.tokenizer, items, orig, max_length=1024, min_supervised=2)
+        lines = [] if plan.get("drop_regen") else tokens.read_text().splitlines()
+        lines += orig.read_text().splitlines()
+        (d / "data" / "tokens.jsonl").write_text("".join(line + "\n" for line in lines))
+        info.update({"original_conversations": rep.written, "original_supervised_tokens": rep.supervised})
+    else:
+        shutil.copyfile(tokens, d / "data" / "tokens.jsonl")
+    shutil.copyfile(base / "data" / "regenerated.jsonl", d / "data" / "regenerated.jsonl")
+    samples, _ = read_tokens(d / "data" / "tokens.jsonl")
+    info["supervised_tokens"] = int(sum(int(x.loss_mask.sum()) for x in samples))
+    t0 = time.monotonic()
+    capture(target, samples, d / "features", layer_ids=layer_ids, dtype="bf16", store_topk=int(plan.get(
+        "capture_topk", 0)), tokens_file=d / "data" / "tokens.jsonl", log=_say)
+    info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
+    info_file.write_text(json.dumps(info, indent=1) + "\n")
+    return d, info
+
+
 def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, out: Path) -> dict[str, Any]:
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
     from dflashkit.data import write_tokens
     from dflashkit.info import default_drafter_config
     from dflashkit.regenerate import read_regenerated
 
-    layer_ids = default_drafter_config(target, **s.drafter_overrides()).target_layer_ids
-    if "fraction" not in spec and "more_regen_minutes" not in spec:
+    layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
+    if not any(k in spec for k in _DATA_KEYS):
         _link(base / "data", out / "data")
         _link(base / "features", out / "features")
         return {"data": "base"}
+    if any(k in spec for k in ("capture_topk", "original_text")):
+        shared, info = _shared_data(target, spec, s, base, out.parent, layer_ids)
+        _link(shared / "data", out / "data")
+        _link(shared / "features", out / "features")
+        return info
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {}
@@ -86,39 +182,79 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2),
                      "responses": prep["conversations"], "supervised_tokens": prep["supervised_tokens"]})
     t0 = time.monotonic()
-    stage_capture(target, layer_ids, out)
+    stage_capture(target, layer_ids, out, s.capture_topk)
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
     return info
 
 
+def run_name(name: str, seed: int) -> str:
+    """Directory (and simulation drafter) name of one variant·seed: the plain name for seed 0."""
+    return name if seed == 0 else f"{name}-s{seed}"
+
+
 def run_variant(target: Any, name: str, spec: dict[str, Any], base: Path, out_root: Path,
-                train_minutes: float) -> dict[str, Any]:
-    out = out_root / name
+                train_minutes: float, seed: int = 0) -> dict[str, Any]:
+    rname = run_name(name, seed)
+    out = out_root / rname
     done = out / "done.json"
     if done.is_file():
         return json.loads(done.read_text())
-    s = QuickstartSettings(**{**asdict(QuickstartSettings()), **spec.get("settings", {})})
+    settings = {**spec.get("settings", {})}
+    if seed:
+        settings["seed"] = seed
+    s = QuickstartSettings(**{**asdict(QuickstartSettings()), **settings})
+    if spec.get("train"):
+        s = replace(s, train_overrides={**s.train_overrides, **spec["train"]})
     base_state = base / "quickstart.json"
-    if name == "base" and base_state.is_file():
+    minutes = train_minutes * float(spec.get("train_scale", 1.0))
+    if name == "base" and seed == 0 and minutes == s.train_minutes and base_state.is_file():
         state = json.loads(base_state.read_text())
         if {**asdict(s), **state.get("settings", {}), "out": s.out} == asdict(s) and "train" in state.get("done", {}):
-            result = {"name": name, "drafter": str(base / "drafter"), "train": state["done"]["train"],
-                      "seconds_per_step": step_seconds(base / "train" / "metrics.jsonl"), "data": {"data": "base"},
+            result = {"name": rname, "variant": name, "seed": seed, "drafter": str(base / "drafter"),
+                      "train": state["done"]["train"], "data": {"data": "base"},
+                      "seconds_per_step": step_seconds(base / "train" / "metrics.jsonl"),
                       "train_minutes": s.train_minutes, "reused": str(base)}
             out.mkdir(parents=True, exist_ok=True)
             done.write_text(json.dumps(result, indent=1) + "\n")
             return result
     out.mkdir(parents=True, exist_ok=True)
-    _say(f"{name}: data")
+    _say(f"{rname}: data")
     data = _prepare_data(target, spec, s, base, out)
-    minutes = train_minutes * float(spec.get("train_scale", 1.0))
-    _say(f"{name}: training for {minutes:g} min")
+    _say(f"{rname}: training for {minutes:g} min")
     train = stage_train(target, s, out, minutes)
-    result = {"name": name, "drafter": train["final"], "train": train, "data": data, "train_minutes": minutes,
-              "seconds_per_step": step_seconds(out / "train" / "metrics.jsonl"),
-              "settings_changed": spec.get("settings", {})}
+    result = {"name": rname, "variant": name, "seed": seed, "drafter": train["final"], "train": train, "data": data,
+              "train_minutes": minutes, "seconds_per_step": step_seconds(out / "train" / "metrics.jsonl"),
+              "settings_changed": {**spec.get("settings", {}), **({"train": spec["train"]} if spec.get("train")
+                                                                   else {})}}
     done.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def interleaved(names: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """(variant, seed) in run order: seed index 0 in table order, 1 reversed, 2 in order, ..."""
+    return [(n, sd) for i, sd in enumerate(seeds) for n in (names if i % 2 == 0 else names[::-1])]
+
+
+def _spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / 2 if len(values) > 1 else float("nan")
+
+
+def _table(rows: list[dict[str, Any]], names: list[str], methods: list[str]) -> str:
+    lines = ["| variant | change | seeds | train min | steps | s/step | " + " | ".join(f"τ {m}" for m in methods)
+             + " |", "|---" * (6 + len(methods)) + "|"]
+    for name in names:
+        rs = [r for r in rows if r["variant"] == name]
+        change = "—" if name == "base" else f"`{json.dumps({k: v for k, v in VARIANTS[name].items()})}`"
+        cells = []
+        for m in methods:
+            vals = [r["tau"][m] for r in rs]
+            noise = _spread(vals)
+            cells.append(f"{statistics.fmean(vals):.3f}" + ("" if noise != noise else f" ± {noise:.3f}"))
+        steps = "/".join(str(r["train"]["steps"]) for r in rs)
+        sps = statistics.fmean(r["seconds_per_step"] for r in rs)
+        lines.append(f"| {name} | {change} | {len(rs)} | {rs[0]['train_minutes']:g} | {steps} | {sps:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", default=QuickstartSettings().out, help="a finished quickstart run (its data)")
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--seeds", default="0", help="comma-separated training seeds per variant (e.g. 0,1)")
     p.add_argument("--train-minutes", type=float, default=QuickstartSettings().train_minutes)
     p.add_argument("--sim-prompts", type=int, default=16, help="held-out MT-Bench turn-1 prompts to simulate")
     p.add_argument("--sim-max-new-tokens", type=int, default=QuickstartSettings().eval_max_new_tokens)
@@ -142,36 +279,37 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"error: --variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --seeds {args.seeds!r}: expected comma-separated integers") from None
     base, out_root = Path(args.base), Path(args.out)
     if not (base / "features" / "manifest.json").is_file() or not (base / "data" / "regenerated.jsonl").is_file():
         raise SystemExit(f"error: --base {base}: not a finished quickstart run (needs data/regenerated.jsonl and "
                          f"features/); run `dflashkit quickstart --out {base}` first")
     torch.manual_seed(0)
     target = Target.load("default")
-    rows = [run_variant(target, n, VARIANTS[n], base, out_root, args.train_minutes) for n in names]
+    rows = [run_variant(target, n, VARIANTS[n], base, out_root, args.train_minutes, sd)
+            for n, sd in interleaved(names, seeds or [0])]
     sim = out_root / "sim"
     cli(["simulate", "--dataset", "mtbench", "--limit", str(args.sim_prompts), "--max-new-tokens",
          str(args.sim_max_new_tokens), "--cache", args.sim_cache, "--budgets", args.budgets,
          "--out", str(sim), "--quiet", *[a for r in rows for a in ("--drafter", f"{r['name']}={r['drafter']}")]])
     doc = json.loads((sim / "results.json").read_text())
     methods = ["chain", *[f"ddtree:{b}" for b in args.budgets.split(",") if b]]
-    lines = ["| variant | change | train min | steps | s/step | val loss | " + " | ".join(f"τ {m}" for m in methods)
-             + " |", "|---" * (6 + len(methods)) + "|"]
     for r in rows:
-        res = doc["results"][r["name"]]
-        change = json.dumps(r.get("settings_changed") or {k: v for k, v in VARIANTS[r["name"]].items()
-                                                          if k != "settings"}) if r["name"] != "base" else "—"
-        val = (r["train"].get("val") or {}).get("loss")
-        r["tau"] = {m: res[m]["tau_macro"] for m in methods}
-        lines.append(f"| {r['name']} | `{change}` | {r['train_minutes']:g} | {r['train']['steps']} | "
-                     f"{r['seconds_per_step']:.2f} | {val if val is None else round(val, 3)} | "
-                     + " | ".join(f"{r['tau'][m]:.3f}" for m in methods) + " |")
-    table = "\n".join(lines)
-    (out_root / "sweep.json").write_text(json.dumps({"rows": rows, "sim": str(sim / "results.json")}, indent=1) + "\n")
-    (out_root / "sweep.md").write_text(f"# Quickstart default sweep (τ macro, {args.sim_prompts} held-out MT-Bench "
-                                       f"turn-1 prompts, teacher-forced)\n\n{table}\n")
+        r.setdefault("variant", r["name"])
+        r["tau"] = {m: doc["results"][r["name"]][m]["tau_macro"] for m in methods}
+    table = _table(rows, names, methods)
+    summary = {n: {m: round(statistics.fmean(r["tau"][m] for r in rows if r["variant"] == n), 4) for m in methods}
+               for n in names}
+    (out_root / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary, "seeds": seeds,
+                                                     "sim": str(sim / "results.json")}, indent=1) + "\n")
+    (out_root / "sweep.md").write_text(f"# Quickstart default sweep (τ macro, mean ± half-range over seeds "
+                                       f"{seeds}, {args.sim_prompts} held-out MT-Bench turn-1 prompts, "
+                                       f"teacher-forced)\n\n{table}\n")
     print(table)
-    print(json.dumps({r["name"]: r["tau"] for r in rows}))
+    print(json.dumps(summary))
     return 0
 
 

@@ -40,17 +40,31 @@ class QuickstartSettings:
     eval_max_new_tokens: int = 96
     methods: str = "ar,chain,ddtree:4,ddtree:8"   # the screen reports the best DDTree budget
     # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
-    num_hidden_layers: int = 2
+    num_hidden_layers: int = 1         # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
     block_size: int = 4                # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
     max_anchors: int = 128             # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
     draft_vocab: int = 8192            # reduced draft vocabulary (0: the target's full 49152)
     lr: float = 1.5e-3
     seed: int = 0
+    # Initialise the drafter from the target's top layers (dflashkit.warm_start): the drafter takes the target's
+    # layer geometry. Off by default; whether it pays is measured (README, lever table).
+    warm_start: bool = False
     drafter_extra: dict[str, Any] = field(default_factory=dict)   # more DrafterConfig fields (e.g. num_features)
+    capture_topk: int = 0              # also store the target's top-k log-probs per position (for loss "topk")
+    train_overrides: dict[str, Any] = field(default_factory=dict)  # more TrainConfig fields (e.g. loss, labels)
 
-    def drafter_overrides(self) -> dict[str, Any]:
-        """The DrafterConfig overrides of this run (for `default_drafter_config`)."""
-        return {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size, **self.drafter_extra}
+    def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
+        """The DrafterConfig overrides of this run (for `default_drafter_config`). With `warm_start` they include
+        the target's layer geometry (`warm_start_overrides`), so `target` must be given."""
+        overrides = {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size, **self.drafter_extra}
+        if not self.warm_start:
+            return overrides
+        if target is None:
+            from dflashkit.errors import ConfigError
+            raise ConfigError("warm_start: the drafter takes the target's layer geometry; call "
+                              "drafter_overrides(target)")
+        from dflashkit.warm_start import warm_start_overrides
+        return warm_start_overrides(target, overrides)
 
 
 def _state_path(out: Path) -> Path:
@@ -109,12 +123,12 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
     return {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
 
 
-def stage_capture(target: Any, layer_ids: list[int], out: Path) -> dict[str, Any]:
+def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -> dict[str, Any]:
     from dflashkit.features import capture
     from dflashkit.samples import read_tokens
 
     samples, _ = read_tokens(out / "data" / "tokens.jsonl")
-    manifest = capture(target, samples, out / "features", layer_ids=layer_ids, dtype="bf16",
+    manifest = capture(target, samples, out / "features", layer_ids=layer_ids, dtype="bf16", store_topk=topk,
                        tokens_file=out / "data" / "tokens.jsonl", log=_say)
     return {"samples": len(samples), "tokens": sum(len(x) for x in samples), "dir": str(out / "features"),
             "complete": manifest.complete}
@@ -123,25 +137,30 @@ def stage_capture(target: Any, layer_ids: list[int], out: Path) -> dict[str, Any
 def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -> dict[str, Any]:
     """Train within `minutes`: the warmup + cosine schedule spans the training time itself (`schedule_minutes`),
     so the run ends with its learning rate decayed however fast this machine is; a re-run resumes it."""
+    from dflashkit.checkpoint import load_config
     from dflashkit.train import train
     from dflashkit.train_config import TrainConfig
 
     n_samples = sum(1 for _ in open(out / "data" / "tokens.jsonl"))
     val_samples = min(8, n_samples // 5)  # a small held-out check; never more than a fifth of the data
     init = None
-    if s.draft_vocab:
+    if s.draft_vocab or s.warm_start:
         init = out / "init_drafter"
         if not (init / "model.safetensors").is_file():
             coverage = build_initial_drafter(target, s, out / "data" / "tokens.jsonl", init)
-            _say(f"train: draft vocabulary of {s.draft_vocab} tokens covers {coverage:.1%} of supervised tokens")
+            if s.draft_vocab:
+                _say(f"train: draft vocabulary of {s.draft_vocab} tokens covers {coverage:.1%} of supervised tokens")
+            if s.warm_start:
+                from dflashkit.warm_start import describe
+                _say(f"train: warm start {describe(load_config(init).extra.get('warm_start'))}")
     # step times are summed by the schedule; setup, checkpoints and the final validation are not: keep room
     schedule = max(0.1 * minutes, minutes - max(0.25, 0.04 * minutes))
     cfg = TrainConfig.from_dict({
         "features": str(out / "features"), "target": "default", "out": str(out / "train"),
-        "drafter": s.drafter_overrides(), "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr,
+        "drafter": s.drafter_overrides(target), "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr,
         "schedule_minutes": schedule, "warmup_ratio": 0.05, "time_budget_minutes": minutes,
         "save_every": 50, "val_samples": val_samples, "eval_every": 0, "seed": s.seed, "tensorboard": True,
-        **({"init_from": str(init)} if init is not None else {}),
+        **({"init_from": str(init)} if init is not None else {}), **s.train_overrides,
     }, source="quickstart")
     result = train(cfg, target=target)
     return {"steps": result.step, "stopped": result.stopped, "schedule_minutes": round(schedule, 2),
@@ -163,13 +182,21 @@ def step_seconds(metrics_file: Path) -> float:
 
 def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
     """A fresh drafter whose reduced draft vocabulary is the `draft_vocab` most frequent supervised tokens of the
-    training data (ids sorted). Returns the fraction of supervised tokens the vocabulary covers."""
+    training data (ids sorted); with `warm_start`, its layers copied from the target's (`dflashkit.warm_start`).
+    Returns the fraction of supervised tokens the vocabulary covers (1.0 with the full vocabulary)."""
     import torch
 
     from dflashkit.checkpoint import save_drafter
     from dflashkit.info import default_drafter_config
     from dflashkit.model import DFlashDrafter
 
+    if not s.draft_vocab:   # full vocabulary (only reached with warm_start): nothing to count
+        cfg = default_drafter_config(target, **s.drafter_overrides(target))
+        torch.manual_seed(s.seed)
+        drafter = DFlashDrafter(cfg)
+        _warm_start(drafter, target, s)
+        save_drafter(drafter, out_dir)
+        return 1.0
     counts = torch.zeros(target.vocab_size, dtype=torch.long)
     for line in tokens_file.read_text().splitlines():
         rec = json.loads(line)
@@ -179,12 +206,19 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
     order = torch.argsort(counts * target.vocab_size + (target.vocab_size - 1 - torch.arange(target.vocab_size)),
                           descending=True)
     keep = order[: s.draft_vocab].sort().values
-    cfg = default_drafter_config(target, **s.drafter_overrides(), draft_vocab_size=s.draft_vocab)
+    cfg = default_drafter_config(target, **s.drafter_overrides(target), draft_vocab_size=s.draft_vocab)
     torch.manual_seed(s.seed)
     drafter = DFlashDrafter(cfg)
     drafter.draft_to_target.copy_(keep)
+    _warm_start(drafter, target, s)
     save_drafter(drafter, out_dir)
     return float(counts[keep].sum() / counts.sum().clamp(min=1))
+
+
+def _warm_start(drafter: Any, target: Any, s: QuickstartSettings) -> None:
+    if s.warm_start:   # after the random init, so the parts it does not copy (mask embedding) keep the seed's values
+        from dflashkit.warm_start import warm_start
+        warm_start(drafter, target)
 
 
 def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path, end: float) -> dict[str, Any]:
@@ -223,14 +257,14 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     state["settings"] = asdict(s)
     _say(f"output directory {out} (re-running continues from what is done)")
     target = Target.load("default")
-    layer_ids = default_drafter_config(target, **s.drafter_overrides()).target_layer_ids
+    layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
     done = state["done"]
     if "prepare" not in done:
         done["prepare"] = stage_prepare(target, s, out, time.monotonic() + 60 * s.regen_minutes)
         _save_state(out, state)
     _say(f"prepare: {done['prepare']}")
     if "capture" not in done:
-        done["capture"] = stage_capture(target, layer_ids, out)
+        done["capture"] = stage_capture(target, layer_ids, out, s.capture_topk)
         _save_state(out, state)
     if "train" not in done:
         done["train"] = stage_train(target, s, out, s.train_minutes)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +44,8 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     assert main(["quickstart", "--out", str(out), *TINY]) == 0
     assert "speedup" in capsys.readouterr().out
     check_sweep_on(out, tmp_path, capsys)
+    check_levers_on(out, tmp_path, capsys)
+    check_curve_on(out, tmp_path, capsys)
 
 
 def check_sweep_on(base, tmp_path, capsys):
@@ -68,3 +71,63 @@ def check_sweep_on(base, tmp_path, capsys):
     assert 0 < len(half) < len((base / "data" / "regenerated.jsonl").read_text().splitlines())
     assert "| features3 |" in (out / "sweep.md").read_text()
     assert sweep.main(args) == 0                                       # resumable: nothing is trained again
+
+
+def _bench(name):
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def check_levers_on(base, tmp_path, capsys):
+    """The lever variants with two seeds: a top-k capture (shared by both seeds), warm start, original ShareGPT
+    text with target labels; the table reports mean ± half-range over the seeds."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.features import CapturedFeatures
+
+    sweep = _bench("sweep_defaults")
+    sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}   # 4 conversations, not 300
+    assert sweep.interleaved(["a", "b"], [0, 1, 2]) == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    out = tmp_path / "levers"
+    args = ["--base", str(base), "--out", str(out), "--variants", "base,topk32,warm_start,orig_mix", "--seeds", "0,1",
+            "--train-minutes", "0.05", "--sim-prompts", "1", "--sim-max-new-tokens", "12",
+            "--sim-cache", str(tmp_path / "sim_cache"), "--budgets", "4"]
+    assert sweep.main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary) == {"base", "topk32", "warm_start", "orig_mix"}
+    doc = json.loads((out / "sweep.json").read_text())
+    assert sorted((r["variant"], r["seed"]) for r in doc["rows"]) == sorted(
+        (v, s) for v in summary for s in (0, 1))
+    for v in summary:   # the summary is the mean over the seeds
+        taus = [r["tau"]["chain"] for r in doc["rows"] if r["variant"] == v]
+        assert summary[v]["chain"] == pytest.approx(sum(taus) / 2, abs=1e-4)
+    topk = out / "topk32" / "features"
+    assert topk.resolve() == (out / "topk32-s1" / "features").resolve()      # one capture for both seeds
+    sample = CapturedFeatures(topk)[0]
+    assert sample.topk_ids.shape[1] == 32 and sample.topk_logprobs.shape == sample.topk_ids.shape
+    latest = out / "topk32" / "train" / (out / "topk32" / "train" / "latest").read_text().strip()
+    assert yaml.safe_load((latest / "train_config.yaml").read_text())["loss"] == "topk"   # trained with it
+    assert load_drafter(out / "warm_start" / "train" / "final").config.extra["warm_start"]
+    orig = [json.loads(line)["id"] for line in (out / "orig_mix" / "data" / "tokens.jsonl").read_text().splitlines()]
+    assert any(i.startswith("orig-") for i in orig) and any(not i.startswith("orig-") for i in orig)
+    md = (out / "sweep.md").read_text()
+    assert "| warm_start |" in md and " ± " in md
+
+
+def check_curve_on(base, tmp_path, capsys):
+    """bench/curve.py: one JSON line per budget, resumable, PNG written."""
+    curve = _bench("curve")
+    out = tmp_path / "curve"
+    args = ["--base", str(base), "--out", str(out), "--multipliers", "0.5,1", "--train-minutes", "0.1",
+            "--sim-prompts", "1", "--sim-max-new-tokens", "12", "--sim-cache", str(tmp_path / "sim_cache"),
+            "--budgets", "4"]
+    assert curve.main(args) == 0
+    capsys.readouterr()
+    points = curve.read_points(out / "curve.jsonl")
+    assert [p["train_minutes"] for p in points] == [0.05, 0.1]
+    assert all(set(p["tau"]) == {"chain", "ddtree:4"} and p["steps"] >= 1 for p in points)
+    assert (out / "curve.png").stat().st_size > 1000 and "| 0.5 |" in (out / "curve.md").read_text()
+    assert curve.main(args) == 0                        # resumable: both points are on record, nothing is retrained
+    assert len(curve.read_points(out / "curve.jsonl")) == 2

@@ -14,10 +14,19 @@ def _args(p: argparse.ArgumentParser) -> None:
     defaults = QuickstartSettings()
     for f in fields(QuickstartSettings):
         value = getattr(defaults, f.name)
-        if isinstance(value, dict):  # drafter_extra: repeatable KEY=VALUE (DrafterConfig fields)
+        if f.name == "drafter_extra":  # repeatable KEY=VALUE (DrafterConfig fields)
             p.add_argument("--drafter", dest=f.name, action="append", default=[], metavar="KEY=VALUE",
                            help="another DrafterConfig field for the drafter, e.g. --drafter num_features=3 "
                                 "(repeatable)")
+            continue
+        if f.name == "train_overrides":  # repeatable KEY=VALUE (TrainConfig fields)
+            p.add_argument("--train", dest=f.name, action="append", default=[], metavar="KEY=VALUE",
+                           help="another TrainConfig field for the training stage, e.g. --train loss=ce "
+                                "(repeatable)")
+            continue
+        if isinstance(value, bool):  # --warm-start / --no-warm-start (type=bool would read "False" as True)
+            p.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=value,
+                           help=f"(default: {value})")
             continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value,
                        help=f"(default: {value})")
@@ -30,6 +39,7 @@ def _quickstart(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in fields(QuickstartSettings)}
     values["drafter_extra"] = parse_overrides(values["drafter_extra"])
+    values["train_overrides"] = parse_overrides(values["train_overrides"])
     settings = QuickstartSettings(**values)
     state = run_quickstart(settings)
     print(summary_screen(state))
