@@ -28,14 +28,9 @@ import sweep_defaults  # noqa: E402  (bench/ is not a package)
 
 def read_points(path: Path) -> list[dict[str, Any]]:
     """The finished points of a curve (one JSON object per line; a torn last line is ignored)."""
-    points = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                points.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return points
+    from dflashkit.metrics import read_metrics
+
+    return read_metrics(path)
 
 
 def _score(drafter: str, name: str, out: Path, args: argparse.Namespace) -> dict[str, float]:
