@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,19 +41,12 @@ from dflashkit.decode import generate
 from dflashkit.model import DFlashDrafter
 from dflashkit.target import LINEAR_ATTENTION, Target
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+
 # Qwen3.6-27B / Qwen3.5-27B text geometry (config.json): 64 layers, 3 of every 4 Gated DeltaNet.
 GEOMETRY_27B = {"gdn_layers": 48, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
                 "linear_value_head_dim": 128, "state_bytes": 4}
-
-
-def parse_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise SystemExit(f"error: {flag} {text!r}: expected comma-separated positive integers, e.g. 1,4,16")
-    return values
 
 
 def tiny_hybrid(hidden: int, layers: int, vocab: int, seed: int = 0) -> Target:
@@ -129,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    budgets = parse_ints(args.budgets, "--budgets")
+    budgets = positive_ints(args.budgets, "--budgets", "1,4,16")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or not set(modes) <= {"levels", "scan", "paths"}:
         raise SystemExit(f"error: --modes {args.modes!r}: expected a comma-separated subset of levels,scan,paths")

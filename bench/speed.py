@@ -42,22 +42,15 @@ from dflashkit.few_rows import stock_products
 from dflashkit.quickstart import QuickstartSettings
 from dflashkit.target import Target
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+
 HF_AR, DK_AR, PLD = "hf_ar", "dflashkit_ar", "hf_prompt_lookup"
 PROMPT_LOOKUP_TOKENS = 10
 
 
 def default_drafter_dir() -> Path:
     return Path(QuickstartSettings().out) / "drafter"
-
-
-def parse_budgets(text: str) -> list[int]:
-    try:
-        budgets = sorted({int(b) for b in text.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"error: --budgets {text!r}: expected comma-separated positive integers, e.g. 4,8,16")
-    if not budgets or budgets[0] < 1:
-        raise SystemExit(f"error: --budgets {text!r}: expected comma-separated positive integers, e.g. 4,8,16")
-    return budgets
 
 
 # ---------------------------------------------------------------------------------------------- one run
@@ -233,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
-    budgets = parse_budgets(args.budgets)
+    budgets = positive_ints(args.budgets, "--budgets", "4,8,16", unique_sorted=True)
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise SystemExit("error: --prompts and --max-new-tokens must be positive")
     drafter_dir = Path(args.drafter) if args.drafter else default_drafter_dir()

@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 import time
 
 import torch
@@ -30,15 +31,8 @@ from dflashkit.few_rows import stock_products
 from dflashkit.target import Target
 from dflashkit.target_cache import crop
 
-
-def parse_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise SystemExit(f"error: {flag} {text!r}: expected comma-separated positive integers, e.g. 1,5,9")
-    return values
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
-    sizes = parse_ints(args.tokens, "--tokens")
+    sizes = positive_ints(args.tokens, "--tokens", "1,5,9")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = Target.load(args.target, device=args.device)
