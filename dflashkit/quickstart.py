@@ -320,9 +320,9 @@ def summary_screen(state: dict[str, Any]) -> str:
 
 
 # What the stages get on the idle 2-core dev machine (README): regeneration ≈ 32 responses/min (192 in 6 min),
-# training ≈ 35 steps/min (312 in 9 min, 1.7 s per step).
+# training steps/min by drafter depth (bench/curve.py at 9 min: 1 layer 743 steps, 2 layers 446).
 IDLE_RESPONSES_PER_MIN = 32.0
-IDLE_STEPS_PER_MIN = 35.0
+IDLE_STEPS_PER_MIN = {1: 80.0, 2: 48.0}  # other depths: no idle figure, so no training note
 SHORTFALL = 0.6                        # below this fraction of the idle figure, the screen says so
 
 
@@ -335,7 +335,7 @@ def shortfall_notes(state: dict[str, Any]) -> list[str]:
     if want and got < SHORTFALL * want:
         notes.append(f"regeneration got {got} responses in {s['regen_minutes']:g} min; an idle 2-core machine gets "
                      f"~{want:.0f} (the machine was busy or slower: less data, lower τ)")
-    want = IDLE_STEPS_PER_MIN * s.get("train_minutes", 0)
+    want = IDLE_STEPS_PER_MIN.get(s.get("num_hidden_layers", 1), 0.0) * s.get("train_minutes", 0)
     got = d.get("train", {}).get("steps", 0)
     if want and got < SHORTFALL * want:
         notes.append(f"training got {got} steps in {s['train_minutes']:g} min; an idle 2-core machine gets "

@@ -265,7 +265,7 @@ def test_quickstart_shortfall_notes():
     from dflashkit.quickstart import QuickstartSettings, shortfall_notes
 
     s = asdict(QuickstartSettings())
-    idle = {"settings": s, "done": {"prepare": {"conversations": 190}, "train": {"steps": 300},
+    idle = {"settings": s, "done": {"prepare": {"conversations": 190}, "train": {"steps": 700},
                                     "eval": {"mtbench": {"prompts": 8, "requested": 8}}}}
     assert shortfall_notes(idle) == []
     busy = {"settings": s, "done": {"prepare": {"conversations": 32}, "train": {"steps": 140},
@@ -273,5 +273,9 @@ def test_quickstart_shortfall_notes():
     notes = shortfall_notes(busy)
     assert len(notes) == 3
     assert "32 responses" in notes[0] and "~192" in notes[0]
-    assert "140 steps" in notes[1] and "~315" in notes[1]
+    assert "140 steps" in notes[1] and "~720" in notes[1]
     assert "3 of 8 prompts" in notes[2]
+    two = {"settings": {**s, "num_hidden_layers": 2}, "done": {**idle["done"], "train": {"steps": 300}}}
+    assert shortfall_notes(two) == []           # 300 of ~432 idle 2-layer steps: not a shortfall
+    deep = {"settings": {**s, "num_hidden_layers": 5}, "done": {**idle["done"], "train": {"steps": 10}}}
+    assert shortfall_notes(deep) == []          # no idle figure for 5 layers: no claim either way
