@@ -7,7 +7,8 @@ Each point is the quickstart's training stage (`bench/sweep_defaults.py` variant
 the current defaults) run for `multiplier × --train-minutes` of wall-clock training, from scratch, with its own
 warmup + cosine schedule spanning that budget — exactly what `dflashkit quickstart --train-minutes M` would give
 on this machine. Every point is scored as soon as it is trained, by a teacher-forced simulation on held-out
-MT-Bench turn-1 prompts (the same transcript cache for all points), and appended as ONE JSON line to
+MT-Bench turn-1 prompts (the same transcript cache for all points) — the drafter the quickstart would export,
+i.e. its best validation pass (`keep_best`; `drafter_step` in the line) — and appended as ONE JSON line to
 OUT/curve.jsonl. Resumable at two levels: a finished point (its line in curve.jsonl) is skipped, and a killed
 point's training resumes from its last checkpoint (same schedule). Writes OUT/curve.png (τ against minutes, log2
 axis) and OUT/curve.md after every point. The machine must otherwise be idle: budgets are wall-clock.
@@ -70,10 +71,11 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
 def table(points: list[dict[str, Any]]) -> str:
     pts = sorted(points, key=lambda p: p["train_minutes"])
     methods = sorted({m for p in pts for m in p["tau"]}, key=lambda m: (m != "chain", len(m), m))
-    lines = ["| × | train min | steps | s/step | " + " | ".join(f"τ {m}" for m in methods) + " |",
-             "|---" * (4 + len(methods)) + "|"]
+    lines = ["| × | train min | steps | drafter of step | s/step | " + " | ".join(f"τ {m}" for m in methods) + " |",
+             "|---" * (5 + len(methods)) + "|"]
     for p in pts:
-        lines.append(f"| {p['multiplier']:g} | {p['train_minutes']:g} | {p['steps']} | {p['seconds_per_step']:.2f} | "
+        lines.append(f"| {p['multiplier']:g} | {p['train_minutes']:g} | {p['steps']} | "
+                     f"{p.get('drafter_step', p['steps'])} | {p['seconds_per_step']:.2f} | "
                      + " | ".join(f"{p['tau'].get(m, float('nan')):.3f}" for m in methods) + " |")
     return "\n".join(lines)
 
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         row = sweep_defaults.run_variant(target, args.variant, spec, base, out / name, minutes, args.seed)
         point = {"bench": "curve", "variant": args.variant, "seed": args.seed, "multiplier": m,
                  "train_minutes": minutes, "steps": row["train"]["steps"],
+                 "drafter_step": row["train"].get("best_step", row["train"]["steps"]),   # keep_best's choice
                  "seconds_per_step": row["seconds_per_step"], "val": row["train"].get("val"),
                  "tau": _score(row["drafter"], name, out, args)}
         with open(lines, "a") as f:

@@ -222,7 +222,9 @@ def run_variant(target: Any, name: str, spec: dict[str, Any], base: Path, out_ro
     data = _prepare_data(target, spec, s, base, out)
     _say(f"{rname}: training for {minutes:g} min")
     train = stage_train(target, s, out, minutes)
-    result = {"name": rname, "variant": name, "seed": seed, "drafter": train["final"], "train": train, "data": data,
+    # the drafter the quickstart would export: its best validation pass (keep_best), else the last step
+    result = {"name": rname, "variant": name, "seed": seed, "drafter": train.get("best", train["final"]),
+              "train": train, "data": data,
               "train_minutes": minutes, "seconds_per_step": step_seconds(out / "train" / "metrics.jsonl"),
               "settings_changed": {**spec.get("settings", {}), **({"train": spec["train"]} if spec.get("train")
                                                                    else {})}}

@@ -51,6 +51,8 @@ class QuickstartSettings:
     warm_start: bool = False
     drafter_extra: dict[str, Any] = field(default_factory=dict)   # more DrafterConfig fields (e.g. num_features)
     capture_topk: int = 0              # also store the target's top-k log-probs per position (for loss "topk")
+    keep_best: bool = True             # validate every 100 steps and export the best pass (longer --train-minutes
+                                       # on the same data overfit: README, the curve), not necessarily the last
     train_overrides: dict[str, Any] = field(default_factory=dict)  # more TrainConfig fields (e.g. loss, labels)
 
     def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
@@ -143,6 +145,7 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
 
     n_samples = sum(1 for _ in open(out / "data" / "tokens.jsonl"))
     val_samples = min(8, n_samples // 5)  # a small held-out check; never more than a fifth of the data
+    keep_best = s.keep_best and val_samples > 0
     init = None
     if s.draft_vocab or s.warm_start:
         init = out / "init_drafter"
@@ -159,12 +162,15 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
         "features": str(out / "features"), "target": "default", "out": str(out / "train"),
         "drafter": s.drafter_overrides(target), "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr,
         "schedule_minutes": schedule, "warmup_ratio": 0.05, "time_budget_minutes": minutes,
-        "save_every": 50, "val_samples": val_samples, "eval_every": 0, "seed": s.seed, "tensorboard": True,
+        "save_every": 50, "val_samples": val_samples, "seed": s.seed, "tensorboard": True,
+        "eval_every": 100 if keep_best else 0, "keep_best": keep_best,
         **({"init_from": str(init)} if init is not None else {}), **s.train_overrides,
     }, source="quickstart")
     result = train(cfg, target=target)
     return {"steps": result.step, "stopped": result.stopped, "schedule_minutes": round(schedule, 2),
             "final": str(result.final_dir),
+            **({"best": str(result.best_dir), "best_step": result.best_val_step,
+                "best_val_tau": round(result.best_val_tau, 4)} if result.best_dir is not None else {}),
             "seconds_per_step": round(step_seconds(out / "train" / "metrics.jsonl"), 3),
             "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
             "val": result.val_metrics}
@@ -275,8 +281,9 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     if "export" not in done:
         if drafter_dir.exists():
             shutil.rmtree(drafter_dir)
-        shutil.copytree(done["train"]["final"], drafter_dir)
-        done["export"] = {"dir": str(drafter_dir)}
+        chosen = done["train"].get("best", done["train"]["final"])      # keep_best: the best validation pass
+        shutil.copytree(chosen, drafter_dir)
+        done["export"] = {"dir": str(drafter_dir), "from": chosen}
         _save_state(out, state)
     if "eval" not in done:
         end = min(time.monotonic() + 60 * s.eval_minutes, t0 + 60 * s.minutes)
@@ -311,12 +318,20 @@ def summary_screen(state: dict[str, Any]) -> str:
     lines += ["", f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
               f"  training data   {d['prepare']['conversations']} target-regenerated responses, "
               f"{d['prepare']['supervised_tokens']:,} supervised tokens",
-              f"  training        {d['train']['steps']} steps ({d['train']['stopped']})",
+              f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
               f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
               *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
               f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
               *[f"  note            {n}" for n in shortfall_notes(state)], ""]
     return "\n".join(lines)
+
+
+def _chosen_step(train: dict[str, Any]) -> str:
+    """', drafter of step N (best validation τ X)' when keep_best picked a pass before the last step."""
+    if "best_step" not in train:
+        return ""
+    where = "the last step" if train["best_step"] == train["steps"] else f"step {train['best_step']}"
+    return f"; drafter of {where} (best validation τ {train['best_val_tau']:.2f})"
 
 
 # What the stages get on the idle 2-core dev machine (README): regeneration ≈ 32 responses/min (192 in 6 min),

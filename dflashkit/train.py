@@ -30,6 +30,7 @@ reproduces an uninterrupted one exactly and a step is the same for any number of
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import threading
@@ -44,6 +45,7 @@ from torch import Tensor
 
 from dflashkit.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
 from dflashkit.errors import DFlashError
+from dflashkit.io_utils import atomic_write_text
 from dflashkit.losses import block_loss, estimated_tau
 from dflashkit.model import to_additive
 from dflashkit.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
@@ -64,6 +66,9 @@ class TrainResult:
     stopped: str                       # completed | time_budget | interrupted | requested
     checkpoint: Path | None            # the last step checkpoint written
     final_dir: Path | None             # out/final (None when interrupted)
+    best_dir: Path | None = None       # out/best (keep_best: the drafter of the best validation pass)
+    best_val_tau: float | None = None
+    best_val_step: int = 0
     train_metrics: dict[str, Any] = field(default_factory=dict)   # last step's record
     val_metrics: dict[str, Any] | None = None
     elapsed_s: float = 0.0
@@ -232,6 +237,24 @@ def micro_batches(run: Run, epoch: int, first_step: int) -> Iterator[RowBatch]:
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
+def keep_if_best(run: Run, val: dict[str, Any] | None) -> Path | None:
+    """keep_best: when this validation pass has the highest τ so far, export the drafter to OUT/best (+ best.json).
+
+    Collective (the drafter is gathered on every rank); the validation metrics are all-reduced, so every rank takes
+    the same branch. Returns OUT/best when written."""
+    st = run.state
+    if not run.cfg.keep_best or val is None or (st.best_val_tau is not None and val["tau"] <= st.best_val_tau):
+        return None
+    st.best_val_tau, st.best_val_step = float(val["tau"]), st.step
+    drafter = run.gather_state()[0]
+    path = None
+    if run.dist.is_main:
+        path = save_final(run.out, drafter, step=st.step, name="best")
+        atomic_write_text(path / "best.json", json.dumps({"step": st.step, "val": val}, indent=1) + "\n")
+    run.dist.barrier()
+    return path
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, Any] | None:
     """Held-out loss, per-slot accuracy and estimated τ (fixed anchors, no noise), reduced over ranks."""
@@ -383,6 +406,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
             last_eval_step = st.step
             if val is not None:
                 run.logger.log({"step": st.step, "epoch": epoch, "split": "val", **val})
+                keep_if_best(run, val)
         if cfg.save_every and st.step % cfg.save_every == 0:
             last_ckpt = _save(run)
         for cb in callbacks:
@@ -409,6 +433,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
         if val is not None:
             run.logger.log({"step": st.step, "epoch": max(0, st.step - 1) // run.steps_per_epoch, "split": "val",
                             **val})
+            keep_if_best(run, val)
     last_ckpt = _save(run)
     final = None
     if stopped != "interrupted":
@@ -419,10 +444,12 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
     if dist.is_main and stopped == "interrupted":
         print(f"[dflashkit train] stopped at step {st.step}; checkpoint {last_ckpt}. Run the same command again "
               f"to resume.", flush=True)
+    best = run.out / "best" if st.best_val_tau is not None else None
     return TrainResult(out_dir=run.out, step=st.step, stopped=stopped, checkpoint=last_ckpt, final_dir=final,
+                       best_dir=best, best_val_tau=st.best_val_tau, best_val_step=st.best_val_step,
                        train_metrics=record, val_metrics=val, elapsed_s=time.monotonic() - t_session)
 
 
 __all__ = ["StepEnd", "StepInputs", "TrainResult", "TrainingDiverged", "block_labels", "draft_vocab_head",
-           "draft_vocab_topk", "evaluate", "fc_noise", "handle_stop_signal", "kl_target_logits", "noise_std_at",
+           "draft_vocab_topk", "evaluate", "fc_noise", "keep_if_best", "handle_stop_signal", "kl_target_logits", "noise_std_at",
            "prepare_inputs", "row_anchors", "topk_targets", "train"]

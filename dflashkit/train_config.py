@@ -84,6 +84,9 @@ class TrainConfig:
     val_fraction: float = 0.0
     val_samples: int | None = None     # held-out sample count (overrides val_fraction)
     eval_every: int = 0                # steps between validation passes (0: only at the end)
+    keep_best: bool = False            # also export the drafter of the validation pass with the highest val τ to
+                                       # OUT/best (needs held-out samples and eval_every; guards long runs on
+                                       # little data against overfitting: final is still written)
     save_every: int = 500
     keep_checkpoints: int = 3          # newest step checkpoints kept (0 keeps all)
     log_every: int = 1
@@ -168,6 +171,10 @@ class TrainConfig:
                 raise ConfigError(f"{source}: {name} must be a number ≥ 0, got {v!r}")
         if self.lr <= 0:
             raise ConfigError(f"{source}: lr must be > 0, got {self.lr}")
+        if self.keep_best and not (self.eval_every and (self.val_fraction or self.val_samples)):
+            raise ConfigError(f"{source}: keep_best needs validation passes: set eval_every > 0 and val_samples "
+                              f"(or val_fraction) > 0 (got eval_every {self.eval_every}, val_samples "
+                              f"{self.val_samples}, val_fraction {self.val_fraction})")
         if self.warmup_ratio >= 1 or self.val_fraction >= 1 or self.min_lr_ratio > 1:
             raise ConfigError(f"{source}: warmup_ratio and val_fraction must be < 1, min_lr_ratio ≤ 1")
         if not isinstance(self.topk_ce_weight, (int, float)) or isinstance(self.topk_ce_weight, bool) or \

@@ -68,6 +68,8 @@ class TrainState:
     world_size: int = 1
     elapsed_s: float = 0.0         # training time over all sessions
     recent_losses: list[float] = field(default_factory=list)
+    best_val_tau: float | None = None  # keep_best: the highest validation τ so far, and its step (OUT/best)
+    best_val_step: int = 0
 
 
 def capture_rng() -> dict[str, Any]:
@@ -154,11 +156,11 @@ def _save_failed(out: Path, path: Path, error: BaseException) -> CheckpointError
     return CheckpointError(f"cannot write {path}: {write_failure(path, error)}; {kept}")
 
 
-def save_final(out_dir: str | Path, drafter: DFlashDrafter, *, step: int) -> Path:
-    """Write out/final (z-lab checkpoint), replacing an older one only once the new one is complete."""
+def save_final(out_dir: str | Path, drafter: DFlashDrafter, *, step: int, name: str = "final") -> Path:
+    """Write out/NAME (z-lab checkpoint: final, or best), replacing an older one only once the new one is complete."""
     out = Path(out_dir)
-    final = out / "final"
-    tmp = out / f".final.tmp-{os.getpid()}"
+    final = out / name
+    tmp = out / f".{name}.tmp-{os.getpid()}"
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -166,7 +168,7 @@ def save_final(out_dir: str | Path, drafter: DFlashDrafter, *, step: int) -> Pat
     except (OSError, RuntimeError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise _save_failed(out, final, e) from None
-    old = out / f".final.old-{os.getpid()}"
+    old = out / f".{name}.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)

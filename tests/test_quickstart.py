@@ -29,6 +29,8 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     state = json.loads((out / "quickstart.json").read_text())
     assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
     assert state["done"]["prepare"]["conversations"] >= 4
+    train = state["done"]["train"]                   # keep_best: the export is the best validation pass if any
+    assert state["done"]["export"]["from"] == train.get("best", train["final"])
     drafter = load_drafter(out / "drafter")          # exported z-lab checkpoint loads strictly
     assert not drafter.config.learned_mask_embedding and drafter.config.mask_token_id == 16   # <empty_output>
     for dataset in ("mtbench", "humaneval"):

@@ -48,6 +48,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"  checkpoint  {result.checkpoint}  (resume: run the same command again)")
         if result.final_dir is not None:
             print(f"  drafter     {result.final_dir}  (z-lab format)")
+        if result.best_dir is not None:
+            print(f"  best        {result.best_dir}  (validation τ {result.best_val_tau:.3f} at step "
+                  f"{result.best_val_step}; keep_best)")
         print(f"  metrics     {result.out_dir / 'metrics.jsonl'}, TensorBoard {result.out_dir / 'tb'}")
     return EXIT_INTERRUPTED if result.stopped == "interrupted" else 0
 
