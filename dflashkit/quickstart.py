@@ -327,7 +327,7 @@ def summary_screen(state: dict[str, Any]) -> str:
 
 
 def _chosen_step(train: dict[str, Any]) -> str:
-    """', drafter of step N (best validation τ X)' when keep_best picked a pass before the last step."""
+    """The screen's '; drafter of step N / the last step (best validation τ X)' when keep_best chose one, else ''."""
     if "best_step" not in train:
         return ""
     where = "the last step" if train["best_step"] == train["steps"] else f"step {train['best_step']}"
