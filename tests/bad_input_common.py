@@ -1,4 +1,4 @@
-"""Shared pieces of the bad-input tests (tests/test_bad_input*.py): the tiny target, a captured feature
+"""Shared pieces of the bad-input tests (tests/test_bad_input*.py): a captured feature
 directory, token lines, and the check that a CLI error is exactly one line with no traceback."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 
 from dflashkit.features import capture
 from dflashkit.samples import Sample, read_tokens
-from dflashkit.target import Target
 
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 LAYERS = [1, 4, 6]
@@ -20,11 +19,6 @@ CHAT_OK = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "
 PROMPT_OK = json.dumps({"id": "p1", "prompt_ids": [3, 4, 5]})
 FAKE_TARGET = SimpleNamespace(vocab_size=97, tokenizer=None, source="fake",
                               text_config=SimpleNamespace(max_position_embeddings=512))
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir: Path) -> Target:
-    return Target.load(tiny_llama_dir)
 
 
 def _one_line_error(capsys, rc: int, expect_rc: int = 2) -> str:

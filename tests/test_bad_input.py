@@ -20,7 +20,7 @@ from dflashkit.jsonl import DEFAULT_MAX_LINE_BYTES, MAX_LINE_ENV, read_lines
 from dflashkit.samples import read_tokens
 
 from bad_input_common import (CHAT_OK, FAKE_TARGET, LAYERS, PROMPT_OK, _one_line_error,  # noqa: F401
-                              _recapture, _tokens_line, captured, target)
+                              _recapture, _tokens_line, captured)
 
 
 # ---------------------------------------------------------------------------------------------- JSONL lines

@@ -27,7 +27,7 @@ from dflashkit.train import train
 from dflashkit.train_config import TrainConfig
 
 from bad_input_common import (CHAT_OK, DEAD_PID, DRAFTER, FAKE_TARGET, PROMPT_OK, _one_line_error,  # noqa: F401
-                              _tokens_line, captured, target)
+                              _tokens_line, captured)
 
 
 # ---------------------------------------------------------------------------------------------- drafter config

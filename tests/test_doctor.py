@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from test_inspect_diff import small_config, wide_head_target, write_checkpoint  # noqa: F401 (fixture)
 
@@ -17,11 +16,6 @@ from dflashkit.doctor import (capture_findings, chat_template_findings, geometry
                               mask_finding, run_doctor)
 from dflashkit.model import DFlashDrafter
 from dflashkit.target import Target
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir) -> Target:
-    return Target.load(tiny_llama_dir)
 
 
 class OracleDrafter(DFlashDrafter):

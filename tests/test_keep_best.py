@@ -20,17 +20,7 @@ from dflashkit.train_config import TrainConfig
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir: Path) -> Target:
-    return Target.load(tiny_llama_dir)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

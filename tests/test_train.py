@@ -32,18 +32,7 @@ from weights_close import assert_close_after_adam, assert_grads_close
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: OpenMP threads only add contention on a shared 2-core machine (25 s → 0.7 s per run)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir: Path) -> Target:
-    return Target.load(tiny_llama_dir)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_samples(target: Target, layer_ids: list[int], *, n: int = 4, seed: int = 0,
