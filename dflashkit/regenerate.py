@@ -95,8 +95,16 @@ def generate_batch(target: Target, prompts: list[list[int]], *, max_new_tokens: 
     from transformers import GenerationConfig
 
     tok = target.tokenizer
-    stop_ids = stop_ids or end_of_turn_ids(tok, getattr(target.model.generation_config, "eos_token_id", None))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
+    eos = getattr(target.model.generation_config, "eos_token_id", None)
+    if not stop_ids and tok is None:  # pre-tokenised prompts for a target without tokenizer files: the config's eos
+        stop_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        if not stop_ids:
+            raise DataError(f"target {target.source}: no tokenizer and no eos_token_id in its generation config; "
+                            f"pass stop_ids")
+    stop_ids = stop_ids or end_of_turn_ids(tok, eos)
+    pad_id = getattr(tok, "pad_token_id", None) if tok is not None else getattr(target.model.config, "pad_token_id",
+                                                                                None)
+    pad = pad_id if pad_id is not None else stop_ids[0]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)            # (B, T) left-padded
     mask = torch.zeros((len(prompts), width), dtype=torch.long)

@@ -1,0 +1,97 @@
+"""Regeneration throughput by batch size: how many target-written training tokens a minute of `prepare` buys.
+
+    .venv/bin/python bench/regen_throughput.py                                # SmolLM2, ShareGPT prompts
+    .venv/bin/python bench/regen_throughput.py --batch-sizes 8,16,32 --prompts 64 --max-new-tokens 192 --repeats 2
+
+Regeneration (the target answering the training prompts, `dflashkit.regenerate`) is the most expensive data stage
+on a CPU: the quickstart spends 6 of its minutes there. This runs the same prompts (the first N ShareGPT train
+prompts of at most `--max-prompt-tokens` tokens, as the quickstart picks them; or a pre-tokenised JSONL file)
+through `regenerate.generate_batch` at each batch size, sorted longest-first into batches as `regenerate` does.
+Batch sizes alternate within every repeat (order reversed on odd repeats), so machine drift hits all alike.
+Reported per batch size: generated tokens per second (every response token up to and including the stop token
+or the cap — what becomes supervised data), responses per minute, and the fraction of responses identical to
+those of the first batch size (left padding must not change greedy output beyond float ties). Prints a table,
+then ONE final JSON line: {"batch_sizes": [...], "tok_s": [...], "responses_per_min": [...], "same_as_first": [...],
+"best_batch_size": B, "n_prompts": N, "max_new_tokens": M}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit.eval_stats import load_prompts
+from dflashkit.regenerate import generate_batch
+from dflashkit.target import Target
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+
+
+def run_batches(target: Target, prompts: list[list[int]], batch_size: int,
+                max_new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds to regenerate all `prompts` at `batch_size` (longest first) and the responses, in input order."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    responses: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    for start in range(0, len(order), batch_size):
+        idx = order[start: start + batch_size]
+        for i, (resp, _) in zip(idx, generate_batch(target, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)):
+            responses[i] = resp
+    return time.perf_counter() - t0, responses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="default", help="model directory, .gguf, or 'default' (embedded SmolLM2)")
+    p.add_argument("--dataset", default="sharegpt", help="dataset name or pre-tokenised prompts JSONL")
+    p.add_argument("--prompts", type=int, default=32, help="number of prompts (each batch size answers all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped (as quickstart)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--batch-sizes", default="8,16,32", help="comma-separated; the first is the reference output")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
+    args = p.parse_args(argv)
+    sizes = positive_ints(args.batch_sizes, "--batch-sizes", "8,16,32")
+    if args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
+        raise SystemExit("error: --prompts, --repeats and --max-new-tokens must be positive integers")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = Target.load(args.target)
+    loaded, _ = load_prompts(target, args.dataset, limit=8 * args.prompts, max_new_tokens=args.max_new_tokens)
+    prompts = [q.ids for q in loaded if len(q.ids) <= args.max_prompt_tokens][: args.prompts]
+    if not prompts:
+        raise SystemExit(f"error: --dataset {args.dataset}: no prompt of ≤ {args.max_prompt_tokens} tokens")
+    print(f"target {target.source}  {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} "
+          f"tokens)  max_new_tokens {args.max_new_tokens}  threads {torch.get_num_threads()}", flush=True)
+    seconds = {b: 0.0 for b in sizes}
+    outputs: dict[int, list[list[int]]] = {}
+    for r in range(args.repeats):
+        for b in (sizes if r % 2 == 0 else sizes[::-1]):
+            s, outputs[b] = run_batches(target, prompts, b, args.max_new_tokens)
+            seconds[b] += s
+    tokens = {b: sum(map(len, outputs[b])) * args.repeats for b in sizes}
+    ref = outputs[sizes[0]]
+    doc = {"batch_sizes": sizes,
+           "tok_s": [round(tokens[b] / seconds[b], 2) for b in sizes],
+           "responses_per_min": [round(60 * len(prompts) * args.repeats / seconds[b], 2) for b in sizes],
+           "same_as_first": [round(sum(a == c for a, c in zip(outputs[b], ref)) / len(ref), 4) for b in sizes],
+           "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+           "threads": torch.get_num_threads()}
+    doc["best_batch_size"] = sizes[max(range(len(sizes)), key=lambda i: doc["tok_s"][i])]
+    print(f"{'batch':>6} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'resp/min':>8} {'same':>5}")
+    for i, b in enumerate(sizes):
+        print(f"{b:>6} {seconds[b]:>8.1f} {tokens[b]:>7} {doc['tok_s'][i]:>7.1f} {doc['responses_per_min'][i]:>8.1f} "
+              f"{doc['same_as_first'][i]:>5.2f}")
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
