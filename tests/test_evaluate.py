@@ -272,10 +272,23 @@ def test_quickstart_shortfall_notes():
                                     "eval": {"mtbench": {"prompts": 3, "requested": 8}}}}
     notes = shortfall_notes(busy)
     assert len(notes) == 3
-    assert "32 responses" in notes[0] and "~192" in notes[0]
+    assert "32 responses" in notes[0] and "~222" in notes[0]
     assert "140 steps" in notes[1] and "~720" in notes[1]
     assert "3 of 8 prompts" in notes[2]
     two = {"settings": {**s, "num_hidden_layers": 2}, "done": {**idle["done"], "train": {"steps": 300}}}
     assert shortfall_notes(two) == []           # 300 of ~432 idle 2-layer steps: not a shortfall
     deep = {"settings": {**s, "num_hidden_layers": 5}, "done": {**idle["done"], "train": {"steps": 10}}}
     assert shortfall_notes(deep) == []          # no idle figure for 5 layers: no claim either way
+
+
+def test_quickstart_original_text_scales_with_the_regeneration_rate():
+    """A machine that regenerated half of what the idle dev machine does captures half the original text too."""
+    from dflashkit.quickstart import IDLE_RESPONSES_PER_MIN, QuickstartSettings, original_text_count
+
+    s = QuickstartSettings()
+    idle = round(IDLE_RESPONSES_PER_MIN * s.regen_minutes)
+    assert original_text_count(s, idle) == s.original_text == 300
+    assert original_text_count(s, 2 * idle) == 300                       # a faster machine: no more than asked
+    assert original_text_count(s, idle // 2) == pytest.approx(150, abs=1)
+    assert original_text_count(QuickstartSettings(original_text=0), idle) == 0
+    assert original_text_count(QuickstartSettings(regen_minutes=0.0), 4) == 300   # no idle figure: as asked

@@ -12,7 +12,8 @@ import yaml
 
 pytestmark = pytest.mark.integration
 
-TINY = ["--regen-minutes", "0.05", "--regen-batch", "4", "--max-new-tokens-regen", "24", "--train-minutes", "0.4",
+TINY = ["--regen-minutes", "0.05", "--regen-batch", "4", "--max-new-tokens-regen", "24", "--original-text", "3",
+        "--train-minutes", "0.4",
         "--eval-prompts", "1", "--eval-max-new-tokens", "12", "--methods", "ar,chain,ddtree:4"]
 
 
@@ -28,7 +29,9 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
         assert needle in screen, needle
     state = json.loads((out / "quickstart.json").read_text())
     assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
-    assert state["done"]["prepare"]["conversations"] >= 4
+    prep = state["done"]["prepare"]
+    assert prep["conversations"] >= 4 and prep["original_conversations"] == 3
+    assert f"+ 3 original ShareGPT replies ({prep['original_supervised_tokens']:,}, target labels)" in screen
     train = state["done"]["train"]                   # keep_best: the export is the best validation pass if any
     assert state["done"]["export"]["from"] == train.get("best", train["final"])
     drafter = load_drafter(out / "drafter")          # exported z-lab checkpoint loads strictly
@@ -42,6 +45,12 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     # training never saw the evaluation prompts: held-out sets are MT-Bench / HumanEval, training is ShareGPT
     ids = [json.loads(line)["id"] for line in (out / "data" / "tokens.jsonl").read_text().splitlines()]
     assert ids and all(not i.startswith(("mtbench", "humaneval")) for i in ids)
+    # original-text samples: conversations not regenerated, trained on the target's own labels
+    regenerated = {json.loads(line)["id"] for line in (out / "data" / "regenerated.jsonl").read_text().splitlines()}
+    orig = [i for i in ids if i.startswith("orig-")]
+    assert len(orig) == 3 and not {i[len("orig-"):] for i in orig} & regenerated
+    latest = out / "train" / (out / "train" / "latest").read_text().strip()
+    assert yaml.safe_load((latest / "train_config.yaml").read_text())["labels"] == "target"
     # a re-run reuses every stage and prints the same screen
     assert main(["quickstart", "--out", str(out), *TINY]) == 0
     assert "speedup" in capsys.readouterr().out
@@ -85,20 +94,25 @@ def _bench(name):
 
 def check_levers_on(base, tmp_path, capsys):
     """The lever variants with two seeds: a top-k capture (shared by both seeds), warm start, original ShareGPT
-    text with target labels; the table reports mean ± half-range over the seeds."""
+    text with target labels, more regeneration (continues the base run's responses, shared by both seeds); the
+    table reports mean ± half-range over the seeds."""
     from dflashkit.checkpoint import load_drafter
     from dflashkit.features import CapturedFeatures
 
     sweep = _bench("sweep_defaults")
     sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}   # 4 conversations, not 300
+    # one more chunk of 2 prompts (the base run's 24 new tokens), not 4 minutes of 32 × 192
+    sweep.VARIANTS["regen10"] = {**sweep.VARIANTS["regen10"], "more_regen_minutes": 0.001,
+                                 "settings": {"regen_batch": 1, "max_new_tokens_regen": 24}}
     assert sweep.interleaved(["a", "b"], [0, 1, 2]) == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
     out = tmp_path / "levers"
-    args = ["--base", str(base), "--out", str(out), "--variants", "base,topk32,warm_start,orig_mix", "--seeds", "0,1",
+    args = ["--base", str(base), "--out", str(out), "--variants", "base,topk32,warm_start,orig_mix,regen10",
+            "--seeds", "0,1",
             "--train-minutes", "0.05", "--sim-prompts", "1", "--sim-max-new-tokens", "12",
             "--sim-cache", str(tmp_path / "sim_cache"), "--budgets", "4"]
     assert sweep.main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(summary) == {"base", "topk32", "warm_start", "orig_mix"}
+    assert set(summary) == {"base", "topk32", "warm_start", "orig_mix", "regen10"}
     doc = json.loads((out / "sweep.json").read_text())
     assert sorted((r["variant"], r["seed"]) for r in doc["rows"]) == sorted(
         (v, s) for v in summary for s in (0, 1))
@@ -114,6 +128,12 @@ def check_levers_on(base, tmp_path, capsys):
     assert load_drafter(out / "warm_start" / "train" / "final").config.extra["warm_start"]
     orig = [json.loads(line)["id"] for line in (out / "orig_mix" / "data" / "tokens.jsonl").read_text().splitlines()]
     assert any(i.startswith("orig-") for i in orig) and any(not i.startswith("orig-") for i in orig)
+    base_lines = (base / "data" / "regenerated.jsonl").read_text().splitlines()
+    more = (out / "regen10" / "data" / "regenerated.jsonl").read_text().splitlines()
+    assert more[: len(base_lines)] == base_lines and len(more) == len(base_lines) + 2      # the base run continued
+    assert (out / "regen10" / "features").resolve() == (out / "regen10-s1" / "features").resolve()  # built once
+    assert len((out / "regen10" / "data" / "tokens.jsonl").read_text().splitlines()) > len(
+        (base / "data" / "tokens.jsonl").read_text().splitlines())
     md = (out / "sweep.md").read_text()
     assert "| warm_start |" in md and " ± " in md
 
