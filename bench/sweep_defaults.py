@@ -81,10 +81,14 @@ def _link(src: Path, dst: Path) -> None:
         dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
-def _base_original_lines(base: Path) -> str:
-    """The base run's original-text samples (tokens.jsonl lines), kept by variants that change its regenerated part."""
-    lines = (base / "data" / "tokens.jsonl").read_text().splitlines()
-    return "".join(line + "\n" for line in lines if json.loads(line)["id"].startswith(ID_PREFIX))
+def _keep_base_original(tokens_file: Path, base: Path) -> int:
+    """Append the base run's original-text samples (its tokens.jsonl lines) to `tokens_file`, for variants that
+    change only the regenerated part. Returns how many."""
+    lines = [line for line in (base / "data" / "tokens.jsonl").read_text().splitlines()
+             if json.loads(line)["id"].startswith(ID_PREFIX)]
+    with open(tokens_file, "a") as f:
+        f.writelines(line + "\n" for line in lines)
+    return len(lines)
 
 
 def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, root: Path,
@@ -112,10 +116,11 @@ def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base:
         info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2),
                      "responses": prep["conversations"]})
         tokens = d / "data" / "tokens.jsonl.regen"
-        tokens.write_text((d / "data" / "tokens.jsonl").read_text() + _base_original_lines(base))
+        (d / "data" / "tokens.jsonl").replace(tokens)
+        _keep_base_original(tokens, base)
     if "original_text" in plan:
         # conversations the base run did not use (neither regenerated nor, with today's defaults, as original text)
-        used = {r["id"] for r in read_regenerated(base / "data" / "regenerated.jsonl")} | used_conversation_ids(
+        used = {r["id"] for r in read_regenerated(d / "data" / "regenerated.jsonl")} | used_conversation_ids(
             [json.loads(line)["id"] for line in tokens.read_text().splitlines()])
         orig = d / "data" / "original.jsonl"
         rep = write_original_text(target.tokenizer, int(plan["original_text"]), orig, exclude=used,
@@ -160,10 +165,8 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         f.writelines(json.dumps(r) + "\n" for r in records)
     tokens = write_tokens(target.tokenizer, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
                           data / "tokens.jsonl", max_length=1024, min_supervised=2)
-    extra = _base_original_lines(base)     # the base run's original-text samples stay
-    (data / "tokens.jsonl").write_text((data / "tokens.jsonl").read_text() + extra)
     info: dict[str, Any] = {"responses": len(records), "supervised_tokens": tokens.supervised,
-                            "original_samples_kept": extra.count("\n")}
+                            "original_samples_kept": _keep_base_original(data / "tokens.jsonl", base)}
     t0 = time.monotonic()
     stage_capture(target, layer_ids, out, s.capture_topk)
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)

@@ -94,17 +94,13 @@ def generate_batch(target: Target, prompts: list[list[int]], *, max_new_tokens: 
     """Generate for a batch of prompt ids (left-padded). Returns (response ids incl. the stop token, finished)."""
     from transformers import GenerationConfig
 
-    tok = target.tokenizer
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    if not stop_ids and tok is None:  # pre-tokenised prompts for a target without tokenizer files: the config's eos
-        stop_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
-        if not stop_ids:
-            raise DataError(f"target {target.source}: no tokenizer and no eos_token_id in its generation config; "
-                            f"pass stop_ids")
-    stop_ids = stop_ids or end_of_turn_ids(tok, eos)
-    pad_id = getattr(tok, "pad_token_id", None) if tok is not None else getattr(target.model.config, "pad_token_id",
-                                                                                None)
-    pad = pad_id if pad_id is not None else stop_ids[0]
+    from dflashkit.evaluate import default_stop_token_ids
+
+    stop_ids = stop_ids or default_stop_token_ids(target)   # the config's eos for a target without tokenizer files
+    if not stop_ids:
+        raise DataError(f"target {target.source}: no tokenizer and no eos_token_id in its config; pass stop_ids")
+    pad = getattr(target.tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else stop_ids[0]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)            # (B, T) left-padded
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
