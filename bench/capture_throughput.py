@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/capture_throughput.py [--target default] [--n 8] [--length 512] [--dtype bf16]
 
-Runs `dflashkit.features.capture` (hooks + features + final-layer argmax + writing shards) over N synthetic
+Runs `dflashkit.features.capture.capture` (hooks + features + final-layer argmax + writing shards) over N synthetic
 sequences, one sequence per shard, and from its `on_shard` callback times a plain `target.model(ids)` of the
 sequence just captured: capture and baseline alternate sequence by sequence, so load from other processes on
 a shared machine hits both alike. Prints a table, then one JSON line:
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from dflashkit.features import CapturedFeatures, capture, format_bytes
-from dflashkit.info import default_drafter_config
-from dflashkit.samples import Sample
-from dflashkit.target import Target
+from dflashkit.features.capture import CapturedFeatures, capture, format_bytes
+from dflashkit.drafter.defaults import default_drafter_config
+from dflashkit.data.samples import Sample
+from dflashkit.target.model import Target
 
 
 def synthetic_samples(n: int, length: int, vocab: int, seed: int = 0) -> list[Sample]:

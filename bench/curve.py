@@ -29,7 +29,7 @@ import sweep_defaults  # noqa: E402  (bench/ is not a package)
 
 def read_points(path: Path) -> list[dict[str, Any]]:
     """The finished points of a curve (one JSON object per line; a torn last line is ignored)."""
-    from dflashkit.metrics import read_metrics
+    from dflashkit.train.metrics import read_metrics
 
     return read_metrics(path)
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --base {base}: not a finished quickstart run (no features/manifest.json)")
     import torch
 
-    from dflashkit.target import Target
+    from dflashkit.target.model import Target
 
     out.mkdir(parents=True, exist_ok=True)
     lines = out / "curve.jsonl"

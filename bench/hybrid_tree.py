@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from dflashkit.config import DrafterConfig
-from dflashkit import decode as decode_mod
-from dflashkit.decode import generate
-from dflashkit.model import DFlashDrafter
-from dflashkit.target import LINEAR_ATTENTION, Target
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.decode import generate as decode_mod
+from dflashkit.decode.generate import generate
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.target.model import LINEAR_ATTENTION, Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if not target.is_hybrid:
         raise SystemExit(f"error: {target.source} has no Gated DeltaNet layers: this bench is for hybrid targets")
     if args.drafter:
-        from dflashkit.checkpoint import load_drafter
+        from dflashkit.drafter.checkpoint import load_drafter
         drafter = load_drafter(args.drafter, device=args.device).eval()
     else:
         L = target.num_layers

@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from dflashkit import llamacpp
+from dflashkit.export import llamacpp
 
 
 def _prompts(tokenizer: Any, n: int) -> list[str]:
-    from dflashkit.datasets import load_mtbench
+    from dflashkit.data.datasets import load_mtbench
 
     return [tokenizer.apply_chat_template(c.messages, tokenize=False, add_generation_prompt=True)
             for c in load_mtbench(turn=1, limit=n)]
@@ -55,7 +55,7 @@ def _llamacpp_row(run: llamacpp.SpecRun) -> dict[str, float]:
 
 
 def _torch_row(target: Any, drafter: Any, prompt: str, method: str, n_predict: int) -> dict[str, float]:
-    from dflashkit.decode import generate
+    from dflashkit.decode.generate import generate
 
     ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     t0 = time.perf_counter()
@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp is not built: run scripts/build_llamacpp.sh", file=sys.stderr)
         return 2
 
-    from dflashkit.checkpoint import load_drafter
-    from dflashkit.default_target import gguf_path
-    from dflashkit.gguf_export import export_gguf
-    from dflashkit.target import Target
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.target.default import gguf_path
+    from dflashkit.export.gguf_export import export_gguf
+    from dflashkit.target.model import Target
 
     torch.set_num_threads(args.threads)
     target = Target.load("default")

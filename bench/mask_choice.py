@@ -25,8 +25,8 @@ import torch
 
 
 def _row_variant(init: Path, out: Path, mask_id: int) -> Path:
-    from dflashkit.checkpoint import load_drafter, save_drafter
-    from dflashkit.model import DFlashDrafter
+    from dflashkit.drafter.checkpoint import load_drafter, save_drafter
+    from dflashkit.drafter.model import DFlashDrafter
 
     src = load_drafter(init)
     cfg = src.config.replace(learned_mask_embedding=False, mask_token_id=mask_id,
@@ -38,8 +38,8 @@ def _row_variant(init: Path, out: Path, mask_id: int) -> Path:
 
 
 def _train(run: Path, init: Path, out: Path, minutes: float, seed: int, target: Any) -> dict[str, Any]:
-    from dflashkit.train import train
-    from dflashkit.train_config import TrainConfig
+    from dflashkit.train.loop import train
+    from dflashkit.train.config import TrainConfig
 
     if out.exists():
         shutil.rmtree(out)
@@ -53,8 +53,8 @@ def _train(run: Path, init: Path, out: Path, minutes: float, seed: int, target: 
 
 
 def _tau(target: Any, drafter_dir: str, prompts: list[list[int]], n: int) -> float:
-    from dflashkit.checkpoint import load_drafter
-    from dflashkit.decode import generate
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.decode.generate import generate
 
     d = load_drafter(drafter_dir)
     taus = [generate(target, p, drafter=d, method="chain", max_new_tokens=n).tau for p in prompts]
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="work directory (default RUN/mask_choice)")
     args = ap.parse_args(argv)
 
-    from dflashkit.datasets import load_humaneval, load_mtbench
-    from dflashkit.target import Target
+    from dflashkit.data.datasets import load_humaneval, load_mtbench
+    from dflashkit.target.model import Target
 
     torch.set_num_threads(2)
     run = Path(args.run)

@@ -3,7 +3,7 @@
     .venv/bin/python bench/regen_throughput.py                                # SmolLM2, ShareGPT prompts
     .venv/bin/python bench/regen_throughput.py --batch-sizes 8,16,32 --prompts 64 --max-new-tokens 192 --repeats 2
 
-Regeneration (the target answering the training prompts, `dflashkit.regenerate`) is the most expensive data stage
+Regeneration (the target answering the training prompts, `dflashkit.data.regenerate`) is the most expensive data stage
 on a CPU: the quickstart spends 6 of its minutes there. This runs the same prompts (the first N ShareGPT train
 prompts of at most `--max-prompt-tokens` tokens, as the quickstart picks them; or a pre-tokenised JSONL file)
 through `regenerate.generate_batch` at each batch size, sorted longest-first into batches as `regenerate` does.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.eval_stats import load_prompts
-from dflashkit.regenerate import generate_batch
-from dflashkit.target import Target
+from dflashkit.evaluate.stats import load_prompts
+from dflashkit.data.regenerate import generate_batch
+from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)

@@ -34,13 +34,14 @@ from typing import Any, Sequence
 
 import torch
 
-from dflashkit.checkpoint import load_drafter
-from dflashkit.decode import generate
-from dflashkit.eval_stats import Method, Prompt, load_prompts
-from dflashkit.evaluate import _ar_stats, _method_stats, _record, default_stop_token_ids, triage_divergence
-from dflashkit.few_rows import stock_products
+from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.decode.generate import generate
+from dflashkit.evaluate.stats import Method, Prompt, load_prompts
+from dflashkit.data.conversations import default_stop_token_ids
+from dflashkit.evaluate.evaluate import _ar_stats, _method_stats, _record, triage_divergence
+from dflashkit.target.products import stock_products
 from dflashkit.quickstart import QuickstartSettings
-from dflashkit.target import Target
+from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
@@ -71,7 +72,7 @@ def hf_generate(target: Target, ids: Sequence[int], max_new_tokens: int, stops: 
                            pad_token_id=stops[0] if stops else 0, prompt_lookup_num_tokens=prompt_lookup)
     _sync(target.device)
     t0 = time.perf_counter()
-    with stock_products():   # HF as users run it: stock F.linear products (dflashkit.few_rows)
+    with stock_products():   # HF as users run it: stock F.linear products (dflashkit.target.products)
         out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)  # (1, T + n)
     _sync(target.device)
     return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0

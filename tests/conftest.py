@@ -76,7 +76,7 @@ def tiny_hybrid_dir(tiny_target_dirs) -> Path:
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir: Path):
     """The tiny random Llama target (hidden 64, vocab 97, 8 layers), loaded once per test module."""
-    from dflashkit.target import Target
+    from dflashkit.target.model import Target
 
     return Target.load(tiny_llama_dir)
 
@@ -89,3 +89,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def wide_head_target(tmp_path_factory) -> Path:
+    """A tiny Llama whose attention (2 heads × 32) differs from dflashkit's default for hidden 64 (4 × 16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                         max_position_embeddings=256, tie_word_embeddings=False))
+    path = tmp_path_factory.mktemp("wide") / "llama_wide"
+    model.save_pretrained(path)
+    return path

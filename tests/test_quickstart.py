@@ -18,7 +18,7 @@ TINY = ["--regen-minutes", "0.05", "--regen-batch", "4", "--max-new-tokens-regen
 
 
 def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
-    from dflashkit.checkpoint import load_drafter
+    from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.cli import main
 
     out = tmp_path / "qs"
@@ -62,7 +62,7 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
 def check_sweep_on(base, tmp_path, capsys):
     """bench/sweep_defaults.py on the finished run: a settings variant (3 of the 5 captured target layers, read
     from the same capture) and a data variant (half the responses, captured again), scored by one simulation."""
-    from dflashkit.checkpoint import load_drafter
+    from dflashkit.drafter.checkpoint import load_drafter
 
     path = Path(__file__).resolve().parents[1] / "bench" / "sweep_defaults.py"
     spec = importlib.util.spec_from_file_location("sweep_defaults", path)
@@ -96,8 +96,8 @@ def check_levers_on(base, tmp_path, capsys):
     """The lever variants with two seeds: a top-k capture (shared by both seeds), warm start, original ShareGPT
     text with target labels, more regeneration (continues the base run's responses, shared by both seeds); the
     table reports mean ± half-range over the seeds."""
-    from dflashkit.checkpoint import load_drafter
-    from dflashkit.features import CapturedFeatures
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.features.capture import CapturedFeatures
 
     sweep = _bench("sweep_defaults")
     sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}   # 4 conversations, not 300

@@ -15,7 +15,7 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 @command("info", "describe the target, its default drafter, parameter counts and cache locations", _info_args)
 def _info(args: argparse.Namespace) -> int:
-    from dflashkit.info import gather_info, render_info
+    from dflashkit.diagnose.info import gather_info, render_info
     import json
 
     info = gather_info(args.target, drafter=args.drafter, device=args.device, trust_remote_code=args.trust_remote_code)
@@ -40,12 +40,12 @@ def _init_args(p: argparse.ArgumentParser) -> None:
 def _init_drafter(args: argparse.Namespace) -> int:
     import torch
 
-    from dflashkit.checkpoint import save_drafter
+    from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.errors import ConfigError
-    from dflashkit.info import default_drafter_config, parse_overrides
-    from dflashkit.model import DFlashDrafter
-    from dflashkit.target import Target
-    from dflashkit.warm_start import describe, parse_layers, warm_start, warm_start_overrides
+    from dflashkit.drafter.defaults import default_drafter_config, parse_overrides
+    from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.target.model import Target
+    from dflashkit.drafter.warm_start import describe, parse_layers, warm_start, warm_start_overrides
 
     if not args.warm_start and (args.warm_start_layers or args.warm_start_fc != "last"):
         raise ConfigError("--warm-start-layers / --warm-start-fc only apply with --warm-start")

@@ -49,22 +49,22 @@ def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
         except ValueError:
             raise ConfigError(f"--layer-ids {args.layer_ids!r}: expected comma-separated integers, e.g. 1,8,14")
     if args.drafter_config:
-        from dflashkit.config import DrafterConfig
-        from dflashkit.target import check_drafter_fits
+        from dflashkit.drafter.config import DrafterConfig
+        from dflashkit.target.model import check_drafter_fits
 
         path = Path(args.drafter_config)
         cfg = DrafterConfig.load(path / "config.json" if path.is_dir() else path)
         check_drafter_fits(cfg, target, source=str(path))
         return list(cfg.target_layer_ids)
-    from dflashkit.info import default_drafter_config
+    from dflashkit.drafter.defaults import default_drafter_config
     return list(default_drafter_config(target).target_layer_ids)
 
 
 @command("capture", "capture the target's hidden-state features of tokens.jsonl into sharded files (resumable)", _args)
 def _capture(args: argparse.Namespace) -> int:
-    from dflashkit.features import format_bytes, capture
-    from dflashkit.samples import read_tokens
-    from dflashkit.target import Target
+    from dflashkit.features.capture import format_bytes, capture
+    from dflashkit.data.samples import read_tokens
+    from dflashkit.target.model import Target
 
     samples, _ = read_tokens(args.tokens)
     if args.limit is not None:

@@ -31,7 +31,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 @command("inspect", "what a drafter checkpoint is (read from its tensors) and where it disagrees with its config",
          _inspect_args)
 def _inspect(args: argparse.Namespace) -> int:
-    from dflashkit.inspect_ckpt import inspect_checkpoint, render_report
+    from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint, render_report
 
     report = inspect_checkpoint(args.checkpoint, check_values=not args.no_values)
     print(_dump(report.to_json()) if args.json else render_report(report))
@@ -51,11 +51,11 @@ def _diff_args(p: argparse.ArgumentParser) -> None:
 
 @command("diff", "every architectural difference between two drafters, plus weight statistics", _diff_args)
 def _diff(args: argparse.Namespace) -> int:
-    from dflashkit.diff import diff_checkpoints, render_diff
+    from dflashkit.diagnose.diff import diff_checkpoints, render_diff
 
     target = None
     if args.target:
-        from dflashkit.target import Target
+        from dflashkit.target.model import Target
         target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     report = diff_checkpoints(args.a, args.b, target=target, weights=not args.no_weights)
     print(_dump(report.to_json()) if args.json else render_diff(report))
@@ -75,8 +75,8 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
 @command("doctor", "checks before spending GPU hours: fit, layers, mask, geometry, capture, lossless decoding, "
          "label shift", _doctor_args)
 def _doctor(args: argparse.Namespace) -> int:
-    from dflashkit.doctor import run_doctor
-    from dflashkit.target import Target
+    from dflashkit.diagnose.doctor import run_doctor
+    from dflashkit.target.model import Target
 
     target = Target.load(args.target, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     report = run_doctor(target, args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
@@ -101,7 +101,7 @@ def _logs_args(p: argparse.ArgumentParser) -> None:
 @command("logs", "training health from metrics.jsonl: grad-norm collapse, bimodal loss, accuracy, τ, schedules",
          _logs_args)
 def _logs(args: argparse.Namespace) -> int:
-    from dflashkit.logs import analyze, compare, plot, read_run, render
+    from dflashkit.diagnose.logs import analyze, compare, plot, read_run, render
 
     from pathlib import Path
 
@@ -140,11 +140,11 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
          "→ GGUF (llama.cpp); --dtype",
          _convert_args)
 def _convert(args: argparse.Namespace) -> int:
-    from dflashkit.convert import convert
+    from dflashkit.export.convert import convert
 
     if args.to == "gguf":
         from dflashkit.errors import ConfigError
-        from dflashkit.gguf_export import export_gguf
+        from dflashkit.export.gguf_export import export_gguf
 
         if args.target is None:
             raise ConfigError("--to gguf needs --target: the target's GGUF file (or 'default')")

@@ -41,7 +41,7 @@ def _drafter_specs(values: list[str] | None) -> dict[str, str]:
 
 def _check_dataset(name: str) -> None:
     """Refuse an unknown dataset name before loading anything."""
-    from dflashkit.datasets import DATASETS
+    from dflashkit.data.datasets import DATASETS
     from dflashkit.errors import DataError
 
     if name not in DATASETS and not Path(name).expanduser().is_file():
@@ -50,7 +50,7 @@ def _check_dataset(name: str) -> None:
 
 
 def _load_drafters(specs: dict[str, str], device: str) -> dict[str, Any]:
-    from dflashkit.checkpoint import load_drafter
+    from dflashkit.drafter.checkpoint import load_drafter
 
     return {name: load_drafter(path, device=device) for name, path in specs.items()}
 
@@ -65,7 +65,7 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from dflashkit.sampling import SamplingParams
+    from dflashkit.decode.sampling import SamplingParams
 
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -96,7 +96,7 @@ def _tree_top_k_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _stops(args: argparse.Namespace, target: Any) -> list[int]:
-    from dflashkit.evaluate import default_stop_token_ids
+    from dflashkit.data.conversations import default_stop_token_ids
 
     return [] if args.ignore_eos else default_stop_token_ids(target)
 
@@ -122,11 +122,11 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    from dflashkit.checkpoint import load_drafter
-    from dflashkit.data import encode_prompt
-    from dflashkit.decode import generate
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.data.conversations import encode_prompt
+    from dflashkit.decode.generate import generate
     from dflashkit.errors import DataError
-    from dflashkit.target import Target
+    from dflashkit.target.model import Target
 
     if args.method != "ar" and not args.drafter:
         raise ConfigError(f"--method {args.method} needs --drafter CKPT (or use --method ar)")
@@ -186,10 +186,10 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 @command("eval", "evaluate drafters (τ, speedup vs AR, greedy equality) on a dataset; write results + report",
          _eval_args)
 def _eval(args: argparse.Namespace) -> int:
-    from dflashkit.eval_stats import load_prompts, parse_methods
-    from dflashkit.evaluate import evaluate
-    from dflashkit.report import render, summary_table
-    from dflashkit.target import Target
+    from dflashkit.evaluate.stats import load_prompts, parse_methods
+    from dflashkit.evaluate.evaluate import evaluate
+    from dflashkit.evaluate.report import render, summary_table
+    from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
     _check_dataset(args.dataset)
@@ -239,11 +239,11 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
-    from dflashkit.eval_stats import load_prompts
+    from dflashkit.evaluate.stats import load_prompts
     from dflashkit.io_utils import atomic_write_text
-    from dflashkit.report import render, summary_table
-    from dflashkit.simulate import build_transcripts, simulate_many, simulation_results
-    from dflashkit.target import Target, check_drafter_fits
+    from dflashkit.evaluate.report import render, summary_table
+    from dflashkit.evaluate.simulate import build_transcripts, simulate_many, simulation_results
+    from dflashkit.target.model import Target, check_drafter_fits
 
     budgets = _ints(args.budgets, "--budgets") or []
     _check_dataset(args.dataset)
@@ -283,7 +283,7 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 @command("report", "render results.json as Markdown + PNG plots; several files: a side-by-side comparison",
          _report_args)
 def _report(args: argparse.Namespace) -> int:
-    from dflashkit.report import compare, render
+    from dflashkit.evaluate.report import compare, render
 
     if len(args.results) == 1:
         text = render(args.results[0], args.out)

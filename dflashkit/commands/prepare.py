@@ -5,7 +5,7 @@
                       [--thinking on|off] [--target …]
 
 Writes into DIR:
-    regenerated.jsonl  the target's responses (dflashkit.regenerate; resumable: a rerun continues it)
+    regenerated.jsonl  the target's responses (dflashkit.data.regenerate; resumable: a rerun continues it)
     tokens.jsonl       {"id", "input_ids", "loss_mask": [0|1, …]} per sample, rewritten atomically
     prepare.json       counts (read, skipped with reasons, truncated, tokens, supervised tokens), the target,
                        chat template kwargs, generation settings and the ShareGPT held-out policy
@@ -41,12 +41,12 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
 def _prepare(args: argparse.Namespace) -> int:
-    from dflashkit.data import write_tokens
-    from dflashkit.datasets import HELDOUT_POLICY, load_dataset
+    from dflashkit.data.conversations import write_tokens
+    from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
     from dflashkit.errors import DataError
     from dflashkit.io_utils import atomic_write_text
-    from dflashkit.regenerate import read_regenerated, regenerate
-    from dflashkit.target import Target
+    from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.target.model import Target
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command("quickstart", "the whole job on the embedded default target: data → features → drafter → evaluation", _args)
 def _quickstart(args: argparse.Namespace) -> int:
-    from dflashkit.info import parse_overrides
+    from dflashkit.drafter.defaults import parse_overrides
     from dflashkit.quickstart import QuickstartSettings, run_quickstart, summary_screen
 
     values = {f.name: getattr(args, f.name) for f in fields(QuickstartSettings)}

@@ -28,8 +28,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @command("train", "train (or resume) a DFlash drafter from captured or online target features", _train_args)
 def _train(args: argparse.Namespace) -> int:
-    from dflashkit.train import train
-    from dflashkit.train_config import TrainConfig
+    from dflashkit.train.loop import train
+    from dflashkit.train.config import TrainConfig
 
     no_progress = args.no_progress or "--no-progress" in args.overrides
     overrides = [o for o in args.overrides if o != "--no-progress"] + (["progress=false"] if no_progress else [])

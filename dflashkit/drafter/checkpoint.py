@@ -1,0 +1,134 @@
+"""Drafter checkpoints in z-lab format: a directory with `config.json` and `model.safetensors`.
+
+Keys have no prefix and hold no embedding table or LM head: `fc.weight`, `hidden_norm.weight`,
+`layers.N.{input_layernorm,post_attention_layernorm}.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
+`layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`, `norm.weight` — plus
+`mask_embedding` when the drafter learns its own mask vector and `draft_to_target` with a reduced draft vocabulary.
+Loading is strict: missing or unexpected keys are listed, wrong shapes name the key with expected vs found.
+Writes are atomic (temp file + rename). Weights are read only through safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.errors import CheckpointError, ConfigError
+from dflashkit.io_utils import atomic_path
+from dflashkit.drafter.model import DFlashDrafter
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+
+def drafter_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores (rotary buffers are derived, never stored)."""
+    return {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None,
+                 metadata: dict[str, str] | None = None) -> Path:
+    """Write config.json and model.safetensors into `out_dir` (created if needed); returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in drafter_state_dict(drafter).items()}
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    drafter.config.save(out / CONFIG_NAME)
+    return out
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
+    if (path / INDEX_NAME).is_file():
+        try:
+            index = json.loads((path / INDEX_NAME).read_text())
+            names = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{path / INDEX_NAME}: malformed safetensors index ({e})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shard files named by {INDEX_NAME} are missing: {missing}")
+        return [path / n for n in names]
+    raise CheckpointError(f"{path}: no {WEIGHTS_NAME} (or {INDEX_NAME}) found; expected a drafter checkpoint directory")
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded), on CPU."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(path)):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+    return tensors
+
+
+def _shape_hint(key: str, cfg: DrafterConfig, found: tuple[int, ...]) -> str:
+    if key == "fc.weight" and len(found) == 2 and found[1] % cfg.hidden_size == 0:
+        return (f" — the fc reads {found[1] // cfg.hidden_size} target layers but config.json names "
+                f"{cfg.num_features} (target_layer_ids {cfg.target_layer_ids})")
+    return ""
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], cfg: DrafterConfig,
+                  source: str) -> None:
+    """Strict key and shape check with messages naming every offending key."""
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if problems:
+        raise CheckpointError(f"{source}: checkpoint does not match its config: " + "; ".join(problems))
+    for key, ref in expected.items():
+        found = tuple(tensors[key].shape)
+        if found != tuple(ref.shape):
+            raise CheckpointError(f"{source}: tensor '{key}' has shape {list(found)}, expected {list(ref.shape)}"
+                                  + _shape_hint(key, cfg, found))
+
+
+def load_config(path: str | Path) -> DrafterConfig:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"drafter checkpoint {path} does not exist")
+    if not (path / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{path}: no {CONFIG_NAME} (expected a drafter checkpoint directory)")
+    try:
+        return DrafterConfig.load(path / CONFIG_NAME)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load_drafter(path: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Load a z-lab-format drafter strictly (ours, z-lab's, or converted)."""
+    path = Path(path)
+    cfg = load_config(path)
+    tensors = read_tensors(path)
+    with torch.device("meta"):
+        skeleton = DFlashDrafter(cfg)
+    check_tensors(tensors, drafter_state_dict(skeleton), cfg, str(path))
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(tensors, strict=True)  # rotary buffers are non-persistent: rebuilt, not stored
+    return drafter.to(device=device, dtype=dtype)
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """Small summary used by `info` and reports: size on disk and parameter count."""
+    path = Path(path)
+    files = _weight_files(path)
+    return {"path": str(path), "bytes": sum(f.stat().st_size for f in files)}

@@ -1,0 +1,323 @@
+"""Drafter configuration: the drafter's own geometry, its coupling to the target, and the z-lab config.json format.
+
+`DrafterConfig` is a plain dataclass. It round-trips through z-lab's `config.json` (Qwen3 fields plus
+`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `layer_types`, `sliding_window` and
+`dflash_config: {mask_token_id, target_layer_ids}`), reading `dflash_config` first, then top-level fields.
+
+Only `hidden_size` and `vocab_size` couple to the target; heads, kv heads, head_dim and intermediate size are the
+drafter's own and are derived from the hidden size (`default_geometry`), never copied from the target's
+attention config (a known bug: a drafter with the target's head_dim 256 / 24 heads).
+
+Run `python -m dflashkit.drafter.config` to print the default drafter config for a few hidden sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dflashkit.drafter.config_fields import check_zlab_field_types, field_type_problem
+from dflashkit.errors import ConfigError
+from dflashkit.target.layer_ids import layer_ids_problem
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """z-lab's rule: K layers spread over 1 … L−3; `[L // 2]` when K = 1. Qwen3-8B (36 layers): [1, 9, 17, 25, 33]."""
+    if num_target_layers < 1:
+        raise ConfigError(f"num_target_layers must be ≥ 1, got {num_target_layers}")
+    if num_features < 1:
+        raise ConfigError(f"the number of target features must be ≥ 1, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        # Too shallow for the 1 … L−3 spread: use evenly spaced distinct layers over the whole stack.
+        if num_features > num_target_layers:
+            raise ConfigError(f"cannot pick {num_features} distinct layers from a {num_target_layers}-layer target")
+        return sorted({round(j * (num_target_layers - 1) / (num_features - 1)) for j in range(num_features)})
+    ids = [round(1 + j * (num_target_layers - 4) / (num_features - 1)) for j in range(num_features)]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"cannot pick {num_features} distinct layers in 1..{num_target_layers - 3} of a {num_target_layers}-layer target"
+        )
+    return ids
+
+
+def stores_target_layer_ids(raw: dict[str, Any]) -> bool:
+    """Whether a z-lab config.json dict names its target layers. When it does not, `DrafterConfig.from_zlab_dict`
+    derives them as z-lab does: `default_target_layer_ids(num_target_layers, num_hidden_layers)` (K = the drafter's
+    layer count, z-lab's `build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)`)."""
+    dflash = raw.get("dflash_config") or {}
+    return dflash.get("target_layer_ids", raw.get("target_layer_ids")) is not None
+
+
+def default_geometry(hidden_size: int) -> dict[str, int]:
+    """The drafter's own attention/MLP geometry, derived from the hidden size alone.
+
+    Large targets (hidden ≥ 2048) get z-lab's Qwen3-style 32 heads × 128 with 8 kv heads; mid-size ones 16 × 128
+    with 4 kv heads; small ones (SmolLM2's 576) 8 × 64 with 4 kv heads. The MLP is 3× hidden rounded up to 128.
+    """
+    if hidden_size >= 2048:
+        heads, kv_heads, head_dim = 32, 8, 128
+    elif hidden_size >= 1024:
+        heads, kv_heads, head_dim = 16, 4, 128
+    else:
+        head_dim = 64 if hidden_size >= 256 else max(8, 2 ** int(math.log2(max(hidden_size // 4, 8))))
+        heads = max(2, min(8, hidden_size // head_dim))
+        kv_heads = max(1, heads // 2)
+    intermediate = int(math.ceil(3 * hidden_size / 128) * 128)
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "intermediate_size": intermediate}
+
+
+@dataclass
+class DrafterConfig:
+    """Everything that defines a DFlash drafter network and its coupling to a target."""
+
+    hidden_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 12288
+    block_size: int = 16
+    # Id placed in block slots 1..bs-1. With `learned_mask_embedding` the slots use the drafter's own trained
+    # vector instead of this row of the target's table (targets like SmolLM2 have no spare row).
+    mask_token_id: int = 0
+    learned_mask_embedding: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    # None: full-attention layers bidirectional in the block, sliding layers causal (z-lab's `is_causal`).
+    is_causal: bool | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    # Optional reduced draft vocabulary (ids into the target vocabulary); stored in the checkpoint when set.
+    draft_vocab_size: int | None = None
+    # Fields of the target's chat setup recorded at training time (checked by doctor at evaluation).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_hidden_layers", "target_layer_ids"):   # used below: name a wrong type, no TypeError
+            problem = field_type_problem(name, getattr(self, name))
+            if problem:
+                raise ConfigError(f"drafter config field '{name}' {problem}")
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * int(self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_target(cls, *, hidden_size: int, vocab_size: int, num_target_layers: int,
+                   num_features: int = 5, target_layer_ids: list[int] | None = None,
+                   mask_token_id: int | None = None, **overrides: Any) -> "DrafterConfig":
+        """Default drafter for a target: own geometry from the hidden size, z-lab layer ids, mask token choice.
+
+        `mask_token_id=None` means the target has no spare embedding row: a learned mask embedding is used.
+        """
+        geometry = default_geometry(hidden_size)
+        geometry.update({k: v for k, v in overrides.items() if k in geometry})
+        rest = {k: v for k, v in overrides.items() if k not in geometry}
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+            num_target_layers, num_features)
+        learned = mask_token_id is None
+        return cls(hidden_size=hidden_size, vocab_size=vocab_size, num_target_layers=num_target_layers,
+                   target_layer_ids=ids, mask_token_id=0 if learned else int(mask_token_id),
+                   learned_mask_embedding=learned, **geometry, **rest)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ConfigError naming the field and what was expected."""
+        for name in ("rms_norm_eps", "rope_theta", "mask_token_id", "max_position_embeddings", "attention_bias",
+                     "is_causal", "hidden_act", "layer_types", "sliding_window", "draft_vocab_size"):
+            problem = field_type_problem(name, getattr(self, name))
+            if problem:
+                raise ConfigError(f"drafter config field '{name}' {problem}")
+        for name in ("hidden_size", "vocab_size", "num_target_layers", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"drafter config field '{name}' must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        self.check_layer_ids(self.num_target_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
+                              f"{self.num_hidden_layers}")
+        for i, t in enumerate(self.layer_types):
+            if t not in LAYER_TYPES:
+                raise ConfigError(f"layer_types[{i}] = {t!r}; expected one of {list(LAYER_TYPES)}")
+        if SLIDING_ATTENTION in self.layer_types and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be a positive integer when a layer is sliding_attention, "
+                              f"got {self.sliding_window!r}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the embedding table "
+                              f"(vocab_size {self.vocab_size}); expected 0 ≤ id < {self.vocab_size}")
+
+    def check_layer_ids(self, num_target_layers: int) -> None:
+        """target_layer_ids must be distinct 0-based decoder-layer indices of the target."""
+        problem = layer_ids_problem(self.target_layer_ids, num_target_layers)
+        if problem:
+            raise ConfigError(problem)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer_idx] == SLIDING_ATTENTION
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    # ------------------------------------------------------------------ z-lab config.json
+    def to_zlab_dict(self) -> dict[str, Any]:
+        dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                                  "block_size": self.block_size}
+        if self.learned_mask_embedding:
+            dflash["mask_embedding"] = True
+        if self.draft_vocab_size is not None:
+            dflash["draft_vocab_size"] = self.draft_vocab_size
+        if self.extra:
+            dflash["dflashkit"] = self.extra
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": dflash,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            **({"is_causal": self.is_causal} if self.is_causal is not None else {}),
+            "layer_types": list(self.layer_types),
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_theta": self.rope_theta,
+            "sliding_window": self.sliding_window,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "use_cache": True,
+            "use_sliding_window": SLIDING_ATTENTION in self.layer_types,
+            "vocab_size": self.vocab_size,
+        }
+
+    @classmethod
+    def from_zlab_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
+        """Parse a z-lab style config (dflash_config first, then top-level fields)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        check_zlab_field_types(raw, source)  # names the field and the expected type before any int()/float()
+        dflash = raw.get("dflash_config") or {}
+
+        def pick(name: str, default: Any = ConfigError) -> Any:
+            if name in dflash:
+                return dflash[name]
+            if name in raw:
+                return raw[name]
+            if default is ConfigError:
+                raise ConfigError(f"{source}: required field '{name}' is missing")
+            return default
+
+        rope = raw.get("rope_parameters") or {}
+        num_layers = int(pick("num_hidden_layers"))
+        target_layer_ids = pick("target_layer_ids", None)
+        if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
+            if pick("num_target_layers", None) is None:
+                raise ConfigError(f"{source}: neither 'target_layer_ids' nor 'num_target_layers' is given; the layer "
+                                  f"ids cannot be derived (add dflash_config.target_layer_ids)")
+            try:
+                target_layer_ids = default_target_layer_ids(int(pick("num_target_layers")), num_layers)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: no target_layer_ids stored, and z-lab's default rule fails: {e}") from None
+        sliding_window = raw.get("sliding_window")
+        layer_types = pick("layer_types", None) or [FULL_ATTENTION] * num_layers
+        if raw.get("use_sliding_window") is False and "layer_types" not in raw:
+            sliding_window = None
+        try:
+            return cls(
+                hidden_size=int(pick("hidden_size")),
+                vocab_size=int(pick("vocab_size")),
+                num_target_layers=int(pick("num_target_layers", max(target_layer_ids) + 4)),
+                target_layer_ids=list(target_layer_ids),
+                num_hidden_layers=num_layers,
+                num_attention_heads=int(pick("num_attention_heads")),
+                num_key_value_heads=int(pick("num_key_value_heads", pick("num_attention_heads"))),
+                head_dim=int(pick("head_dim", int(pick("hidden_size")) // int(pick("num_attention_heads")))),
+                intermediate_size=int(pick("intermediate_size")),
+                block_size=int(pick("block_size", 16)),
+                mask_token_id=int(pick("mask_token_id", 0)),
+                learned_mask_embedding=bool(dflash.get("mask_embedding", False)),
+                layer_types=list(layer_types),
+                sliding_window=sliding_window,
+                is_causal=raw.get("is_causal"),
+                rms_norm_eps=float(pick("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+                max_position_embeddings=int(pick("max_position_embeddings", 40960)),
+                hidden_act=str(pick("hidden_act", "silu")),
+                attention_bias=bool(pick("attention_bias", False)),
+                draft_vocab_size=dflash.get("draft_vocab_size"),
+                extra=dict(dflash.get("dflashkit") or {}),
+            )
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: malformed field value ({e})") from None
+
+    def save(self, path: str | Path) -> None:
+        from dflashkit.io_utils import atomic_write_text
+        atomic_write_text(Path(path), json.dumps(self.to_zlab_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DrafterConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found (expected a drafter config.json)")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                              f"expected a JSON drafter config.json") from None
+        return cls.from_zlab_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> "DrafterConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return DrafterConfig(**values)
+
+
+if __name__ == "__main__":
+    for h, layers in ((576, 30), (4096, 36), (5120, 64)):
+        cfg = DrafterConfig.for_target(hidden_size=h, vocab_size=1000, num_target_layers=layers, mask_token_id=1)
+        print(h, layers, cfg.target_layer_ids, default_geometry(h))

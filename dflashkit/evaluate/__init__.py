@@ -1,0 +1,14 @@
+"""Stage `evaluate`: how many tokens a target accepts per round (τ) and how fast decoding really is.
+Imports: `target`, `drafter`, `data`, `features`, `decode`.
+
+Reads: drafters, a target, prompts (bundled datasets or JSONL). Writes an evaluation directory: `progress.jsonl`
+(one record per finished prompt; a rerun resumes), `results.json` (schema `dflashkit.eval/1`, the source of truth),
+`report.md` and PNG plots; `simulate` also writes a transcript cache (`pNNNNN.safetensors` per prompt).
+
+Modules and their public functions:
+  evaluate.py  `evaluate(target, drafters, prompts, methods=…)`: real decoding, AR baseline, greedy equality
+               and divergence triage; `triage_divergence`
+  simulate.py  `build_transcripts`, `simulate_many`: teacher-forced τ from cached target transcripts
+  stats.py     `load_prompts`, `parse_methods`, `acceptance_stats` (τ micro/macro, histogram, survival)
+  report.py    `render(results.json)`, `compare([...])`
+"""

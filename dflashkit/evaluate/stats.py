@@ -1,0 +1,238 @@
+"""Measurement helpers shared by `evaluate` (real decoding) and `simulate` (teacher-forced replay).
+
+- Methods are strings: `ar` (plain autoregressive decoding through the same loop), `chain` (one block, longest
+  accepted prefix), `ddtree:B` (DDTree with a budget of B draft nodes; verify length 1 + B).
+- Prompts (`Prompt`: an id and token ids) come from a bundled dataset or a chat JSONL rendered with the target's
+  chat template (first user turn, `add_generation_prompt=True`), or from a **pre-tokenised JSONL**: lines
+  `{"id": "...", "prompt_ids": [3, 14, 15, ...]}` (id optional). Pre-tokenised prompts need no tokenizer, so they
+  are the way to evaluate targets that ship none (tiny test models, some exports). Prompts that do not fit the
+  context window with `max_new_tokens` are skipped with the reason recorded.
+- `acceptance_stats` turns acceptance lengths L (per round, bonus included; one list per prompt) into τ micro
+  (Σ L / rounds), τ macro (mean of per-prompt τ), the histogram of L (a list indexed by L), survival
+  S(k) = P(L ≥ k + 1) for k = 0 … Lmax − 1, per-position acceptance a_k = S(k) / S(k − 1) (k ≥ 1), the
+  full-block fraction (L = Lmax) and the zero-acceptance fraction (L = 1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflashkit.errors import ConfigError, DataError
+from dflashkit.data.jsonl import LineProblem, read_lines
+
+METHOD_FORMS = "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. ddtree:8)"
+
+
+# ---------------------------------------------------------------------------------------------- methods
+@dataclass(frozen=True)
+class Method:
+    name: str                # "ar" | "chain" | "ddtree:8"
+    kind: str                # the decode.generate method: "ar" | "chain" | "tree"
+    budget: int | None = None
+
+    def max_length(self, block_size: int) -> int:
+        """Largest possible acceptance length L (bonus included) for this method and block size."""
+        if self.kind == "ar" or block_size < 2:
+            return 1
+        if self.kind == "tree":
+            return 1 + min(int(self.budget or 0), block_size - 1)
+        return block_size
+
+
+def parse_method(text: str) -> Method:
+    s = str(text).strip().lower()
+    if s == "ar":
+        return Method("ar", "ar")
+    if s == "chain":
+        return Method("chain", "chain")
+    m = re.fullmatch(r"(?:ddtree|tree)[:\-](\d+)", s)
+    if m and int(m.group(1)) >= 1:
+        return Method(f"ddtree:{int(m.group(1))}", "tree", int(m.group(1)))
+    raise ConfigError(f"unknown method {text!r}: valid forms are {METHOD_FORMS}")
+
+
+def parse_methods(spec: str | Sequence[str]) -> list[Method]:
+    """'ar,chain,ddtree:8' or a list of such names → Methods (order kept, duplicates dropped)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[Method] = []
+    for item in items:
+        if str(item).strip():
+            m = parse_method(item)
+            if m not in out:
+                out.append(m)
+    if not out:
+        raise ConfigError(f"no methods given: expected a comma-separated list of {METHOD_FORMS}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+@dataclass
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+def prompt_sha(ids: Sequence[int]) -> str:
+    """Short digest of a prompt's token ids (resumed runs must see the same prompt under the same id)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+
+
+def _read_pretokenised(path: Path, limit: int | None, vocab_size: int,
+                       on_error: str = "stop") -> tuple[list[Prompt], list[str]]:
+    """Prompts of a pre-tokenised JSONL; bad lines raise (on_error="stop") or are returned as problems."""
+    out: list[Prompt] = []
+    problems: list[str] = []
+    seen: set[str] = set()
+    for line in read_lines(path):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            rec = line.json()
+            ids = rec.get("prompt_ids") if isinstance(rec, dict) else None
+            if (not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
+                raise ValueError(f"field 'prompt_ids': expected a non-empty list of token ids in [0, {vocab_size}) "
+                                 f"(a file with pre-tokenised prompts needs it on every line)")
+            pid = str(rec.get("id", f"{path.stem}-{line.number}"))
+            if pid in seen:
+                raise ValueError(f"field 'id': duplicate id {pid!r}")
+        except ValueError as e:
+            if on_error == "stop":
+                raise DataError(f"{path}:{line.number}: {e} (use --on-error skip to skip malformed lines)") from None
+            problems.append(f"{path}:{line.number}: {e}")
+            continue
+        seen.add(pid)
+        out.append(Prompt(pid, list(ids)))
+    if not out:
+        raise DataError(f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0]})"
+                                                 if problems else ""))
+    return out, problems
+
+
+def _is_pretokenised(path: Path) -> bool:
+    """Whether the first readable line of a JSONL file carries "prompt_ids"."""
+    if not path.is_file():
+        return False
+    for line in read_lines(path):
+        try:
+            rec = line.json()
+        except LineProblem:   # unreadable: the reader of either format reports (or skips) it with file:line
+            continue
+        return isinstance(rec, dict) and "prompt_ids" in rec
+    return False
+
+
+def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, max_new_tokens: int = 128,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 on_error: str = "stop") -> tuple[list[Prompt], dict[str, str]]:
+    """Prompts of a dataset name or JSONL path for `target`. Returns (prompts, skipped: id → reason).
+
+    on_error="skip": malformed JSONL lines are skipped and recorded in `skipped` ("unreadable-record-K")."""
+    from dflashkit.data.conversations import encode_prompt, prompt_messages
+    from dflashkit.data.datasets import load_dataset
+
+    if limit is not None and limit < 1:
+        raise DataError(f"limit={limit}: expected a positive number of prompts")
+    path = Path(str(dataset)).expanduser()
+    skipped: dict[str, str] = {}
+    if on_error not in ("stop", "skip"):
+        raise DataError(f"on_error={on_error!r}: expected 'stop' or 'skip'")
+    if _is_pretokenised(path):
+        prompts, problems = _read_pretokenised(path, limit, target.vocab_size, on_error)
+    else:
+        conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
+        tok = target.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise DataError(f"target {target.source} has no tokenizer with a chat template; give pre-tokenised "
+                            f"prompts instead: a JSONL file with lines {{\"id\": ..., \"prompt_ids\": [...]}}")
+        prompts = []
+        for conv in conversations:
+            try:
+                prompts.append(Prompt(conv.id, encode_prompt(tok, prompt_messages(conv), chat_template_kwargs)))
+            except DataError as e:
+                skipped[conv.id] = str(e)
+    for k, problem in enumerate(problems):
+        skipped[f"unreadable-record-{k}"] = problem
+    max_pos = getattr(target.text_config, "max_position_embeddings", None)
+    kept = []
+    for p in prompts:
+        if max_pos is not None and len(p.ids) + max_new_tokens > max_pos:
+            skipped[p.id] = (f"prompt of {len(p.ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context "
+                             f"window of {max_pos}")
+        else:
+            kept.append(p)
+    if not kept:
+        raise DataError(f"dataset {dataset}: no usable prompts ({len(skipped)} skipped; first: "
+                        f"{next(iter(skipped.values()), 'none')})")
+    return kept, skipped
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def acceptance_stats(lengths: Sequence[Sequence[int]], max_length: int) -> dict[str, Any]:
+    """Statistics of acceptance lengths (one list of L per prompt); `max_length` = the method's largest L."""
+    flat = [int(x) for per in lengths for x in per]
+    rounds = len(flat)
+    hist = [0] * (max(max_length, max(flat, default=1)) + 1)
+    for x in flat:
+        hist[x] += 1
+    survival = [sum(hist[k + 1:]) / rounds if rounds else None for k in range(max_length)]  # S(k) = P(L ≥ k+1)
+    per_pos: list[float | None] = []
+    for k in range(1, max_length):
+        prev, cur = survival[k - 1], survival[k]
+        per_pos.append(cur / prev if prev else None)
+    per_prompt = [sum(per) / len(per) for per in lengths if per]
+    return {
+        "rounds": rounds,
+        "accepted_tokens": sum(flat),
+        "tau_micro": sum(flat) / rounds if rounds else None,
+        "tau_macro": _mean(per_prompt),
+        "max_length": max_length,
+        "histogram": hist,
+        "survival": survival,
+        "per_position_acceptance": per_pos,
+        "full_block_fraction": hist[max_length] / rounds if rounds and max_length < len(hist) else None,
+        "zero_accept_fraction": hist[1] / rounds if rounds and len(hist) > 1 else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- identities
+def drafter_fingerprint(drafter: Any) -> str:
+    """Cheap identity of a drafter: its config, parameter shapes and the head of every tensor (bf16-rounded)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(json.dumps(drafter.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, t in sorted(drafter.state_dict().items()):
+        if name.startswith("rotary_emb."):
+            continue
+        h.update(f"{name}:{list(t.shape)};".encode())
+        head = t.detach().reshape(-1)[:64].cpu()
+        h.update((head.to(torch.bfloat16).view(torch.int16) if head.is_floating_point() else head).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def drafter_info(drafter: Any, *, source: str | None = None, block_size: int | None = None) -> dict[str, Any]:
+    cfg = drafter.config
+    return {"source": source, "block_size": int(block_size or cfg.block_size),
+            "target_layer_ids": list(cfg.target_layer_ids), "num_hidden_layers": cfg.num_hidden_layers,
+            "parameters": sum(p.numel() for p in drafter.parameters()), "fingerprint": drafter_fingerprint(drafter)}
+
+
+def target_info(target: Any) -> dict[str, Any]:
+    """What results and caches record about the target (the fingerprint keys resumption)."""
+    from dflashkit.features.capture import target_fingerprint
+
+    return {"source": target.source, "fingerprint": target_fingerprint(target), "architecture": target.architecture,
+            "num_layers": target.num_layers, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "hybrid": target.is_hybrid}

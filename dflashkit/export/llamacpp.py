@@ -1,0 +1,188 @@
+"""Drive a local llama.cpp build (scripts/build_llamacpp.sh): find its tools, make an F32 target GGUF, run plain
+and speculative decoding, and read back what llama.cpp did — for the opt-in engine tests and bench/llamacpp.py.
+
+    from dflashkit.export.llamacpp import built, run_speculative
+    if built():
+        run = run_speculative(target_gguf, prompt, drafter="d.gguf", n_max=3, n_predict=64)
+        run.rounds          # [Round(draft=[…], accepted=a, last=id)], one per verification
+        run.generated_ids   # every committed token id, in order
+
+The drafts are read from `llama-speculative-simple -v` (its debug lines "draft candidate 0, pos i: ID" and
+"accepted a/n draft tokens, the last target token is: (ID)", common/speculative.cpp and
+examples/speculative-simple/speculative-simple.cpp); timings from its "decoded N tokens in S seconds" and the
+draft statistics line ("dur(b,g,a) = …": g = total draft-generation milliseconds).
+Build home: `$LLAMACPP_HOME`, else `<dflashkit cache>/llama.cpp-11434` (DFLASHKIT_CACHE moves the cache).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflashkit.errors import DFlashError
+
+VERSION = "11434"
+_DRAFT = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(-?\d+)")
+_ACCEPT = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((-?\d+)\)")
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_DUR = re.compile(r"statistics\s+(\S+):.*?#gen drafts =\s*(\d+).*?dur\(b,g,a\) =\s*([\d.]+),\s*([\d.]+),\s*([\d.]+) ms")
+_COUNT = re.compile(r"\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
+_EVAL = re.compile(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs")
+
+
+class LlamaCppError(DFlashError):
+    """The llama.cpp build is missing, or one of its tools failed."""
+
+
+def home() -> Path:
+    if os.environ.get("LLAMACPP_HOME"):
+        return Path(os.environ["LLAMACPP_HOME"]).expanduser()
+    from dflashkit.target.default import cache_root
+    return cache_root() / f"llama.cpp-{VERSION}"
+
+
+def built() -> bool:
+    """Whether scripts/build_llamacpp.sh has finished (its stamp file exists)."""
+    return (home() / ".built").is_file()
+
+
+def tool(name: str) -> Path:
+    path = home() / "bin" / name
+    if not path.is_file():
+        raise LlamaCppError(f"{path} not found: run scripts/build_llamacpp.sh first")
+    return path
+
+
+def f32_target_gguf() -> Path:
+    """The embedded SmolLM2 target as an F32 GGUF (llama-quantize of the shipped Q4_1 file; made once)."""
+    from dflashkit.target.default import DEFAULT_TARGET_NAME, gguf_path
+
+    out = home() / "models" / f"{DEFAULT_TARGET_NAME}.F32.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp.gguf")
+        _run([str(tool("llama-quantize")), "--allow-requantize", str(gguf_path()), str(tmp), "F32"])
+        os.replace(tmp, out)
+    return out
+
+
+def _run(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or "").splitlines()[-15:])
+        raise LlamaCppError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}):\n{tail}")
+    return proc
+
+
+@dataclass
+class Round:
+    """One llama.cpp verification: the drafts it proposed, how many were accepted, the target's next token."""
+
+    draft: list[int]
+    accepted: int
+    last: int
+
+
+@dataclass
+class SpecRun:
+    """What one llama-speculative-simple / llama-completion run did."""
+
+    text: str
+    rounds: list[Round] = field(default_factory=list)
+    decoded_tokens: int = 0
+    decode_s: float = 0.0
+    draft_ms: float = 0.0          # total draft-generation time (spec statistics 'g')
+    counts: dict[str, int] = field(default_factory=dict)   # n_predict (committed), n_drafted, n_accept
+    log: str = ""
+
+    @property
+    def n_rounds(self) -> int:
+        """Verifications: parsed rounds, else committed − accepted (each round commits accepted + 1)."""
+        if self.rounds:
+            return len(self.rounds)
+        return self.counts.get("n_predict", 0) - self.counts.get("n_accept", 0)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        out: list[int] = []
+        for r in self.rounds:
+            out += r.draft[:r.accepted] + [r.last]
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verification (accepted drafts + the target's own token)."""
+        if self.rounds:
+            return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+        return self.counts.get("n_predict", 0) / self.n_rounds if self.n_rounds else 0.0
+
+
+def parse_speculative_log(log: str) -> list[Round]:
+    """Rounds from a `llama-speculative-simple -v` log (draft lines precede each 'accepted' line)."""
+    rounds: list[Round] = []
+    draft: list[int] = []
+    for line in log.splitlines():
+        m = _DRAFT.search(line)
+        if m:
+            pos, tok = int(m.group(1)), int(m.group(2))
+            if pos == 0:
+                draft = []
+            draft.append(tok)
+            continue
+        m = _ACCEPT.search(line)
+        if m:
+            n = int(m.group(2))
+            rounds.append(Round(draft=draft[:n], accepted=int(m.group(1)), last=int(m.group(3))))
+            draft = []
+    return rounds
+
+
+def run_speculative(target: str | Path, prompt: str, *, drafter: str | Path | None = None,
+                    spec_type: str = "draft-dflash", n_max: int = 3, n_predict: int = 64, threads: int = 2,
+                    extra: list[str] | None = None, verbose: bool = True, timeout: float = 900) -> SpecRun:
+    """Greedy speculative decoding in llama.cpp (`--temp 0 --ignore-eos`: n_predict tokens, +0…n_max).
+
+    verbose: log every draft (`-v`, needed for `rounds`; slows llama.cpp several-fold, so never time it);
+    otherwise `-lv 4`, which still prints the counts and the draft-time statistics.
+    """
+    cmd = [str(tool("llama-speculative-simple")), "-m", str(target), "--spec-type", spec_type,
+           "--spec-draft-n-max", str(n_max), "--temp", "0", "-n", str(n_predict), "-t", str(threads),
+           "-p", prompt, "--ignore-eos", *(["-v"] if verbose else ["-lv", "4"])]
+    if drafter is not None:
+        cmd += ["-md", str(drafter), "-td", str(threads)]
+    proc = _run(cmd + list(extra or []), timeout)
+    log = proc.stderr
+    run = SpecRun(text=proc.stdout, rounds=parse_speculative_log(log), log=log)
+    m = _DECODED.search(log)
+    if m:
+        run.decoded_tokens, run.decode_s = int(m.group(1)), float(m.group(2))
+    m = _DUR.search(log)
+    if m:
+        run.draft_ms = float(m.group(4))
+    run.counts = {k: int(v) for k, v in _COUNT.findall(log)}
+    return run
+
+
+def run_plain(target: str | Path, prompt: str, *, n_predict: int = 64, threads: int = 2,
+              timeout: float = 900) -> SpecRun:
+    """Plain greedy decoding (llama-completion); text is what it printed after the prompt."""
+    cmd = [str(tool("llama-completion")), "-m", str(target), "-p", prompt, "-n", str(n_predict), "--temp", "0",
+           "-t", str(threads), "-no-cnv", "--ignore-eos", "--no-warmup", "--no-display-prompt"]
+    proc = _run(cmd, timeout)
+    run = SpecRun(text=proc.stdout, log=proc.stderr)
+    m = _EVAL.search(proc.stderr)
+    if m:
+        # eval runs exclude the first token (sampled from the prompt pass): n runs = n decode steps
+        run.decoded_tokens, run.decode_s = int(m.group(2)), float(m.group(1)) / 1e3
+    return run
+
+
+__all__ = ["LlamaCppError", "Round", "SpecRun", "built", "f32_target_gguf", "home", "parse_speculative_log",
+           "run_plain", "run_speculative", "tool"]

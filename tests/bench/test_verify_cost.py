@@ -1,0 +1,37 @@
+"""bench/verify_cost.py on a tiny target: every size is timed, the cache is cropped back after each pass, and the
+last line is the JSON summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "verify_cost.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_verify_cost", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
+    bench = load_bench()
+    assert bench.main(["--target", str(tiny_llama_dir), "--tokens", "1,3,5", "--context", "16",
+                       "--repeats", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert doc["tokens"] == [1, 3, 5] and doc["context"] == 16
+    for key in ("forward_s", "body_s", "head_s", "stock_forward_s"):
+        assert len(doc[key]) == 3 and all(t > 0 for t in doc[key])
+    assert doc["ratio"][0] == 1.0 and doc["stock_ratio"][0] == 1.0
+    assert any(line.split()[:1] == ["5"] for line in lines)       # one table row per size
+
+
+def test_verify_cost_rejects_bad_sizes():
+    with pytest.raises(SystemExit, match="--tokens"):
+        load_bench().main(["--tokens", "0,2"])

