@@ -20,16 +20,24 @@ import time
 
 import torch
 
-from dflashkit.features.capture import CapturedFeatures, capture, format_bytes
-from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.data.samples import Sample
+from dflashkit.drafter.defaults import default_drafter_config
+from dflashkit.features.capture import capture
+from dflashkit.features.captured import CapturedFeatures
+from dflashkit.features.manifest import format_bytes
 from dflashkit.target.model import Target
 
 
 def synthetic_samples(n: int, length: int, vocab: int, seed: int = 0) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
-    return [Sample(id=f"bench-{i}", input_ids=torch.randint(3, vocab, (length,), generator=g),  # (T,)
-                   loss_mask=torch.ones(length, dtype=torch.bool)) for i in range(n)]
+    return [
+        Sample(
+            id=f"bench-{i}",
+            input_ids=torch.randint(3, vocab, (length,), generator=g),  # (T,)
+            loss_mask=torch.ones(length, dtype=torch.bool),
+        )
+        for i in range(n)
+    ]
 
 
 @torch.no_grad()
@@ -54,8 +62,8 @@ def main() -> None:
     n_tokens = args.n * args.length
     plain_forward_seconds(target, samples[:1])  # warm-up (allocator, kernels)
 
-    plain: list[float] = []   # per sequence: plain forward seconds
-    marks: list[float] = []   # per sequence: clock when its shard was on disk, before its plain forward
+    plain: list[float] = []  # per sequence: plain forward seconds
+    marks: list[float] = []  # per sequence: clock when its shard was on disk, before its plain forward
     resumed: list[float] = []  # per sequence: clock after its plain forward (capture of the next one starts)
 
     def interleave(j: int, _manifest: object) -> None:
@@ -65,10 +73,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        m = capture(target, samples, tmp, layer_ids=layer_ids, dtype=args.dtype, shard_max_tokens=args.length,
-                    progress=False, log=None, on_shard=interleave)
-        starts = [t0] + resumed[:-1]
-        per_capture = [end - start for start, end in zip(starts, marks)]  # capture + write of one sequence
+        m = capture(
+            target,
+            samples,
+            tmp,
+            layer_ids=layer_ids,
+            dtype=args.dtype,
+            shard_max_tokens=args.length,
+            progress=False,
+            log=None,
+            on_shard=interleave,
+        )
+        starts = [t0, *resumed[:-1]]
+        per_capture = [end - start for start, end in zip(starts, marks, strict=True)]  # capture + write of one sequence
         t0 = time.perf_counter()
         ds = CapturedFeatures(tmp, expect_layer_ids=layer_ids)
         for i in range(len(ds)):
@@ -76,20 +93,30 @@ def main() -> None:
         read_s = time.perf_counter() - t0
         size = m.bytes
     cap_s, plain_s = sum(per_capture), sum(plain)
-    ratios = sorted(p / c for p, c in zip(plain, per_capture))  # capture tok/s ÷ plain tok/s, per sequence
+    ratios = sorted(p / c for p, c in zip(plain, per_capture, strict=True))  # capture tok/s ÷ plain tok/s, per sequence
     ratio_median = statistics.median(ratios)
 
     capture_tok_s, plain_tok_s = n_tokens / cap_s, n_tokens / plain_s
-    print(f"target {target.source} ({target.num_layers} layers, hidden {target.hidden_size}), layers {layer_ids}, "
-          f"{args.n} × {args.length} tokens, storage {args.dtype}, {format_bytes(size)} written")
+    print(
+        f"target {target.source} ({target.num_layers} layers, hidden {target.hidden_size}), layers {layer_ids}, "
+        f"{args.n} × {args.length} tokens, storage {args.dtype}, {format_bytes(size)} written"
+    )
     print(f"{'path':<30}{'seconds':>10}{'tok/s':>10}")
     print(f"{'plain forward (target.model)':<30}{plain_s:>10.2f}{plain_tok_s:>10.0f}")
     print(f"{'capture (incl. shards)':<30}{cap_s:>10.2f}{capture_tok_s:>10.0f}")
     print(f"{'read back (CapturedFeatures)':<30}{read_s:>10.2f}{n_tokens / read_s:>10.0f}")
     print(f"per-sequence capture/plain throughput ratios: {', '.join(f'{r:.2f}' for r in ratios)}")
-    print(json.dumps({"capture_tok_s": round(capture_tok_s, 1), "plain_forward_tok_s": round(plain_tok_s, 1),
-                      "ratio": round(capture_tok_s / plain_tok_s, 3), "ratio_median": round(ratio_median, 3),
-                      "n_tokens": n_tokens}))
+    print(
+        json.dumps(
+            {
+                "capture_tok_s": round(capture_tok_s, 1),
+                "plain_forward_tok_s": round(plain_tok_s, 1),
+                "ratio": round(capture_tok_s / plain_tok_s, 3),
+                "ratio_median": round(ratio_median, 3),
+                "n_tokens": n_tokens,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

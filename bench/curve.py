@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sweep_defaults  # noqa: E402  (bench/ is not a package)
+import sweep_defaults
 
 
 def read_points(path: Path) -> list[dict[str, Any]]:
@@ -38,9 +38,26 @@ def _score(drafter: str, name: str, out: Path, args: argparse.Namespace) -> dict
     from dflashkit.cli import main as cli
 
     sim = out / "sim" / name
-    cli(["simulate", "--dataset", "mtbench", "--limit", str(args.sim_prompts), "--max-new-tokens",
-         str(args.sim_max_new_tokens), "--cache", args.sim_cache, "--budgets", args.budgets, "--out", str(sim),
-         "--quiet", "--drafter", f"{name}={drafter}"])
+    cli(
+        [
+            "simulate",
+            "--dataset",
+            "mtbench",
+            "--limit",
+            str(args.sim_prompts),
+            "--max-new-tokens",
+            str(args.sim_max_new_tokens),
+            "--cache",
+            args.sim_cache,
+            "--budgets",
+            args.budgets,
+            "--out",
+            str(sim),
+            "--quiet",
+            "--drafter",
+            f"{name}={drafter}",
+        ]
+    )
     res = json.loads((sim / "results.json").read_text())["results"][name]
     return {m: float(v["tau_macro"]) for m, v in res.items() if "tau_macro" in v}
 
@@ -60,7 +77,7 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
         ax.plot(xs, [p["tau"][m] for p in pts if m in p["tau"]], marker="o", label=m)
     ax.set_xscale("log", base=2)
     ticks = sorted({p["train_minutes"] for p in pts})
-    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])            # the measured budgets, not powers of two
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])  # the measured budgets, not powers of two
     ax.minorticks_off()
     ax.set_xlabel("training minutes (this machine, wall-clock)")
     ax.set_ylabel("τ (accepted tokens per round)")
@@ -74,12 +91,17 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
 def table(points: list[dict[str, Any]]) -> str:
     pts = sorted(points, key=lambda p: p["train_minutes"])
     methods = sorted({m for p in pts for m in p["tau"]}, key=lambda m: (m != "chain", len(m), m))
-    lines = ["| × | train min | steps | drafter of step | s/step | " + " | ".join(f"τ {m}" for m in methods) + " |",
-             "|---" * (5 + len(methods)) + "|"]
+    lines = [
+        "| × | train min | steps | drafter of step | s/step | " + " | ".join(f"τ {m}" for m in methods) + " |",
+        "|---" * (5 + len(methods)) + "|",
+    ]
     for p in pts:
-        lines.append(f"| {p['multiplier']:g} | {p['train_minutes']:g} | {p['steps']} | "
-                     f"{p.get('drafter_step', p['steps'])} | {p['seconds_per_step']:.2f} | "
-                     + " | ".join(f"{p['tau'].get(m, float('nan')):.3f}" for m in methods) + " |")
+        lines.append(
+            f"| {p['multiplier']:g} | {p['train_minutes']:g} | {p['steps']} | "
+            f"{p.get('drafter_step', p['steps'])} | {p['seconds_per_step']:.2f} | "
+            + " | ".join(f"{p['tau'].get(m, float('nan')):.3f}" for m in methods)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -89,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default=QuickstartSettings().out, help="a finished quickstart run (its data)")
     p.add_argument("--out", default="runs/curve")
-    p.add_argument("--variant", default="base", help=f"a bench/sweep_defaults.py variant: "
-                                                     f"{list(sweep_defaults.VARIANTS)}")
+    p.add_argument(
+        "--variant", default="base", help=f"a bench/sweep_defaults.py variant: {list(sweep_defaults.VARIANTS)}"
+    )
     p.add_argument("--multipliers", default="1,2,4,8", help="training budgets as multiples of --train-minutes")
     p.add_argument("--train-minutes", type=float, default=QuickstartSettings().train_minutes)
     p.add_argument("--seed", type=int, default=0)
@@ -125,18 +148,26 @@ def main(argv: list[str] | None = None) -> int:
             continue
         name = f"x{m:g}"
         row = sweep_defaults.run_variant(target, args.variant, spec, base, out / name, minutes, args.seed)
-        point = {"bench": "curve", "variant": args.variant, "seed": args.seed, "multiplier": m,
-                 "train_minutes": minutes, "steps": row["train"]["steps"],
-                 "drafter_step": row["train"].get("best_step", row["train"]["steps"]),   # keep_best's choice
-                 "seconds_per_step": row["seconds_per_step"], "val": row["train"].get("val"),
-                 "tau": _score(row["drafter"], name, out, args)}
+        point = {
+            "bench": "curve",
+            "variant": args.variant,
+            "seed": args.seed,
+            "multiplier": m,
+            "train_minutes": minutes,
+            "steps": row["train"]["steps"],
+            "drafter_step": row["train"].get("best_step", row["train"]["steps"]),  # keep_best's choice
+            "seconds_per_step": row["seconds_per_step"],
+            "val": row["train"].get("val"),
+            "tau": _score(row["drafter"], name, out, args),
+        }
         with open(lines, "a") as f:
             f.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
         points = [pt for pt in read_points(lines) if pt["variant"] == args.variant]
         plot(points, out / "curve.png")
-        (out / "curve.md").write_text(f"# τ against training minutes ({args.variant}, seed {args.seed})\n\n"
-                                      f"{table(points)}\n")
+        (out / "curve.md").write_text(
+            f"# τ against training minutes ({args.variant}, seed {args.seed})\n\n{table(points)}\n"
+        )
     points = [pt for pt in read_points(lines) if pt["variant"] == args.variant]
     plot(points, out / "curve.png")
     print(table(points))

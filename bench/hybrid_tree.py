@@ -35,18 +35,23 @@ from typing import Any
 
 import torch
 
-from dflashkit.drafter.config import DrafterConfig
 from dflashkit.decode import generate as decode_mod
 from dflashkit.decode.generate import generate
+from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.target.model import LINEAR_ATTENTION, Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+from bench_args import positive_ints
 
 # Qwen3.6-27B / Qwen3.5-27B text geometry (config.json): 64 layers, 3 of every 4 Gated DeltaNet.
-GEOMETRY_27B = {"gdn_layers": 48, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-                "linear_value_head_dim": 128, "state_bytes": 4}
+GEOMETRY_27B = {
+    "gdn_layers": 48,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "state_bytes": 4,
+}
 
 
 def tiny_hybrid(hidden: int, layers: int, vocab: int, seed: int = 0) -> Target:
@@ -56,17 +61,28 @@ def tiny_hybrid(hidden: int, layers: int, vocab: int, seed: int = 0) -> Target:
 
     torch.manual_seed(seed)
     heads = max(2, hidden // 32)
-    cfg = Qwen3_5TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden // 2,
-                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                            head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
-                            layer_types=[LINEAR_ATTENTION if i % 4 != 3 else "full_attention" for i in range(layers)],
-                            linear_num_value_heads=heads, linear_num_key_heads=max(1, heads // 2),
-                            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        layer_types=[LINEAR_ATTENTION if i % 4 != 3 else "full_attention" for i in range(layers)],
+        linear_num_value_heads=heads,
+        linear_num_key_heads=max(1, heads // 2),
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+    )
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.6 / hidden ** 0.5)
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.6 / hidden**0.5)
     return Target(model, source=f"random Qwen3.5 hybrid (hidden {hidden}, {layers} layers, vocab {vocab})")
 
 
@@ -75,11 +91,10 @@ class NoisyOracle(DFlashDrafter):
     each slot the true token with probability p, else a random wrong one with the true token second. The noise
     depends on (position, slot) only, so every method sees the same proposals."""
 
-    reference: list[int] = []
-
     def __init__(self, cfg: DrafterConfig, p: float, seed: int = 0) -> None:
         super().__init__(cfg)
         self.p, self.seed = p, seed
+        self.reference: list[int] = []
 
     def forward(self, *args: Any, block_positions: torch.Tensor, **kw: Any) -> torch.Tensor:
         self._positions = block_positions[0].tolist()
@@ -103,7 +118,7 @@ def state_mib_per_node(target: Target) -> float:
     """MiB of recurrent state (all Gated DeltaNet layers, fp32) one tree node holds until commit."""
     cfg = target.text_config
     n = sum(1 for t in target.layer_types if t == LINEAR_ATTENTION)
-    return n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 / 2 ** 20
+    return n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,29 +143,51 @@ def main(argv: list[str] | None = None) -> int:
     if not modes or not set(modes) <= {"levels", "scan", "paths"}:
         raise SystemExit(f"error: --modes {args.modes!r}: expected a comma-separated subset of levels,scan,paths")
     torch.set_num_threads(args.threads)
-    target = (Target.load(args.target, device=args.device) if args.target
-              else tiny_hybrid(args.hidden, args.layers, args.vocab))
+    target = (
+        Target.load(args.target, device=args.device)
+        if args.target
+        else tiny_hybrid(args.hidden, args.layers, args.vocab)
+    )
     if not target.is_hybrid:
         raise SystemExit(f"error: {target.source} has no Gated DeltaNet layers: this bench is for hybrid targets")
     if args.drafter:
         from dflashkit.drafter.checkpoint import load_drafter
+
         drafter = load_drafter(args.drafter, device=args.device).eval()
     else:
         L = target.num_layers
-        cfg = DrafterConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=L,
-                            target_layer_ids=sorted({1, L // 2, L - 2}), num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=32, intermediate_size=64, block_size=args.block_size,
-                            mask_token_id=3)
+        cfg = DrafterConfig(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            num_target_layers=L,
+            target_layer_ids=sorted({1, L // 2, L - 2}),
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=64,
+            block_size=args.block_size,
+            mask_token_id=3,
+        )
         drafter = NoisyOracle(cfg, args.oracle_p).eval()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, target.vocab_size, (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(4, target.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
+    ]
     runs = [("spine", "chain", "auto", 0)] + [(f"{m}:{b}", "tree", m, b) for m in modes for b in budgets]
 
     def run(name: str, prompt: list[int], n: int):
         _, method, mode, budget = next(r for r in runs if r[0] == name)
-        return generate(target, prompt, drafter=drafter, method=method, max_new_tokens=n, block_size=args.block_size,
-                        tree_budget=budget or 1, hybrid_tree=mode)
+        return generate(
+            target,
+            prompt,
+            drafter=drafter,
+            method=method,
+            max_new_tokens=n,
+            block_size=args.block_size,
+            tree_budget=budget or 1,
+            hybrid_tree=mode,
+        )
 
     names = [r[0] for r in runs]
     stats: dict[str, dict[str, list[float]]] = {n: {"verify_s": [], "rounds": [], "tau": []} for n in names}
@@ -170,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if i == 0:
             for name in names:  # warm-up
                 run(name, prompt, min(16, args.max_new_tokens))
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             decode_mod.build_tree = spy_build if name.startswith(modes[0] + ":") else real_build
             try:
                 res = run(name, prompt, args.max_new_tokens)
@@ -184,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for name in names:
         s = stats[name]
-        summary[name] = {"verify_ms": 1e3 * sum(s["verify_s"]) / max(1, sum(s["rounds"])),
-                         "tau": statistics.mean(s["tau"])}
+        summary[name] = {
+            "verify_ms": 1e3 * sum(s["verify_s"]) / max(1, sum(s["rounds"])),
+            "tau": statistics.mean(s["tau"]),
+        }
     spine = summary["spine"]
     for name in names:
         r = summary[name]
@@ -194,44 +233,79 @@ def main(argv: list[str] | None = None) -> int:
     mean_shape = {b: [statistics.mean(x[j] for x in shapes[b]) for j in range(3)] for b in budgets if shapes[b]}
     per_node = state_mib_per_node(target)
     g27 = GEOMETRY_27B
-    layer_27b = (g27["linear_num_value_heads"] * g27["linear_key_head_dim"] * g27["linear_value_head_dim"]
-                 * g27["state_bytes"] / 2 ** 20)                                   # MiB per layer per row
+    layer_27b = (
+        g27["linear_num_value_heads"]
+        * g27["linear_key_head_dim"]
+        * g27["linear_value_head_dim"]
+        * g27["state_bytes"]
+        / 2**20
+    )  # MiB per layer per row
     gpu = {}
     for b, (n, r, d) in mean_shape.items():  # GiB of recurrent state moved per round on a 27B-size target
-        gpu[b] = {"N": round(n, 1), "R": round(r, 1), "D+1": round(d, 1),
-                  "scan_gib": round((r + 1) * g27["gdn_layers"] * layer_27b / 1024, 2),
-                  "levels_gib": round(2 * n * g27["gdn_layers"] * layer_27b / 1024, 2),
-                  "levels_resident_gib": round(n * g27["gdn_layers"] * layer_27b / 1024, 2)}
+        gpu[b] = {
+            "N": round(n, 1),
+            "R": round(r, 1),
+            "D+1": round(d, 1),
+            "scan_gib": round((r + 1) * g27["gdn_layers"] * layer_27b / 1024, 2),
+            "levels_gib": round(2 * n * g27["gdn_layers"] * layer_27b / 1024, 2),
+            "levels_resident_gib": round(n * g27["gdn_layers"] * layer_27b / 1024, 2),
+        }
 
-    print(f"target {target.source} ({target.architecture}), block size {args.block_size}, "
-          f"{args.prompts} prompts × {args.max_new_tokens} tokens, {torch.get_num_threads()} threads, drafter "
-          f"{args.drafter or f'noisy oracle p={args.oracle_p}'}; one node's recurrent state: {per_node:.3f} MiB")
-    print(f"{'method':<11} {'verify ms/round':>16} {'× spine':>8} {'τ':>6} {'τ / τ spine':>12} "
-          f"{'ms/token × spine':>17}")
+    print(
+        f"target {target.source} ({target.architecture}), block size {args.block_size}, "
+        f"{args.prompts} prompts × {args.max_new_tokens} tokens, {torch.get_num_threads()} threads, drafter "
+        f"{args.drafter or f'noisy oracle p={args.oracle_p}'}; one node's recurrent state: {per_node:.3f} MiB"
+    )
+    print(
+        f"{'method':<11} {'verify ms/round':>16} {'× spine':>8} {'τ':>6} {'τ / τ spine':>12} {'ms/token × spine':>17}"
+    )
     for name in names:
         r = summary[name]
-        print(f"{name:<11} {r['verify_ms']:>16.2f} {r['verify_ratio']:>8.2f} {r['tau']:>6.2f} "
-              f"{r['tau'] / spine['tau']:>12.2f} {r['per_token_ratio']:>17.2f}")
+        print(
+            f"{name:<11} {r['verify_ms']:>16.2f} {r['verify_ratio']:>8.2f} {r['tau']:>6.2f} "
+            f"{r['tau'] / spine['tau']:>12.2f} {r['per_token_ratio']:>17.2f}"
+        )
     print(f"greedy output equal to AR on every prompt and method: {equal}")
-    print(f"27B-size target ({g27['gdn_layers']} Gated DeltaNet layers, state {g27['linear_num_value_heads']} × "
-          f"{g27['linear_key_head_dim']} × {g27['linear_value_head_dim']} fp32 = {layer_27b:.0f} MiB per layer and "
-          f"row), recurrent state moved per round, for the trees measured here (mean N nodes, R paths, D + 1 depth):")
+    print(
+        f"27B-size target ({g27['gdn_layers']} Gated DeltaNet layers, state {g27['linear_num_value_heads']} × "
+        f"{g27['linear_key_head_dim']} × {g27['linear_value_head_dim']} fp32 = {layer_27b:.0f} MiB per layer and "
+        f"row), recurrent state moved per round, for the trees measured here (mean N nodes, R paths, D + 1 depth):"
+    )
     print(f"{'budget':>6} {'N':>6} {'R':>6} {'D+1':>5} {'scan GiB':>9} {'levels GiB':>11} {'levels kept GiB':>16}")
     for b, e in gpu.items():
-        print(f"{b:>6} {e['N']:>6} {e['R']:>6} {e['D+1']:>5} {e['scan_gib']:>9.2f} {e['levels_gib']:>11.2f} "
-              f"{e['levels_resident_gib']:>16.2f}")
+        print(
+            f"{b:>6} {e['N']:>6} {e['R']:>6} {e['D+1']:>5} {e['scan_gib']:>9.2f} {e['levels_gib']:>11.2f} "
+            f"{e['levels_resident_gib']:>16.2f}"
+        )
 
     def col(mode: str, key: str) -> list[float]:
         return [round(summary[f"{mode}:{b}"][key], 4) for b in budgets]
 
-    print(json.dumps({"target": target.source, "block_size": args.block_size, "budgets": budgets,
-                      "n_prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-                      "threads": torch.get_num_threads(), "greedy_equal": equal,
-                      "spine": {k: round(v, 4) for k, v in spine.items()},
-                      **{mode: {"verify_ms": col(mode, "verify_ms"), "verify_ratio": col(mode, "verify_ratio"),
-                                "tau": col(mode, "tau"), "per_token_ratio": col(mode, "per_token_ratio")}
-                         for mode in modes},
-                      "state_mib_per_node": round(per_node, 4), "gpu_27b_state_per_round": gpu}))
+    print(
+        json.dumps(
+            {
+                "target": target.source,
+                "block_size": args.block_size,
+                "budgets": budgets,
+                "n_prompts": args.prompts,
+                "max_new_tokens": args.max_new_tokens,
+                "threads": torch.get_num_threads(),
+                "greedy_equal": equal,
+                "spine": {k: round(v, 4) for k, v in spine.items()},
+                **{
+                    mode: {
+                        "verify_ms": col(mode, "verify_ms"),
+                        "verify_ratio": col(mode, "verify_ratio"),
+                        "tau": col(mode, "tau"),
+                        "per_token_ratio": col(mode, "per_token_ratio"),
+                    }
+                    for mode in modes
+                },
+                "state_mib_per_node": round(per_node, 4),
+                "gpu_27b_state_per_round": gpu,
+            }
+        )
+    )
     return 0 if equal else 1
 
 

@@ -41,16 +41,22 @@ from dflashkit.export import llamacpp
 def _prompts(tokenizer: Any, n: int) -> list[str]:
     from dflashkit.data.datasets import load_mtbench
 
-    return [tokenizer.apply_chat_template(c.messages, tokenize=False, add_generation_prompt=True)
-            for c in load_mtbench(turn=1, limit=n)]
+    return [
+        tokenizer.apply_chat_template(c.messages, tokenize=False, add_generation_prompt=True)
+        for c in load_mtbench(turn=1, limit=n)
+    ]
 
 
 def _llamacpp_row(run: llamacpp.SpecRun) -> dict[str, float]:
     rounds = max(run.n_rounds, 1)
     row = {"tok_s": run.tokens_per_s, "tokens": run.decoded_tokens, "seconds": run.decode_s}
     if run.counts:
-        row.update(tau=run.tau, rounds=run.n_rounds, draft_ms_per_round=run.draft_ms / rounds,
-                   verify_ms_per_round=(run.decode_s * 1e3 - run.draft_ms) / rounds)
+        row.update(
+            tau=run.tau,
+            rounds=run.n_rounds,
+            draft_ms_per_round=run.draft_ms / rounds,
+            verify_ms_per_round=(run.decode_s * 1e3 - run.draft_ms) / rounds,
+        )
     return row
 
 
@@ -59,22 +65,43 @@ def _torch_row(target: Any, drafter: Any, prompt: str, method: str, n_predict: i
 
     ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     t0 = time.perf_counter()
-    res = generate(target, ids, drafter=drafter if method == "chain" else None, method=method,
-                   max_new_tokens=n_predict)
+    res = generate(target, ids, drafter=drafter if method == "chain" else None, method=method, max_new_tokens=n_predict)
     wall = time.perf_counter() - t0
     pre = res.timings.get("prefill", 0.0)
     row = {"tok_s": len(res.tokens) / max(wall - pre, 1e-9), "tokens": len(res.tokens), "seconds": wall - pre}
     if method == "chain":
         rounds = max(res.rounds, 1)
-        row.update(tau=res.tau, rounds=res.rounds, draft_ms_per_round=1e3 * res.timings.get("draft", 0.0) / rounds,
-                   verify_ms_per_round=1e3 * (wall - pre - res.timings.get("draft", 0.0)) / rounds)
+        row.update(
+            tau=res.tau,
+            rounds=res.rounds,
+            draft_ms_per_round=1e3 * res.timings.get("draft", 0.0) / rounds,
+            verify_ms_per_round=1e3 * (wall - pre - res.timings.get("draft", 0.0)) / rounds,
+        )
     return row
 
 
 def _batch_cost(target_gguf: Path, threads: int) -> dict[Any, float]:
     """llama-bench: ms of a 1-token pass and the cost of 4 / 8 / 16-token batches in single-token passes."""
-    proc = subprocess.run([str(llamacpp.tool("llama-bench")), "-m", str(target_gguf), "-p", "1,4,8,16", "-n", "0",
-                           "-t", str(threads), "-r", "5", "-o", "json"], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            str(llamacpp.tool("llama-bench")),
+            "-m",
+            str(target_gguf),
+            "-p",
+            "1,4,8,16",
+            "-n",
+            "0",
+            "-t",
+            str(threads),
+            "-r",
+            "5",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     ms = {int(r["n_prompt"]): r["avg_ns"] / 1e6 for r in json.loads(proc.stdout)}
     return {"step_ms": ms[1], **{n: ms[n] / ms[1] for n in (4, 8, 16)}}
 
@@ -101,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.target.default import gguf_path
     from dflashkit.export.gguf_export import export_gguf
+    from dflashkit.target.default import gguf_path
     from dflashkit.target.model import Target
 
     torch.set_num_threads(args.threads)
@@ -130,47 +157,83 @@ def main(argv: list[str] | None = None) -> int:
     # warm-up (page cache, first-load costs): one short run of each llama.cpp configuration kind
     for t in targets:
         llamacpp.run_plain(ggufs[t], prompts[0], n_predict=8, threads=args.threads)
-        llamacpp.run_speculative(ggufs[t], prompts[0], drafter=drafter_gguf[t], n_max=min(3, bs - 1), n_predict=8,
-                                 threads=args.threads, verbose=False)
+        llamacpp.run_speculative(
+            ggufs[t],
+            prompts[0],
+            drafter=drafter_gguf[t],
+            n_max=min(3, bs - 1),
+            n_predict=8,
+            threads=args.threads,
+            verbose=False,
+        )
     for rep in range(args.repeats):
         for i, prompt in enumerate(prompts):
             k = (i + rep) % len(configs)
             for tgt, name, n in configs[k:] + configs[:k]:
                 if name == "plain":
-                    run = llamacpp.run_speculative(ggufs[tgt], prompt, spec_type="ngram-simple", n_max=3,
-                                                   n_predict=args.n_predict, threads=args.threads, verbose=False,
-                                                   extra=["--spec-ngram-simple-size-n", "64"])
+                    run = llamacpp.run_speculative(
+                        ggufs[tgt],
+                        prompt,
+                        spec_type="ngram-simple",
+                        n_max=3,
+                        n_predict=args.n_predict,
+                        threads=args.threads,
+                        verbose=False,
+                        extra=["--spec-ngram-simple-size-n", "64"],
+                    )
                     if run.counts.get("n_drafted"):
                         raise SystemExit(f"the 'plain' baseline drafted {run.counts['n_drafted']} tokens")
                     row = _llamacpp_row(run)
                     row.pop("tau", None)
                 elif name == "completion":
-                    row = _llamacpp_row(llamacpp.run_plain(ggufs[tgt], prompt, n_predict=args.n_predict,
-                                                           threads=args.threads))
+                    row = _llamacpp_row(
+                        llamacpp.run_plain(ggufs[tgt], prompt, n_predict=args.n_predict, threads=args.threads)
+                    )
                 elif name.startswith("dflash"):
-                    row = _llamacpp_row(llamacpp.run_speculative(
-                        ggufs[tgt], prompt, drafter=drafter_gguf[tgt], n_max=n, n_predict=args.n_predict,
-                        threads=args.threads, verbose=False))
+                    row = _llamacpp_row(
+                        llamacpp.run_speculative(
+                            ggufs[tgt],
+                            prompt,
+                            drafter=drafter_gguf[tgt],
+                            n_max=n,
+                            n_predict=args.n_predict,
+                            threads=args.threads,
+                            verbose=False,
+                        )
+                    )
                 elif name.startswith("ngram"):
-                    row = _llamacpp_row(llamacpp.run_speculative(
-                        ggufs[tgt], prompt, spec_type="ngram-simple", n_max=n, n_predict=args.n_predict,
-                        threads=args.threads, verbose=False,
-                        extra=["--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", str(n)]))
+                    row = _llamacpp_row(
+                        llamacpp.run_speculative(
+                            ggufs[tgt],
+                            prompt,
+                            spec_type="ngram-simple",
+                            n_max=n,
+                            n_predict=args.n_predict,
+                            threads=args.threads,
+                            verbose=False,
+                            extra=["--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", str(n)],
+                        )
+                    )
                 else:
                     with torch.no_grad():
                         row = _torch_row(target, drafter, prompt, name.split("_")[1], args.n_predict)
                 rows.setdefault((tgt, name), []).append(row)
-                print(f"  [{rep}:{i}] {tgt:10s} {name:12s} {row['tok_s']:7.1f} tok/s"
-                      + (f"  τ {row['tau']:.2f}" if "tau" in row else ""), flush=True)
+                print(
+                    f"  [{rep}:{i}] {tgt:10s} {name:12s} {row['tok_s']:7.1f} tok/s"
+                    + (f"  τ {row['tau']:.2f}" if "tau" in row else ""),
+                    flush=True,
+                )
 
     summary = {f"{t}/{n}": _mean(r) for (t, n), r in rows.items()}
     batch_cost = {t: _batch_cost(ggufs[t], args.threads) for t in targets}
     base = {"torch_fp32": summary.get("torch_fp32/torch_ar", {}).get("tok_s")}
     base.update({t: summary[f"{t}/plain"]["tok_s"] for t in targets})
-    print(f"\nDrafter {args.drafter} (block {bs}, {drafter.config.num_hidden_layers} layers, "
-          f"{'learned mask' if drafter.config.learned_mask_embedding else 'mask row'}"
-          f"{', draft vocab ' + str(drafter.config.draft_vocab_size) if drafter.config.draft_vocab_size else ''}); "
-          f"{len(prompts)} prompts × {args.repeats}, {args.n_predict} tokens, {args.threads} threads")
+    print(
+        f"\nDrafter {args.drafter} (block {bs}, {drafter.config.num_hidden_layers} layers, "
+        f"{'learned mask' if drafter.config.learned_mask_embedding else 'mask row'}"
+        f"{', draft vocab ' + str(drafter.config.draft_vocab_size) if drafter.config.draft_vocab_size else ''}); "
+        f"{len(prompts)} prompts × {args.repeats}, {args.n_predict} tokens, {args.threads} threads"
+    )
     if clamped:
         print(f"dflash n_max {clamped}: llama.cpp clamps to block_size − 1 = {bs - 1}; not run")
     print(f"{'config':28s} {'tok/s':>7s} {'speedup':>8s} {'τ':>5s} {'draft ms/rd':>12s} {'verify ms/rd':>13s}")
@@ -182,11 +245,21 @@ def main(argv: list[str] | None = None) -> int:
         vr = f"{s['verify_ms_per_round']:13.1f}" if "verify_ms_per_round" in s else f"{'-':>13s}"
         print(f"{key:28s} {s['tok_s']:7.1f} {sp:7.2f}× {tau} {dr} {vr}")
     for t, c in batch_cost.items():
-        print(f"{t}: a batch of 4 / 8 / 16 tokens costs " + " / ".join(f"{c[n]:.2f}" for n in (4, 8, 16))
-              + f" single-token steps (llama-bench, one step {c['step_ms']:.1f} ms)")
-    result: dict[str, Any] = {"bench": "llamacpp", "drafter": args.drafter, "block_size": bs,
-                              "n_prompts": len(prompts), "repeats": args.repeats, "n_predict": args.n_predict,
-                              "threads": args.threads, "dflash_n_max_clamped": clamped}
+        print(
+            f"{t}: a batch of 4 / 8 / 16 tokens costs "
+            + " / ".join(f"{c[n]:.2f}" for n in (4, 8, 16))
+            + f" single-token steps (llama-bench, one step {c['step_ms']:.1f} ms)"
+        )
+    result: dict[str, Any] = {
+        "bench": "llamacpp",
+        "drafter": args.drafter,
+        "block_size": bs,
+        "n_prompts": len(prompts),
+        "repeats": args.repeats,
+        "n_predict": args.n_predict,
+        "threads": args.threads,
+        "dflash_n_max_clamped": clamped,
+    }
     for key, s in summary.items():
         t = key.split("/")[0]
         result[f"{key}/tok_s"] = round(s["tok_s"], 2)

@@ -29,8 +29,11 @@ def _row_variant(init: Path, out: Path, mask_id: int) -> Path:
     from dflashkit.drafter.model import DFlashDrafter
 
     src = load_drafter(init)
-    cfg = src.config.replace(learned_mask_embedding=False, mask_token_id=mask_id,
-                             extra={**src.config.extra, "mask_reason": f"never-used special token {mask_id}"})
+    cfg = src.config.replace(
+        learned_mask_embedding=False,
+        mask_token_id=mask_id,
+        extra={**src.config.extra, "mask_reason": f"never-used special token {mask_id}"},
+    )
     d = DFlashDrafter(cfg)
     state = {k: v for k, v in src.state_dict().items() if k != "mask_embedding"}
     d.load_state_dict(state, strict=True)
@@ -38,23 +41,39 @@ def _row_variant(init: Path, out: Path, mask_id: int) -> Path:
 
 
 def _train(run: Path, init: Path, out: Path, minutes: float, seed: int, target: Any) -> dict[str, Any]:
-    from dflashkit.train.loop import train
     from dflashkit.train.config import TrainConfig
+    from dflashkit.train.loop import train
 
     if out.exists():
         shutil.rmtree(out)
-    cfg = TrainConfig.from_dict({
-        "features": str(run / "features"), "target": "default", "out": str(out), "drafter": {},
-        "max_tokens": 1024, "max_anchors": 128, "lr": 1.5e-3, "schedule_minutes": max(0.1, minutes - 0.25),
-        "warmup_ratio": 0.05, "time_budget_minutes": minutes, "save_every": 10_000, "val_samples": 8,
-        "eval_every": 0, "seed": seed, "init_from": str(init), "progress": False}, source="mask_choice")
+    cfg = TrainConfig.from_dict(
+        {
+            "features": str(run / "features"),
+            "target": "default",
+            "out": str(out),
+            "drafter": {},
+            "max_tokens": 1024,
+            "max_anchors": 128,
+            "lr": 1.5e-3,
+            "schedule_minutes": max(0.1, minutes - 0.25),
+            "warmup_ratio": 0.05,
+            "time_budget_minutes": minutes,
+            "save_every": 10_000,
+            "val_samples": 8,
+            "eval_every": 0,
+            "seed": seed,
+            "init_from": str(init),
+            "progress": False,
+        },
+        source="mask_choice",
+    )
     res = train(cfg, target=target)
     return {"steps": res.step, "final": str(res.final_dir), "val": res.val_metrics or {}}
 
 
 def _tau(target: Any, drafter_dir: str, prompts: list[list[int]], n: int) -> float:
-    from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.decode.generate import generate
+    from dflashkit.drafter.checkpoint import load_drafter
 
     d = load_drafter(drafter_dir)
     taus = [generate(target, p, drafter=d, method="chain", max_new_tokens=n).tau for p in prompts]
@@ -85,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mask_id not in special:
         print(f"token {args.mask_id} is not a special token of the target", file=sys.stderr)
         return 2
-    uses = sum(json.loads(line)["input_ids"].count(args.mask_id) for line in open(run / "data" / "tokens.jsonl"))
+    with open(run / "data" / "tokens.jsonl") as f:
+        uses = sum(json.loads(line)["input_ids"].count(args.mask_id) for line in f)
     if uses:
         print(f"token {args.mask_id} occurs {uses} times in the run's data: not a never-used row", file=sys.stderr)
         return 2
@@ -93,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"learned": init, "row": _row_variant(init, work / "init_row", args.mask_id)}
     half = max(1, args.eval_prompts // 2)
     convs = load_mtbench(turn=1, limit=half) + load_humaneval(limit=args.eval_prompts - half)
-    prompts = [tok.apply_chat_template(c.messages, tokenize=True, add_generation_prompt=True, return_dict=True)
-               ["input_ids"] for c in convs]
+    prompts = [
+        tok.apply_chat_template(c.messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+        for c in convs
+    ]
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
     for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
         order = list(variants) if i % 2 == 0 else list(variants)[::-1]
@@ -104,20 +126,26 @@ def main(argv: list[str] | None = None) -> int:
                 r["tau_decode"] = _tau(target, r["final"], prompts, args.eval_tokens)
             r["seed"] = seed
             results[name].append(r)
-            print(f"  seed {seed} {name:8s} steps {r['steps']:4d}  val loss {r['val'].get('loss', float('nan')):.3f}"
-                  f"  val τ est {r['val'].get('tau', float('nan')):.3f}  decoded τ {r['tau_decode']:.3f}", flush=True)
-    print(f"\n{args.minutes} training minutes per drafter, {len(prompts)} held-out prompts × "
-          f"{args.eval_tokens} tokens")
-    summary: dict[str, Any] = {"bench": "mask_choice", "minutes": args.minutes, "mask_id": args.mask_id,
-                               "mask_token": tok.convert_ids_to_tokens(args.mask_id), "n_prompts": len(prompts)}
+            print(
+                f"  seed {seed} {name:8s} steps {r['steps']:4d}  val loss {r['val'].get('loss', float('nan')):.3f}"
+                f"  val τ est {r['val'].get('tau', float('nan')):.3f}  decoded τ {r['tau_decode']:.3f}",
+                flush=True,
+            )
+    print(f"\n{args.minutes} training minutes per drafter, {len(prompts)} held-out prompts × {args.eval_tokens} tokens")
+    summary: dict[str, Any] = {
+        "bench": "mask_choice",
+        "minutes": args.minutes,
+        "mask_id": args.mask_id,
+        "mask_token": tok.convert_ids_to_tokens(args.mask_id),
+        "n_prompts": len(prompts),
+    }
     for name, rs in results.items():
         taus = [r["tau_decode"] for r in rs]
         summary[f"{name}/tau_decode"] = [round(t, 3) for t in taus]
         summary[f"{name}/tau_decode_mean"] = round(statistics.fmean(taus), 3)
         summary[f"{name}/steps"] = [r["steps"] for r in rs]
         summary[f"{name}/val_loss"] = [round(r["val"].get("loss", float("nan")), 4) for r in rs]
-        print(f"{name:8s} decoded τ {statistics.fmean(taus):.3f} (per seed {taus}), steps "
-              f"{[r['steps'] for r in rs]}")
+        print(f"{name:8s} decoded τ {statistics.fmean(taus):.3f} (per seed {taus}), steps {[r['steps'] for r in rs]}")
     print(json.dumps(summary))
     return 0
 

@@ -26,23 +26,26 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.evaluate.stats import load_prompts
 from dflashkit.data.regenerate import generate_batch
+from dflashkit.evaluate.stats import load_prompts
 from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+from bench_args import positive_ints
 
 
-def run_batches(target: Target, prompts: list[list[int]], batch_size: int,
-                max_new_tokens: int) -> tuple[float, list[list[int]]]:
+def run_batches(
+    target: Target, prompts: list[list[int]], batch_size: int, max_new_tokens: int
+) -> tuple[float, list[list[int]]]:
     """Seconds to regenerate all `prompts` at `batch_size` (longest first) and the responses, in input order."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     responses: list[list[int]] = [[] for _ in prompts]
     t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
-        for i, (resp, _) in zip(idx, generate_batch(target, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)):
+        idx = order[start : start + batch_size]
+        for i, (resp, _) in zip(
+            idx, generate_batch(target, [prompts[i] for i in idx], max_new_tokens=max_new_tokens), strict=True
+        ):
             responses[i] = resp
     return time.perf_counter() - t0, responses
 
@@ -68,27 +71,38 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [q.ids for q in loaded if len(q.ids) <= args.max_prompt_tokens][: args.prompts]
     if not prompts:
         raise SystemExit(f"error: --dataset {args.dataset}: no prompt of ≤ {args.max_prompt_tokens} tokens")
-    print(f"target {target.source}  {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} "
-          f"tokens)  max_new_tokens {args.max_new_tokens}  threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"target {target.source}  {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} "
+        f"tokens)  max_new_tokens {args.max_new_tokens}  threads {torch.get_num_threads()}",
+        flush=True,
+    )
     seconds = {b: 0.0 for b in sizes}
     outputs: dict[int, list[list[int]]] = {}
     for r in range(args.repeats):
-        for b in (sizes if r % 2 == 0 else sizes[::-1]):
+        for b in sizes if r % 2 == 0 else sizes[::-1]:
             s, outputs[b] = run_batches(target, prompts, b, args.max_new_tokens)
             seconds[b] += s
     tokens = {b: sum(map(len, outputs[b])) * args.repeats for b in sizes}
     ref = outputs[sizes[0]]
-    doc = {"batch_sizes": sizes,
-           "tok_s": [round(tokens[b] / seconds[b], 2) for b in sizes],
-           "responses_per_min": [round(60 * len(prompts) * args.repeats / seconds[b], 2) for b in sizes],
-           "same_as_first": [round(sum(a == c for a, c in zip(outputs[b], ref)) / len(ref), 4) for b in sizes],
-           "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-           "threads": torch.get_num_threads()}
+    doc = {
+        "batch_sizes": sizes,
+        "tok_s": [round(tokens[b] / seconds[b], 2) for b in sizes],
+        "responses_per_min": [round(60 * len(prompts) * args.repeats / seconds[b], 2) for b in sizes],
+        "same_as_first": [
+            round(sum(a == c for a, c in zip(outputs[b], ref, strict=True)) / len(ref), 4) for b in sizes
+        ],
+        "n_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+    }
     doc["best_batch_size"] = sizes[max(range(len(sizes)), key=lambda i: doc["tok_s"][i])]
     print(f"{'batch':>6} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'resp/min':>8} {'same':>5}")
     for i, b in enumerate(sizes):
-        print(f"{b:>6} {seconds[b]:>8.1f} {tokens[b]:>7} {doc['tok_s'][i]:>7.1f} {doc['responses_per_min'][i]:>8.1f} "
-              f"{doc['same_as_first'][i]:>5.2f}")
+        print(
+            f"{b:>6} {seconds[b]:>8.1f} {tokens[b]:>7} {doc['tok_s'][i]:>7.1f} {doc['responses_per_min'][i]:>8.1f} "
+            f"{doc['same_as_first'][i]:>5.2f}"
+        )
     print(json.dumps(doc))
     return 0
 

@@ -29,22 +29,24 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from dflashkit.drafter.checkpoint import load_drafter
-from dflashkit.decode.generate import generate
-from dflashkit.evaluate.stats import Method, Prompt, load_prompts
 from dflashkit.data.conversations import default_stop_token_ids
-from dflashkit.evaluate.evaluate import _ar_stats, _method_stats, _record, triage_divergence
-from dflashkit.target.products import stock_products
+from dflashkit.decode.generate import generate
+from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
+from dflashkit.evaluate.stats import Method, Prompt, load_prompts
+from dflashkit.evaluate.triage import triage_divergence
 from dflashkit.quickstart import QuickstartSettings
 from dflashkit.target.model import Target
+from dflashkit.target.products import stock_products
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+from bench_args import positive_ints
 
 HF_AR, DK_AR, PLD = "hf_ar", "dflashkit_ar", "hf_prompt_lookup"
 PROMPT_LOOKUP_TOKENS = 10
@@ -61,41 +63,70 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def hf_generate(target: Target, ids: Sequence[int], max_new_tokens: int, stops: list[int],
-                prompt_lookup: int | None = None) -> tuple[list[int], float]:
+def hf_generate(
+    target: Target, ids: Sequence[int], max_new_tokens: int, stops: list[int], prompt_lookup: int | None = None
+) -> tuple[list[int], float]:
     """HF greedy `generate` (optionally prompt-lookup decoding); returns (new tokens, wall seconds)."""
     from transformers import GenerationConfig
 
     x = torch.tensor([list(ids)], device=target.device)  # (1, T)
     # An explicit config, as in evaluate: with no stop ids HF must not fall back to the model's own eos.
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stops) or None,
-                           pad_token_id=stops[0] if stops else 0, prompt_lookup_num_tokens=prompt_lookup)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(stops) or None,
+        pad_token_id=stops[0] if stops else 0,
+        prompt_lookup_num_tokens=prompt_lookup,
+    )
     _sync(target.device)
     t0 = time.perf_counter()
-    with stock_products():   # HF as users run it: stock F.linear products (dflashkit.target.products)
+    with stock_products():  # HF as users run it: stock F.linear products (dflashkit.target.products)
         out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)  # (1, T + n)
     _sync(target.device)
-    return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
+    return out[0, x.shape[1] :].tolist(), time.perf_counter() - t0
 
 
-def dk_generate(target: Target, ids: Sequence[int], drafter: Any, method: Method, max_new_tokens: int,
-                stops: list[int], tree_top_k: int | None) -> tuple[Any, float]:
+def dk_generate(
+    target: Target,
+    ids: Sequence[int],
+    drafter: Any,
+    method: Method,
+    max_new_tokens: int,
+    stops: list[int],
+    tree_top_k: int | None,
+) -> tuple[Any, float]:
     """dflashkit `generate` for one Method; returns (GenerationResult, wall seconds)."""
     _sync(target.device)
     t0 = time.perf_counter()
-    res = generate(target, list(ids), drafter=None if method.kind == "ar" else drafter, method=method.kind,
-                   max_new_tokens=max_new_tokens, tree_budget=method.budget or 16, tree_top_k=tree_top_k,
-                   stop_token_ids=stops)
+    res = generate(
+        target,
+        list(ids),
+        drafter=None if method.kind == "ar" else drafter,
+        method=method.kind,
+        max_new_tokens=max_new_tokens,
+        tree_budget=method.budget or 16,
+        tree_top_k=tree_top_k,
+        stop_token_ids=stops,
+    )
     _sync(target.device)
     return res, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- the bench
-def run_bench(target: Target, drafter: Any, prompts: list[Prompt], *, max_new_tokens: int, budgets: list[int],
-              tree_top_k: int | None = None, stops: list[int], warmup: bool = True) -> dict[str, Any]:
+def run_bench(
+    target: Target,
+    drafter: Any,
+    prompts: list[Prompt],
+    *,
+    max_new_tokens: int,
+    budgets: list[int],
+    tree_top_k: int | None = None,
+    stops: list[int],
+    warmup: bool = True,
+) -> dict[str, Any]:
     """Every method on every prompt, interleaved; returns per-method statistics (see the module docstring)."""
     spec = [Method("chain", "chain")] + [Method(f"ddtree:{b}", "tree", b) for b in budgets]
-    dk = {m.name: m for m in [Method(DK_AR, "ar")] + spec}
+    dk = {m.name: m for m in [Method(DK_AR, "ar"), *spec]}
     names = [HF_AR, DK_AR, PLD] + [m.name for m in spec]
 
     def run(name: str, p: Prompt, n: int) -> tuple[list[int], float, Any]:
@@ -112,12 +143,12 @@ def run_bench(target: Target, drafter: Any, prompts: list[Prompt], *, max_new_to
     from tqdm import tqdm
 
     for i, p in enumerate(tqdm(prompts, desc="prompts (all methods)", unit="prompt", file=sys.stderr)):
-        order = names[i % len(names):] + names[:i % len(names)]  # rotate: no method always runs first
+        order = names[i % len(names) :] + names[: i % len(names)]  # rotate: no method always runs first
         outs = {name: run(name, p, max_new_tokens) for name in order}
         ref = outs[HF_AR][0]
         for name in names:
             tokens, wall, res = outs[name]
-            rec = _record(res, wall) if res is not None else {"n_tokens": len(tokens), "wall_s": wall}
+            rec = run_record(res, wall) if res is not None else {"n_tokens": len(tokens), "wall_s": wall}
             rec["prompt_id"] = p.id
             rec["divergence"] = None if name == HF_AR else triage_divergence(target, p.ids, ref, tokens)
             rec["greedy_equal"] = rec["divergence"] is None
@@ -140,18 +171,45 @@ def run_bench(target: Target, drafter: Any, prompts: list[Prompt], *, max_new_to
     for name in (HF_AR, PLD):
         tokens, wall = sum(r["n_tokens"] for r in raw[name]), sum(r["wall_s"] for r in raw[name])
         tok_s = tokens / wall if wall > 0 else None
-        stats[name] = {"tokens": tokens, "wall_s": wall, "tok_s": tok_s, "speedup_vs_hf_ar": vs_hf(tok_s),
-                       "greedy_equal_fraction": equal(raw[name]), "divergences": divergences(raw[name])}
-    ar = _ar_stats(raw[DK_AR], [])
-    stats[DK_AR] = {"tokens": ar["tokens"], "wall_s": ar["wall_s"], "tok_s": ar["tok_s"],
-                    "speedup_vs_hf_ar": vs_hf(ar["tok_s"]), "t_step_s": ar["t_step_s"],
-                    "greedy_equal_fraction": equal(raw[DK_AR]), "divergences": divergences(raw[DK_AR])}
+        stats[name] = {
+            "tokens": tokens,
+            "wall_s": wall,
+            "tok_s": tok_s,
+            "speedup_vs_hf_ar": vs_hf(tok_s),
+            "greedy_equal_fraction": equal(raw[name]),
+            "divergences": divergences(raw[name]),
+        }
+    ar = ar_stats(raw[DK_AR], [])
+    stats[DK_AR] = {
+        "tokens": ar["tokens"],
+        "wall_s": ar["wall_s"],
+        "tok_s": ar["tok_s"],
+        "speedup_vs_hf_ar": vs_hf(ar["tok_s"]),
+        "t_step_s": ar["t_step_s"],
+        "greedy_equal_fraction": equal(raw[DK_AR]),
+        "divergences": divergences(raw[DK_AR]),
+    }
     bs = drafter.config.block_size
     for m in spec:
-        st = _method_stats(raw[m.name], m, bs, ar, greedy=True)  # greedy_equal here means "equal to HF AR"
-        stats[m.name] = {k: st[k] for k in ("tokens", "wall_s", "tok_s", "tau_macro", "tau_micro", "rounds",
-                                            "round_s", "timings_per_round_s", "speedup_vs_ar", "predicted_speedup",
-                                            "efficiency", "greedy_equal_fraction", "divergences")}
+        st = method_stats(raw[m.name], m, bs, ar, greedy=True)  # greedy_equal here means "equal to HF AR"
+        stats[m.name] = {
+            k: st[k]
+            for k in (
+                "tokens",
+                "wall_s",
+                "tok_s",
+                "tau_macro",
+                "tau_micro",
+                "rounds",
+                "round_s",
+                "timings_per_round_s",
+                "speedup_vs_ar",
+                "predicted_speedup",
+                "efficiency",
+                "greedy_equal_fraction",
+                "divergences",
+            )
+        }
         stats[m.name]["speedup_vs_hf_ar"] = vs_hf(st["tok_s"])
     return {name: stats[name] for name in names}
 
@@ -162,22 +220,33 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 
 def print_table(stats: dict[str, dict[str, Any]], file: Any = sys.stdout) -> None:
-    head = (f"{'method':<18}{'tokens':>7}{'wall s':>9}{'tok/s':>8}{'τ macro':>9}{'× HF AR':>9}{'× dk AR':>9}"
-            f"{'predicted':>10}{'effic.':>8}{'= HF AR':>9}")
+    head = (
+        f"{'method':<18}{'tokens':>7}{'wall s':>9}{'tok/s':>8}{'τ macro':>9}{'× HF AR':>9}{'× dk AR':>9}"
+        f"{'predicted':>10}{'effic.':>8}{'= HF AR':>9}"
+    )
     print(head, file=file)
     print("-" * len(head), file=file)
     for name, s in stats.items():
-        print(f"{name:<18}{s['tokens']:>7}{s['wall_s']:>9.2f}{_fmt(s['tok_s'], '.1f'):>8}"
-              f"{_fmt(s.get('tau_macro')):>9}{_fmt(s['speedup_vs_hf_ar']):>9}{_fmt(s.get('speedup_vs_ar')):>9}"
-              f"{_fmt(s.get('predicted_speedup')):>10}{_fmt(s.get('efficiency')):>8}"
-              f"{_fmt(s['greedy_equal_fraction']):>9}", file=file)
+        print(
+            f"{name:<18}{s['tokens']:>7}{s['wall_s']:>9.2f}{_fmt(s['tok_s'], '.1f'):>8}"
+            f"{_fmt(s.get('tau_macro')):>9}{_fmt(s['speedup_vs_hf_ar']):>9}{_fmt(s.get('speedup_vs_ar')):>9}"
+            f"{_fmt(s.get('predicted_speedup')):>10}{_fmt(s.get('efficiency')):>8}"
+            f"{_fmt(s['greedy_equal_fraction']):>9}",
+            file=file,
+        )
     for name, s in stats.items():
         for d in s["divergences"]:
-            print(f"  {name} differs from {HF_AR} on prompt {d['prompt_id']!r} at token {d['index']}: "
-                  f"{d['verdict']} (top-2 margin {d['margin']:.2e})", file=file)
+            print(
+                f"  {name} differs from {HF_AR} on prompt {d['prompt_id']!r} at token {d['index']}: "
+                f"{d['verdict']} (top-2 margin {d['margin']:.2e})",
+                file=file,
+            )
     if stats[DK_AR]["greedy_equal_fraction"] < 1.0:
-        print(f"  WARNING: HF generate and dflashkit AR disagree on "
-              f"{1 - stats[DK_AR]['greedy_equal_fraction']:.0%} of prompts (see above)", file=file)
+        print(
+            f"  WARNING: HF generate and dflashkit AR disagree on "
+            f"{1 - stats[DK_AR]['greedy_equal_fraction']:.0%} of prompts (see above)",
+            file=file,
+        )
 
 
 def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any) -> dict[str, Any]:
@@ -188,26 +257,48 @@ def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any
     best_method = max(speculative, key=lambda n: speculative[n]["tok_s"] or 0.0)
     ar_step = stats[DK_AR]["t_step_s"]
     return {
-        "bench": "speed", **context,
+        "bench": "speed",
+        **context,
         # one chain round (draft + verify + commit) in AR steps, measured in the same run: break-even needs τ above it
         "round_cost_vs_ar": chain["round_s"] / ar_step if chain.get("round_s") and ar_step else None,
-        "best_method": best_method, "speedup_best_vs_hf_ar": speculative[best_method]["speedup_vs_hf_ar"],
-        "tau_chain_macro": chain["tau_macro"], "tau_ddtree_best": tree["tau_macro"], "ddtree_best_budget": best,
-        "hf_ar_tok_s": stats[HF_AR]["tok_s"], "dflashkit_ar_tok_s": stats[DK_AR]["tok_s"],
-        "prompt_lookup_tok_s": stats[PLD]["tok_s"], "chain_tok_s": chain["tok_s"], "ddtree_tok_s": tree["tok_s"],
-        "speedup_chain_vs_hf_ar": chain["speedup_vs_hf_ar"], "speedup_ddtree_vs_hf_ar": tree["speedup_vs_hf_ar"],
+        "best_method": best_method,
+        "speedup_best_vs_hf_ar": speculative[best_method]["speedup_vs_hf_ar"],
+        "tau_chain_macro": chain["tau_macro"],
+        "tau_ddtree_best": tree["tau_macro"],
+        "ddtree_best_budget": best,
+        "hf_ar_tok_s": stats[HF_AR]["tok_s"],
+        "dflashkit_ar_tok_s": stats[DK_AR]["tok_s"],
+        "prompt_lookup_tok_s": stats[PLD]["tok_s"],
+        "chain_tok_s": chain["tok_s"],
+        "ddtree_tok_s": tree["tok_s"],
+        "speedup_chain_vs_hf_ar": chain["speedup_vs_hf_ar"],
+        "speedup_ddtree_vs_hf_ar": tree["speedup_vs_hf_ar"],
         "speedup_prompt_lookup_vs_hf_ar": stats[PLD]["speedup_vs_hf_ar"],
         "speedup_dflashkit_ar_vs_hf_ar": stats[DK_AR]["speedup_vs_hf_ar"],
-        "speedup_chain_vs_dflashkit_ar": chain["speedup_vs_ar"], "predicted_speedup_chain": chain["predicted_speedup"],
-        "efficiency": chain["efficiency"], "efficiency_ddtree_best": tree["efficiency"],
+        "speedup_chain_vs_dflashkit_ar": chain["speedup_vs_ar"],
+        "predicted_speedup_chain": chain["predicted_speedup"],
+        "efficiency": chain["efficiency"],
+        "efficiency_ddtree_best": tree["efficiency"],
         "greedy_equal_fraction": chain["greedy_equal_fraction"],
         "greedy_equal_fraction_ddtree_best": tree["greedy_equal_fraction"],
         "greedy_equal_fraction_prompt_lookup": stats[PLD]["greedy_equal_fraction"],
         "hf_ar_equals_dflashkit_ar_fraction": stats[DK_AR]["greedy_equal_fraction"],
         "divergence_bugs": sum(d["verdict"] == "bug" for s in stats.values() for d in s["divergences"]),
-        "ddtree": {str(b): {k: t[k] for k in ("tok_s", "tau_macro", "speedup_vs_hf_ar", "speedup_vs_ar",
-                                              "predicted_speedup", "efficiency", "greedy_equal_fraction")}
-                   for b, t in trees.items()},
+        "ddtree": {
+            str(b): {
+                k: t[k]
+                for k in (
+                    "tok_s",
+                    "tau_macro",
+                    "speedup_vs_hf_ar",
+                    "speedup_vs_ar",
+                    "predicted_speedup",
+                    "efficiency",
+                    "greedy_equal_fraction",
+                )
+            }
+            for b, t in trees.items()
+        },
     }
 
 
@@ -216,13 +307,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--drafter", default=None, help=f"drafter directory (default: {default_drafter_dir()})")
     p.add_argument("--target", default="default", help="target model directory, .gguf, or 'default'")
-    p.add_argument("--dataset", default="mtbench",
-                   help="mtbench (turn 1) | humaneval | a chat JSONL | a JSONL of {id, prompt_ids}")
+    p.add_argument(
+        "--dataset", default="mtbench", help="mtbench (turn 1) | humaneval | a chat JSONL | a JSONL of {id, prompt_ids}"
+    )
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budgets", default="4,8,16", help="DDTree budgets (comma-separated); the best is reported")
-    p.add_argument("--tree-top-k", type=int, default=0,
-                   help="DDTree tokens per depth (0 = the budget, as the DDTree reference)")
+    p.add_argument(
+        "--tree-top-k", type=int, default=0, help="DDTree tokens per depth (0 = the budget, as the DDTree reference)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
@@ -232,8 +325,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit("error: --prompts and --max-new-tokens must be positive")
     drafter_dir = Path(args.drafter) if args.drafter else default_drafter_dir()
     if not (drafter_dir / "config.json").is_file():
-        hint = ("run `dflashkit quickstart` first (it exports its drafter there) or pass --drafter DIR"
-                if args.drafter is None else "pass a directory with config.json and model.safetensors")
+        hint = (
+            "run `dflashkit quickstart` first (it exports its drafter there) or pass --drafter DIR"
+            if args.drafter is None
+            else "pass a directory with config.json and model.safetensors"
+        )
         raise SystemExit(f"error: no drafter at {drafter_dir}: {hint}")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,15 +338,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     drafter = load_drafter(drafter_dir, device=args.device).eval()
     prompts, skipped = load_prompts(target, args.dataset, limit=args.prompts, max_new_tokens=args.max_new_tokens)
     stops = sorted({int(t) for t in default_stop_token_ids(target)})
-    print(f"target {target.source}  drafter {drafter_dir} (block size {drafter.config.block_size})  "
-          f"dataset {args.dataset}: {len(prompts)} prompts ({len(skipped)} skipped)  max_new_tokens "
-          f"{args.max_new_tokens}  threads {torch.get_num_threads()}  stops {stops}")
-    stats = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, budgets=budgets,
-                      tree_top_k=args.tree_top_k, stops=stops)
+    print(
+        f"target {target.source}  drafter {drafter_dir} (block size {drafter.config.block_size})  "
+        f"dataset {args.dataset}: {len(prompts)} prompts ({len(skipped)} skipped)  max_new_tokens "
+        f"{args.max_new_tokens}  threads {torch.get_num_threads()}  stops {stops}"
+    )
+    stats = run_bench(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        budgets=budgets,
+        tree_top_k=args.tree_top_k,
+        stops=stops,
+    )
     print_table(stats)
-    doc = summary(stats, budgets, target=str(target.source), drafter=str(drafter_dir), dataset=str(args.dataset),
-                  n_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-                  block_size=drafter.config.block_size, threads=torch.get_num_threads())
+    doc = summary(
+        stats,
+        budgets,
+        target=str(target.source),
+        drafter=str(drafter_dir),
+        dataset=str(args.dataset),
+        n_prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        block_size=drafter.config.block_size,
+        threads=torch.get_num_threads(),
+    )
     print(json.dumps(doc))
     return doc
 

@@ -4,25 +4,27 @@
     .venv/bin/python bench/sweep_defaults.py --variants lr3e-3,features3 --train-minutes 4 --sim-prompts 8
     .venv/bin/python bench/sweep_defaults.py --variants base,topk32,warm_start --seeds 0,1   # the lever table
 
-Each variant is the quickstart's training stage (`quickstart.stage_train`: warmup + cosine over the training
-time itself, so every variant ends with its learning rate decayed) with one setting changed, on the data of a finished quickstart
-run (`--base`, default runs/quickstart: its regenerated responses, tokens and captured features). Variants that
-change the amount of regenerated data rebuild it from the base run's responses (a prefix of them, in
+Each variant is the quickstart's training stage (`quickstart.stage_train`: warmup + cosine over the training time
+itself, so every variant ends with its learning rate decayed) with one setting changed, on the data of a finished
+quickstart run (`--base`, default runs/quickstart: its regenerated responses, tokens and captured features).
+Variants that change the amount of regenerated data rebuild it from the base run's responses (a prefix of them, in
 regeneration order) or extend it by regenerating more (the same prompts order the quickstart uses), then capture
-again. Lever variants may capture the base tokens again with the target's top-k log-probs (`capture_topk`),
-add the ORIGINAL ShareGPT assistant text of further conversations (`original_text`: teacher-forced, the target's
-own argmax as labels; capture is far cheaper than regeneration), change TrainConfig fields (`train`: loss,
-labels, ...) or warm-start the drafter from the target's top layers (`settings.warm_start`). Shared data of a
-plan lives in OUT/_data/PLAN and is built once (its capture minutes are reported next to the variant).
-With `--seeds 0,1` every variant is trained once per seed, in alternating order (seed 0 in table order, seed 1
-reversed, ...), so slow drift of the machine hits all variants alike; the table gives the mean and the
-half-range over seeds (the noise a difference must beat). All drafters are then scored by one teacher-forced simulation (`dflashkit simulate`: chain and DDTree
-budgets) on held-out MT-Bench turn-1 prompts; the table prints τ next to the training stats of each variant.
+again. Lever variants may capture the base tokens again with the target's top-k log-probs (`capture_topk`), add the
+ORIGINAL ShareGPT assistant text of further conversations (`original_text`: teacher-forced, the target's own argmax
+as labels; capture is far cheaper than regeneration), change TrainConfig fields (`train`: loss, labels, ...) or
+warm-start the drafter from the target's top layers (`settings.warm_start`). Shared data of a plan lives in
+OUT/_data/PLAN and is built once (its capture minutes are reported next to the variant). With `--seeds 0,1` every
+variant is trained once per seed, in alternating order (seed 0 in table order, seed 1 reversed, ...), so slow drift
+of the machine hits all variants alike; the table gives the mean and the half-range over seeds (the noise a
+difference must beat). All drafters are then scored by one teacher-forced simulation (`dflashkit simulate`: chain
+and DDTree budgets) on held-out MT-Bench turn-1 prompts; the table prints τ next to the training stats of each
+variant.
 
-Variants run one after another (the machine must otherwise be idle: budgets are wall-clock) and are resumable:
-a variant whose `OUT/NAME/done.json` (seed 0) or `OUT/NAME-sS/done.json` exists is not trained again. "base" is the base run's own drafter when its
-settings are the current defaults (it is the same training), else it is trained here like the others.
-Writes OUT/sweep.json and OUT/sweep.md (plus the simulation's results.json, report.md and PNGs in OUT/sim).
+Variants run one after another (the machine must otherwise be idle: budgets are wall-clock) and are resumable: a
+variant whose `OUT/NAME/done.json` (seed 0) or `OUT/NAME-sS/done.json` exists is not trained again. "base" is the
+base run's own drafter when its settings are the current defaults (it is the same training), else it is trained here
+like the others. Writes OUT/sweep.json and OUT/sweep.md (plus the simulation's results.json, report.md and PNGs in
+OUT/sim).
 """
 
 from __future__ import annotations
@@ -53,21 +55,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "features3": {"settings": {"drafter_extra": {"num_features": 3}}},
     "mlp896": {"settings": {"drafter_extra": {"intermediate_size": 896}}},
     "regen9_train6": {"more_regen_minutes": 3.0, "train_scale": 6 / 9},
-    "regen10": {"more_regen_minutes": 4.0},   # the quickstart's spare minutes spent on more regenerated data
+    "regen10": {"more_regen_minutes": 4.0},  # the quickstart's spare minutes spent on more regenerated data
     "regen3_train12": {"fraction": 0.5, "train_scale": 12 / 9},
     "lr7.5e-4": {"settings": {"lr": 7.5e-4}},
-    "block4_anchors128": {"settings": {"block_size": 4, "max_anchors": 128}},   # same block tokens per row
-    "seed1": {"settings": {"seed": 1}},   # the base again with another seed: how large is the noise?
+    "block4_anchors128": {"settings": {"block_size": 4, "max_anchors": 128}},  # same block tokens per row
+    "seed1": {"settings": {"seed": 1}},  # the base again with another seed: how large is the noise?
     # τ-per-training-minute levers (README "Levers")
     "topk32": {"capture_topk": 32, "train": {"loss": "topk"}},
     "topk32_ce": {"capture_topk": 32, "train": {"loss": "topk", "topk_ce_weight": 0.5}},
     "warm_start": {"settings": {"warm_start": True}},
     "orig_mix": {"original_text": 300, "train": {"labels": "target"}},
     "orig_only": {"original_text": 300, "drop_regen": True, "train": {"labels": "target"}},
-    "layers1": {"settings": {"num_hidden_layers": 1}},   # the default since it won the lever table
-    "layers2": {"settings": {"num_hidden_layers": 2}},   # the default before it
+    "layers1": {"settings": {"num_hidden_layers": 1}},  # the default since it won the lever table
+    "layers2": {"settings": {"num_hidden_layers": 2}},  # the default before it
     "vocab4096": {"settings": {"draft_vocab": 4096}},
-    "train13_eval5": {"train_scale": 13 / 9},   # the budget split: 4 of the 9 evaluation minutes moved to training
+    "train13_eval5": {"train_scale": 13 / 9},  # the budget split: 4 of the 9 evaluation minutes moved to training
 }
 _DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen")
 
@@ -84,23 +86,30 @@ def _link(src: Path, dst: Path) -> None:
 def _keep_base_original(tokens_file: Path, base: Path) -> int:
     """Append the base run's original-text samples (its tokens.jsonl lines) to `tokens_file`, for variants that
     change only the regenerated part. Returns how many."""
-    lines = [line for line in (base / "data" / "tokens.jsonl").read_text().splitlines()
-             if json.loads(line)["id"].startswith(ID_PREFIX)]
+    lines = [
+        line
+        for line in (base / "data" / "tokens.jsonl").read_text().splitlines()
+        if json.loads(line)["id"].startswith(ID_PREFIX)
+    ]
     with open(tokens_file, "a") as f:
         f.writelines(line + "\n" for line in lines)
     return len(lines)
 
 
-def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, root: Path,
-                 layer_ids: list[int]) -> tuple[Path, dict[str, Any]]:
+def _shared_data(
+    target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, root: Path, layer_ids: list[int]
+) -> tuple[Path, dict[str, Any]]:
     """Data + features of a top-k / original-text plan, built once under OUT/_data/PLAN (all seeds share it)."""
-    from dflashkit.features.capture import capture
     from dflashkit.data.regenerate import read_regenerated
     from dflashkit.data.samples import read_tokens
+    from dflashkit.features.capture import capture
 
     plan = {k: spec[k] for k in ("more_regen_minutes", "capture_topk", "original_text", "drop_regen") if k in spec}
-    name = "-".join(f"{k}{v}" for k, v in plan.items()) + "-" + hashlib.sha1(
-        json.dumps(plan, sort_keys=True).encode()).hexdigest()[:6]
+    name = (
+        "-".join(f"{k}{v}" for k, v in plan.items())
+        + "-"
+        + hashlib.sha1(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:6]
+    )
     d = root / "_data" / name
     info_file = d / "info.json"
     if info_file.is_file():
@@ -113,18 +122,19 @@ def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base:
         t0 = time.monotonic()
         more = replace(s, regen_minutes=float(plan["more_regen_minutes"]), original_text=0)
         prep = stage_prepare(target, more, d, time.monotonic() + 60 * more.regen_minutes)
-        info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2),
-                     "responses": prep["conversations"]})
+        info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2), "responses": prep["conversations"]})
         tokens = d / "data" / "tokens.jsonl.regen"
         (d / "data" / "tokens.jsonl").replace(tokens)
         _keep_base_original(tokens, base)
     if "original_text" in plan:
         # conversations the base run did not use (neither regenerated nor, with today's defaults, as original text)
         used = {r["id"] for r in read_regenerated(d / "data" / "regenerated.jsonl")} | used_conversation_ids(
-            [json.loads(line)["id"] for line in tokens.read_text().splitlines()])
+            [json.loads(line)["id"] for line in tokens.read_text().splitlines()]
+        )
         orig = d / "data" / "original.jsonl"
-        rep = write_original_text(target.tokenizer, int(plan["original_text"]), orig, exclude=used,
-                                  max_prompt_tokens=s.max_prompt_tokens)
+        rep = write_original_text(
+            target.tokenizer, int(plan["original_text"]), orig, exclude=used, max_prompt_tokens=s.max_prompt_tokens
+        )
         lines = [] if plan.get("drop_regen") else tokens.read_text().splitlines()
         lines += orig.read_text().splitlines()
         (d / "data" / "tokens.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -134,8 +144,16 @@ def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base:
     samples, _ = read_tokens(d / "data" / "tokens.jsonl")
     info["supervised_tokens"] = int(sum(int(x.loss_mask.sum()) for x in samples))
     t0 = time.monotonic()
-    capture(target, samples, d / "features", layer_ids=layer_ids, dtype="bf16", store_topk=int(plan.get(
-        "capture_topk", 0)), tokens_file=d / "data" / "tokens.jsonl", log=_say)
+    capture(
+        target,
+        samples,
+        d / "features",
+        layer_ids=layer_ids,
+        dtype="bf16",
+        store_topk=int(plan.get("capture_topk", 0)),
+        tokens_file=d / "data" / "tokens.jsonl",
+        log=_say,
+    )
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
     info_file.write_text(json.dumps(info, indent=1) + "\n")
     return d, info
@@ -144,8 +162,8 @@ def _shared_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base:
 def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, out: Path) -> dict[str, Any]:
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
     from dflashkit.data.conversations import write_tokens
-    from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.data.regenerate import read_regenerated
+    from dflashkit.drafter.defaults import default_drafter_config
 
     layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
     if not any(k in spec for k in _DATA_KEYS):
@@ -163,10 +181,18 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
     records = records[: max(1, round(spec["fraction"] * len(records)))]
     with open(data / "regenerated.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    tokens = write_tokens(target.tokenizer, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
-                          data / "tokens.jsonl", max_length=1024, min_supervised=2)
-    info: dict[str, Any] = {"responses": len(records), "supervised_tokens": tokens.supervised,
-                            "original_samples_kept": _keep_base_original(data / "tokens.jsonl", base)}
+    tokens = write_tokens(
+        target.tokenizer,
+        [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
+        data / "tokens.jsonl",
+        max_length=1024,
+        min_supervised=2,
+    )
+    info: dict[str, Any] = {
+        "responses": len(records),
+        "supervised_tokens": tokens.supervised,
+        "original_samples_kept": _keep_base_original(data / "tokens.jsonl", base),
+    }
     t0 = time.monotonic()
     stage_capture(target, layer_ids, out, s.capture_topk)
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
@@ -178,8 +204,9 @@ def run_name(name: str, seed: int) -> str:
     return name if seed == 0 else f"{name}-s{seed}"
 
 
-def run_variant(target: Any, name: str, spec: dict[str, Any], base: Path, out_root: Path,
-                train_minutes: float, seed: int = 0) -> dict[str, Any]:
+def run_variant(
+    target: Any, name: str, spec: dict[str, Any], base: Path, out_root: Path, train_minutes: float, seed: int = 0
+) -> dict[str, Any]:
     rname = run_name(name, seed)
     out = out_root / rname
     done = out / "done.json"
@@ -196,10 +223,17 @@ def run_variant(target: Any, name: str, spec: dict[str, Any], base: Path, out_ro
     if name == "base" and seed == 0 and minutes == s.train_minutes and base_state.is_file():
         state = json.loads(base_state.read_text())
         if {**asdict(s), **state.get("settings", {}), "out": s.out} == asdict(s) and "train" in state.get("done", {}):
-            result = {"name": rname, "variant": name, "seed": seed, "drafter": str(base / "drafter"),
-                      "train": state["done"]["train"], "data": {"data": "base"},
-                      "seconds_per_step": step_seconds(base / "train" / "metrics.jsonl"),
-                      "train_minutes": s.train_minutes, "reused": str(base)}
+            result = {
+                "name": rname,
+                "variant": name,
+                "seed": seed,
+                "drafter": str(base / "drafter"),
+                "train": state["done"]["train"],
+                "data": {"data": "base"},
+                "seconds_per_step": step_seconds(base / "train" / "metrics.jsonl"),
+                "train_minutes": s.train_minutes,
+                "reused": str(base),
+            }
             out.mkdir(parents=True, exist_ok=True)
             done.write_text(json.dumps(result, indent=1) + "\n")
             return result
@@ -209,11 +243,17 @@ def run_variant(target: Any, name: str, spec: dict[str, Any], base: Path, out_ro
     _say(f"{rname}: training for {minutes:g} min")
     train = stage_train(target, s, out, minutes)
     # the drafter the quickstart would export: its best validation pass (keep_best), else the last step
-    result = {"name": rname, "variant": name, "seed": seed, "drafter": train.get("best", train["final"]),
-              "train": train, "data": data,
-              "train_minutes": minutes, "seconds_per_step": step_seconds(out / "train" / "metrics.jsonl"),
-              "settings_changed": {**spec.get("settings", {}), **({"train": spec["train"]} if spec.get("train")
-                                                                   else {})}}
+    result = {
+        "name": rname,
+        "variant": name,
+        "seed": seed,
+        "drafter": train.get("best", train["final"]),
+        "train": train,
+        "data": data,
+        "train_minutes": minutes,
+        "seconds_per_step": step_seconds(out / "train" / "metrics.jsonl"),
+        "settings_changed": {**spec.get("settings", {}), **({"train": spec["train"]} if spec.get("train") else {})},
+    }
     done.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -228,8 +268,10 @@ def _spread(values: list[float]) -> float:
 
 
 def _table(rows: list[dict[str, Any]], names: list[str], methods: list[str]) -> str:
-    lines = ["| variant | change | seeds | train min | steps | s/step | " + " | ".join(f"τ {m}" for m in methods)
-             + " |", "|---" * (6 + len(methods)) + "|"]
+    lines = [
+        "| variant | change | seeds | train min | steps | s/step | " + " | ".join(f"τ {m}" for m in methods) + " |",
+        "|---" * (6 + len(methods)) + "|",
+    ]
     for name in names:
         rs = [r for r in rows if r["variant"] == name]
         change = "—" if name == "base" else f"`{json.dumps({k: v for k, v in VARIANTS[name].items()})}`"
@@ -240,8 +282,11 @@ def _table(rows: list[dict[str, Any]], names: list[str], methods: list[str]) -> 
             cells.append(f"{statistics.fmean(vals):.3f}" + ("" if noise != noise else f" ± {noise:.3f}"))
         steps = "/".join(str(r["train"]["steps"]) for r in rs)
         sps = statistics.fmean(r["seconds_per_step"] for r in rs)
-        lines.append(f"| {name} | {change} | {len(rs)} | {rs[0]['train_minutes']:g} | {steps} | {sps:.2f} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name} | {change} | {len(rs)} | {rs[0]['train_minutes']:g} | {steps} | {sps:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -273,29 +318,55 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --seeds {args.seeds!r}: expected comma-separated integers") from None
     base, out_root = Path(args.base), Path(args.out)
     if not (base / "features" / "manifest.json").is_file() or not (base / "data" / "regenerated.jsonl").is_file():
-        raise SystemExit(f"error: --base {base}: not a finished quickstart run (needs data/regenerated.jsonl and "
-                         f"features/); run `dflashkit quickstart --out {base}` first")
+        raise SystemExit(
+            f"error: --base {base}: not a finished quickstart run (needs data/regenerated.jsonl and "
+            f"features/); run `dflashkit quickstart --out {base}` first"
+        )
     torch.manual_seed(0)
     target = Target.load("default")
-    rows = [run_variant(target, n, VARIANTS[n], base, out_root, args.train_minutes, sd)
-            for n, sd in interleaved(names, seeds or [0])]
+    rows = [
+        run_variant(target, n, VARIANTS[n], base, out_root, args.train_minutes, sd)
+        for n, sd in interleaved(names, seeds or [0])
+    ]
     sim = out_root / "sim"
-    cli(["simulate", "--dataset", "mtbench", "--limit", str(args.sim_prompts), "--max-new-tokens",
-         str(args.sim_max_new_tokens), "--cache", args.sim_cache, "--budgets", args.budgets,
-         "--out", str(sim), "--quiet", *[a for r in rows for a in ("--drafter", f"{r['name']}={r['drafter']}")]])
+    cli(
+        [
+            "simulate",
+            "--dataset",
+            "mtbench",
+            "--limit",
+            str(args.sim_prompts),
+            "--max-new-tokens",
+            str(args.sim_max_new_tokens),
+            "--cache",
+            args.sim_cache,
+            "--budgets",
+            args.budgets,
+            "--out",
+            str(sim),
+            "--quiet",
+            *[a for r in rows for a in ("--drafter", f"{r['name']}={r['drafter']}")],
+        ]
+    )
     doc = json.loads((sim / "results.json").read_text())
     methods = ["chain", *[f"ddtree:{b}" for b in args.budgets.split(",") if b]]
     for r in rows:
         r.setdefault("variant", r["name"])
         r["tau"] = {m: doc["results"][r["name"]][m]["tau_macro"] for m in methods}
     table = _table(rows, names, methods)
-    summary = {n: {m: round(statistics.fmean(r["tau"][m] for r in rows if r["variant"] == n), 4) for m in methods}
-               for n in names}
-    (out_root / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary, "seeds": seeds,
-                                                     "sim": str(sim / "results.json")}, indent=1) + "\n")
-    (out_root / "sweep.md").write_text(f"# Quickstart default sweep (τ macro, mean ± half-range over seeds "
-                                       f"{seeds}, {args.sim_prompts} held-out MT-Bench turn-1 prompts, "
-                                       f"teacher-forced)\n\n{table}\n")
+    summary = {
+        n: {m: round(statistics.fmean(r["tau"][m] for r in rows if r["variant"] == n), 4) for m in methods}
+        for n in names
+    }
+    (out_root / "sweep.json").write_text(
+        json.dumps({"rows": rows, "summary": summary, "seeds": seeds, "sim": str(sim / "results.json")}, indent=1)
+        + "\n"
+    )
+    (out_root / "sweep.md").write_text(
+        f"# Quickstart default sweep (τ macro, mean ± half-range over seeds "
+        f"{seeds}, {args.sim_prompts} held-out MT-Bench turn-1 prompts, "
+        f"teacher-forced)\n\n{table}\n"
+    )
     print(table)
     print(json.dumps(summary))
     return 0

@@ -22,17 +22,17 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 
-from dflashkit.target.products import stock_products
-from dflashkit.target.model import Target
 from dflashkit.target.cache import crop
+from dflashkit.target.model import Target
+from dflashkit.target.products import stock_products
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_args import positive_ints  # noqa: E402  (bench/ is not a package)
+from bench_args import positive_ints
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,24 +80,37 @@ def main(argv: list[str] | None = None) -> int:
             with stock_products():
                 times["stock_forward"][n].append(forward(n, True))
             with torch.no_grad():
-                times["head"][n].append(timed(lambda: target.verifier_logits(hidden[:, :n])))
+                times["head"][n].append(timed(lambda n=n: target.verifier_logits(hidden[:, :n])))
     med = {k: [statistics.median(v[n]) for n in sizes] for k, v in times.items()}
     ratio = [f / med["forward"][0] for f in med["forward"]] if sizes[0] == 1 else [None] * len(sizes)
-    stock_ratio = ([f / med["stock_forward"][0] for f in med["stock_forward"]] if sizes[0] == 1
-                   else [None] * len(sizes))
-    print(f"target {target.source} ({target.architecture}), context {args.context}, {torch.get_num_threads()} "
-          f"threads, median of {args.repeats}")
-    print(f"{'tokens':>6} {'forward ms':>11} {'body ms':>8} {'head ms':>8} {'× forward(1)':>13} "
-          f"{'stock ms':>9} {'stock ×(1)':>11}")
+    stock_ratio = [f / med["stock_forward"][0] for f in med["stock_forward"]] if sizes[0] == 1 else [None] * len(sizes)
+    print(
+        f"target {target.source} ({target.architecture}), context {args.context}, {torch.get_num_threads()} "
+        f"threads, median of {args.repeats}"
+    )
+    print(
+        f"{'tokens':>6} {'forward ms':>11} {'body ms':>8} {'head ms':>8} {'× forward(1)':>13} "
+        f"{'stock ms':>9} {'stock ×(1)':>11}"
+    )
     for i, n in enumerate(sizes):
         r = f"{ratio[i]:.2f}" if ratio[i] is not None else "—"
         sr = f"{stock_ratio[i]:.2f}" if stock_ratio[i] is not None else "—"
-        print(f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f} "
-              f"{r:>13} {1e3 * med['stock_forward'][i]:>9.1f} {sr:>11}")
-    print(json.dumps({"context": args.context, "tokens": sizes, "threads": torch.get_num_threads(),
-                      **{f"{k}_s": [round(x, 5) for x in v] for k, v in med.items()},
-                      "ratio": [None if x is None else round(x, 3) for x in ratio],
-                      "stock_ratio": [None if x is None else round(x, 3) for x in stock_ratio]}))
+        print(
+            f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f} "
+            f"{r:>13} {1e3 * med['stock_forward'][i]:>9.1f} {sr:>11}"
+        )
+    print(
+        json.dumps(
+            {
+                "context": args.context,
+                "tokens": sizes,
+                "threads": torch.get_num_threads(),
+                **{f"{k}_s": [round(x, 5) for x in v] for k, v in med.items()},
+                "ratio": [None if x is None else round(x, 3) for x in ratio],
+                "stock_ratio": [None if x is None else round(x, 3) for x in stock_ratio],
+            }
+        )
+    )
     return 0
 
 

@@ -19,18 +19,23 @@ Command = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Command, Callable[[argparse.ArgumentParser], None], str]] = {}
 
 
-def command(name: str, help_text: str, add_args: Callable[[argparse.ArgumentParser], None]) -> Callable[[Command], Command]:
+def command(
+    name: str, help_text: str, add_args: Callable[[argparse.ArgumentParser], None]
+) -> Callable[[Command], Command]:
     """Register a subcommand (its arguments and its entry point)."""
+
     def wrap(fn: Command) -> Command:
         _COMMANDS[name] = (fn, add_args, help_text)
         return fn
+
     return wrap
 
 
 def target_args(p: argparse.ArgumentParser) -> None:
     """The --target/--device/--trust-remote-code options shared by every command that loads a target."""
-    p.add_argument("--target", default="default",
-                   help="model directory, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--target", default="default", help="model directory, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--device", default="cpu", help="device for the target (cpu, cuda, cuda:1, …)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code from the target's directory")
 
@@ -41,13 +46,16 @@ def _load_commands() -> None:
     import pkgutil
 
     import dflashkit.commands as pkg
+
     for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
         importlib.import_module(f"dflashkit.commands.{mod}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     _load_commands()
-    parser = argparse.ArgumentParser(prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters.")
+    parser = argparse.ArgumentParser(
+        prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, add_args, help_text) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -60,8 +68,11 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     """parse_args, except that `key=value` overrides may also follow options (`init-drafter OUT --target T k=v`):
     argparse matches consecutive positionals only once, so overrides after an option would be rejected."""
     args, extra = parser.parse_known_args(argv)
-    if extra and isinstance(getattr(args, "overrides", None), list) and all(
-            "=" in x and not x.startswith("-") for x in extra):
+    if (
+        extra
+        and isinstance(getattr(args, "overrides", None), list)
+        and all("=" in x and not x.startswith("-") for x in extra)
+    ):
         args.overrides.extend(extra)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -83,4 +94,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run through the imported module so subcommands register in the same registry as `dflashkit.cli`.
     from dflashkit.cli import main as _main
+
     sys.exit(_main())

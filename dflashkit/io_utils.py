@@ -8,10 +8,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 
 @contextmanager
@@ -38,17 +37,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
-_PID_TEMP = re.compile(r"^\.(.+)\.(tmp|old)-(\d+)$")   # .step-000002.tmp-1234, .final.old-1234
+_PID_TEMP = re.compile(r"^\.(.+)\.(tmp|old)-(\d+)$")  # .step-000002.tmp-1234, .final.old-1234
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():   # our own pid on a leftover: a previous process that had it (containers reuse pids)
+    if pid == os.getpid():  # our own pid on a leftover: a previous process that had it (containers reuse pids)
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # exists, owned by someone else
+    except PermissionError:  # exists, owned by someone else
         return True
     return True
 

@@ -30,34 +30,34 @@ from dflashkit.io_utils import atomic_write_text
 @dataclass
 class QuickstartSettings:
     out: str = "runs/quickstart"
-    minutes: float = 28.0              # whole pipeline budget (setup excluded): evaluation ends by then
-    regen_minutes: float = 6.0         # target regeneration of training responses
-    train_minutes: float = 9.0         # drafter training
-    eval_minutes: float = 9.0          # evaluation, both datasets (fewer prompts on a slow machine, ≥ 1 each)
+    minutes: float = 28.0  # whole pipeline budget (setup excluded): evaluation ends by then
+    regen_minutes: float = 6.0  # target regeneration of training responses
+    train_minutes: float = 9.0  # drafter training
+    eval_minutes: float = 9.0  # evaluation, both datasets (fewer prompts on a slow machine, ≥ 1 each)
     max_new_tokens_regen: int = 192
-    max_prompt_tokens: int = 384       # longer ShareGPT prompts are skipped (they cost time, teach little)
-    regen_batch: int = 16              # batch 8, 16 or 32: the same tokens/s on this CPU (bench/regen_throughput.py)
+    max_prompt_tokens: int = 384  # longer ShareGPT prompts are skipped (they cost time, teach little)
+    regen_batch: int = 16  # batch 8, 16 or 32: the same tokens/s on this CPU (bench/regen_throughput.py)
     # + this many ShareGPT train conversations with their ORIGINAL reply, teacher-forced (labels: the target's own
     # argmax): ~6× cheaper per token than regeneration (lever table: orig_mix); fewer when regeneration ran slower
     # than on the idle dev machine (capture will be slower too); 0 = regenerated responses only
     original_text: int = 300
-    eval_prompts: int = 8              # per evaluation dataset (MT-Bench turn 1, HumanEval)
+    eval_prompts: int = 8  # per evaluation dataset (MT-Bench turn 1, HumanEval)
     eval_max_new_tokens: int = 96
-    methods: str = "ar,chain,ddtree:4,ddtree:8"   # the screen reports the best DDTree budget
+    methods: str = "ar,chain,ddtree:4,ddtree:8"  # the screen reports the best DDTree budget
     # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
-    num_hidden_layers: int = 1         # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
-    block_size: int = 4                # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
-    max_anchors: int = 128             # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
-    draft_vocab: int = 8192            # reduced draft vocabulary (0: the target's full 49152)
+    num_hidden_layers: int = 1  # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
+    block_size: int = 4  # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
+    max_anchors: int = 128  # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
+    draft_vocab: int = 8192  # reduced draft vocabulary (0: the target's full 49152)
     lr: float = 1.5e-3
     seed: int = 0
     # Initialise the drafter from the target's top layers (dflashkit.drafter.warm_start): the drafter takes the target's
     # layer geometry. Off by default; whether it pays is measured (README, lever table).
     warm_start: bool = False
-    drafter_extra: dict[str, Any] = field(default_factory=dict)   # more DrafterConfig fields (e.g. num_features)
-    capture_topk: int = 0              # also store the target's top-k log-probs per position (for loss "topk")
-    keep_best: bool = True             # validate every 100 steps and export the best pass (longer --train-minutes
-                                       # on the same data overfit: README, the curve), not necessarily the last
+    drafter_extra: dict[str, Any] = field(default_factory=dict)  # more DrafterConfig fields (e.g. num_features)
+    capture_topk: int = 0  # also store the target's top-k log-probs per position (for loss "topk")
+    keep_best: bool = True  # validate every 100 steps and export the best pass (longer --train-minutes
+    # on the same data overfit: README, the curve), not necessarily the last
     train_overrides: dict[str, Any] = field(default_factory=dict)  # more TrainConfig fields (e.g. loss, labels)
 
     def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
@@ -68,9 +68,12 @@ class QuickstartSettings:
             return overrides
         if target is None:
             from dflashkit.errors import ConfigError
-            raise ConfigError("warm_start: the drafter takes the target's layer geometry; call "
-                              "drafter_overrides(target)")
+
+            raise ConfigError(
+                "warm_start: the drafter takes the target's layer geometry; call drafter_overrides(target)"
+            )
         from dflashkit.drafter.warm_start import warm_start_overrides
+
         return warm_start_overrides(target, overrides)
 
 
@@ -95,8 +98,8 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
     """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise."""
     from dflashkit.data.conversations import encode_prompt, prompt_messages, write_tokens
     from dflashkit.data.datasets import load_dataset
-    from dflashkit.errors import DataError
     from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.errors import DataError
 
     convs, _ = load_dataset("sharegpt", None)
     tok = target.tokenizer
@@ -119,28 +122,42 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
             continue
         if not first and time.monotonic() >= deadline:
             break
-        regenerate(target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=s.regen_batch,
-                   progress=False)
+        regenerate(
+            target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=s.regen_batch, progress=False
+        )
         done |= {c.id for c in chunk}
         chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
         _say(f"prepare: {len(done)} responses")
     records = read_regenerated(regen)
     tokens_file = out / "data" / "tokens.jsonl"
-    tokens = write_tokens(tok, [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
-                          tokens_file, max_length=1024, min_supervised=2)
+    tokens = write_tokens(
+        tok,
+        [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
+        tokens_file,
+        max_length=1024,
+        min_supervised=2,
+    )
     result = {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
     n_orig = original_text_count(s, len(records))
     if n_orig:
         from dflashkit.data.original_text import write_original_text
 
         orig_file = out / "data" / "original.jsonl"
-        orig = write_original_text(tok, n_orig, orig_file, exclude={r["id"] for r in records},
-                                   max_prompt_tokens=s.max_prompt_tokens)
+        orig = write_original_text(
+            tok, n_orig, orig_file, exclude={r["id"] for r in records}, max_prompt_tokens=s.max_prompt_tokens
+        )
         atomic_write_text(tokens_file, tokens_file.read_text() + orig_file.read_text())
-        result.update({"original_conversations": orig.written, "original_supervised_tokens": orig.supervised,
-                       "tokens": tokens.total_tokens + orig.total_tokens})
-        _say(f"prepare: + {orig.written} ShareGPT conversations with their original reply "
-             f"({orig.supervised:,} supervised tokens, target labels)")
+        result.update(
+            {
+                "original_conversations": orig.written,
+                "original_supervised_tokens": orig.supervised,
+                "tokens": tokens.total_tokens + orig.total_tokens,
+            }
+        )
+        _say(
+            f"prepare: + {orig.written} ShareGPT conversations with their original reply "
+            f"({orig.supervised:,} supervised tokens, target labels)"
+        )
     return result
 
 
@@ -153,24 +170,37 @@ def original_text_count(s: QuickstartSettings, responses: int) -> int:
 
 
 def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -> dict[str, Any]:
-    from dflashkit.features.capture import capture
     from dflashkit.data.samples import read_tokens
+    from dflashkit.features.capture import capture
 
     samples, _ = read_tokens(out / "data" / "tokens.jsonl")
-    manifest = capture(target, samples, out / "features", layer_ids=layer_ids, dtype="bf16", store_topk=topk,
-                       tokens_file=out / "data" / "tokens.jsonl", log=_say)
-    return {"samples": len(samples), "tokens": sum(len(x) for x in samples), "dir": str(out / "features"),
-            "complete": manifest.complete}
+    manifest = capture(
+        target,
+        samples,
+        out / "features",
+        layer_ids=layer_ids,
+        dtype="bf16",
+        store_topk=topk,
+        tokens_file=out / "data" / "tokens.jsonl",
+        log=_say,
+    )
+    return {
+        "samples": len(samples),
+        "tokens": sum(len(x) for x in samples),
+        "dir": str(out / "features"),
+        "complete": manifest.complete,
+    }
 
 
 def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -> dict[str, Any]:
     """Train within `minutes`: the warmup + cosine schedule spans the training time itself (`schedule_minutes`),
     so the run ends with its learning rate decayed however fast this machine is; a re-run resumes it."""
     from dflashkit.drafter.checkpoint import load_config
-    from dflashkit.train.loop import train
     from dflashkit.train.config import TrainConfig
+    from dflashkit.train.loop import train
 
-    n_samples = sum(1 for _ in open(out / "data" / "tokens.jsonl"))
+    with open(out / "data" / "tokens.jsonl") as f:
+        n_samples = sum(1 for _ in f)
     val_samples = min(8, n_samples // 5)  # a small held-out check; never more than a fifth of the data
     keep_best = s.keep_best and val_samples > 0
     init = None
@@ -182,27 +212,53 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
                 _say(f"train: draft vocabulary of {s.draft_vocab} tokens covers {coverage:.1%} of supervised tokens")
             if s.warm_start:
                 from dflashkit.drafter.warm_start import describe
+
                 _say(f"train: warm start {describe(load_config(init).extra.get('warm_start'))}")
     # step times are summed by the schedule; setup, checkpoints and the final validation are not: keep room
     schedule = max(0.1 * minutes, minutes - max(0.25, 0.04 * minutes))
-    cfg = TrainConfig.from_dict({
-        "features": str(out / "features"), "target": "default", "out": str(out / "train"),
-        "drafter": s.drafter_overrides(target), "max_tokens": 1024, "max_anchors": s.max_anchors, "lr": s.lr,
-        "schedule_minutes": schedule, "warmup_ratio": 0.05, "time_budget_minutes": minutes,
-        "save_every": 50, "val_samples": val_samples, "seed": s.seed, "tensorboard": True,
-        "eval_every": 100 if keep_best else 0, "keep_best": keep_best,
-        **({"init_from": str(init)} if init is not None else {}),
-        **({"labels": "target"} if s.original_text else {}),    # original replies are not the target's words
-        **s.train_overrides,
-    }, source="quickstart")
+    cfg = TrainConfig.from_dict(
+        {
+            "features": str(out / "features"),
+            "target": "default",
+            "out": str(out / "train"),
+            "drafter": s.drafter_overrides(target),
+            "max_tokens": 1024,
+            "max_anchors": s.max_anchors,
+            "lr": s.lr,
+            "schedule_minutes": schedule,
+            "warmup_ratio": 0.05,
+            "time_budget_minutes": minutes,
+            "save_every": 50,
+            "val_samples": val_samples,
+            "seed": s.seed,
+            "tensorboard": True,
+            "eval_every": 100 if keep_best else 0,
+            "keep_best": keep_best,
+            **({"init_from": str(init)} if init is not None else {}),
+            **({"labels": "target"} if s.original_text else {}),  # original replies are not the target's words
+            **s.train_overrides,
+        },
+        source="quickstart",
+    )
     result = train(cfg, target=target)
-    return {"steps": result.step, "stopped": result.stopped, "schedule_minutes": round(schedule, 2),
-            "final": str(result.final_dir),
-            **({"best": str(result.best_dir), "best_step": result.best_val_step,
-                "best_val_tau": round(result.best_val_tau, 4)} if result.best_dir is not None else {}),
-            "seconds_per_step": round(step_seconds(out / "train" / "metrics.jsonl"), 3),
-            "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
-            "val": result.val_metrics}
+    return {
+        "steps": result.step,
+        "stopped": result.stopped,
+        "schedule_minutes": round(schedule, 2),
+        "final": str(result.final_dir),
+        **(
+            {
+                "best": str(result.best_dir),
+                "best_step": result.best_val_step,
+                "best_val_tau": round(result.best_val_tau, 4),
+            }
+            if result.best_dir is not None
+            else {}
+        ),
+        "seconds_per_step": round(step_seconds(out / "train" / "metrics.jsonl"), 3),
+        "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
+        "val": result.val_metrics,
+    }
 
 
 def step_seconds(metrics_file: Path) -> float:
@@ -225,7 +281,7 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
     from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.drafter.model import DFlashDrafter
 
-    if not s.draft_vocab:   # full vocabulary (only reached with warm_start): nothing to count
+    if not s.draft_vocab:  # full vocabulary (only reached with warm_start): nothing to count
         cfg = default_drafter_config(target, **s.drafter_overrides(target))
         torch.manual_seed(s.seed)
         drafter = DFlashDrafter(cfg)
@@ -238,8 +294,9 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
         ids = torch.tensor(rec["input_ids"])[torch.tensor(rec["loss_mask"], dtype=torch.bool)]
         counts += torch.bincount(ids, minlength=target.vocab_size)
     # ties (and tokens never seen) broken by id: deterministic
-    order = torch.argsort(counts * target.vocab_size + (target.vocab_size - 1 - torch.arange(target.vocab_size)),
-                          descending=True)
+    order = torch.argsort(
+        counts * target.vocab_size + (target.vocab_size - 1 - torch.arange(target.vocab_size)), descending=True
+    )
     keep = order[: s.draft_vocab].sort().values
     cfg = default_drafter_config(target, **s.drafter_overrides(target), draft_vocab_size=s.draft_vocab)
     torch.manual_seed(s.seed)
@@ -251,8 +308,9 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
 
 
 def _warm_start(drafter: Any, target: Any, s: QuickstartSettings) -> None:
-    if s.warm_start:   # after the random init, so the parts it does not copy (mask embedding) keep the seed's values
+    if s.warm_start:  # after the random init, so the parts it does not copy (mask embedding) keep the seed's values
         from dflashkit.drafter.warm_start import warm_start
+
         warm_start(drafter, target)
 
 
@@ -260,9 +318,9 @@ def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path,
     """Evaluate on both held-out datasets until `end` (monotonic time): each dataset gets an equal share of what
     is left when it starts, and at least one prompt."""
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.evaluate.stats import load_prompts
     from dflashkit.evaluate.evaluate import evaluate
     from dflashkit.evaluate.report import render
+    from dflashkit.evaluate.stats import load_prompts
 
     drafter = load_drafter(drafter_dir).eval()
     summary = {}
@@ -272,12 +330,25 @@ def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path,
         deadline = now + max(0.0, end - now) / (len(datasets) - i)
         prompts, skipped = load_prompts(target, dataset, limit=s.eval_prompts, max_new_tokens=s.eval_max_new_tokens)
         ev_dir = out / "eval" / dataset
-        results = evaluate(target, {"quickstart": drafter}, prompts, methods=s.methods,
-                           max_new_tokens=s.eval_max_new_tokens, out_dir=ev_dir, dataset=dataset, skipped=skipped,
-                           drafter_sources={"quickstart": str(drafter_dir)}, deadline=deadline)
+        results = evaluate(
+            target,
+            {"quickstart": drafter},
+            prompts,
+            methods=s.methods,
+            max_new_tokens=s.eval_max_new_tokens,
+            out_dir=ev_dir,
+            dataset=dataset,
+            skipped=skipped,
+            drafter_sources={"quickstart": str(drafter_dir)},
+            deadline=deadline,
+        )
         render(results, ev_dir)
-        summary[dataset] = {"results": str(ev_dir / "results.json"), "report": str(ev_dir / "report.md"),
-                            "prompts": results["dataset"]["n_prompts"], "requested": len(prompts)}
+        summary[dataset] = {
+            "results": str(ev_dir / "results.json"),
+            "report": str(ev_dir / "report.md"),
+            "prompts": results["dataset"]["n_prompts"],
+            "requested": len(prompts),
+        }
     return summary
 
 
@@ -310,7 +381,7 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     if "export" not in done:
         if drafter_dir.exists():
             shutil.rmtree(drafter_dir)
-        chosen = done["train"].get("best", done["train"]["final"])      # keep_best: the best validation pass
+        chosen = done["train"].get("best", done["train"]["final"])  # keep_best: the best validation pass
         shutil.copytree(chosen, drafter_dir)
         done["export"] = {"dir": str(drafter_dir), "from": chosen}
         _save_state(out, state)
@@ -332,10 +403,12 @@ def summary_screen(state: dict[str, Any]) -> str:
         doc = json.loads(Path(where["results"]).read_text())
         ar = doc["ar"]
         lines.append(f"  {dataset:<10} {'ar':<10} {1.0:>8.2f} {1.0:>8.2f} {ar['tok_s']:>7.1f} {1.0:>7.2f}× {'—':>8}")
-        for name, methods in doc["results"].items():
+        for methods in doc["results"].values():
             for method, r in methods.items():
-                lines.append(f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
-                             f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}")
+                lines.append(
+                    f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
+                    f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}"
+                )
     d = state["done"]
     best = []
     for dataset, where in d["eval"].items():
@@ -344,13 +417,17 @@ def summary_screen(state: dict[str, Any]) -> str:
         if trees:
             m, r = max(trees.items(), key=lambda kv: kv[1]["tok_s"])
             best.append(f"{dataset} {m} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
-    lines += ["", f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
-              f"  training data   {_data_line(d['prepare'])}",
-              f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
-              f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
-              *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
-              f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
-              *[f"  note            {n}" for n in shortfall_notes(state)], ""]
+    lines += [
+        "",
+        f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
+        f"  training data   {_data_line(d['prepare'])}",
+        f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
+        f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
+        *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
+        f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
+        *[f"  note            {n}" for n in shortfall_notes(state)],
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -358,8 +435,10 @@ def _data_line(prep: dict[str, Any]) -> str:
     """'224 target-regenerated responses (35,150 supervised tokens) + 300 original ShareGPT replies (...)'."""
     line = f"{prep['conversations']} target-regenerated responses ({prep['supervised_tokens']:,} supervised tokens)"
     if prep.get("original_conversations"):
-        line += (f" + {prep['original_conversations']} original ShareGPT replies "
-                 f"({prep['original_supervised_tokens']:,}, target labels)")
+        line += (
+            f" + {prep['original_conversations']} original ShareGPT replies "
+            f"({prep['original_supervised_tokens']:,}, target labels)"
+        )
     return line
 
 
@@ -375,7 +454,7 @@ def _chosen_step(train: dict[str, Any]) -> str:
 # training steps/min by drafter depth (bench/curve.py at 9 min: 1 layer 743 steps, 2 layers 446).
 IDLE_RESPONSES_PER_MIN = 37.0
 IDLE_STEPS_PER_MIN = {1: 80.0, 2: 48.0}  # other depths: no idle figure, so no training note
-SHORTFALL = 0.6                        # below this fraction of the idle figure, the screen says so
+SHORTFALL = 0.6  # below this fraction of the idle figure, the screen says so
 
 
 def shortfall_notes(state: dict[str, Any]) -> list[str]:
@@ -385,15 +464,21 @@ def shortfall_notes(state: dict[str, Any]) -> list[str]:
     want = IDLE_RESPONSES_PER_MIN * s.get("regen_minutes", 0)
     got = d.get("prepare", {}).get("conversations", 0)
     if want and got < SHORTFALL * want:
-        notes.append(f"regeneration got {got} responses in {s['regen_minutes']:g} min; an idle 2-core machine gets "
-                     f"~{want:.0f} (the machine was busy or slower: less data, lower τ)")
+        notes.append(
+            f"regeneration got {got} responses in {s['regen_minutes']:g} min; an idle 2-core machine gets "
+            f"~{want:.0f} (the machine was busy or slower: less data, lower τ)"
+        )
     want = IDLE_STEPS_PER_MIN.get(s.get("num_hidden_layers", 1), 0.0) * s.get("train_minutes", 0)
     got = d.get("train", {}).get("steps", 0)
     if want and got < SHORTFALL * want:
-        notes.append(f"training got {got} steps in {s['train_minutes']:g} min; an idle 2-core machine gets "
-                     f"~{want:.0f} (fewer steps, lower τ; --train-minutes buys more)")
+        notes.append(
+            f"training got {got} steps in {s['train_minutes']:g} min; an idle 2-core machine gets "
+            f"~{want:.0f} (fewer steps, lower τ; --train-minutes buys more)"
+        )
     for dataset, where in d.get("eval", {}).items():
         if where.get("prompts", 0) < where.get("requested", 0):
-            notes.append(f"evaluation of {dataset} finished {where['prompts']} of {where['requested']} prompts "
-                         f"within its time box (--eval-minutes; wider confidence intervals)")
+            notes.append(
+                f"evaluation of {dataset} finished {where['prompts']} of {where['requested']} prompts "
+                f"within its time box (--eval-minutes; wider confidence intervals)"
+            )
     return notes

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the test suite. `.ci/run` calls exactly this.
+# Set up (scripts/setup.sh), run ruff (lint + format check) and the test suite. `.ci/run` calls exactly this.
 # Extra arguments go to pytest (e.g. `scripts/test.sh -m slow`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# lint and format first: a few seconds, and a style slip fails before the 10-minute suite
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest -q "$@"

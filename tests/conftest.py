@@ -22,22 +22,41 @@ def _tiny_config(kind: str):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if kind == "llama":
         return LlamaConfig(**common, head_dim=16)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=16)
-    text = dict(common, head_dim=16, layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                                  "full_attention"] * 2,
-                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_conv_kernel_dim=4)
+    text = dict(
+        common,
+        head_dim=16,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
     if kind == "qwen3_5":
         return Qwen3_5TextConfig(**text)
     if kind == "qwen3_5_vl":
-        return Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
-                                                                  num_heads=2, out_hidden_size=64))
+        return Qwen3_5Config(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        )
     raise ValueError(kind)
 
 
@@ -97,9 +116,19 @@ def wide_head_target(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                         max_position_embeddings=256, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    )
     path = tmp_path_factory.mktemp("wide") / "llama_wide"
     model.save_pretrained(path)
     return path

@@ -12,30 +12,53 @@ import yaml
 
 pytestmark = pytest.mark.integration
 
-TINY = ["--regen-minutes", "0.05", "--regen-batch", "4", "--max-new-tokens-regen", "24", "--original-text", "3",
-        "--train-minutes", "0.4",
-        "--eval-prompts", "1", "--eval-max-new-tokens", "12", "--methods", "ar,chain,ddtree:4"]
+TINY = [
+    "--regen-minutes",
+    "0.05",
+    "--regen-batch",
+    "4",
+    "--max-new-tokens-regen",
+    "24",
+    "--original-text",
+    "3",
+    "--train-minutes",
+    "0.4",
+    "--eval-prompts",
+    "1",
+    "--eval-max-new-tokens",
+    "12",
+    "--methods",
+    "ar,chain,ddtree:4",
+]
 
 
 def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
-    from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.cli import main
+    from dflashkit.drafter.checkpoint import load_drafter
 
     out = tmp_path / "qs"
     assert main(["quickstart", "--out", str(out), *TINY]) == 0
     screen = capsys.readouterr().out
-    for needle in ("τ macro", "speedup", "mtbench", "humaneval", "chain", "ddtree:4", "best DDTree",
-                   str(out / "drafter")):
+    for needle in (
+        "τ macro",
+        "speedup",
+        "mtbench",
+        "humaneval",
+        "chain",
+        "ddtree:4",
+        "best DDTree",
+        str(out / "drafter"),
+    ):
         assert needle in screen, needle
     state = json.loads((out / "quickstart.json").read_text())
     assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
     prep = state["done"]["prepare"]
     assert prep["conversations"] >= 4 and prep["original_conversations"] == 3
     assert f"+ 3 original ShareGPT replies ({prep['original_supervised_tokens']:,}, target labels)" in screen
-    train = state["done"]["train"]                   # keep_best: the export is the best validation pass if any
+    train = state["done"]["train"]  # keep_best: the export is the best validation pass if any
     assert state["done"]["export"]["from"] == train.get("best", train["final"])
-    drafter = load_drafter(out / "drafter")          # exported z-lab checkpoint loads strictly
-    assert not drafter.config.learned_mask_embedding and drafter.config.mask_token_id == 16   # <empty_output>
+    drafter = load_drafter(out / "drafter")  # exported z-lab checkpoint loads strictly
+    assert not drafter.config.learned_mask_embedding and drafter.config.mask_token_id == 16  # <empty_output>
     for dataset in ("mtbench", "humaneval"):
         doc = json.loads((out / "eval" / dataset / "results.json").read_text())
         chain = doc["results"]["quickstart"]["chain"]
@@ -48,7 +71,7 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     # original-text samples: conversations not regenerated, trained on the target's own labels
     regenerated = {json.loads(line)["id"] for line in (out / "data" / "regenerated.jsonl").read_text().splitlines()}
     orig = [i for i in ids if i.startswith("orig-")]
-    assert len(orig) == 3 and not {i[len("orig-"):] for i in orig} & regenerated
+    assert len(orig) == 3 and not {i[len("orig-") :] for i in orig} & regenerated
     latest = out / "train" / (out / "train" / "latest").read_text().strip()
     assert yaml.safe_load((latest / "train_config.yaml").read_text())["labels"] == "target"
     # a re-run reuses every stage and prints the same screen
@@ -69,19 +92,34 @@ def check_sweep_on(base, tmp_path, capsys):
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     out = tmp_path / "sweep"
-    args = ["--base", str(base), "--out", str(out), "--variants", "base,features3,regen3_train12",
-            "--train-minutes", "0.1", "--sim-prompts", "1", "--sim-max-new-tokens", "12",
-            "--sim-cache", str(tmp_path / "sim_cache"), "--budgets", "4"]
+    args = [
+        "--base",
+        str(base),
+        "--out",
+        str(out),
+        "--variants",
+        "base,features3,regen3_train12",
+        "--train-minutes",
+        "0.1",
+        "--sim-prompts",
+        "1",
+        "--sim-max-new-tokens",
+        "12",
+        "--sim-cache",
+        str(tmp_path / "sim_cache"),
+        "--budgets",
+        "4",
+    ]
     assert sweep.main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary) == {"base", "features3", "regen3_train12"}
     assert all(set(t) == {"chain", "ddtree:4"} and all(v >= 1.0 for v in t.values()) for t in summary.values())
     assert load_drafter(out / "features3" / "train" / "final").config.target_layer_ids == [1, 14, 27]
-    assert (out / "features3" / "features").is_symlink()            # read 3 of the 5 captured layers
+    assert (out / "features3" / "features").is_symlink()  # read 3 of the 5 captured layers
     half = (out / "regen3_train12" / "data" / "regenerated.jsonl").read_text().splitlines()
     assert 0 < len(half) < len((base / "data" / "regenerated.jsonl").read_text().splitlines())
     assert "| features3 |" in (out / "sweep.md").read_text()
-    assert sweep.main(args) == 0                                       # resumable: nothing is trained again
+    assert sweep.main(args) == 0  # resumable: nothing is trained again
 
 
 def _bench(name):
@@ -97,43 +135,62 @@ def check_levers_on(base, tmp_path, capsys):
     text with target labels, more regeneration (continues the base run's responses, shared by both seeds); the
     table reports mean ± half-range over the seeds."""
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.features.capture import CapturedFeatures
+    from dflashkit.features.captured import CapturedFeatures
 
     sweep = _bench("sweep_defaults")
-    sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}   # 4 conversations, not 300
+    sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}  # 4 conversations, not 300
     # one more chunk of 2 prompts (the base run's 24 new tokens), not 4 minutes of 32 × 192
-    sweep.VARIANTS["regen10"] = {**sweep.VARIANTS["regen10"], "more_regen_minutes": 0.001,
-                                 "settings": {"regen_batch": 1, "max_new_tokens_regen": 24}}
+    sweep.VARIANTS["regen10"] = {
+        **sweep.VARIANTS["regen10"],
+        "more_regen_minutes": 0.001,
+        "settings": {"regen_batch": 1, "max_new_tokens_regen": 24},
+    }
     assert sweep.interleaved(["a", "b"], [0, 1, 2]) == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
     out = tmp_path / "levers"
-    args = ["--base", str(base), "--out", str(out), "--variants", "base,topk32,warm_start,orig_mix,regen10",
-            "--seeds", "0,1",
-            "--train-minutes", "0.05", "--sim-prompts", "1", "--sim-max-new-tokens", "12",
-            "--sim-cache", str(tmp_path / "sim_cache"), "--budgets", "4"]
+    args = [
+        "--base",
+        str(base),
+        "--out",
+        str(out),
+        "--variants",
+        "base,topk32,warm_start,orig_mix,regen10",
+        "--seeds",
+        "0,1",
+        "--train-minutes",
+        "0.05",
+        "--sim-prompts",
+        "1",
+        "--sim-max-new-tokens",
+        "12",
+        "--sim-cache",
+        str(tmp_path / "sim_cache"),
+        "--budgets",
+        "4",
+    ]
     assert sweep.main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary) == {"base", "topk32", "warm_start", "orig_mix", "regen10"}
     doc = json.loads((out / "sweep.json").read_text())
-    assert sorted((r["variant"], r["seed"]) for r in doc["rows"]) == sorted(
-        (v, s) for v in summary for s in (0, 1))
-    for v in summary:   # the summary is the mean over the seeds
+    assert sorted((r["variant"], r["seed"]) for r in doc["rows"]) == sorted((v, s) for v in summary for s in (0, 1))
+    for v in summary:  # the summary is the mean over the seeds
         taus = [r["tau"]["chain"] for r in doc["rows"] if r["variant"] == v]
         assert summary[v]["chain"] == pytest.approx(sum(taus) / 2, abs=1e-4)
     topk = out / "topk32" / "features"
-    assert topk.resolve() == (out / "topk32-s1" / "features").resolve()      # one capture for both seeds
+    assert topk.resolve() == (out / "topk32-s1" / "features").resolve()  # one capture for both seeds
     sample = CapturedFeatures(topk)[0]
     assert sample.topk_ids.shape[1] == 32 and sample.topk_logprobs.shape == sample.topk_ids.shape
     latest = out / "topk32" / "train" / (out / "topk32" / "train" / "latest").read_text().strip()
-    assert yaml.safe_load((latest / "train_config.yaml").read_text())["loss"] == "topk"   # trained with it
+    assert yaml.safe_load((latest / "train_config.yaml").read_text())["loss"] == "topk"  # trained with it
     assert load_drafter(out / "warm_start" / "train" / "final").config.extra["warm_start"]
     orig = [json.loads(line)["id"] for line in (out / "orig_mix" / "data" / "tokens.jsonl").read_text().splitlines()]
     assert any(i.startswith("orig-") for i in orig) and any(not i.startswith("orig-") for i in orig)
     base_lines = (base / "data" / "regenerated.jsonl").read_text().splitlines()
     more = (out / "regen10" / "data" / "regenerated.jsonl").read_text().splitlines()
-    assert more[: len(base_lines)] == base_lines and len(more) == len(base_lines) + 2      # the base run continued
+    assert more[: len(base_lines)] == base_lines and len(more) == len(base_lines) + 2  # the base run continued
     assert (out / "regen10" / "features").resolve() == (out / "regen10-s1" / "features").resolve()  # built once
     assert len((out / "regen10" / "data" / "tokens.jsonl").read_text().splitlines()) > len(
-        (base / "data" / "tokens.jsonl").read_text().splitlines())
+        (base / "data" / "tokens.jsonl").read_text().splitlines()
+    )
     md = (out / "sweep.md").read_text()
     assert "| warm_start |" in md and " ± " in md
 
@@ -142,14 +199,29 @@ def check_curve_on(base, tmp_path, capsys):
     """bench/curve.py: one JSON line per budget, resumable, PNG written."""
     curve = _bench("curve")
     out = tmp_path / "curve"
-    args = ["--base", str(base), "--out", str(out), "--multipliers", "0.5,1", "--train-minutes", "0.1",
-            "--sim-prompts", "1", "--sim-max-new-tokens", "12", "--sim-cache", str(tmp_path / "sim_cache"),
-            "--budgets", "4"]
+    args = [
+        "--base",
+        str(base),
+        "--out",
+        str(out),
+        "--multipliers",
+        "0.5,1",
+        "--train-minutes",
+        "0.1",
+        "--sim-prompts",
+        "1",
+        "--sim-max-new-tokens",
+        "12",
+        "--sim-cache",
+        str(tmp_path / "sim_cache"),
+        "--budgets",
+        "4",
+    ]
     assert curve.main(args) == 0
     capsys.readouterr()
     points = curve.read_points(out / "curve.jsonl")
     assert [p["train_minutes"] for p in points] == [0.05, 0.1]
     assert all(set(p["tau"]) == {"chain", "ddtree:4"} and p["steps"] >= 1 for p in points)
     assert (out / "curve.png").stat().st_size > 1000 and "| 0.5 |" in (out / "curve.md").read_text()
-    assert curve.main(args) == 0                        # resumable: both points are on record, nothing is retrained
+    assert curve.main(args) == 0  # resumable: both points are on record, nothing is retrained
     assert len(curve.read_points(out / "curve.jsonl")) == 2

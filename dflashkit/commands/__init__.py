@@ -1,1 +1,1 @@
-"""Subcommand modules: each file registers its subcommands with `dflashkit.cli.command` (one command family per file)."""
+"""Subcommand modules: each file registers its subcommands with `dflashkit.cli.command` (one family per file)."""

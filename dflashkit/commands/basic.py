@@ -15,8 +15,9 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 @command("info", "describe the target, its default drafter, parameter counts and cache locations", _info_args)
 def _info(args: argparse.Namespace) -> int:
-    from dflashkit.diagnose.info import gather_info, render_info
     import json
+
+    from dflashkit.diagnose.info import gather_info, render_info
 
     info = gather_info(args.target, drafter=args.drafter, device=args.device, trust_remote_code=args.trust_remote_code)
     print(json.dumps(info, indent=2) if args.json else render_info(info))
@@ -28,12 +29,23 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output checkpoint directory")
     p.add_argument("overrides", nargs="*", help="drafter config overrides, key=value (e.g. num_hidden_layers=3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-start", action="store_true",
-                   help="copy the target's top decoder layers into the drafter (it takes their geometry)")
-    p.add_argument("--warm-start-layers", default=None, metavar="I,J,…",
-                   help="target layers to copy, one per drafter layer (default: those after the deepest captured one)")
-    p.add_argument("--warm-start-fc", default="last", choices=("last", "mean", "random"),
-                   help="fc init with --warm-start: pass the deepest captured layer through, average all, or random")
+    p.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="copy the target's top decoder layers into the drafter (it takes their geometry)",
+    )
+    p.add_argument(
+        "--warm-start-layers",
+        default=None,
+        metavar="I,J,…",
+        help="target layers to copy, one per drafter layer (default: those after the deepest captured one)",
+    )
+    p.add_argument(
+        "--warm-start-fc",
+        default="last",
+        choices=("last", "mean", "random"),
+        help="fc init with --warm-start: pass the deepest captured layer through, average all, or random",
+    )
 
 
 @command("init-drafter", "write a freshly initialised drafter checkpoint for a target", _init_args)
@@ -41,11 +53,11 @@ def _init_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from dflashkit.drafter.checkpoint import save_drafter
-    from dflashkit.errors import ConfigError
     from dflashkit.drafter.defaults import default_drafter_config, parse_overrides
     from dflashkit.drafter.model import DFlashDrafter
-    from dflashkit.target.model import Target
     from dflashkit.drafter.warm_start import describe, parse_layers, warm_start, warm_start_overrides
+    from dflashkit.errors import ConfigError
+    from dflashkit.target.model import Target
 
     if not args.warm_start and (args.warm_start_layers or args.warm_start_fc != "last"):
         raise ConfigError("--warm-start-layers / --warm-start-fc only apply with --warm-start")

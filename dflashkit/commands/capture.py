@@ -24,21 +24,37 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (manifest.json + shard-*.safetensors)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--layer-ids", default=None, help="comma-separated 0-based target layer ids, e.g. 1,8,14")
-    which.add_argument("--drafter-config", default=None,
-                       help="drafter checkpoint directory or config.json whose target_layer_ids to capture")
+    which.add_argument(
+        "--drafter-config",
+        default=None,
+        help="drafter checkpoint directory or config.json whose target_layer_ids to capture",
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="storage dtype (default bf16)")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default ≈ 1 GiB of features)")
-    p.add_argument("--batch-tokens", type=int, default=0,
-                   help="let equal-length samples share a forward of up to N tokens (0 = one per forward)")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=0,
+        help="let equal-length samples share a forward of up to N tokens (0 = one per forward)",
+    )
     p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
     p.add_argument("--no-target-tokens", action="store_true", help="do not store the target's argmax tokens")
-    p.add_argument("--topk", type=int, default=0, metavar="K",
-                   help="also store the target's top-K log-probs per position (int32 id + float16 log-prob, "
-                        "6·K bytes per token) for `loss: topk` training (default 0: off)")
-    p.add_argument("--verify", choices=("full", "size"), default="full",
-                   help="how a rerun checks finished shards against manifest.json before keeping them: full "
-                        "(size + sha256, the default) or size (skips reading a very large capture); damaged "
-                        "shards are captured again")
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also store the target's top-K log-probs per position (int32 id + float16 log-prob, "
+        "6·K bytes per token) for `loss: topk` training (default 0: off)",
+    )
+    p.add_argument(
+        "--verify",
+        choices=("full", "size"),
+        default="full",
+        help="how a rerun checks finished shards against manifest.json before keeping them: full "
+        "(size + sha256, the default) or size (skips reading a very large capture); damaged "
+        "shards are captured again",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -47,7 +63,9 @@ def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
         try:
             return [int(x) for x in args.layer_ids.split(",") if x.strip()]
         except ValueError:
-            raise ConfigError(f"--layer-ids {args.layer_ids!r}: expected comma-separated integers, e.g. 1,8,14")
+            raise ConfigError(
+                f"--layer-ids {args.layer_ids!r}: expected comma-separated integers, e.g. 1,8,14"
+            ) from None
     if args.drafter_config:
         from dflashkit.drafter.config import DrafterConfig
         from dflashkit.target.model import check_drafter_fits
@@ -57,29 +75,43 @@ def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
         check_drafter_fits(cfg, target, source=str(path))
         return list(cfg.target_layer_ids)
     from dflashkit.drafter.defaults import default_drafter_config
+
     return list(default_drafter_config(target).target_layer_ids)
 
 
 @command("capture", "capture the target's hidden-state features of tokens.jsonl into sharded files (resumable)", _args)
 def _capture(args: argparse.Namespace) -> int:
-    from dflashkit.features.capture import format_bytes, capture
     from dflashkit.data.samples import read_tokens
+    from dflashkit.features.capture import capture
+    from dflashkit.features.manifest import format_bytes
     from dflashkit.target.model import Target
 
     samples, _ = read_tokens(args.tokens)
     if args.limit is not None:
         if args.limit < 1:
             raise ConfigError(f"--limit must be ≥ 1, got {args.limit}")
-        samples = samples[:args.limit]
+        samples = samples[: args.limit]
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     layer_ids = _layer_ids(args, target)
-    m = capture(target, samples, args.out, layer_ids=layer_ids, dtype=args.dtype,
-                store_target_tokens=not args.no_target_tokens, store_topk=args.topk,
-                shard_max_tokens=args.shard_tokens, batch_tokens=args.batch_tokens, tokens_file=args.tokens,
-                progress=not args.quiet, verify=args.verify)
+    m = capture(
+        target,
+        samples,
+        args.out,
+        layer_ids=layer_ids,
+        dtype=args.dtype,
+        store_target_tokens=not args.no_target_tokens,
+        store_topk=args.topk,
+        shard_max_tokens=args.shard_tokens,
+        batch_tokens=args.batch_tokens,
+        tokens_file=args.tokens,
+        progress=not args.quiet,
+        verify=args.verify,
+    )
     run = m.run_stats
     rate = f"{run['tokens'] / run['seconds']:,.0f} tok/s" if run.get("seconds") else "nothing to do"
     topk = f", top-{m.store_topk} log-probs" if m.store_topk else ""
-    print(f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "
-          f"layers {m.layer_ids}{topk}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})")
+    print(
+        f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "
+        f"layers {m.layer_ids}{topk}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})"
+    )
     return 0

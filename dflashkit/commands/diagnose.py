@@ -28,8 +28,11 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-@command("inspect", "what a drafter checkpoint is (read from its tensors) and where it disagrees with its config",
-         _inspect_args)
+@command(
+    "inspect",
+    "what a drafter checkpoint is (read from its tensors) and where it disagrees with its config",
+    _inspect_args,
+)
 def _inspect(args: argparse.Namespace) -> int:
     from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint, render_report
 
@@ -41,8 +44,12 @@ def _inspect(args: argparse.Namespace) -> int:
 def _diff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="checkpoint A")
     p.add_argument("b", help="checkpoint B")
-    p.add_argument("--target", default=None, help="the drafters' target (model dir, .gguf or 'default'): lets diff "
-                   "say whether a drafter copied the target's attention geometry")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the drafters' target (model dir, .gguf or 'default'): lets diff "
+        "say whether a drafter copied the target's attention geometry",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-weights", action="store_true", help="architecture only, no weight statistics")
@@ -56,6 +63,7 @@ def _diff(args: argparse.Namespace) -> int:
     target = None
     if args.target:
         from dflashkit.target.model import Target
+
         target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     report = diff_checkpoints(args.a, args.b, target=target, weights=not args.no_weights)
     print(_dump(report.to_json()) if args.json else render_diff(report))
@@ -72,18 +80,30 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-@command("doctor", "checks before spending GPU hours: fit, layers, mask, geometry, capture, lossless decoding, "
-         "label shift", _doctor_args)
+@command(
+    "doctor",
+    "checks before spending GPU hours: fit, layers, mask, geometry, capture, lossless decoding, label shift",
+    _doctor_args,
+)
 def _doctor(args: argparse.Namespace) -> int:
     from dflashkit.diagnose.doctor import run_doctor
     from dflashkit.target.model import Target
 
     target = Target.load(args.target, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    report = run_doctor(target, args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                        features=args.features)
+    report = run_doctor(
+        target, args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens, features=args.features
+    )
     if args.json:
-        print(_dump({"findings": [f.__dict__ for f in report.findings], "tau": report.tau,
-                     "offset_accuracy": report.offsets, "exit_code": report.exit_code}))
+        print(
+            _dump(
+                {
+                    "findings": [f.__dict__ for f in report.findings],
+                    "tau": report.tau,
+                    "offset_accuracy": report.offsets,
+                    "exit_code": report.exit_code,
+                }
+            )
+        )
     else:
         print(report.render())
     return report.exit_code
@@ -92,21 +112,28 @@ def _doctor(args: argparse.Namespace) -> int:
 def _logs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="training run directories (holding metrics.jsonl) or metrics files")
     p.add_argument("--acc", type=float, default=0.5, help="accuracy threshold for 'steps to reach' (default 0.5)")
-    p.add_argument("--acc-slot", type=int, default=None,
-                   help="use this block slot's accuracy (e.g. 1) instead of the mean over slots 1…bs−1")
+    p.add_argument(
+        "--acc-slot",
+        type=int,
+        default=None,
+        help="use this block slot's accuracy (e.g. 1) instead of the mean over slots 1…bs−1",
+    )
     p.add_argument("--out", default=None, help="write PNG plots into this directory")
     p.add_argument("--json", action="store_true")
 
 
-@command("logs", "training health from metrics.jsonl: grad-norm collapse, bimodal loss, accuracy, τ, schedules",
-         _logs_args)
+@command(
+    "logs", "training health from metrics.jsonl: grad-norm collapse, bimodal loss, accuracy, τ, schedules", _logs_args
+)
 def _logs(args: argparse.Namespace) -> int:
-    from dflashkit.diagnose.logs import analyze, compare, plot, read_run, render
-
     from pathlib import Path
 
+    from dflashkit.diagnose.logs import analyze, compare, plot, read_run, render
+
     short = [Path(r).name if Path(r).is_dir() else Path(r).parent.name for r in args.runs]
-    logs = [read_run(r, name=s if short.count(s) == 1 else r.rstrip("/")) for r, s in zip(args.runs, short)]
+    logs = [
+        read_run(r, name=s if short.count(s) == 1 else r.rstrip("/")) for r, s in zip(args.runs, short, strict=True)
+    ]
     analyses = [analyze(lg) for lg in logs]
     comparison = compare(logs, acc=args.acc, slot=args.acc_slot)
     written = plot(logs, args.out) if args.out else []
@@ -124,21 +151,36 @@ def _logs(args: argparse.Namespace) -> int:
 def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (speculators, z-lab or dflashkit format; detected)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--to", choices=("zlab", "speculators", "gguf"), default="zlab",
-                   help="output format (default zlab: what vLLM method=dflash and SGLang DFLASH load; gguf: a file "
-                   "for llama.cpp --spec-type draft-dflash)")
-    p.add_argument("--target", default=None, help="--to gguf: the target's GGUF file (the one llama.cpp runs; "
-                   "'default' = the embedded SmolLM2); its tokenizer and, when needed, tables are copied")
-    p.add_argument("--outtype", default="f16", help="--to gguf: drafter matrices as f32, f16, bf16 or q8_0 "
-                   "(default f16)")
+    p.add_argument(
+        "--to",
+        choices=("zlab", "speculators", "gguf"),
+        default="zlab",
+        help="output format (default zlab: what vLLM method=dflash and SGLang DFLASH load; gguf: a file "
+        "for llama.cpp --spec-type draft-dflash)",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="--to gguf: the target's GGUF file (the one llama.cpp runs; "
+        "'default' = the embedded SmolLM2); its tokenizer and, when needed, tables are copied",
+    )
+    p.add_argument(
+        "--outtype", default="f16", help="--to gguf: drafter matrices as f32, f16, bf16 or q8_0 (default f16)"
+    )
     p.add_argument("--dtype", default=None, help="cast floating tensors (bf16, fp16, fp32)")
-    p.add_argument("--num-target-layers", type=int, default=None,
-                   help="the target's decoder-layer count (speculators configs do not record it)")
+    p.add_argument(
+        "--num-target-layers",
+        type=int,
+        default=None,
+        help="the target's decoder-layer count (speculators configs do not record it)",
+    )
 
 
-@command("convert", "convert drafter checkpoints: speculators → z-lab (vLLM/SGLang), z-lab → speculators, "
-         "→ GGUF (llama.cpp); --dtype",
-         _convert_args)
+@command(
+    "convert",
+    "convert drafter checkpoints: speculators → z-lab (vLLM/SGLang), z-lab → speculators, → GGUF (llama.cpp); --dtype",
+    _convert_args,
+)
 def _convert(args: argparse.Namespace) -> int:
     from dflashkit.export.convert import convert
 
@@ -148,8 +190,11 @@ def _convert(args: argparse.Namespace) -> int:
 
         if args.target is None:
             raise ConfigError("--to gguf needs --target: the target's GGUF file (or 'default')")
-        print(export_gguf(args.src, args.out, target=args.target, outtype=args.outtype,
-                          num_target_layers=args.num_target_layers).render())
+        print(
+            export_gguf(
+                args.src, args.out, target=args.target, outtype=args.outtype, num_target_layers=args.num_target_layers
+            ).render()
+        )
         return 0
     print(convert(args.src, args.out, to=args.to, dtype=args.dtype, num_target_layers=args.num_target_layers).render())
     return 0

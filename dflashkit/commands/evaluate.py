@@ -45,8 +45,10 @@ def _check_dataset(name: str) -> None:
     from dflashkit.errors import DataError
 
     if name not in DATASETS and not Path(name).expanduser().is_file():
-        raise DataError(f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)} or a path to a JSONL "
-                        f"file (chat records, or pre-tokenised lines {{\"prompt_ids\": [...]}})")
+        raise DataError(
+            f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)} or a path to a JSONL "
+            f'file (chat records, or pre-tokenised lines {{"prompt_ids": [...]}})'
+        )
 
 
 def _load_drafters(specs: dict[str, str], device: str) -> dict[str, Any]:
@@ -90,9 +92,14 @@ def _top_k_value(text: str) -> int | None:
 
 
 def _tree_top_k_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tree-top-k", type=_top_k_value, default=None, metavar="K",
-                   help="tokens per depth DDTree considers (default: = the tree budget, as the DDTree reference, "
-                        "so the tree is the B most probable prefixes; give K to cap the branching)")
+    p.add_argument(
+        "--tree-top-k",
+        type=_top_k_value,
+        default=None,
+        metavar="K",
+        help="tokens per depth DDTree considers (default: = the tree budget, as the DDTree reference, "
+        "so the tree is the B most probable prefixes; give K to cap the branching)",
+    )
 
 
 def _stops(args: argparse.Namespace, target: Any) -> list[int]:
@@ -122,9 +129,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.data.conversations import encode_prompt
     from dflashkit.decode.generate import generate
+    from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.errors import DataError
     from dflashkit.target.model import Target
 
@@ -146,27 +153,48 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     t0 = time.perf_counter()
     try:
-        res = generate(target, ids, drafter=drafter, method=args.method, max_new_tokens=args.max_new_tokens,
-                       block_size=args.block_size, tree_budget=args.tree_budget, tree_top_k=args.tree_top_k,
-                       sampling=sampling, stop_token_ids=_stops(args, target), seed=args.seed)
+        res = generate(
+            target,
+            ids,
+            drafter=drafter,
+            method=args.method,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            tree_budget=args.tree_budget,
+            tree_top_k=args.tree_top_k,
+            sampling=sampling,
+            stop_token_ids=_stops(args, target),
+            seed=args.seed,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     wall = time.perf_counter() - t0
     print(tok.decode(res.tokens, skip_special_tokens=True) if tok is not None else " ".join(map(str, res.tokens)))
-    print(f"\n[{args.method}] {len(res.tokens)} tokens in {res.rounds} rounds, τ = {res.tau:.2f}, "
-          f"{len(res.tokens) / wall:.1f} tok/s, stop: {res.stop_reason}")
+    print(
+        f"\n[{args.method}] {len(res.tokens)} tokens in {res.rounds} rounds, τ = {res.tau:.2f}, "
+        f"{len(res.tokens) / wall:.1f} tok/s, stop: {res.stop_reason}"
+    )
     return 0
 
 
 # ---------------------------------------------------------------------------------------------- eval
 def _eval_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT",
-                   help="drafter checkpoint, repeatable; NAME= labels it in the results")
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=CKPT",
+        help="drafter checkpoint, repeatable; NAME= labels it in the results",
+    )
     p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
-                   help="malformed JSONL lines: stop (default) or skip them (recorded in results.json)")
+    p.add_argument(
+        "--on-error",
+        choices=("stop", "skip"),
+        default="stop",
+        help="malformed JSONL lines: stop (default) or skip them (recorded in results.json)",
+    )
     p.add_argument("--methods", default="ar,chain,ddtree:8", help="comma-separated: ar, chain, ddtree:B")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _sampling_args(p)
@@ -176,19 +204,24 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing progress.jsonl")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     p.add_argument("--hf-baseline", action="store_true", help="also time HF generate as a second AR baseline")
-    p.add_argument("--triage-threshold", type=float, default=None,
-                   help="top-2 logit margin below which a greedy divergence is a numerical near-tie")
+    p.add_argument(
+        "--triage-threshold",
+        type=float,
+        default=None,
+        help="top-2 logit margin below which a greedy divergence is a numerical near-tie",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-@command("eval", "evaluate drafters (τ, speedup vs AR, greedy equality) on a dataset; write results + report",
-         _eval_args)
+@command(
+    "eval", "evaluate drafters (τ, speedup vs AR, greedy equality) on a dataset; write results + report", _eval_args
+)
 def _eval(args: argparse.Namespace) -> int:
-    from dflashkit.evaluate.stats import load_prompts, parse_methods
     from dflashkit.evaluate.evaluate import evaluate
     from dflashkit.evaluate.report import render, summary_table
+    from dflashkit.evaluate.stats import load_prompts, parse_methods
     from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
@@ -198,13 +231,30 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     drafters = _load_drafters(specs, args.device)
-    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                                    on_error=args.on_error)
-    doc = evaluate(target, drafters, prompts, methods=[m.name for m in methods], max_new_tokens=args.max_new_tokens,
-                   sampling=_sampling(args), out_dir=args.out, resume=not args.no_resume, block_size=args.block_size,
-                   tree_top_k=args.tree_top_k, stop_token_ids=_stops(args, target), dataset=args.dataset,
-                   skipped=skipped, triage_threshold=args.triage_threshold, seed=args.seed, warmup=not args.no_warmup,
-                   hf_baseline=args.hf_baseline, drafter_sources=specs, progress=not args.quiet)
+    prompts, skipped = load_prompts(
+        target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, on_error=args.on_error
+    )
+    doc = evaluate(
+        target,
+        drafters,
+        prompts,
+        methods=[m.name for m in methods],
+        max_new_tokens=args.max_new_tokens,
+        sampling=_sampling(args),
+        out_dir=args.out,
+        resume=not args.no_resume,
+        block_size=args.block_size,
+        tree_top_k=args.tree_top_k,
+        stop_token_ids=_stops(args, target),
+        dataset=args.dataset,
+        skipped=skipped,
+        triage_threshold=args.triage_threshold,
+        seed=args.seed,
+        warmup=not args.no_warmup,
+        hf_baseline=args.hf_baseline,
+        drafter_sources=specs,
+        progress=not args.quiet,
+    )
     render(doc, Path(args.out))
     print(summary_table(doc))
     if skipped:
@@ -234,15 +284,19 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
-@command("simulate", "teacher-forced τ of many drafters (chain and DDTree budgets) from cached target transcripts",
-         _simulate_args)
+@command(
+    "simulate",
+    "teacher-forced τ of many drafters (chain and DDTree budgets) from cached target transcripts",
+    _simulate_args,
+)
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
-    from dflashkit.evaluate.stats import load_prompts
-    from dflashkit.io_utils import atomic_write_text
     from dflashkit.evaluate.report import render, summary_table
-    from dflashkit.evaluate.simulate import build_transcripts, simulate_many, simulation_results
+    from dflashkit.evaluate.simulate import simulate_many, simulation_results
+    from dflashkit.evaluate.stats import load_prompts
+    from dflashkit.evaluate.transcripts import build_transcripts
+    from dflashkit.io_utils import atomic_write_text
     from dflashkit.target.model import Target, check_drafter_fits
 
     budgets = _ints(args.budgets, "--budgets") or []
@@ -254,16 +308,38 @@ def _simulate(args: argparse.Namespace) -> int:
     drafters = _load_drafters(specs, args.device)
     for name, d in drafters.items():
         check_drafter_fits(d.config, target, source=f"drafter {name!r}")
-    prompts, skipped = load_prompts(target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                                    on_error=args.on_error)
+    prompts, skipped = load_prompts(
+        target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, on_error=args.on_error
+    )
     layers = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
-    cache = build_transcripts(target, prompts, args.cache, max_new_tokens=args.max_new_tokens, layer_ids=layers,
-                              stop_token_ids=_stops(args, target), progress=not args.quiet)
-    results = simulate_many(drafters, cache, block_size=args.block_size, tree_budgets=budgets,
-                            tree_top_k=args.tree_top_k, chain=not args.no_chain, prompt_ids=[p.id for p in prompts],
-                            progress=not args.quiet)
-    doc = simulation_results(cache, drafters, results, dataset=args.dataset, block_size=args.block_size,
-                             tree_top_k=args.tree_top_k, drafter_sources=specs)
+    cache = build_transcripts(
+        target,
+        prompts,
+        args.cache,
+        max_new_tokens=args.max_new_tokens,
+        layer_ids=layers,
+        stop_token_ids=_stops(args, target),
+        progress=not args.quiet,
+    )
+    results = simulate_many(
+        drafters,
+        cache,
+        block_size=args.block_size,
+        tree_budgets=budgets,
+        tree_top_k=args.tree_top_k,
+        chain=not args.no_chain,
+        prompt_ids=[p.id for p in prompts],
+        progress=not args.quiet,
+    )
+    doc = simulation_results(
+        cache,
+        drafters,
+        results,
+        dataset=args.dataset,
+        block_size=args.block_size,
+        tree_top_k=args.tree_top_k,
+        drafter_sources=specs,
+    )
     doc["dataset"]["skipped"] = skipped
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,14 +356,11 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output directory (default: next to a single results.json)")
 
 
-@command("report", "render results.json as Markdown + PNG plots; several files: a side-by-side comparison",
-         _report_args)
+@command(
+    "report", "render results.json as Markdown + PNG plots; several files: a side-by-side comparison", _report_args
+)
 def _report(args: argparse.Namespace) -> int:
     from dflashkit.evaluate.report import compare, render
 
-    if len(args.results) == 1:
-        text = render(args.results[0], args.out)
-    else:
-        text = compare(args.results, args.out)
-    print(text)
+    print(render(args.results[0], args.out) if len(args.results) == 1 else compare(args.results, args.out))
     return 0

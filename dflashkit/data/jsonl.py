@@ -7,9 +7,10 @@
             ...                            #   "file:line: ")
 
 A line longer than the cap is never held in memory: the reader reads in 1 MiB pieces, drops a line once it passes
-the cap and only counts the rest of its bytes, so one runaway line (a pasted log, a binary blob) costs neither gigabytes of memory nor a minute of
-parsing. The cap is `DEFAULT_MAX_LINE_BYTES` (8 MiB, far above any real conversation or tokens.jsonl line of a
-few hundred thousand tokens), or `$DFLASHKIT_MAX_LINE_MB` megabytes (MiB) when that is set.
+the cap and only counts the rest of its bytes, so one runaway line (a pasted log, a binary blob) costs neither
+gigabytes of memory nor a minute of parsing. The cap is `DEFAULT_MAX_LINE_BYTES` (8 MiB, far above any real
+conversation or tokens.jsonl line of a few hundred thousand tokens), or `$DFLASHKIT_MAX_LINE_MB` megabytes (MiB)
+when that is set.
 """
 
 from __future__ import annotations
@@ -64,14 +65,17 @@ class Line:
     def text(self) -> str:
         """The line decoded as UTF-8; LineProblem when it is over the cap or not UTF-8."""
         if self.data is None:
-            raise LineProblem(f"line of {_mib(self.size)} is over the {_mib(self.cap)} line-size cap (not read; set "
-                              f"{MAX_LINE_ENV} to a larger number of megabytes to accept it)")
+            raise LineProblem(
+                f"line of {_mib(self.size)} is over the {_mib(self.cap)} line-size cap (not read; set "
+                f"{MAX_LINE_ENV} to a larger number of megabytes to accept it)"
+            )
         try:
             return self.data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise LineProblem(f"not valid UTF-8 (byte 0x{self.data[e.start]:02x} at byte {e.start + 1} of the "
-                              f"line); JSONL must be UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`)"
-                              ) from None
+            raise LineProblem(
+                f"not valid UTF-8 (byte 0x{self.data[e.start]:02x} at byte {e.start + 1} of the "
+                f"line); JSONL must be UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`)"
+            ) from None
 
     def json(self) -> Any:
         """The line parsed as JSON; LineProblem naming what is wrong (column of a syntax error)."""
@@ -98,7 +102,7 @@ def _next_line(f: Any, cap: int) -> tuple[bytes | None, int] | None:
         if parts is not None:
             parts.append(piece)
             if size > cap:
-                parts = None    # over the cap: keep counting to the end of the line, keep none of it
+                parts = None  # over the cap: keep counting to the end of the line, keep none of it
     if not size and not ended:
         return None
     return (None if parts is None else b"".join(parts).rstrip(b"\r\n")), size
@@ -116,6 +120,6 @@ def read_lines(path: str | Path, *, cap: int | None = None) -> Iterator[Line]:
                 yield Line(number, None, size, cap)
                 continue
             if number == 1 and data.startswith(_BOM):
-                data = data[len(_BOM):]
+                data = data[len(_BOM) :]
             if data.strip():
                 yield Line(number, data, len(data), cap)

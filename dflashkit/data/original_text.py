@@ -13,11 +13,12 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-ID_PREFIX = "orig-"   # sample ids: "orig-<conversation id>" (a regenerated sample keeps the conversation's id)
+ID_PREFIX = "orig-"  # sample ids: "orig-<conversation id>" (a regenerated sample keeps the conversation's id)
 
 
-def original_text_items(tokenizer: Any, n: int, *, exclude: Collection[str], max_prompt_tokens: int,
-                        dataset: str = "sharegpt") -> list[tuple[str, list[dict[str, str]], None]]:
+def original_text_items(
+    tokenizer: Any, n: int, *, exclude: Collection[str], max_prompt_tokens: int, dataset: str = "sharegpt"
+) -> list[tuple[str, list[dict[str, str]], None]]:
     """The first `n` conversations of `dataset` (its order) whose id is not in `exclude`, whose prompt fits
     `max_prompt_tokens` and that have a non-empty first assistant reply, as (id, prompt + reply, None) items for
     `data.write_tokens` — the prompt exactly as regeneration would pose it."""
@@ -38,7 +39,7 @@ def original_text_items(tokenizer: Any, n: int, *, exclude: Collection[str], max
                 continue
         except DataError:
             continue
-        reply = next((m for m in c.messages[len(prompt):] if m["role"] == "assistant"), None)
+        reply = next((m for m in c.messages[len(prompt) :] if m["role"] == "assistant"), None)
         if reply is None or not str(reply.get("content", "")).strip():
             continue
         items.append((f"{ID_PREFIX}{c.id}", [*prompt, reply], None))
@@ -49,11 +50,18 @@ def original_text_items(tokenizer: Any, n: int, *, exclude: Collection[str], max
 
 def used_conversation_ids(sample_ids: Collection[str]) -> set[str]:
     """Conversation ids behind sample ids (regenerated ones as they are, original-text ones without the prefix)."""
-    return {i[len(ID_PREFIX):] if i.startswith(ID_PREFIX) else i for i in sample_ids}
+    return {i[len(ID_PREFIX) :] if i.startswith(ID_PREFIX) else i for i in sample_ids}
 
 
-def write_original_text(tokenizer: Any, n: int, out_path: str | Path, *, exclude: Collection[str],
-                        max_prompt_tokens: int, max_length: int = 1024) -> Any:
+def write_original_text(
+    tokenizer: Any,
+    n: int,
+    out_path: str | Path,
+    *,
+    exclude: Collection[str],
+    max_prompt_tokens: int,
+    max_length: int = 1024,
+) -> Any:
     """Tokenise `original_text_items(...)` into `out_path` (tokens.jsonl format). Returns the TokensReport."""
     from dflashkit.data.conversations import write_tokens
 

@@ -1,10 +1,10 @@
 """Regenerate responses with the target: the target writes the first assistant turn of every conversation.
 
 DFlash drafters learn the target's own distribution, so training responses are the target's (paper §4.2).
-`regenerate` renders each prompt (`dflashkit.data.conversations.prompt_messages`: messages before the first assistant turn)
-with the chat template and `add_generation_prompt=True`, runs HF `generate` on left-padded batches of prompts
-sorted by length (greedy when temperature == 0, else sampling with temperature/top_p and no top-k), and stops
-at the tokenizer's eos / end-of-turn tokens. Output, one JSON line per conversation, flushed per batch:
+`regenerate` renders each prompt (`dflashkit.data.conversations.prompt_messages`: messages before the first
+assistant turn) with the chat template and `add_generation_prompt=True`, runs HF `generate` on left-padded batches
+of prompts sorted by length (greedy when temperature == 0, else sampling with temperature/top_p and no top-k), and
+stops at the tokenizer's eos / end-of-turn tokens. Output, one JSON line per conversation, flushed per batch:
 
     {"id": ..., "messages": [...prompt..., {"role": "assistant", "content": response}],
      "response_token_ids": [...generated ids, the stop token included when finished...],
@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -35,11 +36,11 @@ from dflashkit.target.model import Target
 
 @dataclass
 class RegenStats:
-    total: int = 0                 # conversations asked for
-    already_done: int = 0          # found in the output file (resume)
-    generated: int = 0             # written by this call
-    finished: int = 0              # of those, ended with a stop token
-    skipped: dict[str, str] = field(default_factory=dict)   # id → reason (no user turn, prompt too long)
+    total: int = 0  # conversations asked for
+    already_done: int = 0  # found in the output file (resume)
+    generated: int = 0  # written by this call
+    finished: int = 0  # of those, ended with a stop token
+    skipped: dict[str, str] = field(default_factory=dict)  # id → reason (no user turn, prompt too long)
     new_tokens: int = 0
     seconds: float = 0.0
 
@@ -68,8 +69,9 @@ def read_regenerated(path: str | Path, *, repair: bool = False) -> list[dict[str
             if not isinstance(rec, dict) or "id" not in rec or "messages" not in rec:
                 raise ValueError("expected an object with 'id' and 'messages'")
         except ValueError as e:
-            raise DataError(f"{path}:{lineno}: damaged regeneration record ({e}); delete the line or the file "
-                            f"to regenerate it") from None
+            raise DataError(
+                f"{path}:{lineno}: damaged regeneration record ({e}); delete the line or the file to regenerate it"
+            ) from None
         records.append(rec)
     if repair and tail:
         with open(path, "r+b") as f:
@@ -77,43 +79,63 @@ def read_regenerated(path: str | Path, *, repair: bool = False) -> list[dict[str
     return records
 
 
-def _settings(target: Target, max_new_tokens: int, temperature: float, top_p: float,
-              chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "top_p": float(top_p),
-            "chat_template_kwargs": dict(chat_template_kwargs or {}), "target": target.source}
+def _settings(
+    target: Target, max_new_tokens: int, temperature: float, top_p: float, chat_template_kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "target": target.source,
+    }
 
 
 def _batches(items: list[Any], size: int) -> Iterable[list[Any]]:
     for i in range(0, len(items), size):
-        yield items[i: i + size]
+        yield items[i : i + size]
 
 
 @torch.inference_mode()
-def generate_batch(target: Target, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                   top_p: float = 1.0, stop_ids: list[int] | None = None) -> list[tuple[list[int], bool]]:
+def generate_batch(
+    target: Target,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: list[int] | None = None,
+) -> list[tuple[list[int], bool]]:
     """Generate for a batch of prompt ids (left-padded). Returns (response ids incl. the stop token, finished)."""
     from transformers import GenerationConfig
 
     from dflashkit.data.conversations import default_stop_token_ids
 
-    stop_ids = stop_ids or default_stop_token_ids(target)   # the config's eos for a target without tokenizer files
+    stop_ids = stop_ids or default_stop_token_ids(target)  # the config's eos for a target without tokenizer files
     if not stop_ids:
         raise DataError(f"target {target.source}: no tokenizer and no eos_token_id in its config; pass stop_ids")
     pad = getattr(target.tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else stop_ids[0]
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)            # (B, T) left-padded
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # (B, T) left-padded
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[b, width - len(p):] = 1
+        ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p) :] = 1
     sample = temperature > 0
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
-                           top_p=top_p if sample else None, top_k=0 if sample else None, eos_token_id=stop_ids,
-                           pad_token_id=pad)
-    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                                generation_config=cfg)
-    new = out[:, width:].tolist()                                           # (B, ≤ max_new_tokens)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        top_k=0 if sample else None,
+        eos_token_id=stop_ids,
+        pad_token_id=pad,
+    )
+    out = target.model.generate(
+        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), generation_config=cfg
+    )
+    new = out[:, width:].tolist()  # (B, ≤ max_new_tokens)
     stops = set(stop_ids)
     results = []
     for row in new:
@@ -122,10 +144,20 @@ def generate_batch(target: Target, prompts: list[list[int]], *, max_new_tokens: 
     return results
 
 
-def regenerate(target: Target, conversations: list[Conversation], out_path: str | Path, *, max_new_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8,
-               chat_template_kwargs: dict[str, Any] | None = None, seed: int = 0,
-               max_prompt_length: int | None = None, progress: bool = True) -> RegenStats:
+def regenerate(
+    target: Target,
+    conversations: list[Conversation],
+    out_path: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
+    max_prompt_length: int | None = None,
+    progress: bool = True,
+) -> RegenStats:
     """Write the target's response to the first assistant turn of each conversation to `out_path` (JSONL)."""
     if target.tokenizer is None:
         raise DataError(f"target {target.source}: no tokenizer found (regeneration needs one with a chat template)")
@@ -137,8 +169,10 @@ def regenerate(target: Target, conversations: list[Conversation], out_path: str 
     existing = read_regenerated(out_path, repair=True)
     for k, rec in enumerate(existing, start=1):
         if rec.get("generation") != settings:
-            raise DataError(f"{out_path}:{k}: written with generation settings {rec.get('generation')}, but this run "
-                            f"uses {settings}; use another output directory or delete the file")
+            raise DataError(
+                f"{out_path}:{k}: written with generation settings {rec.get('generation')}, but this run "
+                f"uses {settings}; use another output directory or delete the file"
+            )
     done = {str(r["id"]) for r in existing}
     stats = RegenStats(total=len(conversations))
     todo: list[tuple[Conversation, list[dict[str, str]], list[int]]] = []
@@ -167,14 +201,30 @@ def regenerate(target: Target, conversations: list[Conversation], out_path: str 
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
     with open(out_path, "a", encoding="utf-8") as f:
         for batch in _batches(todo, batch_size):
-            results = generate_batch(target, [ids for _, _, ids in batch], max_new_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, stop_ids=stop_ids)
+            results = generate_batch(
+                target,
+                [ids for _, _, ids in batch],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=stop_ids,
+            )
             lines = []
-            for (conv, prompt, _), (resp, finished) in zip(batch, results):
+            for (conv, prompt, _), (resp, finished) in zip(batch, results, strict=True):
                 text = target.tokenizer.decode(resp, skip_special_tokens=True)
-                lines.append(json.dumps({"id": conv.id, "messages": prompt + [{"role": "assistant", "content": text}],
-                                         "response_token_ids": resp, "finished": finished, "generation": settings},
-                                        ensure_ascii=False) + "\n")
+                lines.append(
+                    json.dumps(
+                        {
+                            "id": conv.id,
+                            "messages": [*prompt, {"role": "assistant", "content": text}],
+                            "response_token_ids": resp,
+                            "finished": finished,
+                            "generation": settings,
+                        },
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
                 stats.generated += 1
                 stats.finished += int(finished)
                 stats.new_tokens += len(resp)

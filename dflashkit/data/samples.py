@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dflashkit.errors import DataError
 from dflashkit.data.jsonl import LineProblem, read_lines
+from dflashkit.errors import DataError
 
 
 @dataclass
@@ -26,12 +26,12 @@ class Sample:
     """One tokenised sequence. T tokens, K target layers, H hidden."""
 
     id: str
-    input_ids: Tensor                    # (T,) long
-    loss_mask: Tensor                    # (T,) bool — True on supervised (assistant) tokens
-    features: Tensor | None = None       # (T, K·H) target layer outputs (None until captured / computed online)
+    input_ids: Tensor  # (T,) long
+    loss_mask: Tensor  # (T,) bool — True on supervised (assistant) tokens
+    features: Tensor | None = None  # (T, K·H) target layer outputs (None until captured / computed online)
     target_tokens: Tensor | None = None  # (T,) long — target's final-layer argmax at each position (predicts t+1)
-    origin: str | None = None            # "file:line" it was read from, for error messages (None: unknown)
-    topk_ids: Tensor | None = None       # (T, K) long — the target's K most likely next tokens at each position
+    origin: str | None = None  # "file:line" it was read from, for error messages (None: unknown)
+    topk_ids: Tensor | None = None  # (T, K) long — the target's K most likely next tokens at each position
     topk_logprobs: Tensor | None = None  # (T, K) float32 — their log-probs under the full softmax, descending
 
     def __len__(self) -> int:
@@ -64,12 +64,21 @@ def read_tokens(path: str | Path, *, on_error: str = "stop") -> tuple[list[Sampl
                 raise ValueError("empty input_ids")
             if bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError("loss_mask holds values other than 0 and 1")
-            samples.append(Sample(id=str(rec.get("id", f"{path.name}:{line.number}")), input_ids=ids,
-                                  loss_mask=mask.bool(), origin=f"{path}:{line.number}"))
+            samples.append(
+                Sample(
+                    id=str(rec.get("id", f"{path.name}:{line.number}")),
+                    input_ids=ids,
+                    loss_mask=mask.bool(),
+                    origin=f"{path}:{line.number}",
+                )
+            )
         except (KeyError, TypeError, ValueError) as e:
-            msg = f"{path}:{line.number}: " + (str(e) if isinstance(e, LineProblem) else
-                                                f"malformed tokens record ({type(e).__name__}: {e}); expected "
-                                                f'{{"id", "input_ids": [int], "loss_mask": [0/1]}} of equal length')
+            msg = f"{path}:{line.number}: " + (
+                str(e)
+                if isinstance(e, LineProblem)
+                else f"malformed tokens record ({type(e).__name__}: {e}); expected "
+                f'{{"id", "input_ids": [int], "loss_mask": [0/1]}} of equal length'
+            )
             if on_error == "stop":
                 raise DataError(msg) from None
             problems.append(msg)
@@ -99,6 +108,8 @@ def check_token_ids(samples: Sequence[Sample], vocab_size: int, *, what: str = "
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             bad = ((ids < 0) | (ids >= vocab_size)).nonzero()[0].item()
             where = f"{s.origin}: " if s.origin else ""
-            raise DataError(f"{where}sample {s.id!r}: input_ids[{bad}] = {int(ids[bad])} is not a token id of "
-                            f"{what} (expected 0 ≤ id < {vocab_size}, its vocabulary size); were these tokens made "
-                            f"with another tokenizer?")
+            raise DataError(
+                f"{where}sample {s.id!r}: input_ids[{bad}] = {int(ids[bad])} is not a token id of "
+                f"{what} (expected 0 ≤ id < {vocab_size}, its vocabulary size); were these tokens made "
+                f"with another tokenizer?"
+            )

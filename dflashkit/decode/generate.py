@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.target import cache as tc
-from dflashkit.errors import DFlashError
 from dflashkit.decode.hybrid_tree import resolve_mode, verify_tree
-from dflashkit.drafter.model import DFlashDrafter, DrafterCache
-from dflashkit.decode.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
-from dflashkit.target.model import Target, check_drafter_fits
+from dflashkit.decode.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
+from dflashkit.drafter.model import DFlashDrafter, DrafterCache
+from dflashkit.errors import DFlashError
+from dflashkit.target import cache as tc
+from dflashkit.target.model import Target, check_drafter_fits
 
 METHODS = ("ar", "chain", "tree")
 
@@ -47,7 +47,7 @@ class GenerationError(DFlashError, ValueError):
 @dataclass
 class GenerationResult:
     prompt_len: int
-    tokens: list[int]                                   # generated tokens (prompt excluded)
+    tokens: list[int]  # generated tokens (prompt excluded)
     acceptance_lengths: list[int] = field(default_factory=list)  # L per round, bonus included
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per stage
     stop_reason: str = "max_new_tokens"
@@ -75,6 +75,7 @@ def _clock(device: torch.device, timings: dict[str, float]):
         finally:
             sync()
             timings[name] += time.perf_counter() - t0
+
     return stage
 
 
@@ -83,12 +84,24 @@ def _pick(logits: Tensor, params: SamplingParams, gen: torch.Generator | None) -
 
 
 @torch.no_grad()
-def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashDrafter | None = None,
-             method: str = "chain", max_new_tokens: int = 128, block_size: int | None = None,
-             tree_budget: int = 16, tree_top_k: int | None = None, force_spine: bool = False,
-             sampling: SamplingParams = SamplingParams(), draft_sampling: bool = False,
-             stop_token_ids: list[int] | tuple[int, ...] = (), seed: int | None = None,
-             hybrid_tree: str = "auto", check_invariants: bool = False) -> GenerationResult:
+def generate(
+    target: Target,
+    prompt_ids: Tensor | list[int],
+    *,
+    drafter: DFlashDrafter | None = None,
+    method: str = "chain",
+    max_new_tokens: int = 128,
+    block_size: int | None = None,
+    tree_budget: int = 16,
+    tree_top_k: int | None = None,
+    force_spine: bool = False,
+    sampling: SamplingParams = GREEDY,
+    draft_sampling: bool = False,
+    stop_token_ids: list[int] | tuple[int, ...] = (),
+    seed: int | None = None,
+    hybrid_tree: str = "auto",
+    check_invariants: bool = False,
+) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt_ids` (batch 1). See the module docstring for the loop.
 
     method: "ar" | "chain" | "tree" (DDTree with `tree_budget` nodes over the top `tree_top_k` tokens per depth;
@@ -101,8 +114,15 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
     """
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
     prompt_len = ids.shape[1]
-    bs = _checked_block_size(target, drafter, method=method, prompt_len=prompt_len,
-                             max_new_tokens=max_new_tokens, block_size=block_size, sampling=sampling)
+    bs = _checked_block_size(
+        target,
+        drafter,
+        method=method,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+        sampling=sampling,
+    )
     use_drafter = bs > 1
     tree_mode = resolve_mode(target, hybrid_tree) if method == "tree" and target.is_hybrid else None
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
@@ -113,8 +133,14 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
 
     cache = target.new_cache()
     with clock("prefill"):
-        out = target.forward(ids, layer_ids=layer_ids, cache=cache, use_cache=True, logits_to_keep=1,
-                             feature_device=drafter.device if use_drafter else None)
+        out = target.forward(
+            ids,
+            layer_ids=layer_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            feature_device=drafter.device if use_drafter else None,
+        )
     bonus = _pick(out.logits[0, -1], sampling, gen)
     result.tokens.append(bonus)
     dcache = DrafterCache()
@@ -124,22 +150,35 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
         return result
 
     while len(result.tokens) < max_new_tokens:
-        start = prompt_len + len(result.tokens) - 1          # position of the bonus token
-        room = max_new_tokens - len(result.tokens)           # tokens we may still add after the bonus
-        n_verify = min(bs - 1, room) if use_drafter else 0   # drafts that can still be committed
+        start = prompt_len + len(result.tokens) - 1  # position of the bonus token
+        room = max_new_tokens - len(result.tokens)  # tokens we may still add after the bonus
+        n_verify = min(bs - 1, room) if use_drafter else 0  # drafts that can still be committed
         drafts = draft_q = draft_logits = None
         if n_verify > 0:
             with clock("draft"):  # always the full block (see the module docstring); only n_verify drafts are used
-                drafts, draft_q, draft_logits = _draft(target, drafter, dcache, bonus, new_ctx, new_pos, start, bs,
-                                                       n_verify, sampling, draft_sampling, gen)
+                drafts, draft_q, draft_logits = _draft(
+                    target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, sampling, draft_sampling, gen
+                )
         if method == "tree" and drafts is not None:
-            committed, next_token, feats = _verify_tree(target, cache, bonus, draft_logits, drafter, start,
-                                                        layer_ids, tree_budget, tree_top_k, force_spine, tree_mode,
-                                                        clock)
+            committed, next_token, feats = _verify_tree(
+                target,
+                cache,
+                bonus,
+                draft_logits,
+                drafter,
+                start,
+                layer_ids,
+                tree_budget,
+                tree_top_k,
+                force_spine,
+                tree_mode,
+                clock,
+            )
         else:
             block = torch.tensor([[bonus] + ([] if drafts is None else drafts.tolist())])  # (1, bl)
-            committed, next_token, feats = _verify_chain(target, cache, block, start, layer_ids, sampling,
-                                                         draft_q, gen, clock, drafter)
+            committed, next_token, feats = _verify_chain(
+                target, cache, block, start, layer_ids, sampling, draft_q, gen, clock, drafter
+            )
         with clock("commit"):
             stopped = _commit(result, committed, next_token, stops, max_new_tokens)
             if use_drafter:
@@ -147,16 +186,30 @@ def generate(target: Target, prompt_ids: Tensor | list[int], *, drafter: DFlashD
                 new_pos = torch.arange(start, start + len(committed))[None]
             bonus = next_token
             if check_invariants:
-                _check(len(committed), tc.kv_length(cache), start, dcache.length if drafts is not None else None,
-                       bs, tree_budget if method == "tree" else None)
+                _check(
+                    len(committed),
+                    tc.kv_length(cache),
+                    start,
+                    dcache.length if drafts is not None else None,
+                    bs,
+                    tree_budget if method == "tree" else None,
+                )
         if stopped:
             result.stop_reason = "stop_token"
             break
     return result
 
 
-def _checked_block_size(target: Target, drafter: DFlashDrafter | None, *, method: str, prompt_len: int,
-                        max_new_tokens: int, block_size: int | None, sampling: SamplingParams) -> int:
+def _checked_block_size(
+    target: Target,
+    drafter: DFlashDrafter | None,
+    *,
+    method: str,
+    prompt_len: int,
+    max_new_tokens: int,
+    block_size: int | None,
+    sampling: SamplingParams,
+) -> int:
     """Refuse impossible arguments before any work; the block size a round drafts (1 = no drafting: plain AR)."""
     if method not in METHODS:
         raise GenerationError(f"unknown method {method!r}; valid methods: {list(METHODS)}")
@@ -164,8 +217,10 @@ def _checked_block_size(target: Target, drafter: DFlashDrafter | None, *, method
         raise GenerationError("empty prompt")
     max_pos = getattr(target.text_config, "max_position_embeddings", None)
     if max_pos is not None and prompt_len + max_new_tokens > max_pos:
-        raise GenerationError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
-                              f"context window of {max_pos} tokens")
+        raise GenerationError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the target's "
+            f"context window of {max_pos} tokens"
+        )
     if method != "ar" and drafter is None:
         raise GenerationError(f"method {method!r} needs a drafter")
     if method == "tree" and not sampling.greedy:
@@ -177,15 +232,27 @@ def _checked_block_size(target: Target, drafter: DFlashDrafter | None, *, method
     return bs if bs >= 2 else 1
 
 
-def _draft(target: Target, drafter: DFlashDrafter, dcache: DrafterCache, bonus: int, new_ctx: Tensor,
-           new_pos: Tensor, start: int, bs: int, n_verify: int, sampling: SamplingParams, draft_sampling: bool,
-           gen: torch.Generator | None) -> tuple[Tensor, Tensor | None, Tensor]:
+def _draft(
+    target: Target,
+    drafter: DFlashDrafter,
+    dcache: DrafterCache,
+    bonus: int,
+    new_ctx: Tensor,
+    new_pos: Tensor,
+    start: int,
+    bs: int,
+    n_verify: int,
+    sampling: SamplingParams,
+    draft_sampling: bool,
+    gen: torch.Generator | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """One drafter pass over [bonus, MASK × (bs − 1)]: (drafts (nv,) as target ids, draft distribution q over the
     target vocabulary when drafts are sampled (else None), draft logits (nv, V'))."""
     embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, bs)
-    hidden = drafter(new_ctx, embeds, context_positions=new_pos,
-                     block_positions=torch.arange(start, start + bs)[None], cache=dcache)   # (1, bs, H)
-    draft_logits = drafter.logits(hidden[0, 1:n_verify + 1], target.lm_head_weight).float()  # (nv, V')
+    hidden = drafter(
+        new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(start, start + bs)[None], cache=dcache
+    )  # (1, bs, H)
+    draft_logits = drafter.logits(hidden[0, 1 : n_verify + 1], target.lm_head_weight).float()  # (nv, V')
     if sampling.greedy or not draft_sampling:
         return drafter.to_target_ids(draft_logits.argmax(-1)), None, draft_logits
     draft_q = probs(draft_logits, sampling)
@@ -196,30 +263,46 @@ def _draft(target: Target, drafter: DFlashDrafter, dcache: DrafterCache, bonus: 
     return drafts, draft_q, draft_logits
 
 
-def _commit(result: GenerationResult, committed: list[int], next_token: int, stops: set[int],
-            max_new_tokens: int) -> bool:
+def _commit(
+    result: GenerationResult, committed: list[int], next_token: int, stops: set[int], max_new_tokens: int
+) -> bool:
     """Record a round: its acceptance length and the new tokens (cut at a stop token and at max_new_tokens).
     Returns whether a stop token ended the generation."""
     result.acceptance_lengths.append(len(committed))
-    new_tokens = committed[1:] + [next_token]
+    new_tokens = [*committed[1:], next_token]
     stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
     if stop_at is not None:
-        new_tokens = new_tokens[:stop_at + 1]
-    result.tokens.extend(new_tokens[:max_new_tokens - len(result.tokens)])
+        new_tokens = new_tokens[: stop_at + 1]
+    result.tokens.extend(new_tokens[: max_new_tokens - len(result.tokens)])
     return stop_at is not None
 
 
-def _verify_chain(target: Target, cache: object, block: Tensor, start: int, layer_ids: list[int],
-                  sampling: SamplingParams, draft_q: Tensor | None, gen: torch.Generator | None, clock: Any,
-                  drafter: DFlashDrafter | None) -> tuple[list[int], int, Tensor | None]:
+def _verify_chain(
+    target: Target,
+    cache: object,
+    block: Tensor,
+    start: int,
+    layer_ids: list[int],
+    sampling: SamplingParams,
+    draft_q: Tensor | None,
+    gen: torch.Generator | None,
+    clock: Any,
+    drafter: DFlashDrafter | None,
+) -> tuple[list[int], int, Tensor | None]:
     """Verify a chain block (1, bl) at positions start…; returns (committed block tokens, next token, features)."""
     bl = block.shape[1]
     recurrent = tc.has_recurrent_state(cache)
     with clock("verify"):
         snap = tc.snapshot(cache) if recurrent and bl > 1 else None
-        out = target.forward(block, layer_ids=layer_ids, cache=cache, use_cache=True,
-                             position_ids=torch.arange(start, start + bl)[None], logits=not sampling.greedy,
-                             feature_device=drafter.device if drafter is not None and layer_ids else None)
+        out = target.forward(
+            block,
+            layer_ids=layer_ids,
+            cache=cache,
+            use_cache=True,
+            position_ids=torch.arange(start, start + bl)[None],
+            logits=not sampling.greedy,
+            feature_device=drafter.device if drafter is not None and layer_ids else None,
+        )
         if sampling.greedy:
             accepted, next_token = _greedy_accept_lazy(target, out.final_hidden[0], block[0, 1:])
     if not sampling.greedy:
@@ -234,8 +317,13 @@ def _verify_chain(target: Target, cache: object, block: Tensor, start: int, laye
         if keep < bl:
             if snap is not None:  # rejected tokens must leave no trace in recurrent states: rewind, re-run accepted
                 tc.restore(cache, snap)
-                target.forward(block[:, :keep], cache=cache, use_cache=True, logits=False,
-                               position_ids=torch.arange(start, start + keep)[None])
+                target.forward(
+                    block[:, :keep],
+                    cache=cache,
+                    use_cache=True,
+                    logits=False,
+                    position_ids=torch.arange(start, start + keep)[None],
+                )
             else:
                 tc.crop(cache, start + keep)
     feats = out.features[:, :keep] if out.features is not None else None
@@ -253,15 +341,26 @@ def _greedy_accept_lazy(target: Target, final_hidden: Tensor, drafts: Tensor) ->
     first = int(target.verifier_logits(final_hidden[None, :1])[0, 0].float().argmax())
     if drafts.numel() == 0 or int(drafts[0]) != first:
         return 0, first
-    rest = target.verifier_logits(final_hidden[None, 1:])[0].float().argmax(-1)   # (bl − 1,)
-    posterior = torch.cat([torch.tensor([first], device=rest.device), rest])        # (bl,)
+    rest = target.verifier_logits(final_hidden[None, 1:])[0].float().argmax(-1)  # (bl − 1,)
+    posterior = torch.cat([torch.tensor([first], device=rest.device), rest])  # (bl,)
     accepted = int((drafts.to(rest.device) == posterior[:-1]).long().cumprod(0).sum())
     return accepted, int(posterior[accepted])
 
 
-def _verify_tree(target: Target, cache: object, bonus: int, draft_logits: Tensor, drafter: DFlashDrafter,
-                 start: int, layer_ids: list[int], budget: int, top_k: int | None, force_spine: bool,
-                 hybrid_mode: str | None, clock: Any) -> tuple[list[int], int, Tensor]:
+def _verify_tree(
+    target: Target,
+    cache: object,
+    bonus: int,
+    draft_logits: Tensor,
+    drafter: DFlashDrafter,
+    start: int,
+    layer_ids: list[int],
+    budget: int,
+    top_k: int | None,
+    force_spine: bool,
+    hybrid_mode: str | None,
+    clock: Any,
+) -> tuple[list[int], int, Tensor]:
     """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache.
     Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
     with clock("tree_build"):
@@ -270,15 +369,29 @@ def _verify_tree(target: Target, cache: object, bonus: int, draft_logits: Tensor
         if drafter.config.draft_vocab_size is not None:
             tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])
     if hybrid_mode is not None:
-        v = verify_tree(target, cache, tree, start, layer_ids=layer_ids, feature_device=drafter.device,
-                        mode=hybrid_mode, clock=clock)
+        v = verify_tree(
+            target,
+            cache,
+            tree,
+            start,
+            layer_ids=layer_ids,
+            feature_device=drafter.device,
+            mode=hybrid_mode,
+            clock=clock,
+        )
         return tree.tokens[torch.tensor(v.path)].tolist(), v.next_token, v.features
     with clock("tree_build"):
         additive = tree_attention_bias(tree.parents, start, dtype=target.dtype, device=target.device)  # (1,1,N,s+N)
     with clock("verify"):
-        out = target.forward(tree.tokens[None], layer_ids=layer_ids, cache=cache, use_cache=True,
-                             position_ids=(start + tree.depths)[None], attention_mask=additive,
-                             feature_device=drafter.device)
+        out = target.forward(
+            tree.tokens[None],
+            layer_ids=layer_ids,
+            cache=cache,
+            use_cache=True,
+            position_ids=(start + tree.depths)[None],
+            attention_mask=additive,
+            feature_device=drafter.device,
+        )
     target_tokens = out.logits[0].argmax(-1)  # (N,)
     path = follow_tree(tree, target_tokens)
     with clock("commit"):

@@ -30,6 +30,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+GREEDY = SamplingParams()  # the default everywhere: temperature 0
+
+
 def probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """(…, V) logits → (…, V) probabilities with temperature, top-k and top-p applied (float32)."""
     scores = logits.float() / params.temperature
@@ -65,18 +68,19 @@ def accept_argmax_drafts(drafts: Tensor, target_p: Tensor, generator: torch.Gene
     return accepted, int(y[accepted])
 
 
-def accept_sampled_drafts(drafts: Tensor, target_p: Tensor, draft_q: Tensor,
-                          generator: torch.Generator | None = None) -> tuple[int, int]:
+def accept_sampled_drafts(
+    drafts: Tensor, target_p: Tensor, draft_q: Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
     """min(1, p/q) acceptance with residual resampling.
 
     drafts: (n,), sampled from draft_q (n, V); target_p: (n + 1, V). Returns (accepted count, next token).
     """
     n = drafts.shape[0]
     idx = drafts[:, None]
-    p = target_p[:n].gather(-1, idx)[:, 0]   # (n,)
-    q = draft_q.gather(-1, idx)[:, 0]        # (n,)
+    p = target_p[:n].gather(-1, idx)[:, 0]  # (n,)
+    q = draft_q.gather(-1, idx)[:, 0]  # (n,)
     u = torch.rand(n, generator=generator, device=p.device)
-    ok = (u * q < p).long()                  # u < p/q without dividing by q
+    ok = (u * q < p).long()  # u < p/q without dividing by q
     accepted = int(ok.cumprod(0).sum())
     if accepted == n:
         return n, int(sample(target_p[n], generator))

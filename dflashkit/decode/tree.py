@@ -58,7 +58,11 @@ class DraftTree:
 
 
 def _make_tree(
-    tokens: list[int], parents: list[int], depths: list[int], log_probs: list[float], ranks: list[int] | None,
+    tokens: list[int],
+    parents: list[int],
+    depths: list[int],
+    log_probs: list[float],
+    ranks: list[int] | None,
     device: torch.device,
 ) -> DraftTree:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731

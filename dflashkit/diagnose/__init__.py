@@ -9,5 +9,6 @@ Modules and their public functions:
   inspect_checkpoint.py  `inspect_checkpoint(path)`, `render_report`: facts read from the tensors
   diff.py                `diff_checkpoints(a, b)`, `render_diff`
   doctor.py              `run_doctor(target, drafter, …)`: checks before anyone spends GPU hours
+  doctor_checks.py       the checks themselves, one function each (`config_fit`, `mask_finding`, …)
   logs.py                `read_run`, `analyze`, `compare`, `plot`: training health from metrics.jsonl
 """

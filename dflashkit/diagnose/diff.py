@@ -25,11 +25,11 @@ from dflashkit.diagnose.inspect_checkpoint import CheckpointReport, inspect_chec
 
 # Standard attention geometry (heads, head_dim) of common target families, by (architecture prefix, hidden size).
 KNOWN_TARGET_GEOMETRY: dict[tuple[str, int], tuple[int, int]] = {
-    ("Qwen3_5", 5120): (24, 256),      # Qwen3.6-27B / Qwen3.5 27B (lesson 4's 24 heads × 256)
-    ("Qwen3", 4096): (32, 128),        # Qwen3-8B
-    ("Qwen3", 2560): (32, 128),        # Qwen3-4B
-    ("Llama", 4096): (32, 128),        # Llama-3.1-8B
-    ("Llama", 576): (9, 64),           # SmolLM2-135M
+    ("Qwen3_5", 5120): (24, 256),  # Qwen3.6-27B / Qwen3.5 27B (lesson 4's 24 heads × 256)
+    ("Qwen3", 4096): (32, 128),  # Qwen3-8B
+    ("Qwen3", 2560): (32, 128),  # Qwen3-4B
+    ("Llama", 4096): (32, 128),  # Llama-3.1-8B
+    ("Llama", 576): (9, 64),  # SmolLM2-135M
 }
 
 
@@ -48,8 +48,11 @@ def target_geometry(facts: dict[str, Any], target: Any = None) -> tuple[int, int
             return int(heads), int(hd), "recorded in the checkpoint"
     arch = str(extra.get("target_architecture") or "")
     for (prefix, hidden), geo in KNOWN_TARGET_GEOMETRY.items():
-        if arch.startswith(prefix) and hidden == facts.get("hidden_size") and not (
-                prefix == "Qwen3" and arch.startswith("Qwen3_5")):
+        if (
+            arch.startswith(prefix)
+            and hidden == facts.get("hidden_size")
+            and not (prefix == "Qwen3" and arch.startswith("Qwen3_5"))
+        ):
             return geo[0], geo[1], f"the standard geometry of {arch} at hidden {hidden}"
     return None
 
@@ -64,8 +67,14 @@ class DiffReport:
     problems: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "differences": self.differences, "same": self.same,
-                "weights": self.weights, "problems": self.problems}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "differences": self.differences,
+            "same": self.same,
+            "weights": self.weights,
+            "problems": self.problems,
+        }
 
 
 def _ids_words(name: str, ids: list[int]) -> str:
@@ -87,14 +96,18 @@ def _fc_lines(fa: dict[str, Any], fb: dict[str, Any]) -> list[str]:
         if only_b:
             line += f": A leaves out layer{'s' if len(only_b) > 1 else ''} {', '.join(map(str, only_b))}"
         if only_a:
-            line += f"{';' if only_b else ':'} B leaves out layer{'s' if len(only_a) > 1 else ''} " \
-                    f"{', '.join(map(str, only_a))}"
+            line += (
+                f"{';' if only_b else ':'} B leaves out layer{'s' if len(only_a) > 1 else ''} "
+                f"{', '.join(map(str, only_a))}"
+            )
         out.append(line)
     elif sorted(ia) != sorted(ib):
         out.append(f"A reads target layers {ia}, B reads {ib} (same count, different layers)")
     elif ia != ib:
-        out.append(f"A and B read the same target layers in a different order ({ia} vs {ib}): the fc columns "
-                   f"are not interchangeable")
+        out.append(
+            f"A and B read the same target layers in a different order ({ia} vs {ib}): the fc columns "
+            f"are not interchangeable"
+        )
     for name, f in (("A", fa), ("B", fb)):
         ids = f["target_layer_ids"] or []
         if isinstance(f["fc_features"], int) and ids and f["fc_features"] != len(ids):
@@ -107,20 +120,27 @@ def _geometry_lines(fa: dict[str, Any], fb: dict[str, Any], target: Any) -> list
     ga = (fa["num_attention_heads"], fa["head_dim"], fa["num_key_value_heads"], fa["intermediate_size"])
     gb = (fb["num_attention_heads"], fb["head_dim"], fb["num_key_value_heads"], fb["intermediate_size"])
     ta, tb = target_geometry(fa, target), target_geometry(fb, target)
-    copied = {n: t is not None and (f["num_attention_heads"], f["head_dim"]) == t[:2]
-              for n, f, t in (("A", fa, ta), ("B", fb, tb))}
+    copied = {
+        n: t is not None and (f["num_attention_heads"], f["head_dim"]) == t[:2]
+        for n, f, t in (("A", fa, ta), ("B", fb, tb))
+    }
     if copied["A"] != copied["B"]:
         c, o = ("A", "B") if copied["A"] else ("B", "A")
         fc_, fo = (fa, fb) if c == "A" else (fb, fa)
-        out.append(f"{c}'s attention geometry equals its target's (head_dim {fc_['head_dim']}, "
-                   f"{fc_['num_attention_heads']} heads; target geometry from {(ta if c == 'A' else tb)[2]}), "
-                   f"{o} uses its own ({fo['head_dim']}, {fo['num_attention_heads']})")
+        out.append(
+            f"{c}'s attention geometry equals its target's (head_dim {fc_['head_dim']}, "
+            f"{fc_['num_attention_heads']} heads; target geometry from {(ta if c == 'A' else tb)[2]}), "
+            f"{o} uses its own ({fo['head_dim']}, {fo['num_attention_heads']})"
+        )
     elif copied["A"]:
-        out.append(f"both A and B use their target's attention geometry (head_dim {fa['head_dim']}, "
-                   f"{fa['num_attention_heads']} heads) — a drafter should have its own (design lesson 4)")
+        out.append(
+            f"both A and B use their target's attention geometry (head_dim {fa['head_dim']}, "
+            f"{fa['num_attention_heads']} heads) — a drafter should have its own (design lesson 4)"
+        )
     if ga[:3] != gb[:3] and not out:
-        out.append(f"attention: A has {ga[0]} heads × {ga[1]} with {ga[2]} kv heads, B has {gb[0]} × {gb[1]} "
-                   f"with {gb[2]}")
+        out.append(
+            f"attention: A has {ga[0]} heads × {ga[1]} with {ga[2]} kv heads, B has {gb[0]} × {gb[1]} with {gb[2]}"
+        )
     elif ga[:3] != gb[:3]:
         out.append(f"attention: A {ga[0]} × {ga[1]} ({ga[2]} kv), B {gb[0]} × {gb[1]} ({gb[2]} kv)")
     if ga[3] != gb[3]:
@@ -130,10 +150,19 @@ def _geometry_lines(fa: dict[str, Any], fb: dict[str, Any], target: Any) -> list
 
 def _field_lines(fa: dict[str, Any], fb: dict[str, Any], same: list[str]) -> list[str]:
     out = []
-    words = {"hidden_size": "hidden size", "vocab_size": "vocabulary", "num_target_layers": "target depth",
-             "block_size": "block size", "sliding_window": "sliding window", "rope_theta": "rope θ",
-             "rms_norm_eps": "norm ε", "draft_vocab_size": "draft vocabulary", "is_causal": "is_causal override",
-             "num_hidden_layers": "decoder layers", "max_position_embeddings": "max positions"}
+    words = {
+        "hidden_size": "hidden size",
+        "vocab_size": "vocabulary",
+        "num_target_layers": "target depth",
+        "block_size": "block size",
+        "sliding_window": "sliding window",
+        "rope_theta": "rope θ",
+        "rms_norm_eps": "norm ε",
+        "draft_vocab_size": "draft vocabulary",
+        "is_causal": "is_causal override",
+        "num_hidden_layers": "decoder layers",
+        "max_position_embeddings": "max positions",
+    }
     for key, word in words.items():
         if fa.get(key) != fb.get(key):
             out.append(f"{word}: A {fa.get(key)}, B {fb.get(key)}")
@@ -172,16 +201,26 @@ def weight_stats(a: CheckpointReport, b: CheckpointReport, *, top: int = 5) -> d
             ta, tb = ta.double().flatten(), tb.double().flatten()
             na, nb = float(ta.norm()), float(tb.norm())
             cos = float(ta @ tb / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-            rows.append({"tensor": key, "cosine": cos, "norm_ratio": nb / na if na > 0 else math.inf,
-                         "identical": bool(torch.equal(ta, tb))})
+            rows.append(
+                {
+                    "tensor": key,
+                    "cosine": cos,
+                    "norm_ratio": nb / na if na > 0 else math.inf,
+                    "identical": bool(torch.equal(ta, tb)),
+                }
+            )
     finally:
         handles.clear()
     rows.sort(key=lambda r: (r["cosine"], -abs(math.log(r["norm_ratio"])) if 0 < r["norm_ratio"] < math.inf else 0))
-    return {"compared": len(rows), "identical": sum(r["identical"] for r in rows),
-            "mean_cosine": sum(r["cosine"] for r in rows) / len(rows) if rows else None,
-            "most_different": rows[:top],
-            "shape_mismatch": sorted(k for k in set(a.tensors) & set(b.tensors) if a.shape(k) != b.shape(k)),
-            "only_in_a": sorted(set(a.tensors) - set(b.tensors)), "only_in_b": sorted(set(b.tensors) - set(a.tensors))}
+    return {
+        "compared": len(rows),
+        "identical": sum(r["identical"] for r in rows),
+        "mean_cosine": sum(r["cosine"] for r in rows) / len(rows) if rows else None,
+        "most_different": rows[:top],
+        "shape_mismatch": sorted(k for k in set(a.tensors) & set(b.tensors) if a.shape(k) != b.shape(k)),
+        "only_in_a": sorted(set(a.tensors) - set(b.tensors)),
+        "only_in_b": sorted(set(b.tensors) - set(a.tensors)),
+    }
 
 
 def _load(report: CheckpointReport, key: str, handles: dict[str, Any]) -> torch.Tensor | None:
@@ -219,23 +258,35 @@ def render_diff(report: DiffReport) -> str:
     for name, bad in report.problems.items():
         lines.append(f"{name} has problems of its own:")
         lines += [f"  {x}" for x in bad]
-    lines.append("Architecture: " + ("no differences" if not report.differences else
-                                     f"{len(report.differences)} difference(s)"))
+    lines.append(
+        "Architecture: " + ("no differences" if not report.differences else f"{len(report.differences)} difference(s)")
+    )
     lines += [f"  - {d}" for d in report.differences]
     w = report.weights
     if w:
-        lines.append(f"Weights: {w['compared']} tensors with equal shapes compared, {w['identical']} identical"
-                     + (f", mean cosine {w['mean_cosine']:.4f}" if w["mean_cosine"] is not None else ""))
+        lines.append(
+            f"Weights: {w['compared']} tensors with equal shapes compared, {w['identical']} identical"
+            + (f", mean cosine {w['mean_cosine']:.4f}" if w["mean_cosine"] is not None else "")
+        )
         for r in w["most_different"]:
             if not r["identical"]:
                 lines.append(f"  {r['tensor']:<44} cosine {r['cosine']:+.4f}  ‖B‖/‖A‖ {r['norm_ratio']:.3f}")
-        for key, word in (("shape_mismatch", "different shapes"), ("only_in_a", "only in A"),
-                          ("only_in_b", "only in B")):
+        for key, word in (
+            ("shape_mismatch", "different shapes"),
+            ("only_in_a", "only in A"),
+            ("only_in_b", "only in B"),
+        ):
             if w[key]:
                 more = f" … ({len(w[key])})" if len(w[key]) > 8 else ""
                 lines.append(f"  {word}: {', '.join(w[key][:8])}{more}")
     return "\n".join(lines)
 
 
-__all__ = ["DiffReport", "KNOWN_TARGET_GEOMETRY", "diff_checkpoints", "render_diff", "target_geometry",
-           "weight_stats"]
+__all__ = [
+    "KNOWN_TARGET_GEOMETRY",
+    "DiffReport",
+    "diff_checkpoints",
+    "render_diff",
+    "target_geometry",
+    "weight_stats",
+]

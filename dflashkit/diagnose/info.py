@@ -17,12 +17,13 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
-def gather_info(target_spec: str | None, *, drafter: str | None = None, device: str = "cpu",
-                trust_remote_code: bool = False) -> dict[str, Any]:
+def gather_info(
+    target_spec: str | None, *, drafter: str | None = None, device: str = "cpu", trust_remote_code: bool = False
+) -> dict[str, Any]:
     from dflashkit.drafter.checkpoint import CONFIG_NAME, describe, load_drafter
     from dflashkit.drafter.config import stores_target_layer_ids
-    from dflashkit.target.default import DEFAULT_ALIASES, cache_root, default_target_dir
     from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.target.default import DEFAULT_ALIASES, cache_root, default_target_dir
     from dflashkit.target.model import Target
 
     is_default = target_spec is None or str(target_spec).lower() in DEFAULT_ALIASES
@@ -34,8 +35,11 @@ def gather_info(target_spec: str | None, *, drafter: str | None = None, device: 
         model = load_drafter(drafter)
         cfg = model.config
         raw = json.loads((Path(drafter) / CONFIG_NAME).read_text())  # load_drafter has parsed it already
-        drafter_info = {"source": drafter, **describe(drafter),
-                        "target_layer_ids_derived": not stores_target_layer_ids(raw)}
+        drafter_info = {
+            "source": drafter,
+            **describe(drafter),
+            "target_layer_ids_derived": not stores_target_layer_ids(raw),
+        }
     else:
         cfg = default_drafter_config(target)
         model = DFlashDrafter(cfg)
@@ -43,19 +47,32 @@ def gather_info(target_spec: str | None, *, drafter: str | None = None, device: 
     tcfg = target.text_config
     return {
         "target": {
-            "source": target.source, "architecture": target.architecture, "num_layers": target.num_layers,
-            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "source": target.source,
+            "architecture": target.architecture,
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
             "tokenizer_size": len(target.tokenizer) if target.tokenizer is not None else None,
-            "attention": {"heads": getattr(tcfg, "num_attention_heads", None),
-                          "kv_heads": getattr(tcfg, "num_key_value_heads", None),
-                          "head_dim": getattr(tcfg, "head_dim", None)},
-            "hybrid": target.is_hybrid, "linear_attention_backend": target.linear_attention_backend(),
-            "chat_template": target.chat_template_info(), "parameters": target.parameter_count(),
-            "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-            "load_seconds": round(load_s, 2), "converted_now": is_default and not was_cached,
+            "attention": {
+                "heads": getattr(tcfg, "num_attention_heads", None),
+                "kv_heads": getattr(tcfg, "num_key_value_heads", None),
+                "head_dim": getattr(tcfg, "head_dim", None),
+            },
+            "hybrid": target.is_hybrid,
+            "linear_attention_backend": target.linear_attention_backend(),
+            "chat_template": target.chat_template_info(),
+            "parameters": target.parameter_count(),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "device": str(target.device),
+            "load_seconds": round(load_s, 2),
+            "converted_now": is_default and not was_cached,
         },
-        "drafter": {**drafter_info, "config": cfg.to_zlab_dict(), "parameters": model.num_parameters(),
-                    "mask": describe_mask(cfg, target.tokenizer)},
+        "drafter": {
+            **drafter_info,
+            "config": cfg.to_zlab_dict(),
+            "parameters": model.num_parameters(),
+            "mask": describe_mask(cfg, target.tokenizer),
+        },
         "cache": {"root": str(cache_root()), "default_target": str(default_target_dir())},
     }
 
@@ -65,18 +82,22 @@ def render_info(info: dict[str, Any]) -> str:
     cfg = d["config"]
     att = t["attention"]
     from dflashkit.drafter.warm_start import describe as describe_warm_start
+
     warm = describe_warm_start((cfg["dflash_config"].get("dflashkit") or {}).get("warm_start"))
+    kind = f"hybrid: {t['linear_attention_backend']}" if t["hybrid"] else "dense"
+    ids = cfg["dflash_config"]["target_layer_ids"]
     lines = [
         "Target",
         f"  source            {t['source']}",
-        f"  architecture      {t['architecture']}  ({'hybrid: ' + str(t['linear_attention_backend']) if t['hybrid'] else 'dense'})",
+        f"  architecture      {t['architecture']}  ({kind})",
         f"  layers / hidden   {t['num_layers']} / {t['hidden_size']}",
         f"  attention         {att['heads']} heads × {att['head_dim']}, {att['kv_heads']} kv heads",
         f"  vocabulary        {t['vocab_size']} embedding rows (tokenizer {t['tokenizer_size']})",
         f"  chat template     {'present' if t['chat_template']['present'] else 'absent'}"
-        + (", thinking switch" if t['chat_template']['thinking_switch'] else ""),
+        + (", thinking switch" if t["chat_template"]["thinking_switch"] else ""),
         f"  parameters        {_count(t['parameters'])} ({t['dtype']} on {t['device']})",
-        f"  load time         {t['load_seconds']} s" + (" (first use: converted from GGUF)" if t["converted_now"] else ""),
+        f"  load time         {t['load_seconds']} s"
+        + (" (first use: converted from GGUF)" if t["converted_now"] else ""),
         "",
         f"Drafter ({d['source']})",
         f"  layers            {cfg['num_hidden_layers']} × {cfg['layer_types'][0]}"
@@ -85,7 +106,7 @@ def render_info(info: dict[str, Any]) -> str:
         f"{cfg['num_key_value_heads']} kv heads " + ("(the target's: warm start)" if warm else "(own geometry)"),
         f"  MLP               {cfg['intermediate_size']}",
         f"  target features   {len(cfg['dflash_config']['target_layer_ids'])} layers "
-        f"{cfg['dflash_config']['target_layer_ids']} → fc {len(cfg['dflash_config']['target_layer_ids']) * cfg['hidden_size']}"
+        f"{ids} → fc {len(ids) * cfg['hidden_size']}"
         f" → {cfg['hidden_size']}"
         + (" (derived by z-lab's default rule: config.json stores none)" if d.get("target_layer_ids_derived") else ""),
         f"  block size        {cfg['block_size']}",

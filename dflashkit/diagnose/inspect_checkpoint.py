@@ -50,7 +50,7 @@ class CheckpointReport:
 
     path: str
     format: str = "unknown"
-    files: dict[str, int] = field(default_factory=dict)           # file name → bytes
+    files: dict[str, int] = field(default_factory=dict)  # file name → bytes
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # dflashkit name → {shape, dtype, file}
     config_raw: dict[str, Any] | None = None
     config: DrafterConfig | None = None
@@ -70,9 +70,16 @@ class CheckpointReport:
         return list(t["shape"]) if t else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "files": self.files, "facts": self.facts,
-                "tensors": self.tensors, "findings": [asdict(f) for f in self.findings], "notes": self.notes,
-                "ok": self.ok}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "files": self.files,
+            "facts": self.facts,
+            "tensors": self.tensors,
+            "findings": [asdict(f) for f in self.findings],
+            "notes": self.notes,
+            "ok": self.ok,
+        }
 
 
 def _weight_files(path: Path, report: CheckpointReport) -> list[Path]:
@@ -86,11 +93,19 @@ def _weight_files(path: Path, report: CheckpointReport) -> list[Path]:
             return []
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
-            report.add("FAIL", "files", f"shard file(s) {missing} named by {INDEX_NAME} are missing",
-                       "copy the missing shards next to the index")
+            report.add(
+                "FAIL",
+                "files",
+                f"shard file(s) {missing} named by {INDEX_NAME} are missing",
+                "copy the missing shards next to the index",
+            )
         return [path / n for n in names if (path / n).is_file()]
-    report.add("FAIL", "files", f"no {WEIGHTS_NAME} (or {INDEX_NAME}) in {path}",
-               "point at the directory holding the drafter's safetensors weights")
+    report.add(
+        "FAIL",
+        "files",
+        f"no {WEIGHTS_NAME} (or {INDEX_NAME}) in {path}",
+        "point at the directory holding the drafter's safetensors weights",
+    )
     return []
 
 
@@ -102,14 +117,22 @@ def _read_headers(files: list[Path], report: CheckpointReport) -> dict[str, dict
         report.files[f.name] = f.stat().st_size
         try:
             with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
+                for key in list(h.keys()):
                     sl = h.get_slice(key)
                     name = map_key(key) if report.format == "speculators" else key
-                    out[name] = {"shape": list(sl.get_shape()), "dtype": str(sl.get_dtype()), "file": f.name,
-                                 "stored_as": key}
+                    out[name] = {
+                        "shape": list(sl.get_shape()),
+                        "dtype": str(sl.get_dtype()),
+                        "file": f.name,
+                        "stored_as": key,
+                    }
         except Exception as e:  # safetensors raises its own types on truncated / garbage files
-            report.add("FAIL", "files", f"{f.name} is not a readable safetensors file ({e})",
-                       "the file is truncated or not safetensors: copy it again or re-export the checkpoint")
+            report.add(
+                "FAIL",
+                "files",
+                f"{f.name} is not a readable safetensors file ({e})",
+                "the file is truncated or not safetensors: copy it again or re-export the checkpoint",
+            )
     return out
 
 
@@ -118,18 +141,30 @@ def _config(path: Path, report: CheckpointReport) -> None:
 
     cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
-        report.add("FAIL", "config", f"{CONFIG_NAME} is missing in {path}",
-                   "copy the drafter's config.json next to its weights")
+        report.add(
+            "FAIL",
+            "config",
+            f"{CONFIG_NAME} is missing in {path}",
+            "copy the drafter's config.json next to its weights",
+        )
         return
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
-        report.add("FAIL", "config", f"{CONFIG_NAME} is not valid JSON (line {e.lineno}: {e.msg})",
-                   "repair or re-export config.json")
+        report.add(
+            "FAIL",
+            "config",
+            f"{CONFIG_NAME} is not valid JSON (line {e.lineno}: {e.msg})",
+            "repair or re-export config.json",
+        )
         return
     except UnicodeDecodeError as e:
-        report.add("FAIL", "config", f"{CONFIG_NAME} is not valid UTF-8 (byte offset {e.start})",
-                   "repair or re-export config.json")
+        report.add(
+            "FAIL",
+            "config",
+            f"{CONFIG_NAME} is not valid UTF-8 (byte offset {e.start})",
+            "repair or re-export config.json",
+        )
         return
     report.config_raw = raw
     report.format = detect_format(raw)
@@ -141,8 +176,12 @@ def _config(path: Path, report: CheckpointReport) -> None:
     except (ConfigError, CheckpointError) as e:
         report.add("FAIL", "config", str(e), "fix the named field in config.json")
     if report.format == "speculators":
-        report.add("WARN", "format", "speculators-format checkpoint (layer ids count the embedding output)",
-                   f"convert it: dflashkit convert {path} OUT")
+        report.add(
+            "WARN",
+            "format",
+            "speculators-format checkpoint (layer ids count the embedding output)",
+            f"convert it: dflashkit convert {path} OUT",
+        )
 
 
 def _raw_field(raw: dict[str, Any] | None, name: str) -> Any:
@@ -165,12 +204,15 @@ def _facts(report: CheckpointReport) -> None:
     ids = cfg.target_layer_ids if cfg else _raw_field(raw, "target_layer_ids")
     facts["target_layer_ids"] = ids
     # z-lab format without stored ids: from_zlab_dict derived them by z-lab's rule (K = num_hidden_layers)
-    facts["target_layer_ids_derived"] = bool(cfg and report.format != "speculators" and raw
-                                             and not stores_target_layer_ids(raw))
+    facts["target_layer_ids_derived"] = bool(
+        cfg and report.format != "speculators" and raw and not stores_target_layer_ids(raw)
+    )
     if facts["target_layer_ids_derived"]:
-        report.notes.append(f"config.json stores no target_layer_ids: {ids} are derived, as z-lab does, from "
-                            f"num_target_layers {cfg.num_target_layers} and num_hidden_layers {cfg.num_hidden_layers}"
-                            f" (build_target_layer_ids); they are right only if the drafter was trained on them")
+        report.notes.append(
+            f"config.json stores no target_layer_ids: {ids} are derived, as z-lab does, from "
+            f"num_target_layers {cfg.num_target_layers} and num_hidden_layers {cfg.num_hidden_layers}"
+            f" (build_target_layer_ids); they are right only if the drafter was trained on them"
+        )
     facts["num_target_layers"] = cfg.num_target_layers if cfg else _raw_field(raw, "num_target_layers")
     facts["fc_shape"] = fc
     facts["fc_features"] = fc[1] / hidden if fc and hidden else None
@@ -183,23 +225,41 @@ def _facts(report: CheckpointReport) -> None:
     k = shape("layers.0.self_attn.k_proj.weight")
     gate = shape("layers.0.mlp.gate_proj.weight")
     facts["tensor_geometry"] = {
-        "head_dim": head_dim_t, "heads": q[0] // head_dim_t if q and head_dim_t else None,
-        "kv_heads": k[0] // head_dim_t if k and head_dim_t else None, "intermediate": gate[0] if gate else None}
+        "head_dim": head_dim_t,
+        "heads": q[0] // head_dim_t if q and head_dim_t else None,
+        "kv_heads": k[0] // head_dim_t if k and head_dim_t else None,
+        "intermediate": gate[0] if gate else None,
+    }
     src = cfg.to_zlab_dict() if cfg else (raw or {})
-    for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                 "layer_types", "sliding_window", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
+    for name in (
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "layer_types",
+        "sliding_window",
+        "rms_norm_eps",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
         facts[name] = src.get(name)
     facts["rope_theta"] = cfg.rope_theta if cfg else (raw or {}).get("rope_theta")
     facts["block_size"] = cfg.block_size if cfg else _raw_field(raw, "block_size")
     facts["is_causal"] = cfg.is_causal if cfg else (raw or {}).get("is_causal")
     facts["draft_vocab_size"] = cfg.draft_vocab_size if cfg else _raw_field(raw, "draft_vocab_size")
     learned = "mask_embedding" in report.tensors
-    facts["mask"] = {"mask_token_id": cfg.mask_token_id if cfg else _raw_field(raw, "mask_token_id"),
-                     "learned_embedding_tensor": learned,
-                     "config_says_learned": bool(cfg.learned_mask_embedding) if cfg else None}
+    facts["mask"] = {
+        "mask_token_id": cfg.mask_token_id if cfg else _raw_field(raw, "mask_token_id"),
+        "learned_embedding_tensor": learned,
+        "config_says_learned": bool(cfg.learned_mask_embedding) if cfg else None,
+    }
     facts["extra"] = dict(cfg.extra) if cfg else {}
-    facts["parameters"] = sum(math.prod(t["shape"]) for n, t in report.tensors.items()
-                              if n != "draft_to_target" and not t["dtype"].startswith(("I", "U", "BOOL")))
+    facts["parameters"] = sum(
+        math.prod(t["shape"])
+        for n, t in report.tensors.items()
+        if n != "draft_to_target" and not t["dtype"].startswith(("I", "U", "BOOL"))
+    )
     facts["dtypes"] = sorted({t["dtype"] for t in report.tensors.values()})
     facts["bytes"] = sum(report.files.values())
 
@@ -214,12 +274,19 @@ def _consistency(report: CheckpointReport) -> None:
         k = facts["fc_features"]
         named = "the derived ids name" if facts.get("target_layer_ids_derived") else "config.json names"
         if k != len(ids):
-            what = (f"fc reads {k} target layers (fc.weight {fc} = {k} × hidden {facts['hidden_size']}) but "
-                    f"{named} {len(ids)} (target_layer_ids {ids})" if isinstance(k, int) else
-                    f"fc.weight {fc} is not a multiple of hidden {facts['hidden_size']}")
-            report.add("FAIL", "fc width", what,
-                       "retrain with an fc over every named layer (design lesson 1), or correct target_layer_ids "
-                       "to the layers the fc was trained on")
+            what = (
+                f"fc reads {k} target layers (fc.weight {fc} = {k} × hidden {facts['hidden_size']}) but "
+                f"{named} {len(ids)} (target_layer_ids {ids})"
+                if isinstance(k, int)
+                else f"fc.weight {fc} is not a multiple of hidden {facts['hidden_size']}"
+            )
+            report.add(
+                "FAIL",
+                "fc width",
+                what,
+                "retrain with an fc over every named layer (design lesson 1), or correct target_layer_ids "
+                "to the layers the fc was trained on",
+            )
         else:
             report.add("OK", "fc width", f"fc reads {k} target layers ({fc[1]} → {fc[0]}), as {named}")
     if cfg is None:
@@ -229,41 +296,75 @@ def _consistency(report: CheckpointReport) -> None:
     present = set(report.tensors) | ({"draft_to_target"} if "d2t" in report.tensors else set())
     missing = sorted(set(expected) - present)
     unexpected = sorted(set(report.tensors) - set(expected))
-    if report.format == "speculators":   # tables the converter drops or translates (see dflashkit.export.convert)
+    if report.format == "speculators":  # tables the converter drops or translates (see dflashkit.export.convert)
         from dflashkit.export.convert import DROPPED_KEYS
+
         unexpected = [k for k in unexpected if k not in DROPPED_KEYS and k != "d2t"]
     if missing and report.tensors:
-        report.add("FAIL", "tensors", f"missing tensors {missing[:8]}" + (f" and {len(missing) - 8} more"
-                                                                       if len(missing) > 8 else ""),
-                   "the checkpoint is incomplete or from another architecture: re-export it")
+        report.add(
+            "FAIL",
+            "tensors",
+            f"missing tensors {missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
+            "the checkpoint is incomplete or from another architecture: re-export it",
+        )
     if unexpected:
-        report.add("FAIL" if report.format != "speculators" else "WARN", "tensors",
-                   f"unexpected tensors {unexpected[:8]}" + (f" and {len(unexpected) - 8} more"
-                                                           if len(unexpected) > 8 else ""),
-                   "remove them, or fix config.json (layers, mask_embedding, draft_vocab_size) to describe them")
-    bad = [(k, expected[k], report.shape(k)) for k in sorted(set(expected) & set(report.tensors))
-           if report.shape(k) != expected[k] and k != "fc.weight"]
+        report.add(
+            "FAIL" if report.format != "speculators" else "WARN",
+            "tensors",
+            f"unexpected tensors {unexpected[:8]}"
+            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""),
+            "remove them, or fix config.json (layers, mask_embedding, draft_vocab_size) to describe them",
+        )
+    bad = [
+        (k, expected[k], report.shape(k))
+        for k in sorted(set(expected) & set(report.tensors))
+        if report.shape(k) != expected[k] and k != "fc.weight"
+    ]
     for key, want, got in bad[:8]:
-        report.add("FAIL", "shapes", f"tensor '{key}' has shape {got}, config.json implies {want}",
-                   "config.json does not describe these weights: correct heads / head_dim / sizes to the tensors")
+        report.add(
+            "FAIL",
+            "shapes",
+            f"tensor '{key}' has shape {got}, config.json implies {want}",
+            "config.json does not describe these weights: correct heads / head_dim / sizes to the tensors",
+        )
     geo = facts["tensor_geometry"]
     q = shape("layers.0.self_attn.q_proj.weight")
-    if geo["head_dim"] and q and (geo["head_dim"], geo["heads"], geo["kv_heads"]) != (
-            cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads):
-        report.add("FAIL", "geometry", f"tensors say {geo['heads']} heads × {geo['head_dim']} with {geo['kv_heads']} "
-                   f"kv heads; config.json says {cfg.num_attention_heads} × {cfg.head_dim} with "
-                   f"{cfg.num_key_value_heads}", "make config.json match the q/k/v/o and q_norm shapes")
+    if (
+        geo["head_dim"]
+        and q
+        and (geo["head_dim"], geo["heads"], geo["kv_heads"])
+        != (cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+    ):
+        report.add(
+            "FAIL",
+            "geometry",
+            f"tensors say {geo['heads']} heads × {geo['head_dim']} with {geo['kv_heads']} "
+            f"kv heads; config.json says {cfg.num_attention_heads} × {cfg.head_dim} with "
+            f"{cfg.num_key_value_heads}",
+            "make config.json match the q/k/v/o and q_norm shapes",
+        )
     if report.tensors and facts["layers_in_tensors"] != cfg.num_hidden_layers:
-        report.add("FAIL", "layers", f"tensors hold {facts['layers_in_tensors']} decoder layers; config.json says "
-                   f"num_hidden_layers {cfg.num_hidden_layers}", "correct num_hidden_layers / layer_types")
+        report.add(
+            "FAIL",
+            "layers",
+            f"tensors hold {facts['layers_in_tensors']} decoder layers; config.json says "
+            f"num_hidden_layers {cfg.num_hidden_layers}",
+            "correct num_hidden_layers / layer_types",
+        )
     if cfg.learned_mask_embedding != facts["mask"]["learned_embedding_tensor"] and report.tensors:
-        report.add("FAIL", "mask", "config.json says a learned mask embedding but no 'mask_embedding' tensor exists"
-                   if cfg.learned_mask_embedding else "a 'mask_embedding' tensor exists but config.json does not set "
-                   "dflash_config.mask_embedding", "make dflash_config.mask_embedding match the tensors")
+        report.add(
+            "FAIL",
+            "mask",
+            "config.json says a learned mask embedding but no 'mask_embedding' tensor exists"
+            if cfg.learned_mask_embedding
+            else "a 'mask_embedding' tensor exists but config.json does not set dflash_config.mask_embedding",
+            "make dflash_config.mask_embedding match the tensors",
+        )
 
 
 def _skeleton(cfg: DrafterConfig) -> Any:
     from dflashkit.drafter.model import DFlashDrafter
+
     return DFlashDrafter(cfg)
 
 
@@ -272,15 +373,19 @@ def _finite(path: Path, report: CheckpointReport) -> None:
     for f in sorted({t["file"] for t in report.tensors.values()}):
         try:
             with safe_open(str(path / f), framework="pt") as h:
-                for key in h.keys():
+                for key in list(h.keys()):
                     t = h.get_tensor(key)
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         bad.append(key)
         except Exception:  # already reported by _read_headers
             continue
     if bad:
-        report.add("FAIL", "values", f"non-finite values (NaN/inf) in {bad[:8]}",
-                   "training diverged before this save: use an earlier checkpoint")
+        report.add(
+            "FAIL",
+            "values",
+            f"non-finite values (NaN/inf) in {bad[:8]}",
+            "training diverged before this save: use an earlier checkpoint",
+        )
 
 
 def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> CheckpointReport:
@@ -291,8 +396,12 @@ def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> Checkp
         report.add("FAIL", "files", f"checkpoint {path} does not exist", "check the path")
         return report
     if not path.is_dir():
-        report.add("FAIL", "files", f"{path} is a file; expected a checkpoint directory (config.json + "
-                   f"{WEIGHTS_NAME})", "pass the directory that holds it")
+        report.add(
+            "FAIL",
+            "files",
+            f"{path} is a file; expected a checkpoint directory (config.json + {WEIGHTS_NAME})",
+            "pass the directory that holds it",
+        )
         return report
     _config(path, report)
     report.tensors = _read_headers(_weight_files(path, report), report)
@@ -314,12 +423,18 @@ def render_report(report: CheckpointReport) -> str:
     ids = f["target_layer_ids"]
     kinds = f["layer_types"] or []
     summary = ", ".join(f"{kinds.count(t)} × {t}" for t in dict.fromkeys(kinds))
-    mask_txt = ("learned mask embedding (tensor 'mask_embedding')" if mask["learned_embedding_tensor"]
-                else f"target embedding row {mask['mask_token_id']}")
+    mask_txt = (
+        "learned mask embedding (tensor 'mask_embedding')"
+        if mask["learned_embedding_tensor"]
+        else f"target embedding row {mask['mask_token_id']}"
+    )
     if f["extra"].get("mask_reason"):
         mask_txt += f" — {f['extra']['mask_reason']}"
-    named = ("config stores none, derived (z-lab default)" if f.get("target_layer_ids_derived")
-             else f"config names {len(ids) if ids else '?'}")
+    named = (
+        "config stores none, derived (z-lab default)"
+        if f.get("target_layer_ids_derived")
+        else f"config names {len(ids) if ids else '?'}"
+    )
     lines = [
         f"Checkpoint {report.path}  ({report.format} format)",
         f"  target features   fc reads {f['fc_features']} layers ({f['fc_shape']}); {named}: "

@@ -31,8 +31,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from dflashkit.errors import DataError
 from dflashkit.diagnose.inspect_checkpoint import Finding
+from dflashkit.errors import DataError
 
 METRICS_NAME = "metrics.jsonl"
 _ACC_KEY = re.compile(r"^acc(?:uracy)?_slot_?(\d+)$")
@@ -70,7 +70,7 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
     if not file.is_file():
         raise DataError(f"{file}: no such file (expected a training run directory holding {METRICS_NAME})")
     log = RunLog(name=name or (path.name if path.is_dir() else path.parent.name) or str(path), path=str(file))
-    lines = file.read_text(errors="replace").splitlines()   # a non-UTF-8 byte spoils one value, not the file
+    lines = file.read_text(errors="replace").splitlines()  # a non-UTF-8 byte spoils one value, not the file
     bad = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
@@ -119,8 +119,8 @@ def bimodality_coefficient(xs: list[float]) -> float:
     m2 = sum((x - mu) ** 2 for x in xs) / n
     if m2 == 0:
         return 0.0
-    g = (sum((x - mu) ** 3 for x in xs) / n) / m2 ** 1.5
-    kappa = (sum((x - mu) ** 4 for x in xs) / n) / m2 ** 2 - 3.0
+    g = (sum((x - mu) ** 3 for x in xs) / n) / m2**1.5
+    kappa = (sum((x - mu) ** 4 for x in xs) / n) / m2**2 - 3.0
     return (g * g + 1) / (kappa + 3 * (n - 1) ** 2 / ((n - 2) * (n - 3)))
 
 
@@ -151,7 +151,7 @@ def ashman_d(xs: list[float]) -> tuple[float, float]:
 
 def rolling(xs: list[float], window: int, fn: Any) -> list[float]:
     half = window // 2
-    return [fn(xs[max(0, i - half):i + half + 1]) for i in range(len(xs))]
+    return [fn(xs[max(0, i - half) : i + half + 1]) for i in range(len(xs))]
 
 
 def warmup_end(log: RunLog) -> int:
@@ -175,20 +175,24 @@ def steps_to_accuracy(log: RunLog, threshold: float, *, slot: int | None = None)
             steps.append(int(r.get("step", i + 1)))
             vals.append(sum(use) / len(use))
     smooth = rolling(vals, 5, lambda w: sum(w) / len(w)) if recs is log.train else vals
-    return next((s for s, v in zip(steps, smooth) if v >= threshold), None)
+    return next((s for s, v in zip(steps, smooth, strict=True) if v >= threshold), None)
 
 
 # ---------------------------------------------------------------------------------------------- analysis
 def analyze(log: RunLog) -> dict[str, Any]:
     """Summary statistics and findings for one run (see the module docstring for the definitions)."""
-    out: dict[str, Any] = {"name": log.name, "records": {"train": len(log.train), "val": len(log.val)},
-                           "notes": list(log.notes), "findings": []}
+    out: dict[str, Any] = {
+        "name": log.name,
+        "records": {"train": len(log.train), "val": len(log.val)},
+        "notes": list(log.notes),
+        "findings": [],
+    }
     find: list[Finding] = out["findings"]
     w = warmup_end(log)
     _, gn = log.series("grad_norm")
     if gn:
         after = gn[w:] or gn
-        early = median(after[:max(1, len(after) // 4)])
+        early = median(after[: max(1, len(after) // 4)])
         low = [g <= 1e-3 * early or g == 0 for g in after]
         need = max(5, int(0.05 * len(after)))
         run = best = start = best_start = 0
@@ -198,34 +202,64 @@ def analyze(log: RunLog) -> dict[str, Any]:
             if run > best:
                 best, best_start = run, start
         steps = log.series("grad_norm")[0][w:] or log.series("grad_norm")[0]
-        out["grad_norm"] = {"mean_after_warmup": sum(after) / len(after), "median": median(after),
-                            "min": min(after), "max": max(after), "early_median": early, "warmup_records": w}
+        out["grad_norm"] = {
+            "mean_after_warmup": sum(after) / len(after),
+            "median": median(after),
+            "min": min(after),
+            "max": max(after),
+            "early_median": early,
+            "warmup_records": w,
+        }
         if best >= need:
-            find.append(Finding("WARN", "grad norm", f"collapsed: below 1e-3 × its early median {early:.3g} (or 0) "
-                                f"for {best} records from step {steps[best_start]} (min {min(after):.2g})",
-                                "the drafter stopped learning: check the loss mask and labels, lower weight decay "
-                                "or raise lr; a healthy run keeps grad norms within a decade or two"))
+            find.append(
+                Finding(
+                    "WARN",
+                    "grad norm",
+                    f"collapsed: below 1e-3 × its early median {early:.3g} (or 0) "
+                    f"for {best} records from step {steps[best_start]} (min {min(after):.2g})",
+                    "the drafter stopped learning: check the loss mask and labels, lower weight decay "
+                    "or raise lr; a healthy run keeps grad norms within a decade or two",
+                )
+            )
         else:
-            find.append(Finding("OK", "grad norm", f"mean {out['grad_norm']['mean_after_warmup']:.3g} after warmup, "
-                                f"min {min(after):.3g}: no collapse"))
+            find.append(
+                Finding(
+                    "OK",
+                    "grad norm",
+                    f"mean {out['grad_norm']['mean_after_warmup']:.3g} after warmup, min {min(after):.3g}: no collapse",
+                )
+            )
     _, clipped = log.series("clipped")
     if clipped:
         out["clipped_fraction"] = sum(clipped) / len(clipped)
     _, loss = log.series("loss")
     if loss:
-        out["loss"] = {"p10": percentile(loss, 0.1), "median": median(loss), "mean": sum(loss) / len(loss),
-                       "p90": percentile(loss, 0.9), "first": loss[0], "last": loss[-1]}
+        out["loss"] = {
+            "p10": percentile(loss, 0.1),
+            "median": median(loss),
+            "mean": sum(loss) / len(loss),
+            "p90": percentile(loss, 0.9),
+            "first": loss[0],
+            "last": loss[-1],
+        }
         body = loss[w:] if len(loss) - w >= 30 else loss
         logs = [math.log(max(x, 1e-12)) for x in body]
-        resid = [x - m for x, m in zip(logs, rolling(logs, 51, median))]
+        resid = [x - m for x, m in zip(logs, rolling(logs, 51, median), strict=True)]
         bc = bimodality_coefficient(resid)
         d, share = ashman_d(resid) if len(resid) >= 30 else (0.0, 0.0)
         out["loss"].update({"bimodality_coefficient": bc, "ashman_d": d, "minor_share": share})
         if len(resid) >= 30 and bc > 5 / 9 and d > 3 and share >= 0.1:
-            find.append(Finding("WARN", "loss", f"bimodal step losses (BC {bc:.2f} > 0.555, Ashman's D {d:.1f}, "
-                                f"{share:.0%} of steps in the minor mode)", "two populations of batches: look for "
-                                "empty or degenerate batches (no supervised tokens, wrong masks) or a data mix "
-                                "with two regimes"))
+            find.append(
+                Finding(
+                    "WARN",
+                    "loss",
+                    f"bimodal step losses (BC {bc:.2f} > 0.555, Ashman's D {d:.1f}, "
+                    f"{share:.0%} of steps in the minor mode)",
+                    "two populations of batches: look for "
+                    "empty or degenerate batches (no supervised tokens, wrong masks) or a data mix "
+                    "with two regimes",
+                )
+            )
         elif len(resid) < 30:
             find.append(Finding("OK", "loss", f"only {len(resid)} records: too few to test for bimodality (≥ 30)"))
         else:
@@ -250,10 +284,14 @@ def compare(logs: list[RunLog], *, acc: float = 0.5, slot: int | None = None) ->
     """Metrics every run has, the ones some lack (named), and steps to reach `acc`."""
     keys = [lg.keys() for lg in logs]
     shared = set.intersection(*keys) if keys else set()
-    missing = {lg.name: sorted(set.union(*keys) - k) for lg, k in zip(logs, keys) if set.union(*keys) - k}
-    return {"shared": sorted(shared), "missing": missing, "acc_threshold": acc,
-            "acc_on": f"slot {slot}" if slot is not None else "mean of slots 1…bs−1",
-            "steps_to_accuracy": {lg.name: steps_to_accuracy(lg, acc, slot=slot) for lg in logs}}
+    missing = {lg.name: sorted(set.union(*keys) - k) for lg, k in zip(logs, keys, strict=True) if set.union(*keys) - k}
+    return {
+        "shared": sorted(shared),
+        "missing": missing,
+        "acc_threshold": acc,
+        "acc_on": f"slot {slot}" if slot is not None else "mean of slots 1…bs−1",
+        "steps_to_accuracy": {lg.name: steps_to_accuracy(lg, acc, slot=slot) for lg in logs},
+    }
 
 
 def render(analyses: list[dict[str, Any]], comparison: dict[str, Any] | None) -> str:
@@ -263,23 +301,30 @@ def render(analyses: list[dict[str, Any]], comparison: dict[str, Any] | None) ->
         lines += [f"  note: {n}" for n in a["notes"]]
         if "loss" in a:
             lo = a["loss"]
-            lines.append(f"  loss        P10 {lo['p10']:.4f}  median {lo['median']:.4f}  mean {lo['mean']:.4f}  "
-                         f"P90 {lo['p90']:.4f}  (first {lo['first']:.4f}, last {lo['last']:.4f})")
+            lines.append(
+                f"  loss        P10 {lo['p10']:.4f}  median {lo['median']:.4f}  mean {lo['mean']:.4f}  "
+                f"P90 {lo['p90']:.4f}  (first {lo['first']:.4f}, last {lo['last']:.4f})"
+            )
         if "grad_norm" in a:
             g = a["grad_norm"]
-            lines.append(f"  grad norm   mean after warmup {g['mean_after_warmup']:.4g}, median {g['median']:.4g}, "
-                         f"range {g['min']:.3g}…{g['max']:.3g}"
-                         + (f"; clipped {a['clipped_fraction']:.1%} of steps" if "clipped_fraction" in a else ""))
+            lines.append(
+                f"  grad norm   mean after warmup {g['mean_after_warmup']:.4g}, median {g['median']:.4g}, "
+                f"range {g['min']:.3g}…{g['max']:.3g}"
+                + (f"; clipped {a['clipped_fraction']:.1%} of steps" if "clipped_fraction" in a else "")
+            )
         for split in ("train", "val"):
             if f"{split}_tau" in a:
                 t = a[f"{split}_tau"]
                 acc = a.get(f"{split}_accuracy_last") or []
-                lines.append(f"  {split:<5} τ     {t['first']:.2f} → {t['last']:.2f} (max {t['max']:.2f}); last "
-                             f"per-slot accuracy {' '.join(f'{x:.2f}' for x in acc[1:9])}"
-                             + (" …" if len(acc) > 9 else ""))
+                lines.append(
+                    f"  {split:<5} τ     {t['first']:.2f} → {t['last']:.2f} (max {t['max']:.2f}); last "
+                    f"per-slot accuracy {' '.join(f'{x:.2f}' for x in acc[1:9])}" + (" …" if len(acc) > 9 else "")
+                )
         if "lr" in a:
-            lines.append(f"  lr          {a['lr']['first']:.2e} → peak {a['lr']['peak']:.2e} at step "
-                         f"{a['lr']['peak_step']} → {a['lr']['last']:.2e}")
+            lines.append(
+                f"  lr          {a['lr']['first']:.2e} → peak {a['lr']['peak']:.2e} at step "
+                f"{a['lr']['peak_step']} → {a['lr']['last']:.2e}"
+            )
         if "noise_std" in a:
             n = a["noise_std"]
             lines.append(f"  noise std   {n['first']:.3g} → {n['last']:.3g}")
@@ -297,15 +342,20 @@ def render(analyses: list[dict[str, Any]], comparison: dict[str, Any] | None) ->
 def plot(logs: list[RunLog], out_dir: str | Path) -> list[Path]:
     """Loss, grad norm, lr, τ and per-slot accuracy plots (PNG) for all runs; returns the files written."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for key, title, log_y in (("loss", "loss", False), ("grad_norm", "grad norm (before clipping)", True),
-                              ("lr", "learning rate", False), ("tau", "estimated τ", False),
-                              ("noise_std", "fc noise std", False)):
+    for key, title, log_y in (
+        ("loss", "loss", False),
+        ("grad_norm", "grad norm (before clipping)", True),
+        ("lr", "learning rate", False),
+        ("tau", "estimated τ", False),
+        ("noise_std", "fc noise std", False),
+    ):
         series = [(lg, *lg.series(key)) for lg in logs]
         series = [s for s in series if s[2]]
         if not series:
@@ -324,16 +374,32 @@ def plot(logs: list[RunLog], out_dir: str | Path) -> list[Path]:
         written.append(out / f"{key}.png")
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
-    runs = [(lg, [(int(r.get("step", i + 1)), r["accuracy"]) for i, r in enumerate(lg.train)
-                  if isinstance(r.get("accuracy"), list)]) for lg in logs]
+    runs = [
+        (
+            lg,
+            [
+                (int(r.get("step", i + 1)), r["accuracy"])
+                for i, r in enumerate(lg.train)
+                if isinstance(r.get("accuracy"), list)
+            ],
+        )
+        for lg in logs
+    ]
     runs = [(lg, rows) for lg, rows in runs if rows]
     if runs:
         fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
-        for ax, (lg, rows) in zip(axes[0], runs):
+        for ax, (lg, rows) in zip(axes[0], runs, strict=True):
             width = max(len(a) for _, a in rows)
             grid = [[(a[k] if k < len(a) else float("nan")) for _, a in rows] for k in range(1, width)]
-            im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
-                           extent=(rows[0][0], rows[-1][0], 0.5, width - 0.5))
+            im = ax.imshow(
+                grid,
+                aspect="auto",
+                origin="lower",
+                vmin=0,
+                vmax=1,
+                cmap="viridis",
+                extent=(rows[0][0], rows[-1][0], 0.5, width - 0.5),
+            )
             ax.set(title=f"{lg.name}: per-slot accuracy", xlabel="step", ylabel="block slot")
             fig.colorbar(im, ax=ax)
         fig.tight_layout()
@@ -343,5 +409,14 @@ def plot(logs: list[RunLog], out_dir: str | Path) -> list[Path]:
     return written
 
 
-__all__ = ["RunLog", "analyze", "ashman_d", "bimodality_coefficient", "compare", "plot", "read_run", "render",
-           "steps_to_accuracy"]
+__all__ = [
+    "RunLog",
+    "analyze",
+    "ashman_d",
+    "bimodality_coefficient",
+    "compare",
+    "plot",
+    "read_run",
+    "render",
+    "steps_to_accuracy",
+]

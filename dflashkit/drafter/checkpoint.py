@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.io_utils import atomic_path
-from dflashkit.drafter.model import DFlashDrafter
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -33,13 +33,20 @@ def drafter_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     return {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None,
-                 metadata: dict[str, str] | None = None) -> Path:
+def save_drafter(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> Path:
     """Write config.json and model.safetensors into `out_dir` (created if needed); returns the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in drafter_state_dict(drafter).items()}
+    tensors = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in drafter_state_dict(drafter).items()
+    }
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
     drafter.config.save(out / CONFIG_NAME)
@@ -68,7 +75,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     for f in _weight_files(Path(path)):
         try:
             with safe_open(str(f), framework="pt") as handle:
-                for key in handle.keys():
+                for key in list(handle.keys()):
                     tensors[key] = handle.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for truncated files
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
@@ -77,13 +84,16 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 def _shape_hint(key: str, cfg: DrafterConfig, found: tuple[int, ...]) -> str:
     if key == "fc.weight" and len(found) == 2 and found[1] % cfg.hidden_size == 0:
-        return (f" — the fc reads {found[1] // cfg.hidden_size} target layers but config.json names "
-                f"{cfg.num_features} (target_layer_ids {cfg.target_layer_ids})")
+        return (
+            f" — the fc reads {found[1] // cfg.hidden_size} target layers but config.json names "
+            f"{cfg.num_features} (target_layer_ids {cfg.target_layer_ids})"
+        )
     return ""
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], cfg: DrafterConfig,
-                  source: str) -> None:
+def check_tensors(
+    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], cfg: DrafterConfig, source: str
+) -> None:
     """Strict key and shape check with messages naming every offending key."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -97,8 +107,10 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Te
     for key, ref in expected.items():
         found = tuple(tensors[key].shape)
         if found != tuple(ref.shape):
-            raise CheckpointError(f"{source}: tensor '{key}' has shape {list(found)}, expected {list(ref.shape)}"
-                                  + _shape_hint(key, cfg, found))
+            raise CheckpointError(
+                f"{source}: tensor '{key}' has shape {list(found)}, expected {list(ref.shape)}"
+                + _shape_hint(key, cfg, found)
+            )
 
 
 def load_config(path: str | Path) -> DrafterConfig:
@@ -113,8 +125,9 @@ def load_config(path: str | Path) -> DrafterConfig:
         raise CheckpointError(str(e)) from None
 
 
-def load_drafter(path: str | Path, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
     """Load a z-lab-format drafter strictly (ours, z-lab's, or converted)."""
     path = Path(path)
     cfg = load_config(path)

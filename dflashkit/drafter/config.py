@@ -44,7 +44,8 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     ids = [round(1 + j * (num_target_layers - 4) / (num_features - 1)) for j in range(num_features)]
     if len(set(ids)) != len(ids):
         raise ConfigError(
-            f"cannot pick {num_features} distinct layers in 1..{num_target_layers - 3} of a {num_target_layers}-layer target"
+            f"cannot pick {num_features} distinct layers in 1..{num_target_layers - 3} "
+            f"of a {num_target_layers}-layer target"
         )
     return ids
 
@@ -72,8 +73,12 @@ def default_geometry(hidden_size: int) -> dict[str, int]:
         heads = max(2, min(8, hidden_size // head_dim))
         kv_heads = max(1, heads // 2)
     intermediate = int(math.ceil(3 * hidden_size / 128) * 128)
-    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "intermediate_size": intermediate}
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+    }
 
 
 @dataclass
@@ -109,7 +114,7 @@ class DrafterConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("num_hidden_layers", "target_layer_ids"):   # used below: name a wrong type, no TypeError
+        for name in ("num_hidden_layers", "target_layer_ids"):  # used below: name a wrong type, no TypeError
             problem = field_type_problem(name, getattr(self, name))
             if problem:
                 raise ConfigError(f"drafter config field '{name}' {problem}")
@@ -120,9 +125,17 @@ class DrafterConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def for_target(cls, *, hidden_size: int, vocab_size: int, num_target_layers: int,
-                   num_features: int = 5, target_layer_ids: list[int] | None = None,
-                   mask_token_id: int | None = None, **overrides: Any) -> "DrafterConfig":
+    def for_target(
+        cls,
+        *,
+        hidden_size: int,
+        vocab_size: int,
+        num_target_layers: int,
+        num_features: int = 5,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        **overrides: Any,
+    ) -> DrafterConfig:
         """Default drafter for a target: own geometry from the hidden size, z-lab layer ids, mask token choice.
 
         `mask_token_id=None` means the target has no spare embedding row: a learned mask embedding is used.
@@ -130,44 +143,83 @@ class DrafterConfig:
         geometry = default_geometry(hidden_size)
         geometry.update({k: v for k, v in overrides.items() if k in geometry})
         rest = {k: v for k, v in overrides.items() if k not in geometry}
-        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
-            num_target_layers, num_features)
+        ids = (
+            list(target_layer_ids)
+            if target_layer_ids is not None
+            else default_target_layer_ids(num_target_layers, num_features)
+        )
         learned = mask_token_id is None
-        return cls(hidden_size=hidden_size, vocab_size=vocab_size, num_target_layers=num_target_layers,
-                   target_layer_ids=ids, mask_token_id=0 if learned else int(mask_token_id),
-                   learned_mask_embedding=learned, **geometry, **rest)
+        return cls(
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            num_target_layers=num_target_layers,
+            target_layer_ids=ids,
+            mask_token_id=0 if learned else int(mask_token_id),
+            learned_mask_embedding=learned,
+            **geometry,
+            **rest,
+        )
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise ConfigError naming the field and what was expected."""
-        for name in ("rms_norm_eps", "rope_theta", "mask_token_id", "max_position_embeddings", "attention_bias",
-                     "is_causal", "hidden_act", "layer_types", "sliding_window", "draft_vocab_size"):
+        for name in (
+            "rms_norm_eps",
+            "rope_theta",
+            "mask_token_id",
+            "max_position_embeddings",
+            "attention_bias",
+            "is_causal",
+            "hidden_act",
+            "layer_types",
+            "sliding_window",
+            "draft_vocab_size",
+        ):
             problem = field_type_problem(name, getattr(self, name))
             if problem:
                 raise ConfigError(f"drafter config field '{name}' {problem}")
-        for name in ("hidden_size", "vocab_size", "num_target_layers", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "block_size"):
+        for name in (
+            "hidden_size",
+            "vocab_size",
+            "num_target_layers",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "block_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"drafter config field '{name}' must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         self.check_layer_ids(self.num_target_layers)
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
-                              f"{self.num_hidden_layers}")
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
+                f"{self.num_hidden_layers}"
+            )
         for i, t in enumerate(self.layer_types):
             if t not in LAYER_TYPES:
                 raise ConfigError(f"layer_types[{i}] = {t!r}; expected one of {list(LAYER_TYPES)}")
-        if SLIDING_ATTENTION in self.layer_types and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ConfigError(f"sliding_window must be a positive integer when a layer is sliding_attention, "
-                              f"got {self.sliding_window!r}")
+        if SLIDING_ATTENTION in self.layer_types and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ConfigError(
+                f"sliding_window must be a positive integer when a layer is sliding_attention, "
+                f"got {self.sliding_window!r}"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the embedding table "
-                              f"(vocab_size {self.vocab_size}); expected 0 ≤ id < {self.vocab_size}")
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is outside the embedding table "
+                f"(vocab_size {self.vocab_size}); expected 0 ≤ id < {self.vocab_size}"
+            )
 
     def check_layer_ids(self, num_target_layers: int) -> None:
         """target_layer_ids must be distinct 0-based decoder-layer indices of the target."""
@@ -189,8 +241,11 @@ class DrafterConfig:
 
     # ------------------------------------------------------------------ z-lab config.json
     def to_zlab_dict(self) -> dict[str, Any]:
-        dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
-                                  "block_size": self.block_size}
+        dflash: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "block_size": self.block_size,
+        }
         if self.learned_mask_embedding:
             dflash["mask_embedding"] = True
         if self.draft_vocab_size is not None:
@@ -229,7 +284,7 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_zlab_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
+    def from_zlab_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         """Parse a z-lab style config (dflash_config first, then top-level fields)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
@@ -250,12 +305,16 @@ class DrafterConfig:
         target_layer_ids = pick("target_layer_ids", None)
         if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
             if pick("num_target_layers", None) is None:
-                raise ConfigError(f"{source}: neither 'target_layer_ids' nor 'num_target_layers' is given; the layer "
-                                  f"ids cannot be derived (add dflash_config.target_layer_ids)")
+                raise ConfigError(
+                    f"{source}: neither 'target_layer_ids' nor 'num_target_layers' is given; the layer "
+                    f"ids cannot be derived (add dflash_config.target_layer_ids)"
+                )
             try:
                 target_layer_ids = default_target_layer_ids(int(pick("num_target_layers")), num_layers)
             except ConfigError as e:
-                raise ConfigError(f"{source}: no target_layer_ids stored, and z-lab's default rule fails: {e}") from None
+                raise ConfigError(
+                    f"{source}: no target_layer_ids stored, and z-lab's default rule fails: {e}"
+                ) from None
         sliding_window = raw.get("sliding_window")
         layer_types = pick("layer_types", None) or [FULL_ATTENTION] * num_layers
         if raw.get("use_sliding_window") is False and "layer_types" not in raw:
@@ -292,10 +351,11 @@ class DrafterConfig:
 
     def save(self, path: str | Path) -> None:
         from dflashkit.io_utils import atomic_write_text
+
         atomic_write_text(Path(path), json.dumps(self.to_zlab_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "DrafterConfig":
+    def load(cls, path: str | Path) -> DrafterConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: file not found (expected a drafter config.json)")
@@ -304,14 +364,16 @@ class DrafterConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                              f"expected a JSON drafter config.json") from None
+            raise ConfigError(
+                f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                f"expected a JSON drafter config.json"
+            ) from None
         return cls.from_zlab_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def replace(self, **changes: Any) -> "DrafterConfig":
+    def replace(self, **changes: Any) -> DrafterConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return DrafterConfig(**values)

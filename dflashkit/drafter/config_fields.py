@@ -18,25 +18,49 @@ from typing import Any
 
 from dflashkit.errors import ConfigError
 
-INT, FLOAT, BOOL, STR, DICT, INT_LIST, STR_LIST = ("an integer", "a number", "true or false", "a string",
-                                                   "a JSON object", "a list of integers", "a list of strings")
+INT, FLOAT, BOOL, STR, DICT, INT_LIST, STR_LIST = (
+    "an integer",
+    "a number",
+    "true or false",
+    "a string",
+    "a JSON object",
+    "a list of integers",
+    "a list of strings",
+)
 
 # field → (expected kind, null allowed)
 ZLAB_FIELDS: dict[str, tuple[str, bool]] = {
-    "hidden_size": (INT, False), "vocab_size": (INT, False), "num_hidden_layers": (INT, False),
-    "num_attention_heads": (INT, False), "num_key_value_heads": (INT, False), "head_dim": (INT, False),
-    "intermediate_size": (INT, False), "block_size": (INT, False), "mask_token_id": (INT, False),
-    "max_position_embeddings": (INT, False), "num_target_layers": (INT, True), "draft_vocab_size": (INT, True),
-    "sliding_window": (INT, True), "rms_norm_eps": (FLOAT, False), "rope_theta": (FLOAT, False),
-    "attention_bias": (BOOL, True), "is_causal": (BOOL, True), "use_sliding_window": (BOOL, True),
-    "mask_embedding": (BOOL, True), "hidden_act": (STR, False), "target_layer_ids": (INT_LIST, True),
-    "layer_types": (STR_LIST, True), "rope_parameters": (DICT, True), "dflashkit": (DICT, True),
+    "hidden_size": (INT, False),
+    "vocab_size": (INT, False),
+    "num_hidden_layers": (INT, False),
+    "num_attention_heads": (INT, False),
+    "num_key_value_heads": (INT, False),
+    "head_dim": (INT, False),
+    "intermediate_size": (INT, False),
+    "block_size": (INT, False),
+    "mask_token_id": (INT, False),
+    "max_position_embeddings": (INT, False),
+    "num_target_layers": (INT, True),
+    "draft_vocab_size": (INT, True),
+    "sliding_window": (INT, True),
+    "rms_norm_eps": (FLOAT, False),
+    "rope_theta": (FLOAT, False),
+    "attention_bias": (BOOL, True),
+    "is_causal": (BOOL, True),
+    "use_sliding_window": (BOOL, True),
+    "mask_embedding": (BOOL, True),
+    "hidden_act": (STR, False),
+    "target_layer_ids": (INT_LIST, True),
+    "layer_types": (STR_LIST, True),
+    "rope_parameters": (DICT, True),
+    "dflashkit": (DICT, True),
 }
 
 
 def _is_int(v: Any) -> bool:
-    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v)
-                                                                and v.is_integer())
+    return (isinstance(v, int) and not isinstance(v, bool)) or (
+        isinstance(v, float) and math.isfinite(v) and v.is_integer()
+    )
 
 
 def _fits(kind: str, v: Any) -> bool:
@@ -52,14 +76,21 @@ def _fits(kind: str, v: Any) -> bool:
         return isinstance(v, dict)
     if kind == INT_LIST:
         return isinstance(v, list) and all(_is_int(x) for x in v)
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)   # STR_LIST
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)  # STR_LIST
 
 
 def _describe(v: Any) -> str:
     if v is None:
         return "null"
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    kind = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
     text = json.dumps(v, default=str)
     return f"{text if len(text) <= 60 else text[:57] + '...'} ({kind})"
 
@@ -73,7 +104,7 @@ def field_value_ok(name: str, value: Any) -> bool:
 
 
 def field_type_problem(name: str, value: Any) -> str | None:
-    """"must be an integer, got "two" (a string)" when `value` does not fit field `name`, else None."""
+    """ "must be an integer, got "two" (a string)" when `value` does not fit field `name`, else None."""
     if field_value_ok(name, value):
         return None
     kind, nullable = ZLAB_FIELDS[name]

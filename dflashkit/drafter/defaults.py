@@ -53,11 +53,20 @@ def default_drafter_config(target: Any, **overrides: Any) -> DrafterConfig:
 
         pick = unused_special_token(target.tokenizer) if target.tokenizer is not None else None
         mask, why = pick if pick else (None, "every embedding row is a token the tokenizer can produce")
-    extra = {"chat_template": target.chat_template_info(), "target_architecture": target.architecture,
-             "mask_reason": why}
+    extra = {
+        "chat_template": target.chat_template_info(),
+        "target_architecture": target.architecture,
+        "mask_reason": why,
+    }
     extra.update(overrides.pop("extra", {}) or {})
-    cfg = DrafterConfig.for_target(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                                   num_target_layers=target.num_layers, mask_token_id=mask, extra=extra, **overrides)
+    cfg = DrafterConfig.for_target(
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers,
+        mask_token_id=mask,
+        extra=extra,
+        **overrides,
+    )
     target.check_layer_ids(cfg.target_layer_ids)
     return cfg
 
@@ -68,8 +77,10 @@ def describe_mask(cfg: DrafterConfig, tokenizer: Any = None) -> str:
     if cfg.learned_mask_embedding:
         text = "learned mask embedding (the drafter's own vector"
         text += f"; {why})" if why else ")"
-        return text + (f" — vLLM reads it (mask_embedding.pt), llama.cpp only with a table copy in the GGUF; "
-                       f"z-lab and SGLang would use row {cfg.mask_token_id} instead")
+        return text + (
+            f" — vLLM reads it (mask_embedding.pt), llama.cpp only with a table copy in the GGUF; "
+            f"z-lab and SGLang would use row {cfg.mask_token_id} instead"
+        )
     kind, token = "", None
     if tokenizer is not None:
         n = len(tokenizer)
@@ -77,15 +88,17 @@ def describe_mask(cfg: DrafterConfig, tokenizer: Any = None) -> str:
             kind = "beyond the tokenizer: never produced"
         else:
             token = tokenizer.convert_ids_to_tokens(cfg.mask_token_id)
-            special = (cfg.mask_token_id in set(getattr(tokenizer, "all_special_ids", []) or [])
-                       or cfg.mask_token_id in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
+            special = cfg.mask_token_id in set(
+                getattr(tokenizer, "all_special_ids", []) or []
+            ) or cfg.mask_token_id in (getattr(tokenizer, "added_tokens_decoder", None) or {})
             kind = f"{token!r}, {'a special token' if special else 'an ordinary token'}"
-    if why and token is not None and repr(token) in why:
-        parts = [why]                      # the recorded reason already names the token
-    else:
-        parts = [p for p in (kind, why) if p]
-    return (f"target embedding row {cfg.mask_token_id}" + (f" ({'; '.join(parts)})" if parts else "")
-            + " — loads unchanged in z-lab, vLLM, SGLang and llama.cpp")
+    names_token = bool(why and token is not None and repr(token) in why)  # the recorded reason names the token
+    parts = [why] if names_token else [p for p in (kind, why) if p]
+    return (
+        f"target embedding row {cfg.mask_token_id}"
+        + (f" ({'; '.join(parts)})" if parts else "")
+        + " — loads unchanged in z-lab, vLLM, SGLang and llama.cpp"
+    )
 
 
 __all__ = ["default_drafter_config", "describe_mask", "parse_overrides"]

@@ -15,7 +15,8 @@ bench/mask_choice.py measures the two choices at equal training minutes (README:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def special_candidates(tokenizer: Any) -> list[int]:
@@ -32,8 +33,7 @@ def special_candidates(tokenizer: Any) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def unused_special_token(tokenizer: Any, *, token_lists: Iterable[Iterable[int]] = ()
-                         ) -> tuple[int, str] | None:
+def unused_special_token(tokenizer: Any, *, token_lists: Iterable[Iterable[int]] = ()) -> tuple[int, str] | None:
     """(id, why) of a special token usable as the mask row, or None when there is none."""
     candidates = special_candidates(tokenizer)
     if not candidates:
@@ -46,8 +46,9 @@ def unused_special_token(tokenizer: Any, *, token_lists: Iterable[Iterable[int]]
     for idx in candidates:
         if idx not in seen:
             token = tokenizer.convert_ids_to_tokens(idx)
-            why = (f"{token!r}: a special token outside the chat template and the control tokens"
-                   + ("; it occurs nowhere in the training data" if checked else ""))
+            why = f"{token!r}: a special token outside the chat template and the control tokens" + (
+                "; it occurs nowhere in the training data" if checked else ""
+            )
             return idx, why
     return None
 

@@ -34,10 +34,16 @@ AttentionMask = Any
 def _qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
     """The Qwen3Config that transformers' RMSNorm / MLP / RoPE building blocks read."""
     return Qwen3Config(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, hidden_act=cfg.hidden_act, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        hidden_act=cfg.hidden_act,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size,
         rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
     )
 
@@ -84,6 +90,7 @@ def _flex_attention() -> Any:
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
+
         _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
     return _FLEX
 
@@ -92,9 +99,9 @@ def _flex_attention() -> Any:
 class DrafterCache:
     """Context-only K/V per layer (after k_norm and RoPE) plus the context positions they were rotated at."""
 
-    keys: list[Tensor | None] = field(default_factory=list)    # each (B, kv_heads, Tc, hd)
+    keys: list[Tensor | None] = field(default_factory=list)  # each (B, kv_heads, Tc, hd)
     values: list[Tensor | None] = field(default_factory=list)  # each (B, kv_heads, Tc, hd)
-    positions: Tensor | None = None                             # (B, Tc)
+    positions: Tensor | None = None  # (B, Tc)
 
     @property
     def length(self) -> int:
@@ -135,13 +142,21 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return _rope(k, cos, sin), v  # (B, kvh, T, hd) each
 
-    def forward(self, block: Tensor, context: Tensor, *, block_rope: tuple[Tensor, Tensor],
-                context_rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: DrafterCache | None) -> Tensor:
+    def forward(
+        self,
+        block: Tensor,
+        context: Tensor,
+        *,
+        block_rope: tuple[Tensor, Tensor],
+        context_rope: tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        cache: DrafterCache | None,
+    ) -> Tensor:
         # block: (B, Tq, H) after input_layernorm; context: (B, Tc, H) fused context feature (new context only)
         b, tq, _ = block.shape
         q = self.q_norm(self.q_proj(block).view(b, tq, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = _rope(q, *block_rope)                                   # (B, nh, Tq, hd)
-        k_ctx, v_ctx = self._kv(context, *context_rope)             # (B, kvh, Tc, hd)
+        q = _rope(q, *block_rope)  # (B, nh, Tq, hd)
+        k_ctx, v_ctx = self._kv(context, *context_rope)  # (B, kvh, Tc, hd)
         if cache is not None:
             if len(cache.keys) <= self.layer_idx:
                 cache.keys.append(None)
@@ -151,16 +166,22 @@ class DFlashAttention(nn.Module):
                 k_ctx = torch.cat([old_k, k_ctx], dim=2)
                 v_ctx = torch.cat([old_v, v_ctx], dim=2)
             cache.keys[self.layer_idx], cache.values[self.layer_idx] = k_ctx, v_ctx
-        k_blk, v_blk = self._kv(block, *block_rope)                 # (B, kvh, Tq, hd)
-        k = torch.cat([k_ctx, k_blk], dim=2)                        # (B, kvh, Tc_all + Tq, hd)
+        k_blk, v_blk = self._kv(block, *block_rope)  # (B, kvh, Tq, hd)
+        k = torch.cat([k_ctx, k_blk], dim=2)  # (B, kvh, Tc_all + Tq, hd)
         v = torch.cat([v_ctx, v_blk], dim=2)
         if mask is not None and not isinstance(mask, Tensor):  # a flex-attention BlockMask (CUDA training)
-            out = _flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5,
-                                    enable_gqa=self.num_heads != self.num_kv_heads)
+            out = _flex_attention()(
+                q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
+            )
         else:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if mask is None else to_additive(mask, q.dtype),
-                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+                q,
+                k,
+                v,
+                attn_mask=None if mask is None else to_additive(mask, q.dtype),
+                scale=self.head_dim**-0.5,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim))
 
 
@@ -197,7 +218,7 @@ class DFlashDrafter(nn.Module):
             # Reduced draft vocabulary: draft id i ↔ target id draft_to_target[i]. A buffer so it is saved.
             self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.reset_parameters()
-        route_linears(self.layers)   # a decoding round's few rows: weight-stationary products on CPU (few_rows)
+        route_linears(self.layers)  # a decoding round's few rows: weight-stationary products on CPU (few_rows)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -232,7 +253,7 @@ class DFlashDrafter(nn.Module):
             mask_vec = self.mask_embedding.to(first.dtype)
         else:
             mask_vec = embed_weight[self.config.mask_token_id].to(self.device, self.dtype)
-        out = mask_vec.expand(b, nb, block_len, -1).clone()     # (B, Nb, bl, H)
+        out = mask_vec.expand(b, nb, block_len, -1).clone()  # (B, Nb, bl, H)
         out[:, :, 0] = first
         return out.reshape(b, nb * block_len, -1)
 
@@ -249,7 +270,7 @@ class DFlashDrafter(nn.Module):
                     self._reduced_head = cached
             weight = cached[1]
         weight = weight.to(hidden.device) if weight.device != hidden.device else weight
-        return linear_few_rows(hidden.to(weight.dtype), weight)   # a decoding round's few rows: fast path on CPU
+        return linear_few_rows(hidden.to(weight.dtype), weight)  # a decoding round's few rows: fast path on CPU
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids back to target ids (identity without a reduced vocabulary)."""
@@ -262,13 +283,22 @@ class DFlashDrafter(nn.Module):
         """(B, Tc, K·H) concatenated target features → (B, Tc, H) context feature."""
         expected = self.fc.in_features
         if features.shape[-1] != expected:
-            raise ValueError(f"context features have width {features.shape[-1]}; the drafter's fc reads "
-                             f"{self.config.num_features} target layers × hidden {self.config.hidden_size} = {expected}")
+            raise ValueError(
+                f"context features have width {features.shape[-1]}; the drafter's fc reads "
+                f"{self.config.num_features} target layers × hidden {self.config.hidden_size} = {expected}"
+            )
         return self.hidden_norm(self.fc(features.to(self.device, self.dtype)))
 
-    def forward(self, context_features: Tensor, block_embeds: Tensor, *, context_positions: Tensor,
-                block_positions: Tensor, cache: DrafterCache | None = None,
-                attention_mask: AttentionMask = None) -> Tensor:
+    def forward(
+        self,
+        context_features: Tensor,
+        block_embeds: Tensor,
+        *,
+        context_positions: Tensor,
+        block_positions: Tensor,
+        cache: DrafterCache | None = None,
+        attention_mask: AttentionMask = None,
+    ) -> Tensor:
         """One drafter pass; returns the final-normed block hidden states (B, Tq, H).
 
         context_features: (B, Tc, K·H) — the *new* context (with a cache) or the whole context (training).
@@ -281,10 +311,10 @@ class DFlashDrafter(nn.Module):
         device = self.device
         context_positions = context_positions.to(device)
         block_positions = block_positions.to(device)
-        ctx = self.fuse_context(context_features)                        # (B, Tc, H)
-        hidden = block_embeds.to(device, self.dtype)                      # (B, Tq, H)
-        ctx_rope = self.rotary_emb(hidden, context_positions)            # cos/sin (B, Tc, hd)
-        blk_rope = self.rotary_emb(hidden, block_positions)              # cos/sin (B, Tq, hd)
+        ctx = self.fuse_context(context_features)  # (B, Tc, H)
+        hidden = block_embeds.to(device, self.dtype)  # (B, Tq, H)
+        ctx_rope = self.rotary_emb(hidden, context_positions)  # cos/sin (B, Tc, hd)
+        blk_rope = self.rotary_emb(hidden, block_positions)  # cos/sin (B, Tq, hd)
         key_positions = context_positions
         if cache is not None:
             if cache.positions is not None:

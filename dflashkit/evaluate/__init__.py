@@ -6,9 +6,11 @@ Reads: drafters, a target, prompts (bundled datasets or JSONL). Writes an evalua
 `report.md` and PNG plots; `simulate` also writes a transcript cache (`pNNNNN.safetensors` per prompt).
 
 Modules and their public functions:
-  evaluate.py  `evaluate(target, drafters, prompts, methods=…)`: real decoding, AR baseline, greedy equality
-               and divergence triage; `triage_divergence`
-  simulate.py  `build_transcripts`, `simulate_many`: teacher-forced τ from cached target transcripts
-  stats.py     `load_prompts`, `parse_methods`, `acceptance_stats` (τ micro/macro, histogram, survival)
-  report.py    `render(results.json)`, `compare([...])`
+  evaluate.py     `evaluate(target, drafters, prompts, methods=…)`: real decoding, AR baseline, greedy equality
+  triage.py       `triage_divergence`: where an output departs from AR, and whether it is a near-tie or a bug
+  aggregate.py    `run_record`, `ar_stats`, `method_stats`: run records → the statistics of results.json
+  transcripts.py  `build_transcripts`, `TranscriptCache`: the target's greedy transcripts and their features
+  simulate.py     `simulate_many`, `replay`: teacher-forced τ from those transcripts, no target forward
+  stats.py        `load_prompts`, `parse_methods`, `acceptance_stats` (τ micro/macro, histogram, survival)
+  report.py       `render(results.json)`, `compare([...])`
 """

@@ -5,19 +5,11 @@
                        max_new_tokens=256, out_dir="runs/eval")
 
 Per prompt: the AR baseline runs once (drafter-independent) through the same `decode.generate(method="ar")`, then
-every (drafter, method). At temperature 0 each output must equal the AR output; on a divergence the first
-differing index is triaged: the target's logits are recomputed on the shared prefix, and a top-2 margin below
-`triage_threshold` with both tokens in the top 2 is a numerical **near_tie**, anything else a **bug**. Each
-finished prompt is appended to `out_dir/progress.jsonl` (one JSON line) and skipped when the run is resumed with
-the same settings; `out_dir/results.json` (the source of truth for reports) is rewritten at the end.
-
-Timing conventions (design §4: ratios measured side by side in one run):
-- `tok_s` = generated tokens / wall time of `generate` (prefill included); `decode_tok_s` excludes the prefill.
-- `speedup_vs_ar` = tok_s / AR tok_s on the same prompts in the same run (`decode_speedup_vs_ar` likewise).
-- `predicted_speedup` = τ_micro × t_AR_step / t_round, from stage costs: t_AR_step = AR stage time per token
-  (prefill excluded), t_round = the method's stage time per round (draft + tree_build + verify + commit).
-  `efficiency` = speedup_vs_ar / predicted_speedup: what survives of the ideal (loop overhead, prefill).
-A resumed run aggregates timings measured in different sessions; rerun with resume=False for clean timings.
+every (drafter, method). At temperature 0 each output must equal the AR output; a divergence is triaged
+(`triage.py`: numerical near-tie or bug). Each finished prompt is appended to `out_dir/progress.jsonl` (one JSON
+line) and skipped when the run is resumed with the same settings; `out_dir/results.json` (the source of truth for
+reports; statistics from `aggregate.py`) is rewritten at the end. A resumed run aggregates timings measured in
+different sessions; rerun with resume=False for clean timings.
 """
 
 from __future__ import annotations
@@ -26,92 +18,278 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from dflashkit.data.conversations import default_stop_token_ids
-from dflashkit.decode.generate import generate
-from dflashkit.errors import ConfigError, DataError
-from dflashkit.target.products import stock_products
-from dflashkit.evaluate.stats import (Method, Prompt, acceptance_stats, drafter_fingerprint, drafter_info, parse_methods,
-                                  prompt_sha, target_info)
+from dflashkit.decode.generate import GenerationResult, generate
 from dflashkit.decode.hybrid_tree import resolve_mode
-from dflashkit.io_utils import atomic_write_text
+from dflashkit.decode.sampling import GREEDY, SamplingParams
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.decode.sampling import SamplingParams
+from dflashkit.errors import ConfigError, DataError
+from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
+from dflashkit.evaluate.stats import (
+    Method,
+    Prompt,
+    drafter_fingerprint,
+    drafter_info,
+    parse_methods,
+    prompt_sha,
+    target_info,
+)
+from dflashkit.evaluate.triage import default_triage_threshold, triage_divergence
+from dflashkit.io_utils import atomic_write_text
 from dflashkit.target.model import Target, check_drafter_fits
+from dflashkit.target.products import stock_products
 
-STAGES = ("prefill", "draft", "tree_build", "verify", "commit")
 PROGRESS, RESULTS = "progress.jsonl", "results.json"
-AR_METHOD = Method("ar", "ar")   # the baseline every prompt runs first
+AR_METHOD = Method("ar", "ar")  # the baseline every prompt runs first
 
 
-# ---------------------------------------------------------------------------------------------- triage
-def default_triage_threshold(dtype: torch.dtype) -> float:
-    """Largest top-2 logit margin still called a numerical near-tie: batch-shape noise grows with low precision."""
-    return 1e-3 if dtype in (torch.float32, torch.float64) else 0.25
+def evaluate(
+    target: Target,
+    drafters: dict[str, DFlashDrafter],
+    prompts: Sequence[Prompt],
+    *,
+    methods: str | Sequence[str] = ("ar", "chain", "ddtree:8"),
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = GREEDY,
+    out_dir: str | Path,
+    resume: bool = True,
+    block_size: int | None = None,
+    tree_top_k: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    dataset: str = "",
+    skipped: dict[str, str] | None = None,
+    triage_threshold: float | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+    hf_baseline: bool = False,
+    drafter_sources: dict[str, str] | None = None,
+    progress: bool = True,
+    deadline: float | None = None,
+) -> dict[str, Any]:
+    """Run AR + every (drafter, method) on `prompts`; write progress.jsonl and results.json; return results.
 
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """First index where the two token lists differ (a length difference counts), or None when equal."""
-    n = min(len(a), len(b))
-    i = next((k for k in range(n) if a[k] != b[k]), n)
-    return None if i == n and len(a) == len(b) else i
-
-
-@torch.no_grad()
-def logit_margin(target: Target, prefix_ids: Sequence[int]) -> tuple[float, list[int]]:
-    """Top-1 minus top-2 verifier logit after `prefix_ids`, and the two top tokens."""
-    out = target.forward(torch.tensor([list(prefix_ids)], dtype=torch.long), logits_to_keep=1)
-    top = out.logits[0, -1].float().topk(2)
-    return float(top.values[0] - top.values[1]), top.indices.tolist()
-
-
-def triage_divergence(target: Target, prompt_ids: Sequence[int], reference: Sequence[int], other: Sequence[int], *,
-                      threshold: float | None = None) -> dict[str, Any] | None:
-    """Where `other` first departs from the greedy `reference` (both after `prompt_ids`), and why.
-
-    verdict "near_tie": the target's top-2 margin on the shared prefix is below `threshold` and both tokens are
-    the top 2 (a floating-point coin flip between batch shapes); "bug": anything else. None when equal.
+    deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always
+    evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how
+    many. A resumed run continues with the rest.
     """
-    i = first_divergence(reference, other)
-    if i is None:
-        return None
-    threshold = default_triage_threshold(target.dtype) if threshold is None else float(threshold)
-    margin, top2 = logit_margin(target, list(prompt_ids) + list(reference[:i]))
-    ref_tok = int(reference[i]) if i < len(reference) else None
-    oth_tok = int(other[i]) if i < len(other) else None
-    near = margin < threshold and ref_tok in top2 and oth_tok in top2
-    return {"index": i, "ar_token": ref_tok, "spec_token": oth_tok, "margin": margin, "top2": top2,
-            "threshold": threshold, "verdict": "near_tie" if near else "bug"}
+    from tqdm import tqdm
+
+    all_methods = parse_methods(methods)
+    prompts = list(prompts)
+    stops = sorted({int(t) for t in (default_stop_token_ids(target) if stop_token_ids is None else stop_token_ids)})
+    session = _Session(
+        target=target,
+        drafters=drafters,
+        spec=[m for m in all_methods if m.kind != "ar"],
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+        tree_top_k=tree_top_k,
+        stops=stops,
+        threshold=default_triage_threshold(target.dtype) if triage_threshold is None else float(triage_threshold),
+        hf_baseline=hf_baseline,
+    )
+    _check_arguments(session, prompts)
+    settings = {
+        "methods": [m.name for m in all_methods],
+        "max_new_tokens": int(max_new_tokens),
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
+        "block_size": block_size,
+        "tree_top_k": int(tree_top_k) if tree_top_k else None,
+        "stop_token_ids": stops,
+        "seed": int(seed),
+        "triage_threshold": session.threshold,
+        "hf_baseline": bool(hf_baseline),
+    }
+    t_info = target_info(target)
+    key = _settings_key(settings, t_info, drafters)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ppath = out / PROGRESS
+    records = _resumed_records(ppath, key, prompts, resume)
+    todo = [p for p in prompts if p.id not in records]
+    for d in drafters.values():
+        d.eval()
+    if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
+        session.warm_up(todo[0], seed)
+    index = {p.id: i for i, p in enumerate(prompts)}
+    bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not progress or not todo)
+    with open(ppath, "a", encoding="utf-8") as f:
+        for p in bar:
+            s = None if sampling.greedy else seed + index[p.id]
+            rec = {"key": key, "id": p.id, "prompt_sha": prompt_sha(p.ids), "prompt_len": len(p.ids)}
+            rec.update(session.prompt_record(p, s))
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            records[p.id] = rec
+            if deadline is not None and time.monotonic() > deadline:
+                break
+    bar.close()
+    doc = session.results_doc(prompts, records, settings, t_info, dataset, skipped, drafter_sources)
+    atomic_write_text(out / RESULTS, json.dumps(doc, indent=1) + "\n")
+    return doc
 
 
-# ---------------------------------------------------------------------------------------------- runs
+@dataclass
+class _Session:
+    """What every run of one evaluation shares: the target, the drafters and methods, the decoding settings."""
+
+    target: Target
+    drafters: dict[str, DFlashDrafter]
+    spec: list[Method]  # the speculative methods (AR runs for every prompt anyway)
+    sampling: SamplingParams
+    max_new_tokens: int
+    block_size: int | None
+    tree_top_k: int | None
+    stops: list[int]
+    threshold: float
+    hf_baseline: bool
+
+    def run(
+        self, prompt: Prompt, drafter: DFlashDrafter | None, method: Method, max_new_tokens: int, seed: int | None
+    ) -> tuple[GenerationResult, float]:
+        """One `generate` call, timed (CUDA synchronised before and after)."""
+        _sync(self.target.device)
+        t0 = time.perf_counter()
+        try:
+            res = generate(
+                self.target,
+                prompt.ids,
+                drafter=drafter,
+                method=method.kind,
+                max_new_tokens=max_new_tokens,
+                block_size=self.block_size,
+                tree_budget=method.budget or 16,
+                tree_top_k=self.tree_top_k,
+                sampling=self.sampling,
+                stop_token_ids=self.stops,
+                seed=seed,
+            )
+        except ValueError as e:  # e.g. a prompt too long for the context window (load_prompts skips those)
+            raise DataError(f"prompt {prompt.id!r}: {e}") from None
+        _sync(self.target.device)
+        return res, time.perf_counter() - t0
+
+    def warm_up(self, prompt: Prompt, seed: int) -> None:
+        """A few untimed tokens of every method, so one-off allocation costs stay out of the timings."""
+        n = min(4, self.max_new_tokens)
+        self.run(prompt, None, AR_METHOD, n, seed)
+        for d in self.drafters.values():
+            for m in self.spec:
+                self.run(prompt, d, m, n, seed)
+
+    def prompt_record(self, p: Prompt, seed: int | None) -> dict[str, Any]:
+        """One prompt: AR once, HF generate when asked, then every (drafter, method), each triaged against AR at
+        temperature 0."""
+        ar_res, ar_wall = self.run(p, None, AR_METHOD, self.max_new_tokens, seed)
+        rec: dict[str, Any] = {"ar": run_record(ar_res, ar_wall), "runs": {}}
+        if self.hf_baseline:
+            hf_tokens, hf_wall = _hf_generate(self.target, p, self.max_new_tokens, self.stops)
+            rec["hf"] = {"n_tokens": len(hf_tokens), "wall_s": hf_wall, "equal_to_ar": hf_tokens == ar_res.tokens}
+        for name, d in self.drafters.items():
+            rec["runs"][name] = {}
+            for m in self.spec:
+                res, wall = self.run(p, d, m, self.max_new_tokens, seed)
+                r = run_record(res, wall)
+                if self.sampling.greedy:
+                    r["divergence"] = triage_divergence(
+                        self.target, p.ids, ar_res.tokens, res.tokens, threshold=self.threshold
+                    )
+                    r["greedy_equal"] = r["divergence"] is None
+                rec["runs"][name][m.name] = r
+        return rec
+
+    def results_doc(
+        self,
+        prompts: list[Prompt],
+        records: dict[str, dict[str, Any]],
+        settings: dict[str, Any],
+        t_info: dict[str, Any],
+        dataset: str,
+        skipped: dict[str, str] | None,
+        drafter_sources: dict[str, str] | None,
+    ) -> dict[str, Any]:
+        """results.json: AR and per-(drafter, method) statistics over the prompts done (all, unless time-boxed)."""
+        requested = len(prompts)
+        prompts = [p for p in prompts if p.id in records]  # all of them unless the deadline cut the run short
+        chosen = [records[p.id] for p in prompts]
+        ar = ar_stats([r["ar"] for r in chosen], [r["hf"] for r in chosen if "hf" in r])
+        results: dict[str, dict[str, Any]] = {}
+        for name, d in self.drafters.items():
+            bs = self.block_size or d.config.block_size
+            results[name] = {
+                m.name: method_stats(
+                    [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen], m, bs, ar, self.sampling.greedy
+                )
+                for m in self.spec
+            }
+        notes = []
+        if self.target.is_hybrid and any(m.kind == "tree" for m in self.spec):
+            notes.append(
+                f"hybrid target: DDTree verifies the whole tree exactly (Gated DeltaNet states followed per "
+                f"node, '{resolve_mode(self.target, 'auto')}' mode)"
+            )
+        time_boxed = (
+            {"time_boxed": {"requested": requested, "evaluated": len(prompts)}} if len(prompts) < requested else {}
+        )
+        return {
+            "schema": "dflashkit.eval/1",
+            "kind": "evaluate",
+            "target": t_info,
+            "dataset": {
+                "name": str(dataset),
+                "n_prompts": len(prompts),
+                "prompt_ids": [p.id for p in prompts],
+                "skipped": dict(skipped or {}),
+                **time_boxed,
+            },
+            "settings": settings,
+            "drafters": {
+                n: drafter_info(d, source=(drafter_sources or {}).get(n), block_size=self.block_size)
+                for n, d in self.drafters.items()
+            },
+            "ar": ar,
+            "results": results,
+            "notes": notes,
+        }
+
+
+def _check_arguments(session: _Session, prompts: list[Prompt]) -> None:
+    if session.spec and not session.drafters:
+        raise ConfigError(f"methods {[m.name for m in session.spec]} need at least one drafter")
+    for name, d in session.drafters.items():
+        check_drafter_fits(d.config, session.target, source=f"drafter {name!r}")
+    if not session.sampling.greedy and any(m.kind == "tree" for m in session.spec):
+        raise ConfigError("ddtree methods support greedy decoding only (temperature 0)")
+    if session.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={session.max_new_tokens}: expected a positive integer")
+    if not prompts:
+        raise DataError("no prompts to evaluate")
+    if len({p.id for p in prompts}) != len(prompts):
+        raise DataError("prompt ids must be unique")
+
+
+def _settings_key(settings: dict[str, Any], t_info: dict[str, Any], drafters: dict[str, DFlashDrafter]) -> str:
+    """What a resumed run must share with the records it continues: settings, target and drafter fingerprints."""
+    blob = {
+        "settings": settings,
+        "target": t_info["fingerprint"],
+        "drafters": {n: drafter_fingerprint(d) for n, d in sorted(drafters.items())},
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _run(target: Target, prompt: Prompt, *, drafter: DFlashDrafter | None, method: Method, max_new_tokens: int,
-         sampling: SamplingParams, block_size: int | None, tree_top_k: int | None, stops: list[int],
-         seed: int | None) -> tuple[Any, float]:
-    _sync(target.device)
-    t0 = time.perf_counter()
-    try:
-        res = generate(target, prompt.ids, drafter=drafter, method=method.kind, max_new_tokens=max_new_tokens,
-                       block_size=block_size, tree_budget=method.budget or 16, tree_top_k=tree_top_k,
-                       sampling=sampling, stop_token_ids=stops, seed=seed)
-    except ValueError as e:  # e.g. a prompt too long for the context window (load_prompts skips those)
-        raise DataError(f"prompt {prompt.id!r}: {e}") from None
-    _sync(target.device)
-    return res, time.perf_counter() - t0
-
-
-def _record(res: Any, wall: float) -> dict[str, Any]:
-    return {"n_tokens": len(res.tokens), "acceptance_lengths": list(res.acceptance_lengths), "wall_s": wall,
-            "timings": {k: float(res.timings.get(k, 0.0)) for k in STAGES}, "stop_reason": res.stop_reason}
 
 
 @torch.no_grad()
@@ -122,12 +300,16 @@ def _hf_generate(target: Target, prompt: Prompt, max_new_tokens: int, stops: lis
     _sync(target.device)
     t0 = time.perf_counter()
     # An explicit config: with no stop ids HF must not fall back to the model's own eos (the AR loop does not stop).
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stops) or None,
-                           pad_token_id=stops[0] if stops else 0)
-    with stock_products():   # HF as users run it: stock F.linear products (dflashkit.target.products)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(stops) or None,
+        pad_token_id=stops[0] if stops else 0,
+    )
+    with stock_products():  # HF as users run it: stock F.linear products (dflashkit.target.products)
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     _sync(target.device)
-    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
+    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - t0
 
 
 def read_progress(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
@@ -154,146 +336,6 @@ def read_progress(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- aggregation
-def _timing_stats(records: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
-    totals = {k: sum(r["timings"].get(k, 0.0) for r in records) for k in STAGES}
-    return {"timings_s": totals, "timings_per_round_s": {k: v / rounds if rounds else None for k, v in totals.items()}}
-
-
-def _rate(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
-def _ar_stats(records: list[dict[str, Any]], hf: list[dict[str, Any]]) -> dict[str, Any]:
-    tokens = sum(r["n_tokens"] for r in records)
-    rounds = sum(len(r["acceptance_lengths"]) for r in records)
-    wall = sum(r["wall_s"] for r in records)
-    t = _timing_stats(records, rounds)
-    prefill = t["timings_s"]["prefill"]
-    stage = sum(v for k, v in t["timings_s"].items() if k != "prefill")
-    out = {"n_prompts": len(records), "tokens": tokens, "rounds": rounds, "wall_s": wall, "tok_s": _rate(tokens, wall),
-           "decode_tok_s": _rate(tokens - len(records), wall - prefill), "t_step_s": _rate(stage, rounds), **t}
-    if hf:
-        hf_tokens, hf_wall = sum(h["n_tokens"] for h in hf), sum(h["wall_s"] for h in hf)
-        out["hf_generate"] = {"tok_s": _rate(hf_tokens, hf_wall), "tokens": hf_tokens, "wall_s": hf_wall,
-                              "equal_to_ar_fraction": sum(h["equal_to_ar"] for h in hf) / len(hf)}
-    return out
-
-
-def _method_stats(records: list[dict[str, Any]], method: Method, block_size: int, ar: dict[str, Any],
-                  greedy: bool) -> dict[str, Any]:
-    lengths = [r["acceptance_lengths"] for r in records]
-    acc = acceptance_stats(lengths, method.max_length(block_size))
-    tokens = sum(r["n_tokens"] for r in records)
-    wall = sum(r["wall_s"] for r in records)
-    t = _timing_stats(records, acc["rounds"])
-    prefill = t["timings_s"]["prefill"]
-    t_round = _rate(sum(v for k, v in t["timings_s"].items() if k != "prefill"), acc["rounds"])
-    tok_s, decode_tok_s = _rate(tokens, wall), _rate(tokens - len(records), wall - prefill)
-    speedup = tok_s / ar["tok_s"] if tok_s and ar.get("tok_s") else None
-    predicted = (acc["tau_micro"] * ar["t_step_s"] / t_round
-                 if acc["tau_micro"] and ar.get("t_step_s") and t_round else None)
-    divergences = [dict(r["divergence"], prompt_id=r["prompt_id"]) for r in records if r.get("divergence")]
-    return {**acc, "n_prompts": len(records), "block_size": block_size, "tokens": tokens,
-            "tokens_per_round": _rate(tokens, acc["rounds"]), "wall_s": wall, "tok_s": tok_s,
-            "decode_tok_s": decode_tok_s, "speedup_vs_ar": speedup,
-            "decode_speedup_vs_ar": decode_tok_s / ar["decode_tok_s"] if decode_tok_s and ar.get("decode_tok_s") else None,
-            "round_s": t_round, "predicted_speedup": predicted,
-            "efficiency": speedup / predicted if speedup and predicted else None, **t,
-            "greedy_equal_fraction": (sum(bool(r["greedy_equal"]) for r in records) / len(records)
-                                      if greedy and records else None),
-            "divergences": divergences,
-            "divergence_verdicts": {v: sum(d["verdict"] == v for d in divergences) for v in ("near_tie", "bug")}}
-
-
-# ---------------------------------------------------------------------------------------------- evaluate
-def evaluate(target: Target, drafters: dict[str, DFlashDrafter], prompts: Sequence[Prompt], *,
-             methods: str | Sequence[str] = ("ar", "chain", "ddtree:8"), max_new_tokens: int = 128,
-             sampling: SamplingParams = SamplingParams(), out_dir: str | Path, resume: bool = True,
-             block_size: int | None = None, tree_top_k: int | None = None,
-             stop_token_ids: Sequence[int] | None = None,
-             dataset: str = "", skipped: dict[str, str] | None = None, triage_threshold: float | None = None,
-             seed: int = 0, warmup: bool = True, hf_baseline: bool = False,
-             drafter_sources: dict[str, str] | None = None, progress: bool = True,
-             deadline: float | None = None) -> dict[str, Any]:
-    """Run AR + every (drafter, method) on `prompts`; write progress.jsonl and results.json; return results.
-
-    deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always
-    evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how
-    many. A resumed run continues with the rest.
-    """
-    from tqdm import tqdm
-
-    todo_methods = parse_methods(methods)
-    spec = [m for m in todo_methods if m.kind != "ar"]
-    prompts = list(prompts)
-    _check_arguments(target, drafters, prompts, spec, sampling, max_new_tokens)
-    stops = sorted({int(t) for t in (default_stop_token_ids(target) if stop_token_ids is None else stop_token_ids)})
-    threshold = default_triage_threshold(target.dtype) if triage_threshold is None else float(triage_threshold)
-    t_info = target_info(target)
-    settings = {"methods": [m.name for m in todo_methods], "max_new_tokens": int(max_new_tokens),
-                "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
-                "block_size": block_size, "tree_top_k": int(tree_top_k) if tree_top_k else None,
-                "stop_token_ids": stops,
-                "seed": int(seed), "triage_threshold": threshold, "hf_baseline": bool(hf_baseline)}
-    key = hashlib.sha256(json.dumps({"settings": settings, "target": t_info["fingerprint"],
-                                     "drafters": {n: drafter_fingerprint(d) for n, d in sorted(drafters.items())}},
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ppath = out / PROGRESS
-    records = _resumed_records(ppath, key, prompts, resume)
-    todo = [p for p in prompts if p.id not in records]
-    for d in drafters.values():
-        d.eval()
-
-    def run(p: Prompt, drafter: DFlashDrafter | None, m: Method, n: int, s: int | None) -> tuple[Any, float]:
-        return _run(target, p, drafter=drafter, method=m, max_new_tokens=n, sampling=sampling, block_size=block_size,
-                    tree_top_k=tree_top_k, stops=stops, seed=s)
-
-    if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
-        run(todo[0], None, AR_METHOD, min(4, max_new_tokens), seed)
-        for d in drafters.values():
-            for m in spec:
-                run(todo[0], d, m, min(4, max_new_tokens), seed)
-    index = {p.id: i for i, p in enumerate(prompts)}
-    bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not progress or not todo)
-    with open(ppath, "a", encoding="utf-8") as f:
-        for p in bar:
-            s = None if sampling.greedy else seed + index[p.id]
-            rec = {"key": key, "id": p.id, "prompt_sha": prompt_sha(p.ids), "prompt_len": len(p.ids),
-                   **_evaluate_prompt(target, p, drafters, spec, run, max_new_tokens, s, sampling.greedy, threshold,
-                                      stops if hf_baseline else None)}
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            records[p.id] = rec
-            if deadline is not None and time.monotonic() > deadline:
-                break
-    bar.close()
-    doc = _results_doc(target, t_info, drafters, prompts, records, spec, settings, sampling, block_size, dataset,
-                       skipped, drafter_sources)
-    atomic_write_text(out / RESULTS, json.dumps(doc, indent=1) + "\n")
-    return doc
-
-
-
-def _check_arguments(target: Target, drafters: dict[str, DFlashDrafter], prompts: list[Prompt], spec: list[Method],
-                     sampling: SamplingParams, max_new_tokens: int) -> None:
-    if spec and not drafters:
-        raise ConfigError(f"methods {[m.name for m in spec]} need at least one drafter")
-    for name, d in drafters.items():
-        check_drafter_fits(d.config, target, source=f"drafter {name!r}")
-    if not sampling.greedy and any(m.kind == "tree" for m in spec):
-        raise ConfigError("ddtree methods support greedy decoding only (temperature 0)")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: expected a positive integer")
-    if not prompts:
-        raise DataError("no prompts to evaluate")
-    if len({p.id for p in prompts}) != len(prompts):
-        raise DataError("prompt ids must be unique")
-
-
 def _resumed_records(ppath: Path, key: str, prompts: list[Prompt], resume: bool) -> dict[str, dict[str, Any]]:
     """Prompt id → record of progress.jsonl from an earlier run with the same settings (`key`); refuses a file
     written with other settings or other prompt token ids. Without `resume` the file is removed first."""
@@ -302,63 +344,19 @@ def _resumed_records(ppath: Path, key: str, prompts: list[Prompt], resume: bool)
     records = {}
     for k, rec in enumerate(read_progress(ppath, repair=True), start=1):
         if rec.get("key") != key:
-            raise DataError(f"{ppath}:{k}: written by a run with other settings, target or drafters; use another "
-                            f"output directory, delete the file, or disable resume")
+            raise DataError(
+                f"{ppath}:{k}: written by a run with other settings, target or drafters; use another "
+                f"output directory, delete the file, or disable resume"
+            )
         records[rec["id"]] = rec
     for p in prompts:
         done = records.get(p.id)
         if done is not None and done["prompt_sha"] != prompt_sha(p.ids):
-            raise DataError(f"{ppath}: prompt {p.id!r} was evaluated with different token ids; use another output "
-                            f"directory or disable resume")
+            raise DataError(
+                f"{ppath}: prompt {p.id!r} was evaluated with different token ids; use another output "
+                f"directory or disable resume"
+            )
     return records
 
 
-def _evaluate_prompt(target: Target, p: Prompt, drafters: dict[str, DFlashDrafter], spec: list[Method], run: Any,
-                     max_new_tokens: int, seed: int | None, greedy: bool, threshold: float,
-                     hf_stops: list[int] | None) -> dict[str, Any]:
-    """One prompt: AR once, HF generate when `hf_stops` is given, then every (drafter, method), each triaged
-    against AR at temperature 0."""
-    ar_res, ar_wall = run(p, None, AR_METHOD, max_new_tokens, seed)
-    rec: dict[str, Any] = {"ar": _record(ar_res, ar_wall), "runs": {}}
-    if hf_stops is not None:
-        hf_tokens, hf_wall = _hf_generate(target, p, max_new_tokens, hf_stops)
-        rec["hf"] = {"n_tokens": len(hf_tokens), "wall_s": hf_wall, "equal_to_ar": hf_tokens == ar_res.tokens}
-    for name, d in drafters.items():
-        rec["runs"][name] = {}
-        for m in spec:
-            res, wall = run(p, d, m, max_new_tokens, seed)
-            r = _record(res, wall)
-            if greedy:
-                r["divergence"] = triage_divergence(target, p.ids, ar_res.tokens, res.tokens, threshold=threshold)
-                r["greedy_equal"] = r["divergence"] is None
-            rec["runs"][name][m.name] = r
-    return rec
-
-
-def _results_doc(target: Target, t_info: dict[str, Any], drafters: dict[str, DFlashDrafter], prompts: list[Prompt],
-                 records: dict[str, dict[str, Any]], spec: list[Method], settings: dict[str, Any],
-                 sampling: SamplingParams, block_size: int | None, dataset: str, skipped: dict[str, str] | None,
-                 drafter_sources: dict[str, str] | None) -> dict[str, Any]:
-    """results.json: AR and per-(drafter, method) statistics over the prompts done (all, unless time-boxed)."""
-    requested = len(prompts)
-    prompts = [p for p in prompts if p.id in records]      # all of them unless the deadline cut the run short
-    chosen = [records[p.id] for p in prompts]
-    ar_stats = _ar_stats([r["ar"] for r in chosen], [r["hf"] for r in chosen if "hf" in r])
-    results: dict[str, dict[str, Any]] = {}
-    for name, d in drafters.items():
-        bs = block_size or d.config.block_size
-        results[name] = {m.name: _method_stats([dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen],
-                                               m, bs, ar_stats, sampling.greedy) for m in spec}
-    notes = []
-    if target.is_hybrid and any(m.kind == "tree" for m in spec):
-        notes.append(f"hybrid target: DDTree verifies the whole tree exactly (Gated DeltaNet states followed per "
-                     f"node, '{resolve_mode(target, 'auto')}' mode)")
-    return {"schema": "dflashkit.eval/1", "kind": "evaluate", "target": t_info,
-            "dataset": {"name": str(dataset), "n_prompts": len(prompts), "prompt_ids": [p.id for p in prompts],
-                        "skipped": dict(skipped or {}),
-                        **({"time_boxed": {"requested": requested, "evaluated": len(prompts)}}
-                           if len(prompts) < requested else {})},
-            "settings": settings,
-            "drafters": {n: drafter_info(d, source=(drafter_sources or {}).get(n), block_size=block_size)
-                         for n, d in drafters.items()},
-            "ar": ar_stats, "results": results, "notes": notes}
+__all__ = ["AR_METHOD", "PROGRESS", "RESULTS", "evaluate", "read_progress"]

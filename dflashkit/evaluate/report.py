@@ -13,8 +13,9 @@ Plots (matplotlib, Agg canvas; pyplot's global state is never touched):
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dflashkit.errors import DataError
 from dflashkit.io_utils import atomic_path, atomic_write_text
@@ -29,17 +30,19 @@ def load_results(path: str | Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{path}: no such file (expected a results.json written by `dflashkit eval` or "
-                        f"`dflashkit simulate`)") from None
+        raise DataError(
+            f"{path}: no such file (expected a results.json written by `dflashkit eval` or `dflashkit simulate`)"
+        ) from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise DataError(f"{path}: not a results.json written by `dflashkit eval` or `dflashkit simulate` "
-                        f"({type(e).__name__})") from None
+        raise DataError(
+            f"{path}: not a results.json written by `dflashkit eval` or `dflashkit simulate` ({type(e).__name__})"
+        ) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
         raise DataError(f"{path}: expected an object with a 'results' field ({{drafter: {{method: stats}}}})")
     for name, methods in doc["results"].items():
-        for method, st in (methods.items() if isinstance(methods, dict) else [(None, None)]):
+        for method, st in methods.items() if isinstance(methods, dict) else [(None, None)]:
             if not isinstance(st, dict) or "tau_micro" not in st or "histogram" not in st:
                 raise DataError(f"{path}: results.{name}.{method}: expected stats with 'tau_micro' and 'histogram'")
     doc["_path"] = str(path)
@@ -57,39 +60,52 @@ def _series(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 # ---------------------------------------------------------------------------------------------- tables
 def summary_table(doc: dict[str, Any]) -> str:
     ar = doc.get("ar") or None
-    rows = ["| drafter | method | τ micro | τ macro | tok/s | speedup | predicted | efficiency | full block | "
-            "zero accept | greedy = AR | prompts |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| drafter | method | τ micro | τ macro | tok/s | speedup | predicted | efficiency | full block | "
+        "zero accept | greedy = AR | prompts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     if ar:
-        rows.append(f"| (baseline) | ar | 1.00 | 1.00 | {_f(ar.get('tok_s'), 1)} | 1.00× | — | — | — | — | — | "
-                    f"{ar.get('n_prompts', '—')} |")
+        rows.append(
+            f"| (baseline) | ar | 1.00 | 1.00 | {_f(ar.get('tok_s'), 1)} | 1.00× | — | — | — | — | — | "
+            f"{ar.get('n_prompts', '—')} |"
+        )
     for name, methods in doc["results"].items():
         for method, st in methods.items():
-            rows.append(f"| {name} | {method} | {_f(st.get('tau_micro'))} | {_f(st.get('tau_macro'))} | "
-                        f"{_f(st.get('tok_s'), 1)} | {_f(st.get('speedup_vs_ar'), 2, '×')} | "
-                        f"{_f(st.get('predicted_speedup'), 2, '×')} | {_f(st.get('efficiency'))} | "
-                        f"{_f(st.get('full_block_fraction'), 3)} | {_f(st.get('zero_accept_fraction'), 3)} | "
-                        f"{_f(st.get('greedy_equal_fraction'), 3)} | {st.get('n_prompts', '—')} |")
+            rows.append(
+                f"| {name} | {method} | {_f(st.get('tau_micro'))} | {_f(st.get('tau_macro'))} | "
+                f"{_f(st.get('tok_s'), 1)} | {_f(st.get('speedup_vs_ar'), 2, '×')} | "
+                f"{_f(st.get('predicted_speedup'), 2, '×')} | {_f(st.get('efficiency'))} | "
+                f"{_f(st.get('full_block_fraction'), 3)} | {_f(st.get('zero_accept_fraction'), 3)} | "
+                f"{_f(st.get('greedy_equal_fraction'), 3)} | {st.get('n_prompts', '—')} |"
+            )
     return "\n".join(rows)
 
 
 def _stage_table(doc: dict[str, Any]) -> str:
     stages = ("draft", "tree_build", "verify", "commit")
-    rows = ["| drafter | method | " + " | ".join(f"{s} ms/round" for s in stages) + " | round ms | prefill s (total) |",
-            "|---|---|" + "---|" * (len(stages) + 2)]
+    rows = [
+        "| drafter | method | " + " | ".join(f"{s} ms/round" for s in stages) + " | round ms | prefill s (total) |",
+        "|---|---|" + "---|" * (len(stages) + 2),
+    ]
     ar = doc.get("ar")
     if ar and ar.get("timings_per_round_s"):
         per = ar["timings_per_round_s"]
-        rows.append("| (baseline) | ar | " + " | ".join(_f(per[s] * 1e3 if per.get(s) is not None else None, 3)
-                                                      for s in stages)
-                    + f" | {_f(ar['t_step_s'] * 1e3 if ar.get('t_step_s') else None, 3)} | "
-                      f"{_f(ar['timings_s'].get('prefill'), 3)} |")
+        rows.append(
+            "| (baseline) | ar | "
+            + " | ".join(_f(per[s] * 1e3 if per.get(s) is not None else None, 3) for s in stages)
+            + f" | {_f(ar['t_step_s'] * 1e3 if ar.get('t_step_s') else None, 3)} | "
+            f"{_f(ar['timings_s'].get('prefill'), 3)} |"
+        )
     for name, methods in doc["results"].items():
         for method, st in methods.items():
             per = st.get("timings_per_round_s") or {}
-            rows.append(f"| {name} | {method} | " + " | ".join(_f(per[s] * 1e3 if per.get(s) is not None else None, 3)
-                                                             for s in stages)
-                        + f" | {_f(st['round_s'] * 1e3 if st.get('round_s') else None, 3)} | "
-                          f"{_f((st.get('timings_s') or {}).get('prefill'), 3)} |")
+            rows.append(
+                f"| {name} | {method} | "
+                + " | ".join(_f(per[s] * 1e3 if per.get(s) is not None else None, 3) for s in stages)
+                + f" | {_f(st['round_s'] * 1e3 if st.get('round_s') else None, 3)} | "
+                f"{_f((st.get('timings_s') or {}).get('prefill'), 3)} |"
+            )
     return "\n".join(rows)
 
 
@@ -98,8 +114,7 @@ def _position_table(doc: dict[str, Any]) -> str:
     width = max((len(st.get("per_position_acceptance") or []) for _, st in series), default=0)
     if not width:
         return "_no draft positions_"
-    rows = ["| drafter · method | " + " | ".join(f"a{k}" for k in range(1, width + 1)) + " |",
-            "|---|" + "---|" * width]
+    rows = ["| drafter · method | " + " | ".join(f"a{k}" for k in range(1, width + 1)) + " |", "|---|" + "---|" * width]
     for label, st in series:
         a = list(st.get("per_position_acceptance") or [])
         rows.append(f"| {label} | " + " | ".join(_f(x, 3) for x in a + [None] * (width - len(a))) + " |")
@@ -138,8 +153,9 @@ def _plot_histogram(series: list[tuple[str, dict[str, Any]]], path: Path) -> Non
     _save(fig, path)
 
 
-def _plot_lines(series: list[tuple[str, dict[str, Any]]], key: str, start: int, path: Path, ylabel: str,
-                title: str) -> None:
+def _plot_lines(
+    series: list[tuple[str, dict[str, Any]]], key: str, start: int, path: Path, ylabel: str, title: str
+) -> None:
     fig = _figure()
     ax = fig.add_subplot()
     for label, st in series:
@@ -168,10 +184,20 @@ def _plot_comparison(series: list[tuple[str, dict[str, Any]]], path: Path) -> No
     ax.set_title("Acceptance length τ (micro)")
     if has_speed:
         ax2 = fig.add_subplot(1, 2, 2)
-        ax2.bar([x - 0.2 for x in xs], [st.get("speedup_vs_ar") or 0 for _, st in series], width=0.4,
-                label="measured", color="tab:green")
-        ax2.bar([x + 0.2 for x in xs], [st.get("predicted_speedup") or 0 for _, st in series], width=0.4,
-                label="predicted", color="tab:gray")
+        ax2.bar(
+            [x - 0.2 for x in xs],
+            [st.get("speedup_vs_ar") or 0 for _, st in series],
+            width=0.4,
+            label="measured",
+            color="tab:green",
+        )
+        ax2.bar(
+            [x + 0.2 for x in xs],
+            [st.get("predicted_speedup") or 0 for _, st in series],
+            width=0.4,
+            label="predicted",
+            color="tab:gray",
+        )
         ax2.axhline(1.0, color="black", linewidth=0.8)
         ax2.set_xticks(xs, labels, rotation=30, ha="right", fontsize=7)
         ax2.set_ylabel("× AR tok/s")
@@ -194,43 +220,80 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
     if series:
         _plot_histogram(series, out / PLOTS[0])
         _plot_lines(series, "survival", 0, out / PLOTS[1], "S(k) = P(L ≥ k+1)", "Survival")
-        _plot_lines(series, "per_position_acceptance", 1, out / PLOTS[2], "a_k = S(k)/S(k−1)",
-                    "Per-position acceptance")
+        _plot_lines(
+            series, "per_position_acceptance", 1, out / PLOTS[2], "a_k = S(k)/S(k−1)", "Per-position acceptance"
+        )
         _plot_comparison(series, out / PLOTS[3])
     t, ds, s = doc.get("target") or {}, doc.get("dataset") or {}, doc.get("settings") or {}
     kind = doc.get("kind", "evaluate")
-    lines = [f"# dflashkit {'simulation' if kind == 'simulate' else 'evaluation'}: {ds.get('name') or 'prompts'}", "",
-             f"- target: `{t.get('source', '?')}` ({t.get('architecture', '?')}, {t.get('num_layers', '?')} layers, "
-             f"hidden {t.get('hidden_size', '?')}, {t.get('dtype', '?')}{', hybrid' if t.get('hybrid') else ''})",
-             f"- prompts: {ds.get('n_prompts', '?')}" + (f" ({len(ds['skipped'])} skipped)" if ds.get("skipped") else ""),
-             f"- max_new_tokens {s.get('max_new_tokens', '?')}, temperature "
-             f"{(s.get('sampling') or {}).get('temperature', 0)}, tree top-k {s.get('tree_top_k', '—') or '= budget'}",
-             "", "## Summary", "", summary_table(doc), ""]
+    lines = [
+        f"# dflashkit {'simulation' if kind == 'simulate' else 'evaluation'}: {ds.get('name') or 'prompts'}",
+        "",
+        f"- target: `{t.get('source', '?')}` ({t.get('architecture', '?')}, {t.get('num_layers', '?')} layers, "
+        f"hidden {t.get('hidden_size', '?')}, {t.get('dtype', '?')}{', hybrid' if t.get('hybrid') else ''})",
+        f"- prompts: {ds.get('n_prompts', '?')}" + (f" ({len(ds['skipped'])} skipped)" if ds.get("skipped") else ""),
+        f"- max_new_tokens {s.get('max_new_tokens', '?')}, temperature "
+        f"{(s.get('sampling') or {}).get('temperature', 0)}, tree top-k {s.get('tree_top_k', '—') or '= budget'}",
+        "",
+        "## Summary",
+        "",
+        summary_table(doc),
+        "",
+    ]
     if kind != "simulate":
-        lines += ["τ counts the bonus token. Speedup = tok/s ÷ AR tok/s in the same run (prefill included); "
-                  "predicted = τ × AR step time ÷ round time from stage costs; efficiency = speedup ÷ predicted.", "",
-                  "## Stage costs", "", _stage_table(doc), ""]
+        lines += [
+            "τ counts the bonus token. Speedup = tok/s ÷ AR tok/s in the same run (prefill included); "
+            "predicted = τ × AR step time ÷ round time from stage costs; efficiency = speedup ÷ predicted.",
+            "",
+            "## Stage costs",
+            "",
+            _stage_table(doc),
+            "",
+        ]
     if series:
-        lines += ["## Acceptance", "", "![acceptance histogram](acceptance_histogram.png)", "",
-                  "![survival](survival.png)", "", "![per-position acceptance](per_position_acceptance.png)", "",
-                  _position_table(doc), "", "![comparison](comparison.png)", ""]
+        lines += [
+            "## Acceptance",
+            "",
+            "![acceptance histogram](acceptance_histogram.png)",
+            "",
+            "![survival](survival.png)",
+            "",
+            "![per-position acceptance](per_position_acceptance.png)",
+            "",
+            _position_table(doc),
+            "",
+            "![comparison](comparison.png)",
+            "",
+        ]
     divs = [(label, d) for label, st in series for d in st.get("divergences") or []]
     if kind != "simulate":
         lines += ["## Greedy equality", ""]
         if not divs:
-            lines.append("Every speculative output equals the AR output." if (s.get("sampling") or {}).get(
-                "temperature", 0) == 0 else "Sampling run: no greedy equality check.")
+            lines.append(
+                "Every speculative output equals the AR output."
+                if (s.get("sampling") or {}).get("temperature", 0) == 0
+                else "Sampling run: no greedy equality check."
+            )
         for label, d in divs:
-            lines.append(f"- {label}, prompt `{d.get('prompt_id')}`: first difference at token {d['index']} "
-                         f"(AR {d['ar_token']}, speculative {d['spec_token']}), top-2 margin {d['margin']:.3g} → "
-                         f"**{d['verdict']}**")
+            lines.append(
+                f"- {label}, prompt `{d.get('prompt_id')}`: first difference at token {d['index']} "
+                f"(AR {d['ar_token']}, speculative {d['spec_token']}), top-2 margin {d['margin']:.3g} → "
+                f"**{d['verdict']}**"
+            )
         lines.append("")
     drafters = doc.get("drafters") or {}
     if drafters:
-        lines += ["## Drafters", "", "| name | source | block size | target layers | parameters |", "|---|---|---|---|---|"]
+        lines += [
+            "## Drafters",
+            "",
+            "| name | source | block size | target layers | parameters |",
+            "|---|---|---|---|---|",
+        ]
         for name, info in drafters.items():
-            lines.append(f"| {name} | {info.get('source') or '—'} | {info.get('block_size')} | "
-                         f"{info.get('target_layer_ids')} | {info.get('parameters', 0):,} |")
+            lines.append(
+                f"| {name} | {info.get('source') or '—'} | {info.get('block_size')} | "
+                f"{info.get('target_layer_ids')} | {info.get('parameters', 0):,} |"
+            )
         lines.append("")
     if doc.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
@@ -239,8 +302,7 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
     return text
 
 
-def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None,
-            labels: Sequence[str] | None = None) -> str:
+def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None, labels: Sequence[str] | None = None) -> str:
     """Side-by-side Markdown table of several results files (+ compare.png when `out_dir` is given)."""
     docs = [load_results(p) for p in paths]
     if not docs:
@@ -249,16 +311,20 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None,
         labels = [Path(d["_path"]).parent.name or Path(d["_path"]).stem for d in docs]
         if len(set(labels)) < len(labels):
             labels = [f"{k + 1}:{lab}" for k, lab in enumerate(labels)]
-    rows = ["| run | dataset | drafter | method | τ micro | τ macro | full block | speedup | tok/s | greedy = AR |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| run | dataset | drafter | method | τ micro | τ macro | full block | speedup | tok/s | greedy = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     table: dict[str, dict[str, float]] = {}
-    for label, doc in zip(labels, docs):
+    for label, doc in zip(labels, docs, strict=True):
         ds = (doc.get("dataset") or {}).get("name") or "—"
         for series, st in _series(doc):
-            rows.append(f"| {label} | {ds} | {series.replace(' · ', ' | ')} | {_f(st.get('tau_micro'))} | "
-                        f"{_f(st.get('tau_macro'))} | {_f(st.get('full_block_fraction'), 3)} | "
-                        f"{_f(st.get('speedup_vs_ar'), 2, '×')} | {_f(st.get('tok_s'), 1)} | "
-                        f"{_f(st.get('greedy_equal_fraction'), 3)} |")
+            rows.append(
+                f"| {label} | {ds} | {series.replace(' · ', ' | ')} | {_f(st.get('tau_micro'))} | "
+                f"{_f(st.get('tau_macro'))} | {_f(st.get('full_block_fraction'), 3)} | "
+                f"{_f(st.get('speedup_vs_ar'), 2, '×')} | {_f(st.get('tok_s'), 1)} | "
+                f"{_f(st.get('greedy_equal_fraction'), 3)} |"
+            )
             table.setdefault(series, {})[label] = st.get("tau_micro") or 0.0
     text = "\n".join(["# dflashkit comparison", "", *rows, ""])
     if out_dir is not None:
@@ -269,8 +335,12 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None,
         width = 0.8 / len(labels)
         names = list(table)
         for j, label in enumerate(labels):
-            ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(names))],
-                   [table[n].get(label, 0.0) for n in names], width=width, label=label)
+            ax.bar(
+                [i - 0.4 + width * (j + 0.5) for i in range(len(names))],
+                [table[n].get(label, 0.0) for n in names],
+                width=width,
+                label=label,
+            )
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("τ micro")
         ax.set_title("τ by drafter · method")

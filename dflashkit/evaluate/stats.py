@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from dflashkit.errors import ConfigError, DataError
 from dflashkit.data.jsonl import LineProblem, read_lines
+from dflashkit.errors import ConfigError, DataError
 
 METHOD_FORMS = "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. ddtree:8)"
 
@@ -30,8 +31,8 @@ METHOD_FORMS = "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. d
 # ---------------------------------------------------------------------------------------------- methods
 @dataclass(frozen=True)
 class Method:
-    name: str                # "ar" | "chain" | "ddtree:8"
-    kind: str                # the decode.generate method: "ar" | "chain" | "tree"
+    name: str  # "ar" | "chain" | "ddtree:8"
+    kind: str  # the decode.generate method: "ar" | "chain" | "tree"
     budget: int | None = None
 
     def max_length(self, block_size: int) -> int:
@@ -83,8 +84,9 @@ def prompt_sha(ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
-def _read_pretokenised(path: Path, limit: int | None, vocab_size: int,
-                       on_error: str = "stop") -> tuple[list[Prompt], list[str]]:
+def _read_pretokenised(
+    path: Path, limit: int | None, vocab_size: int, on_error: str = "stop"
+) -> tuple[list[Prompt], list[str]]:
     """Prompts of a pre-tokenised JSONL; bad lines raise (on_error="stop") or are returned as problems."""
     out: list[Prompt] = []
     problems: list[str] = []
@@ -95,10 +97,15 @@ def _read_pretokenised(path: Path, limit: int | None, vocab_size: int,
         try:
             rec = line.json()
             ids = rec.get("prompt_ids") if isinstance(rec, dict) else None
-            if (not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
-                raise ValueError(f"field 'prompt_ids': expected a non-empty list of token ids in [0, {vocab_size}) "
-                                 f"(a file with pre-tokenised prompts needs it on every line)")
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+            ):
+                raise ValueError(
+                    f"field 'prompt_ids': expected a non-empty list of token ids in [0, {vocab_size}) "
+                    f"(a file with pre-tokenised prompts needs it on every line)"
+                )
             pid = str(rec.get("id", f"{path.stem}-{line.number}"))
             if pid in seen:
                 raise ValueError(f"field 'id': duplicate id {pid!r}")
@@ -110,8 +117,9 @@ def _read_pretokenised(path: Path, limit: int | None, vocab_size: int,
         seen.add(pid)
         out.append(Prompt(pid, list(ids)))
     if not out:
-        raise DataError(f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0]})"
-                                                 if problems else ""))
+        raise DataError(
+            f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0]})" if problems else "")
+        )
     return out, problems
 
 
@@ -122,15 +130,21 @@ def _is_pretokenised(path: Path) -> bool:
     for line in read_lines(path):
         try:
             rec = line.json()
-        except LineProblem:   # unreadable: the reader of either format reports (or skips) it with file:line
+        except LineProblem:  # unreadable: the reader of either format reports (or skips) it with file:line
             continue
         return isinstance(rec, dict) and "prompt_ids" in rec
     return False
 
 
-def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, max_new_tokens: int = 128,
-                 chat_template_kwargs: dict[str, Any] | None = None,
-                 on_error: str = "stop") -> tuple[list[Prompt], dict[str, str]]:
+def load_prompts(
+    target: Any,
+    dataset: str | Path,
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    on_error: str = "stop",
+) -> tuple[list[Prompt], dict[str, str]]:
     """Prompts of a dataset name or JSONL path for `target`. Returns (prompts, skipped: id → reason).
 
     on_error="skip": malformed JSONL lines are skipped and recorded in `skipped` ("unreadable-record-K")."""
@@ -149,8 +163,10 @@ def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, 
         conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
         tok = target.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise DataError(f"target {target.source} has no tokenizer with a chat template; give pre-tokenised "
-                            f"prompts instead: a JSONL file with lines {{\"id\": ..., \"prompt_ids\": [...]}}")
+            raise DataError(
+                f"target {target.source} has no tokenizer with a chat template; give pre-tokenised "
+                f'prompts instead: a JSONL file with lines {{"id": ..., "prompt_ids": [...]}}'
+            )
         prompts = []
         for conv in conversations:
             try:
@@ -163,13 +179,17 @@ def load_prompts(target: Any, dataset: str | Path, *, limit: int | None = None, 
     kept = []
     for p in prompts:
         if max_pos is not None and len(p.ids) + max_new_tokens > max_pos:
-            skipped[p.id] = (f"prompt of {len(p.ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context "
-                             f"window of {max_pos}")
+            skipped[p.id] = (
+                f"prompt of {len(p.ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context "
+                f"window of {max_pos}"
+            )
         else:
             kept.append(p)
     if not kept:
-        raise DataError(f"dataset {dataset}: no usable prompts ({len(skipped)} skipped; first: "
-                        f"{next(iter(skipped.values()), 'none')})")
+        raise DataError(
+            f"dataset {dataset}: no usable prompts ({len(skipped)} skipped; first: "
+            f"{next(iter(skipped.values()), 'none')})"
+        )
     return kept, skipped
 
 
@@ -185,7 +205,7 @@ def acceptance_stats(lengths: Sequence[Sequence[int]], max_length: int) -> dict[
     hist = [0] * (max(max_length, max(flat, default=1)) + 1)
     for x in flat:
         hist[x] += 1
-    survival = [sum(hist[k + 1:]) / rounds if rounds else None for k in range(max_length)]  # S(k) = P(L ≥ k+1)
+    survival = [sum(hist[k + 1 :]) / rounds if rounds else None for k in range(max_length)]  # S(k) = P(L ≥ k+1)
     per_pos: list[float | None] = []
     for k in range(1, max_length):
         prev, cur = survival[k - 1], survival[k]
@@ -224,15 +244,28 @@ def drafter_fingerprint(drafter: Any) -> str:
 
 def drafter_info(drafter: Any, *, source: str | None = None, block_size: int | None = None) -> dict[str, Any]:
     cfg = drafter.config
-    return {"source": source, "block_size": int(block_size or cfg.block_size),
-            "target_layer_ids": list(cfg.target_layer_ids), "num_hidden_layers": cfg.num_hidden_layers,
-            "parameters": sum(p.numel() for p in drafter.parameters()), "fingerprint": drafter_fingerprint(drafter)}
+    return {
+        "source": source,
+        "block_size": int(block_size or cfg.block_size),
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "parameters": sum(p.numel() for p in drafter.parameters()),
+        "fingerprint": drafter_fingerprint(drafter),
+    }
 
 
 def target_info(target: Any) -> dict[str, Any]:
     """What results and caches record about the target (the fingerprint keys resumption)."""
-    from dflashkit.features.capture import target_fingerprint
+    from dflashkit.features.manifest import target_fingerprint
 
-    return {"source": target.source, "fingerprint": target_fingerprint(target), "architecture": target.architecture,
-            "num_layers": target.num_layers, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-            "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "hybrid": target.is_hybrid}
+    return {
+        "source": target.source,
+        "fingerprint": target_fingerprint(target),
+        "architecture": target.architecture,
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device),
+        "hybrid": target.is_hybrid,
+    }

@@ -37,22 +37,43 @@ from safetensors.torch import save_file
 from dflashkit.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_tensors, drafter_state_dict, read_tensors
 from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
+from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.io_utils import atomic_path, atomic_write_text
-from dflashkit.drafter.model import DFlashDrafter
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 # speculators DFlashSpeculatorConfig field ← → DrafterConfig field (top level of the speculators config.json).
-SPECULATORS_TOP_FIELDS = {"block_size": "block_size", "mask_token_id": "mask_token_id",
-                          "draft_vocab_size": "draft_vocab_size"}
-SPECULATORS_LAYER_IDS = "aux_hidden_state_layer_ids"        # hidden_states indices: z-lab id = i − 1
-SPECULATORS_NESTED = "transformer_layer_config"             # Qwen3Config.to_diff_dict() of the draft layers
+SPECULATORS_TOP_FIELDS = {
+    "block_size": "block_size",
+    "mask_token_id": "mask_token_id",
+    "draft_vocab_size": "draft_vocab_size",
+}
+SPECULATORS_LAYER_IDS = "aux_hidden_state_layer_ids"  # hidden_states indices: z-lab id = i − 1
+SPECULATORS_NESTED = "transformer_layer_config"  # Qwen3Config.to_diff_dict() of the draft layers
 # DrafterConfig fields read from transformer_layer_config (same names there).
-TRANSFORMER_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "hidden_act",
-                      "attention_bias", "layer_types", "sliding_window")
+TRANSFORMER_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "layer_types",
+    "sliding_window",
+)
 # Key renames applied before matching (prefix strip, then substrings), as vLLM's DFlash weight mapper does.
 KEY_PREFIXES = ("model.",)
 KEY_SUBSTRINGS = (("midlayer.", "layers.0."), ("encoder.output_norm_enc.", "hidden_norm."), ("encoder.fc.", "fc."))
@@ -107,8 +128,13 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- config
-def config_from_speculators(raw: dict[str, Any], *, num_target_layers: int | None = None,
-                            notes: list[str] | None = None, source: str = CONFIG_NAME) -> DrafterConfig:
+def config_from_speculators(
+    raw: dict[str, Any],
+    *,
+    num_target_layers: int | None = None,
+    notes: list[str] | None = None,
+    source: str = CONFIG_NAME,
+) -> DrafterConfig:
     """Translate a speculators DFlash config.json into a DrafterConfig (raises CheckpointError when impossible)."""
     notes = notes if notes is not None else []
 
@@ -119,19 +145,25 @@ def config_from_speculators(raw: dict[str, Any], *, num_target_layers: int | Non
     if kind != "dflash":
         raise refuse(f"speculators_model_type {kind!r} is not a DFlash drafter (expected 'dflash')")
     if raw.get("projector_type", "dflash") != "dflash":
-        raise refuse(f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
-                     f"only 'dflash' converts")
+        raise refuse(
+            f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
+            f"only 'dflash' converts"
+        )
     if raw.get("shift_label"):
-        raise refuse("shift_label: true — this drafter was trained to predict the token one position later than "
-                     "DFlash's slot k → token a+k; it would draft shifted tokens (design lesson 6)")
+        raise refuse(
+            "shift_label: true — this drafter was trained to predict the token one position later than "
+            "DFlash's slot k → token a+k; it would draft shifted tokens (design lesson 6)"
+        )
     if raw.get("sample_from_anchor"):
-        raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards "
-                     "slot 0")
+        raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0")
     tl = raw.get(SPECULATORS_NESTED)
     if not isinstance(tl, dict):
         raise refuse(f"required field '{SPECULATORS_NESTED}' is missing (expected the draft layers' Qwen3 config)")
-    missing = [f for f in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if f not in tl]
+    missing = [
+        f
+        for f in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        if f not in tl
+    ]
     if missing:
         raise refuse(f"{SPECULATORS_NESTED} lacks required field(s) {missing}")
     try:
@@ -144,17 +176,23 @@ def config_from_speculators(raw: dict[str, Any], *, num_target_layers: int | Non
         raise refuse(f"field '{SPECULATORS_LAYER_IDS}' must be a list of integers, got {aux_raw!r}")
     hidden = int(tl["hidden_size"])
     if raw.get("target_hidden_size") not in (None, hidden):
-        raise refuse(f"target_hidden_size {raw['target_hidden_size']} ≠ the drafter's hidden_size {hidden}: "
-                     f"dflashkit drafters read features of their own width")
+        raise refuse(
+            f"target_hidden_size {raw['target_hidden_size']} ≠ the drafter's hidden_size {hidden}: "
+            f"dflashkit drafters read features of their own width"
+        )
     aux = raw.get(SPECULATORS_LAYER_IDS) or raw.get("target_layer_ids")
     if not aux:
         raise refuse(f"required field '{SPECULATORS_LAYER_IDS}' is missing or empty")
     ids = [int(i) - 1 for i in aux]
     if min(ids) < 0:
-        raise refuse(f"{SPECULATORS_LAYER_IDS} {list(aux)} contains 0 (the embedding output), which no z-lab "
-                     f"target_layer_id can express")
-    notes.append(f"layer ids: speculators {SPECULATORS_LAYER_IDS} {list(aux)} (hidden_states indices) → z-lab "
-                 f"target_layer_ids {ids} (decoder-layer indices, i − 1)")
+        raise refuse(
+            f"{SPECULATORS_LAYER_IDS} {list(aux)} contains 0 (the embedding output), which no z-lab "
+            f"target_layer_id can express"
+        )
+    notes.append(
+        f"layer ids: speculators {SPECULATORS_LAYER_IDS} {list(aux)} (hidden_states indices) → z-lab "
+        f"target_layer_ids {ids} (decoder-layer indices, i − 1)"
+    )
     if raw.get("mask_token_id") is None:
         raise refuse("mask_token_id is not set (speculators leaves it None unless --mask-token-id was given)")
     ours = raw.get("dflashkit") if isinstance(raw.get("dflashkit"), dict) else {}
@@ -162,50 +200,75 @@ def config_from_speculators(raw: dict[str, Any], *, num_target_layers: int | Non
         num_target_layers = raw.get("num_target_layers")
     if num_target_layers is None:
         num_target_layers = max(ids) + 4
-        notes.append(f"num_target_layers is not recorded in a speculators config; assumed {num_target_layers} "
-                     f"(z-lab's default max(id) + 4) — pass --num-target-layers to set the target's real depth")
+        notes.append(
+            f"num_target_layers is not recorded in a speculators config; assumed {num_target_layers} "
+            f"(z-lab's default max(id) + 4) — pass --num-target-layers to set the target's real depth"
+        )
     vocab = int(tl["vocab_size"])
     draft_vocab = raw.get("draft_vocab_size")
     draft_vocab = None if draft_vocab in (None, vocab) else int(draft_vocab)
     rope = tl.get("rope_parameters") or {}
     theta = rope.get("rope_theta", tl.get("rope_theta", 1_000_000.0))
-    is_causal = ours.get("is_causal") if "is_causal" in ours else (False if raw.get("sliding_window_non_causal")
-                                                                   else None)
+    is_causal = (
+        ours.get("is_causal") if "is_causal" in ours else (False if raw.get("sliding_window_non_causal") else None)
+    )
     values = {f: tl[f] for f in TRANSFORMER_FIELDS if f in tl and tl[f] is not None}
     if not tl.get("layer_types"):
         values.pop("layer_types", None)
     if "head_dim" not in values:
         values["head_dim"] = hidden // int(tl["num_attention_heads"])
     try:
-        return DrafterConfig(**values, num_target_layers=int(num_target_layers), target_layer_ids=ids,
-                             block_size=int(raw.get("block_size", 8)), mask_token_id=int(raw["mask_token_id"]),
-                             learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
-                             is_causal=is_causal, rope_theta=float(theta), draft_vocab_size=draft_vocab,
-                             extra=dict(ours.get("extra") or {}))
+        return DrafterConfig(
+            **values,
+            num_target_layers=int(num_target_layers),
+            target_layer_ids=ids,
+            block_size=int(raw.get("block_size", 8)),
+            mask_token_id=int(raw["mask_token_id"]),
+            learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
+            is_causal=is_causal,
+            rope_theta=float(theta),
+            draft_vocab_size=draft_vocab,
+            extra=dict(ours.get("extra") or {}),
+        )
     except (ConfigError, TypeError, ValueError) as e:
         raise refuse(f"cannot build a drafter config ({e})") from None
 
 
 def config_to_speculators(cfg: DrafterConfig) -> dict[str, Any]:
     """A speculators-style DFlash config.json for `cfg` (plus a `dflashkit` block so the round trip is exact)."""
-    tl = {"model_type": "qwen3", **{f: getattr(cfg, f) for f in TRANSFORMER_FIELDS},
-          "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}}
+    tl = {
+        "model_type": "qwen3",
+        **{f: getattr(cfg, f) for f in TRANSFORMER_FIELDS},
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+    }
     return {
-        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-        SPECULATORS_NESTED: tl, "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
-        "block_size": cfg.block_size, "target_hidden_size": cfg.hidden_size,
-        SPECULATORS_LAYER_IDS: [i + 1 for i in cfg.target_layer_ids], "mask_token_id": cfg.mask_token_id,
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        SPECULATORS_NESTED: tl,
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": cfg.hidden_size,
+        SPECULATORS_LAYER_IDS: [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
         "sliding_window_non_causal": cfg.is_causal is False and SLIDING_ATTENTION in cfg.layer_types,
-        "projector_type": "dflash", "shift_label": False, "sample_from_anchor": False,
+        "projector_type": "dflash",
+        "shift_label": False,
+        "sample_from_anchor": False,
         "num_target_layers": cfg.num_target_layers,
-        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                               "proposal_methods": [{"proposal_type": "greedy",
-                                                     "speculative_tokens": cfg.block_size - 1}],
-                               "verifier": {"name_or_path": None,
-                                            "architectures": [cfg.extra.get("target_architecture")]
-                                            if cfg.extra.get("target_architecture") else []}},
-        "dflashkit": {"extra": cfg.extra, "learned_mask_embedding": cfg.learned_mask_embedding,
-                      "is_causal": cfg.is_causal},
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+            "verifier": {
+                "name_or_path": None,
+                "architectures": [cfg.extra.get("target_architecture")] if cfg.extra.get("target_architecture") else [],
+            },
+        },
+        "dflashkit": {
+            "extra": cfg.extra,
+            "learned_mask_embedding": cfg.learned_mask_embedding,
+            "is_causal": cfg.is_causal,
+        },
     }
 
 
@@ -214,14 +277,15 @@ def map_key(name: str) -> str:
     """A speculators / vLLM-variant tensor name → dflashkit's name."""
     for prefix in KEY_PREFIXES:
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     for old, new in KEY_SUBSTRINGS:
         name = name.replace(old, new)
     return name
 
 
-def tensors_from_speculators(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
-                             notes: list[str]) -> dict[str, torch.Tensor]:
+def tensors_from_speculators(
+    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, notes: list[str]
+) -> dict[str, torch.Tensor]:
     """Rename, drop the target's tables with a note each, and turn the `d2t` offsets into `draft_to_target`."""
     out: dict[str, torch.Tensor] = {}
     d2t = t2d = None
@@ -242,12 +306,14 @@ def tensors_from_speculators(tensors: dict[str, torch.Tensor], cfg: DrafterConfi
             why = DROPPED_KEYS.get(key, "an embedding / LM-head table")
             notes.append(f"dropped {name} {list(tensor.shape)}: {why}")
         else:
-            raise CheckpointError(f"unexpected tensor '{name}' {list(tensor.shape)} in the speculators checkpoint: "
-                                  f"not part of a DFlash drafter (a DSpark/Domino head?)")
+            raise CheckpointError(
+                f"unexpected tensor '{name}' {list(tensor.shape)} in the speculators checkpoint: "
+                f"not part of a DFlash drafter (a DSpark/Domino head?)"
+            )
     if cfg.draft_vocab_size is not None:
         if d2t is None:
             raise CheckpointError(f"draft_vocab_size {cfg.draft_vocab_size} but no d2t tensor (draft → target map)")
-        absolute = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()   # target id = draft id + d2t[draft id]
+        absolute = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()  # target id = draft id + d2t[draft id]
         if t2d is not None and not torch.equal(torch.nonzero(t2d.bool()).flatten(), absolute.sort().values):
             raise CheckpointError("d2t and t2d disagree: the target ids d2t maps to are not the ones t2d marks")
         out["draft_to_target"] = absolute
@@ -270,8 +336,9 @@ def tensors_to_speculators(tensors: dict[str, torch.Tensor], cfg: DrafterConfig)
 
 # ---------------------------------------------------------------------------------------------- entry points
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-            for k, v in tensors.items()}
+    return {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous() for k, v in tensors.items()
+    }
 
 
 def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
@@ -281,8 +348,9 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) 
     atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def load_any(path: str | Path, *, num_target_layers: int | None = None,
-             notes: list[str] | None = None) -> tuple[DrafterConfig, dict[str, torch.Tensor], str]:
+def load_any(
+    path: str | Path, *, num_target_layers: int | None = None, notes: list[str] | None = None
+) -> tuple[DrafterConfig, dict[str, torch.Tensor], str]:
     """(config, dflashkit-named tensors, source format) of a z-lab or speculators checkpoint, checked strictly."""
     path = Path(path)
     notes = notes if notes is not None else []
@@ -290,8 +358,9 @@ def load_any(path: str | Path, *, num_target_layers: int | None = None,
     fmt = detect_format(raw)
     tensors = read_tensors(path)
     if fmt == "speculators":
-        cfg = config_from_speculators(raw, num_target_layers=num_target_layers, notes=notes,
-                                      source=str(path / CONFIG_NAME))
+        cfg = config_from_speculators(
+            raw, num_target_layers=num_target_layers, notes=notes, source=str(path / CONFIG_NAME)
+        )
         if "mask_embedding" in tensors and not cfg.learned_mask_embedding:
             cfg = cfg.replace(learned_mask_embedding=True)
         tensors = tensors_from_speculators(tensors, cfg, notes)
@@ -303,7 +372,7 @@ def load_any(path: str | Path, *, num_target_layers: int | None = None,
         if num_target_layers is not None and num_target_layers != cfg.num_target_layers:
             notes.append(f"num_target_layers {cfg.num_target_layers} → {num_target_layers}")
             cfg = cfg.replace(num_target_layers=num_target_layers)
-        if "d2t" in tensors and "draft_to_target" not in tensors:   # a serving export of a reduced vocabulary
+        if "d2t" in tensors and "draft_to_target" not in tensors:  # a serving export of a reduced vocabulary
             d2t = tensors.pop("d2t")
             tensors.pop("t2d", None)
             tensors["draft_to_target"] = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()
@@ -312,8 +381,14 @@ def load_any(path: str | Path, *, num_target_layers: int | None = None,
     return cfg, tensors, fmt
 
 
-def convert(src: str | Path, out: str | Path, *, to: str = "zlab", dtype: str | torch.dtype | None = None,
-            num_target_layers: int | None = None) -> ConversionReport:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    to: str = "zlab",
+    dtype: str | torch.dtype | None = None,
+    num_target_layers: int | None = None,
+) -> ConversionReport:
     """Convert a z-lab or speculators checkpoint to `to` ('zlab' or 'speculators'); returns what was done."""
     if to not in ("zlab", "speculators"):
         raise ConfigError(f"unknown output format {to!r}; expected 'zlab' or 'speculators'")
@@ -338,19 +413,34 @@ def convert(src: str | Path, out: str | Path, *, to: str = "zlab", dtype: str | 
     if dtype is not None:
         config["torch_dtype"] = str(dtype).replace("torch.", "")
     if cfg.draft_vocab_size is not None:
-        config["draft_vocab_size"] = cfg.draft_vocab_size   # vLLM reads the top-level field
-        notes.append("reduced vocabulary kept as draft_to_target (absolute ids); vLLM expects d2t offsets and an "
-                     "lm_head of the draft rows — convert --to speculators for that layout")
+        config["draft_vocab_size"] = cfg.draft_vocab_size  # vLLM reads the top-level field
+        notes.append(
+            "reduced vocabulary kept as draft_to_target (absolute ids); vLLM expects d2t offsets and an "
+            "lm_head of the draft rows — convert --to speculators for that layout"
+        )
     _write(out, tensors, config)
     if cfg.learned_mask_embedding:
         with atomic_path(out / "mask_embedding.pt") as tmp:
             torch.save({"mask_token_id": cfg.mask_token_id, "embedding": tensors["mask_embedding"].clone()}, tmp)
-        notes.append(f"learned mask embedding also written to mask_embedding.pt for vLLM (it replaces the "
-                     f"embedding of token {cfg.mask_token_id} wherever that id appears; SGLang ignores it and "
-                     f"uses the target's row {cfg.mask_token_id})")
+        notes.append(
+            f"learned mask embedding also written to mask_embedding.pt for vLLM (it replaces the "
+            f"embedding of token {cfg.mask_token_id} wherever that id appears; SGLang ignores it and "
+            f"uses the target's row {cfg.mask_token_id})"
+        )
     return ConversionReport(str(src), fmt, str(out), "zlab", notes)
 
 
-__all__ = ["ConversionReport", "DROPPED_KEYS", "KEY_SUBSTRINGS", "SPECULATORS_LAYER_IDS", "config_from_speculators",
-           "config_to_speculators", "convert", "detect_format", "load_any", "map_key", "tensors_from_speculators",
-           "tensors_to_speculators"]
+__all__ = [
+    "DROPPED_KEYS",
+    "KEY_SUBSTRINGS",
+    "SPECULATORS_LAYER_IDS",
+    "ConversionReport",
+    "config_from_speculators",
+    "config_to_speculators",
+    "convert",
+    "detect_format",
+    "load_any",
+    "map_key",
+    "tensors_from_speculators",
+    "tensors_to_speculators",
+]

@@ -39,38 +39,53 @@ import numpy as np
 import torch
 
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.export.convert import ConversionReport, load_any
 from dflashkit.errors import CheckpointError, ConfigError, TargetError
+from dflashkit.export.convert import ConversionReport, load_any
 
 ARCH = "dflash"
 # GGUF key templates (src/llama-arch.cpp LLM_KV_NAMES; "%s" = the architecture).
 KEYS = {
-    "context_length": "{arch}.context_length", "embedding_length": "{arch}.embedding_length",
-    "block_count": "{arch}.block_count", "feed_forward_length": "{arch}.feed_forward_length",
-    "head_count": "{arch}.attention.head_count", "head_count_kv": "{arch}.attention.head_count_kv",
-    "key_length": "{arch}.attention.key_length", "value_length": "{arch}.attention.value_length",
-    "rms_eps": "{arch}.attention.layer_norm_rms_epsilon", "rope_dims": "{arch}.rope.dimension_count",
-    "rope_base": "{arch}.rope.freq_base", "causal": "{arch}.attention.causal",
+    "context_length": "{arch}.context_length",
+    "embedding_length": "{arch}.embedding_length",
+    "block_count": "{arch}.block_count",
+    "feed_forward_length": "{arch}.feed_forward_length",
+    "head_count": "{arch}.attention.head_count",
+    "head_count_kv": "{arch}.attention.head_count_kv",
+    "key_length": "{arch}.attention.key_length",
+    "value_length": "{arch}.attention.value_length",
+    "rms_eps": "{arch}.attention.layer_norm_rms_epsilon",
+    "rope_dims": "{arch}.rope.dimension_count",
+    "rope_base": "{arch}.rope.freq_base",
+    "causal": "{arch}.attention.causal",
     "sliding_window": "{arch}.attention.sliding_window",
     "sliding_window_pattern": "{arch}.attention.sliding_window_pattern",
-    "block_size": "{arch}.block_size", "target_layers": "{arch}.target_layers",
+    "block_size": "{arch}.block_size",
+    "target_layers": "{arch}.target_layers",
     "hidden_act": "{arch}.hidden_activation",
 }
 MASK_KEY = "tokenizer.ggml.mask_token_id"
 TOKENIZER_PREFIX = "tokenizer."
 # dflashkit tensor name → GGUF name (src/llama-arch.cpp LLM_TENSOR_NAMES; per-layer names take the layer index).
-GLOBAL_TENSORS = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-                  "norm.weight": "output_norm.weight"}
+GLOBAL_TENSORS = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+}
 LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}   # gguf.LlamaFileType ALL_F32 / MOSTLY_*
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # gguf.LlamaFileType ALL_F32 / MOSTLY_*
 
 
 def gguf_tensor_name(key: str) -> str:
@@ -94,18 +109,24 @@ def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None)
     problems = []
     last = [i for i in cfg.target_layer_ids if i + 1 >= n_layers]
     if last:
-        problems.append(f"target_layer_ids {last} read the output of the target's last decoder layer "
-                        f"({n_layers - 1}); llama.cpp extracts layer *inputs* (dflash.target_layers = id + 1), so "
-                        f"the last layer's output has no input to be read from")
+        problems.append(
+            f"target_layer_ids {last} read the output of the target's last decoder layer "
+            f"({n_layers - 1}); llama.cpp extracts layer *inputs* (dflash.target_layers = id + 1), so "
+            f"the last layer's output has no input to be read from"
+        )
     if cfg.attention_bias:
         problems.append("attention_bias: true — llama.cpp's dflash layers load no q/k/v/o biases")
     if cfg.hidden_act != "silu":
-        problems.append(f"hidden_act {cfg.hidden_act!r}: only 'silu' is exported (llama.cpp maps gelu variants "
-                        f"to one tanh-approximated GELU)")
+        problems.append(
+            f"hidden_act {cfg.hidden_act!r}: only 'silu' is exported (llama.cpp maps gelu variants "
+            f"to one tanh-approximated GELU)"
+        )
     causal = {cfg.layer_is_causal(i) for i in range(cfg.num_hidden_layers)}
     if len(causal) > 1:
-        problems.append("the drafter mixes causal (sliding) and bidirectional (full) block attention; llama.cpp "
-                        "has one causal switch for all draft layers (set is_causal to make them agree)")
+        problems.append(
+            "the drafter mixes causal (sliding) and bidirectional (full) block attention; llama.cpp "
+            "has one causal switch for all draft layers (set is_causal to make them agree)"
+        )
     return problems
 
 
@@ -120,8 +141,8 @@ class TargetGGUF:
     num_layers: int
     vocab_size: int
     tokenizer_fields: list[tuple[str, Any, Any, Any]] = field(default_factory=list)  # (key, value, type, sub_type)
-    token_embd: Any = None      # gguf ReaderTensor
-    output: Any = None          # gguf ReaderTensor, None when tied
+    token_embd: Any = None  # gguf ReaderTensor
+    output: Any = None  # gguf ReaderTensor, None when tied
 
 
 def resolve_target_gguf(spec: str | Path) -> Path:
@@ -135,9 +156,11 @@ def resolve_target_gguf(spec: str | Path) -> Path:
         found = sorted(path.glob("*.gguf"))
         if len(found) == 1:
             return found[0]
-        raise TargetError(f"{path}: a GGUF export needs the target's .gguf file (the one llama.cpp will run); "
-                          f"found {len(found)} .gguf files there — pass the file. For a Hugging Face target, "
-                          f"convert it with llama.cpp's convert_hf_to_gguf.py first")
+        raise TargetError(
+            f"{path}: a GGUF export needs the target's .gguf file (the one llama.cpp will run); "
+            f"found {len(found)} .gguf files there — pass the file. For a Hugging Face target, "
+            f"convert it with llama.cpp's convert_hf_to_gguf.py first"
+        )
     if not path.is_file():
         raise TargetError(f"target GGUF {path} does not exist")
     if path.suffix != ".gguf":
@@ -174,10 +197,16 @@ def read_target_gguf(path: str | Path) -> TargetGGUF:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise TargetError(f"{path}: no token_embd.weight tensor")
-    return TargetGGUF(path=path, arch=arch, hidden_size=int(value(f"{arch}.embedding_length")),
-                      num_layers=int(value(f"{arch}.block_count")),
-                      vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), tokenizer_fields=fields,
-                      token_embd=tensors["token_embd.weight"], output=tensors.get("output.weight"))
+    return TargetGGUF(
+        path=path,
+        arch=arch,
+        hidden_size=int(value(f"{arch}.embedding_length")),
+        num_layers=int(value(f"{arch}.block_count")),
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        tokenizer_fields=fields,
+        token_embd=tensors["token_embd.weight"],
+        output=tensors.get("output.weight"),
+    )
 
 
 def check_target_fits(cfg: DrafterConfig, target: TargetGGUF) -> None:
@@ -214,8 +243,7 @@ def _table_copy(t: Any) -> tuple[np.ndarray, Any]:
     return np.array(t.data), t.tensor_type
 
 
-def _patch_row(rows: np.ndarray, qtype: Any, row: int, vector: np.ndarray,
-               notes: list[str]) -> tuple[np.ndarray, Any]:
+def _patch_row(rows: np.ndarray, qtype: Any, row: int, vector: np.ndarray, notes: list[str]) -> tuple[np.ndarray, Any]:
     """Replace one row of a (possibly quantised) table; re-encode the whole table as F16 if gguf cannot."""
     import gguf
 
@@ -226,9 +254,11 @@ def _patch_row(rows: np.ndarray, qtype: Any, row: int, vector: np.ndarray,
         try:
             full = gguf.quants.dequantize(rows, qtype).astype(np.float16)
         except NotImplementedError:
-            raise TargetError(f"the target's token_embd is {qtype.name}, which the gguf package can neither write "
-                              f"nor read: a learned mask cannot be patched in — use a target GGUF with f16/q8_0 "
-                              f"embeddings, or a drafter whose mask is a real row") from None
+            raise TargetError(
+                f"the target's token_embd is {qtype.name}, which the gguf package can neither write "
+                f"nor read: a learned mask cannot be patched in — use a target GGUF with f16/q8_0 "
+                f"embeddings, or a drafter whose mask is a real row"
+            ) from None
         full[row] = vector.astype(np.float16)
         notes.append(f"gguf cannot write {qtype.name} rows: the drafter's token_embd copy is f16")
         return full, None
@@ -238,12 +268,13 @@ def _patch_row(rows: np.ndarray, qtype: Any, row: int, vector: np.ndarray,
 class GGUFExport:
     """The tensors and metadata one export writes (built first, so a refusal writes nothing)."""
 
-    tensors: list[tuple[str, np.ndarray, Any]] = field(default_factory=list)   # (name, data, raw_dtype)
+    tensors: list[tuple[str, np.ndarray, Any]] = field(default_factory=list)  # (name, data, raw_dtype)
     notes: list[str] = field(default_factory=list)
 
 
-def build_export(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], target: TargetGGUF, *,
-                 outtype: str) -> GGUFExport:
+def build_export(
+    cfg: DrafterConfig, tensors: dict[str, torch.Tensor], target: TargetGGUF, *, outtype: str
+) -> GGUFExport:
     """Map a checked dflashkit drafter onto llama.cpp's dflash tensors (names, layouts, tables)."""
     exp = GGUFExport()
     for key, t in tensors.items():
@@ -251,19 +282,21 @@ def build_export(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], target: T
             continue
         name = gguf_tensor_name(key)
         data, raw = _weight_array(t, outtype, exp.notes, key)
-        exp.tensors.append((name, data, raw))           # torch (out, in) → GGUF ne {in, out}: same bytes
+        exp.tensors.append((name, data, raw))  # torch (out, in) → GGUF ne {in, out}: same bytes
     head = target.output if target.output is not None else target.token_embd
     if cfg.learned_mask_embedding:
         rows, qtype = _table_copy(target.token_embd)
         vec = tensors["mask_embedding"].detach().to(torch.float32).cpu().numpy()
         rows, raw = _patch_row(rows, qtype, cfg.mask_token_id, vec, exp.notes)
         exp.tensors.append(("token_embd.weight", rows, raw))
-        exp.notes.append(f"learned mask embedding → the drafter's own token_embd (the target's "
-                         f"{target.token_embd.tensor_type.name} table, row {cfg.mask_token_id} replaced) and its own "
-                         f"output head: llama.cpp embeds the block through one table, and a drafter with its own "
-                         f"table no longer borrows the target's head ({_mb(rows.nbytes)} + the head); a last "
-                         f"token equal to {cfg.mask_token_id} would be embedded with the vector too (dflashkit uses "
-                         f"the target's row there), so a never-produced mask id keeps the two engines identical")
+        exp.notes.append(
+            f"learned mask embedding → the drafter's own token_embd (the target's "
+            f"{target.token_embd.tensor_type.name} table, row {cfg.mask_token_id} replaced) and its own "
+            f"output head: llama.cpp embeds the block through one table, and a drafter with its own "
+            f"table no longer borrows the target's head ({_mb(rows.nbytes)} + the head); a last "
+            f"token equal to {cfg.mask_token_id} would be embedded with the vector too (dflashkit uses "
+            f"the target's row there), so a never-produced mask id keeps the two engines identical"
+        )
     if cfg.draft_vocab_size is not None:
         d2t = tensors["draft_to_target"].detach().cpu().numpy().astype(np.int64)
         if len(np.unique(d2t)) != len(d2t) or d2t.min() < 0 or d2t.max() >= target.vocab_size:
@@ -271,14 +304,18 @@ def build_export(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], target: T
         rows, qtype = _table_copy(head)
         exp.tensors.append(("output.weight", rows[d2t], qtype))
         exp.tensors.append(("d2t", d2t, None))
-        exp.notes.append(f"reduced vocabulary: d2t ({len(d2t)} absolute target ids, I64) and output = those rows of "
-                         f"the target's LM head ({head.tensor_type.name})")
+        exp.notes.append(
+            f"reduced vocabulary: d2t ({len(d2t)} absolute target ids, I64) and output = those rows of "
+            f"the target's LM head ({head.tensor_type.name})"
+        )
     elif cfg.learned_mask_embedding:
         rows, qtype = _table_copy(head)
         exp.tensors.append(("output.weight", rows, qtype))
     else:
-        exp.notes.append(f"mask = target embedding row {cfg.mask_token_id}: no tables stored, llama.cpp shares the "
-                         f"target's token_embd and LM head")
+        exp.notes.append(
+            f"mask = target embedding row {cfg.mask_token_id}: no tables stored, llama.cpp shares the "
+            f"target's token_embd and LM head"
+        )
     return exp
 
 
@@ -287,8 +324,9 @@ def _mb(n: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _write(out: Path, cfg: DrafterConfig, target: TargetGGUF, exp: GGUFExport, *, outtype: str,
-           name: str, source_format: str) -> None:
+def _write(
+    out: Path, cfg: DrafterConfig, target: TargetGGUF, exp: GGUFExport, *, outtype: str, name: str, source_format: str
+) -> None:
     import gguf
 
     from dflashkit.io_utils import atomic_path
@@ -318,8 +356,9 @@ def _write(out: Path, cfg: DrafterConfig, target: TargetGGUF, exp: GGUFExport, *
             w.add_bool(key("causal"), True)
         if any(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)):
             w.add_uint32(key("sliding_window"), int(cfg.sliding_window))
-            w.add_array(key("sliding_window_pattern"),
-                        [cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers)])
+            w.add_array(
+                key("sliding_window_pattern"), [cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers)]
+            )
         for k, v, vtype, sub in target.tokenizer_fields:
             w.add_key_value(k, v, vtype, sub_type=sub)
         w.add_uint32(MASK_KEY, cfg.mask_token_id)
@@ -335,8 +374,9 @@ def _write(out: Path, cfg: DrafterConfig, target: TargetGGUF, exp: GGUFExport, *
         w.close()
 
 
-def export_gguf(src: str | Path, out: str | Path, *, target: str | Path, outtype: str = "f16",
-                num_target_layers: int | None = None) -> ConversionReport:
+def export_gguf(
+    src: str | Path, out: str | Path, *, target: str | Path, outtype: str = "f16", num_target_layers: int | None = None
+) -> ConversionReport:
     """Write the drafter checkpoint `src` (z-lab, dflashkit or speculators) as a llama.cpp dflash GGUF `out`."""
     if outtype not in OUTTYPES:
         raise ConfigError(f"unknown --outtype {outtype!r}; expected one of {list(OUTTYPES)}")
@@ -352,16 +392,34 @@ def export_gguf(src: str | Path, out: str | Path, *, target: str | Path, outtype
     check_target_fits(cfg, tgt)
     exp = build_export(cfg, tensors, tgt, outtype=outtype)
     notes += exp.notes
-    notes.append(f"layer ids: target_layer_ids {cfg.target_layer_ids} (outputs of decoder layers) → "
-                 f"dflash.target_layers {gguf_target_layers(cfg)} (inputs of layers)")
-    notes.append(f"tokenizer copied from {tgt.path.name} ({tgt.vocab_size} tokens); mask_token_id "
-                 f"{cfg.mask_token_id}; block_size {cfg.block_size}: run with --spec-draft-n-max "
-                 f"{cfg.block_size - 1} for dflashkit's drafts")
+    notes.append(
+        f"layer ids: target_layer_ids {cfg.target_layer_ids} (outputs of decoder layers) → "
+        f"dflash.target_layers {gguf_target_layers(cfg)} (inputs of layers)"
+    )
+    notes.append(
+        f"tokenizer copied from {tgt.path.name} ({tgt.vocab_size} tokens); mask_token_id "
+        f"{cfg.mask_token_id}; block_size {cfg.block_size}: run with --spec-draft-n-max "
+        f"{cfg.block_size - 1} for dflashkit's drafts"
+    )
     _write(out, cfg, tgt, exp, outtype=outtype, name=f"{Path(src).name} DFlash drafter", source_format=fmt)
     notes.append(f"{_mb(os.path.getsize(out))} written, drafter matrices {outtype}")
     return ConversionReport(str(src), fmt, str(out), "gguf", notes)
 
 
-__all__ = ["ARCH", "GLOBAL_TENSORS", "KEYS", "LAYER_TENSORS", "MASK_KEY", "OUTTYPES", "TargetGGUF", "build_export",
-           "check_target_fits", "export_gguf", "export_problems", "gguf_target_layers", "gguf_tensor_name",
-           "read_target_gguf", "resolve_target_gguf"]
+__all__ = [
+    "ARCH",
+    "GLOBAL_TENSORS",
+    "KEYS",
+    "LAYER_TENSORS",
+    "MASK_KEY",
+    "OUTTYPES",
+    "TargetGGUF",
+    "build_export",
+    "check_target_fits",
+    "export_gguf",
+    "export_problems",
+    "gguf_target_layers",
+    "gguf_tensor_name",
+    "read_target_gguf",
+    "resolve_target_gguf",
+]

@@ -41,6 +41,7 @@ def home() -> Path:
     if os.environ.get("LLAMACPP_HOME"):
         return Path(os.environ["LLAMACPP_HOME"]).expanduser()
     from dflashkit.target.default import cache_root
+
     return cache_root() / f"llama.cpp-{VERSION}"
 
 
@@ -94,8 +95,8 @@ class SpecRun:
     rounds: list[Round] = field(default_factory=list)
     decoded_tokens: int = 0
     decode_s: float = 0.0
-    draft_ms: float = 0.0          # total draft-generation time (spec statistics 'g')
-    counts: dict[str, int] = field(default_factory=dict)   # n_predict (committed), n_drafted, n_accept
+    draft_ms: float = 0.0  # total draft-generation time (spec statistics 'g')
+    counts: dict[str, int] = field(default_factory=dict)  # n_predict (committed), n_drafted, n_accept
     log: str = ""
 
     @property
@@ -109,7 +110,7 @@ class SpecRun:
     def generated_ids(self) -> list[int]:
         out: list[int] = []
         for r in self.rounds:
-            out += r.draft[:r.accepted] + [r.last]
+            out += [*r.draft[: r.accepted], r.last]
         return out
 
     @property
@@ -144,17 +145,43 @@ def parse_speculative_log(log: str) -> list[Round]:
     return rounds
 
 
-def run_speculative(target: str | Path, prompt: str, *, drafter: str | Path | None = None,
-                    spec_type: str = "draft-dflash", n_max: int = 3, n_predict: int = 64, threads: int = 2,
-                    extra: list[str] | None = None, verbose: bool = True, timeout: float = 900) -> SpecRun:
+def run_speculative(
+    target: str | Path,
+    prompt: str,
+    *,
+    drafter: str | Path | None = None,
+    spec_type: str = "draft-dflash",
+    n_max: int = 3,
+    n_predict: int = 64,
+    threads: int = 2,
+    extra: list[str] | None = None,
+    verbose: bool = True,
+    timeout: float = 900,
+) -> SpecRun:
     """Greedy speculative decoding in llama.cpp (`--temp 0 --ignore-eos`: n_predict tokens, +0…n_max).
 
     verbose: log every draft (`-v`, needed for `rounds`; slows llama.cpp several-fold, so never time it);
     otherwise `-lv 4`, which still prints the counts and the draft-time statistics.
     """
-    cmd = [str(tool("llama-speculative-simple")), "-m", str(target), "--spec-type", spec_type,
-           "--spec-draft-n-max", str(n_max), "--temp", "0", "-n", str(n_predict), "-t", str(threads),
-           "-p", prompt, "--ignore-eos", *(["-v"] if verbose else ["-lv", "4"])]
+    cmd = [
+        str(tool("llama-speculative-simple")),
+        "-m",
+        str(target),
+        "--spec-type",
+        spec_type,
+        "--spec-draft-n-max",
+        str(n_max),
+        "--temp",
+        "0",
+        "-n",
+        str(n_predict),
+        "-t",
+        str(threads),
+        "-p",
+        prompt,
+        "--ignore-eos",
+        *(["-v"] if verbose else ["-lv", "4"]),
+    ]
     if drafter is not None:
         cmd += ["-md", str(drafter), "-td", str(threads)]
     proc = _run(cmd + list(extra or []), timeout)
@@ -170,11 +197,27 @@ def run_speculative(target: str | Path, prompt: str, *, drafter: str | Path | No
     return run
 
 
-def run_plain(target: str | Path, prompt: str, *, n_predict: int = 64, threads: int = 2,
-              timeout: float = 900) -> SpecRun:
+def run_plain(
+    target: str | Path, prompt: str, *, n_predict: int = 64, threads: int = 2, timeout: float = 900
+) -> SpecRun:
     """Plain greedy decoding (llama-completion); text is what it printed after the prompt."""
-    cmd = [str(tool("llama-completion")), "-m", str(target), "-p", prompt, "-n", str(n_predict), "--temp", "0",
-           "-t", str(threads), "-no-cnv", "--ignore-eos", "--no-warmup", "--no-display-prompt"]
+    cmd = [
+        str(tool("llama-completion")),
+        "-m",
+        str(target),
+        "-p",
+        prompt,
+        "-n",
+        str(n_predict),
+        "--temp",
+        "0",
+        "-t",
+        str(threads),
+        "-no-cnv",
+        "--ignore-eos",
+        "--no-warmup",
+        "--no-display-prompt",
+    ]
     proc = _run(cmd, timeout)
     run = SpecRun(text=proc.stdout, log=proc.stderr)
     m = _EVAL.search(proc.stderr)
@@ -184,5 +227,15 @@ def run_plain(target: str | Path, prompt: str, *, n_predict: int = 64, threads: 
     return run
 
 
-__all__ = ["LlamaCppError", "Round", "SpecRun", "built", "f32_target_gguf", "home", "parse_speculative_log",
-           "run_plain", "run_speculative", "tool"]
+__all__ = [
+    "LlamaCppError",
+    "Round",
+    "SpecRun",
+    "built",
+    "f32_target_gguf",
+    "home",
+    "parse_speculative_log",
+    "run_plain",
+    "run_speculative",
+    "tool",
+]

@@ -6,8 +6,9 @@ layer ids, storage dtype, shard plan, per-sample index; resumable shard by shard
 log-probs). Online features compute the same thing in memory, nothing written.
 
 Modules and their public functions:
-  capture.py   `capture(target, samples, out_dir, layer_ids=…)`, `CapturedFeatures(dir)[i]`, `target_fingerprint`
+  capture.py   `capture(target, samples, out_dir, layer_ids=…)`: write a capture directory, resumable
+  captured.py  `CapturedFeatures(dir)[i]`: read it back (checked against the target and the drafter's layers)
   online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
-  manifest.py  `Manifest.load(dir)`, `bytes_per_token`, `plan_shards`, `format_bytes`
+  manifest.py  `Manifest.load(dir)`, `target_fingerprint`, `bytes_per_token`, `plan_shards`, `format_bytes`
   shards.py    `shard_problem(path, entry)`: a shard on disk checked against its manifest entry
 """

@@ -2,9 +2,8 @@
 
     capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
     capture(target, samples, out_dir, layer_ids=ids, store_topk=32)   # + top-32 log-probs per position
-    CapturedFeatures(out_dir, expect_target=target, expect_layer_ids=ids)[i]   # → Sample with features
-                                     # (ids may be any subset of the captured layers: capture once, try many)
-    OnlineFeatures(target, samples, layer_ids=ids)[i]     # same, nothing on disk (dflashkit.features.online)
+    CapturedFeatures(out_dir, ...)[i]       # reading it back: dflashkit.features.captured
+    OnlineFeatures(target, samples, ...)[i] # the same features, nothing on disk: dflashkit.features.online
 
 The feature of layer i is the output of decoder layer i (HF `output_hidden_states[i + 1]`), concatenated in
 `layer_ids` order → (T, K·H) per sample. `target_tokens` are the argmax of the verifier logits, i.e. the
@@ -22,7 +21,7 @@ On-disk format (format_version 1), one directory:
                              vocabulary of the verifier logits, then topk; descending). float16 is ample for
                              log-probs (error ≤ |ℓ|·2^-11, see `dflashkit.features.online`); they train
                              `loss: topk` without running the target (6·K bytes per token: 192 B for K = 32)
-The manifest (`Manifest`, in `dflashkit.features.manifest`, re-exported here) holds the target (source, architecture,
+The manifest (`Manifest`, in `dflashkit.features.manifest`) holds the target (source, architecture,
 num_layers, hidden_size, fingerprint), layer_ids, dtype, store_target_tokens, store_topk (0 when absent, so older
 manifests stay valid), the shard plan (file, first sample, count, tokens, done, bytes, sha256), one entry per
 sample (id, shard, length, supervised), totals, the tokens file and a digest of the samples. The shard plan is
@@ -35,53 +34,49 @@ dtype="fp32" for bit-exact features.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.errors import DataError
-from dflashkit.io_utils import atomic_path
-from dflashkit.features.manifest import (FORMAT_VERSION, MANIFEST_NAME, STORAGE_DTYPES, TOPK_BYTES, Manifest,
-                                bytes_per_token, format_bytes, plan_shards)
-from dflashkit.features.online import OnlineFeatures, topk_logprobs
 from dflashkit.data.samples import Sample, check_token_ids
-from dflashkit.features.shards import VERIFY_MODES, file_sha256, shard_problem, size_problem
+from dflashkit.errors import DataError
+from dflashkit.features.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STORAGE_DTYPES,
+    TOPK_BYTES,
+    Manifest,
+    bytes_per_token,
+    format_bytes,
+    plan_shards,
+    target_fingerprint,
+)
+from dflashkit.features.online import topk_logprobs
+from dflashkit.features.shards import VERIFY_MODES, file_sha256, shard_problem
+from dflashkit.io_utils import atomic_path
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
 
 DEFAULT_SHARD_BYTES = 1 << 30  # default shard size: ~1 GiB of features, whatever the target's width
-_RESUME_FIELDS = ("target.fingerprint", "target.num_layers", "target.hidden_size", "layer_ids", "dtype",
-                  "store_target_tokens", "store_topk", "samples_sha256", "shard_max_tokens")
-
-
-def target_fingerprint(target: Target) -> str:
-    """Cheap, stable identity of a target: its text config (minus paths/dtype), parameter shapes, a few weights.
-
-    Weight slices are hashed after rounding to bf16, so the same checkpoint loaded in fp32 or bf16 matches.
-    """
-    cfg = target.text_config.to_dict()
-    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache"):
-        cfg.pop(k, None)
-    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
-    params = dict(target.model.named_parameters())
-    for name in sorted(params):
-        h.update(f"{name}:{list(params[name].shape)};".encode())
-    for w in (target.embed_weight, target.lm_head_weight, next(target.layers[0].parameters()),
-              next(target.layers[-1].parameters())):
-        head = w.detach().reshape(-1)[:256].cpu().to(torch.bfloat16)  # (≤256,)
-        h.update(head.view(torch.int16).numpy().tobytes())
-    return h.hexdigest()[:16]
+_RESUME_FIELDS = (
+    "target.fingerprint",
+    "target.num_layers",
+    "target.hidden_size",
+    "layer_ids",
+    "dtype",
+    "store_target_tokens",
+    "store_topk",
+    "samples_sha256",
+    "shard_max_tokens",
+)
 
 
 def samples_digest(samples: Sequence[Sample]) -> str:
@@ -94,19 +89,41 @@ def samples_digest(samples: Sequence[Sample]) -> str:
     return h.hexdigest()
 
 
-def _new_manifest(target: Target, samples: Sequence[Sample], *, layer_ids: list[int], dtype: str,
-                  store_target_tokens: bool, store_topk: int, shard_max_tokens: int,
-                  tokens_file: str | None) -> Manifest:
+def _new_manifest(
+    target: Target,
+    samples: Sequence[Sample],
+    *,
+    layer_ids: list[int],
+    dtype: str,
+    store_target_tokens: bool,
+    store_topk: int,
+    shard_max_tokens: int,
+    tokens_file: str | None,
+) -> Manifest:
     shards = plan_shards([len(s) for s in samples], shard_max_tokens)
     entries: list[dict[str, Any]] = []
     for j, sh in enumerate(shards):
-        for s in samples[sh["first"]:sh["first"] + sh["count"]]:
+        for s in samples[sh["first"] : sh["first"] + sh["count"]]:
             entries.append({"id": s.id, "shard": j, "length": len(s), "supervised": s.num_supervised})
-    info = {"source": target.source, "architecture": target.architecture, "num_layers": target.num_layers,
-            "hidden_size": target.hidden_size, "fingerprint": target_fingerprint(target)}
-    return Manifest(target=info, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
-                    shard_max_tokens=shard_max_tokens, samples_sha256=samples_digest(samples),
-                    tokens_file=tokens_file, shards=shards, samples=entries, store_topk=store_topk)
+    info = {
+        "source": target.source,
+        "architecture": target.architecture,
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "fingerprint": target_fingerprint(target),
+    }
+    return Manifest(
+        target=info,
+        layer_ids=layer_ids,
+        dtype=dtype,
+        store_target_tokens=store_target_tokens,
+        shard_max_tokens=shard_max_tokens,
+        samples_sha256=samples_digest(samples),
+        tokens_file=tokens_file,
+        shards=shards,
+        samples=entries,
+        store_topk=store_topk,
+    )
 
 
 def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: str = "full") -> Manifest:
@@ -117,8 +134,10 @@ def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: 
     old = Manifest.load(out_dir)
     for name in _RESUME_FIELDS:
         if old.get(name) != fresh.get(name):
-            raise DataError(f"{out_dir} already holds a capture with {name} {old.get(name)!r} but this run has "
-                            f"{fresh.get(name)!r}; rerun with the same settings to resume it, or use another --out")
+            raise DataError(
+                f"{out_dir} already holds a capture with {name} {old.get(name)!r} but this run has "
+                f"{fresh.get(name)!r}; rerun with the same settings to resume it, or use another --out"
+            )
     for sh in old.shards:
         problem = shard_problem(out_dir / sh["file"], sh, checksum=verify == "full") if sh["done"] else None
         if problem:
@@ -128,9 +147,18 @@ def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: 
     return old
 
 
-def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer_ids: list[int],
-                   store: torch.dtype, store_target_tokens: bool, store_topk: int, batch_tokens: int,
-                   bar: tqdm) -> dict[str, Tensor]:
+def _capture_shard(
+    target: Target,
+    chunk: Sequence[Sample],
+    first: int,
+    *,
+    layer_ids: list[int],
+    store: torch.dtype,
+    store_target_tokens: bool,
+    store_topk: int,
+    batch_tokens: int,
+    bar: tqdm,
+) -> dict[str, Tensor]:
     """Run the target over one shard's samples; equal-length samples may share a forward (no padding)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(chunk)), key=lambda i: (len(chunk[i]), i)) if batch_tokens > 0 else range(len(chunk)):
@@ -142,8 +170,9 @@ def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer
     tensors: dict[str, Tensor] = {}
     for g in groups:
         ids = torch.stack([chunk[i].input_ids for i in g])  # (B, T)
-        out = target.forward(ids, layer_ids=layer_ids, logits=store_target_tokens or store_topk > 0,
-                             feature_dtype=store)
+        out = target.forward(
+            ids, layer_ids=layer_ids, logits=store_target_tokens or store_topk > 0, feature_dtype=store
+        )
         feats = out.features.cpu()  # (B, T, K·H) in the storage dtype
         tokens = out.logits.argmax(-1).cpu() if store_target_tokens else None  # (B, T) final-layer argmax
         top = [t.cpu() for t in topk_logprobs(out.logits, store_topk)] if store_topk else None  # (B, T, k) ×2
@@ -155,18 +184,29 @@ def _capture_shard(target: Target, chunk: Sequence[Sample], first: int, *, layer
             if tokens is not None:
                 tensors[f"{k}.target_tokens"] = tokens[b].to(torch.int32)
             if top is not None:
-                tensors[f"{k}.topk_ids"] = top[0][b].to(torch.int32)          # (T, k)
-                tensors[f"{k}.topk_logprobs"] = top[1][b].clone()           # (T, k) float16
+                tensors[f"{k}.topk_ids"] = top[0][b].to(torch.int32)  # (T, k)
+                tensors[f"{k}.topk_logprobs"] = top[1][b].clone()  # (T, k) float16
         bar.update(ids.numel())
     return tensors
 
 
-def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, layer_ids: Sequence[int],
-            dtype: str = "bf16", store_target_tokens: bool = True, store_topk: int = 0,
-            shard_max_tokens: int | None = None,
-            batch_tokens: int = 0, tokens_file: str | Path | None = None, progress: bool = True,
-            log: Callable[[str], None] | None = print,
-            on_shard: Callable[[int, Manifest], None] | None = None, verify: str = "full") -> Manifest:
+def capture(
+    target: Target,
+    samples: Sequence[Sample],
+    out_dir: str | Path,
+    *,
+    layer_ids: Sequence[int],
+    dtype: str = "bf16",
+    store_target_tokens: bool = True,
+    store_topk: int = 0,
+    shard_max_tokens: int | None = None,
+    batch_tokens: int = 0,
+    tokens_file: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = print,
+    on_shard: Callable[[int, Manifest], None] | None = None,
+    verify: str = "full",
+) -> Manifest:
     """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
 
     store_topk: K > 0 also stores the target's top-K log-probs per position (for `loss: topk`; 0 = off).
@@ -179,70 +219,65 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
     """
     log = log or (lambda _msg: None)
     layer_ids = [int(i) for i in layer_ids]
-    target.check_layer_ids(layer_ids)
-    if dtype not in STORAGE_DTYPES:
-        raise DataError(f"capture dtype {dtype!r} is not supported; expected one of {sorted(STORAGE_DTYPES)}")
-    if not samples:
-        raise DataError("capture: no samples to capture (empty dataset)")
-    if verify not in VERIFY_MODES:
-        raise DataError(f"capture verify={verify!r}: expected one of {list(VERIFY_MODES)}")
-    if not isinstance(store_topk, int) or isinstance(store_topk, bool) or not 0 <= store_topk <= target.vocab_size:
-        raise DataError(f"capture store_topk={store_topk!r}: expected an integer from 0 (off) to the target's "
-                        f"vocabulary size {target.vocab_size}")
-    check_token_ids(samples, target.vocab_size, what=f"the target {target.source}")
+    _check_arguments(target, samples, layer_ids, dtype, verify, store_topk)
     out_dir = Path(out_dir)
     per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk)
     if shard_max_tokens is None:
         existing = out_dir / MANIFEST_NAME
-        shard_max_tokens = (Manifest.load(out_dir).shard_max_tokens if existing.is_file()
-                            else max(1, DEFAULT_SHARD_BYTES // per_token))
+        shard_max_tokens = (
+            Manifest.load(out_dir).shard_max_tokens if existing.is_file() else max(1, DEFAULT_SHARD_BYTES // per_token)
+        )
     if shard_max_tokens < 1:
         raise DataError(f"shard_max_tokens must be ≥ 1, got {shard_max_tokens}")
-    fresh = _new_manifest(target, samples, layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens,
-                          store_topk=store_topk, shard_max_tokens=int(shard_max_tokens),
-                          tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()))
+    fresh = _new_manifest(
+        target,
+        samples,
+        layer_ids=layer_ids,
+        dtype=dtype,
+        store_target_tokens=store_target_tokens,
+        store_topk=store_topk,
+        shard_max_tokens=int(shard_max_tokens),
+        tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
+    )
     manifest = _resume(out_dir, fresh, log, verify)
     todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
-    todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
     manifest.run_stats = {"tokens": 0, "seconds": 0.0, "shards": 0}
     if not todo:
-        log(f"capture: {out_dir} is already complete ({manifest.num_samples} samples, {manifest.total_tokens:,} "
-            f"tokens); nothing to do")
+        log(
+            f"capture: {out_dir} is already complete ({manifest.num_samples} samples, {manifest.total_tokens:,} "
+            f"tokens); nothing to do"
+        )
         return manifest
-
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
         stale.unlink()
-    need = todo_tokens * per_token
-    free = shutil.disk_usage(out_dir).free
-    log(f"capture: {manifest.num_samples} samples, {manifest.total_tokens:,} tokens × {len(layer_ids)} layers × "
-        f"{target.hidden_size} hidden × {STORAGE_DTYPES[dtype].itemsize} B ({dtype})"
-        f"{' + target tokens' if store_target_tokens else ''}"
-        f"{f' + top-{store_topk} log-probs ({store_topk * TOPK_BYTES} B/token)' if store_topk else ''}"
-        f" ≈ {format_bytes(manifest.total_tokens * per_token)}; "
-        f"to write now: {todo_tokens:,} tokens in {len(todo)} shard(s) ≈ {format_bytes(need)}; "
-        f"free at {out_dir}: {format_bytes(free)}")
-    if need * 1.02 + (16 << 20) > free:
-        raise DataError(f"not enough disk space in {out_dir}: the capture needs ≈ {format_bytes(need)} but only "
-                        f"{format_bytes(free)} is free; free space, use --dtype bf16, --limit, or another --out")
+    _check_disk(target, manifest, out_dir, todo, per_token, log)
     manifest.save(out_dir)
-
-    store = STORAGE_DTYPES[dtype]
+    todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
     t0 = time.perf_counter()
-    with tqdm(total=manifest.total_tokens, initial=manifest.total_tokens - todo_tokens, unit="tok",
-              unit_scale=True, desc="capture", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=manifest.total_tokens,
+        initial=manifest.total_tokens - todo_tokens,
+        unit="tok",
+        unit_scale=True,
+        desc="capture",
+        disable=not progress,
+        dynamic_ncols=True,
+    ) as bar:
         for j in todo:
             sh = manifest.shards[j]
-            tensors = _capture_shard(target, samples[sh["first"]:sh["first"] + sh["count"]], sh["first"],
-                                     layer_ids=layer_ids, store=store, store_target_tokens=store_target_tokens,
-                                     store_topk=store_topk, batch_tokens=batch_tokens, bar=bar)
-            path = out_dir / sh["file"]
-            with atomic_path(path) as tmp:
-                # one metadata key only: safetensors writes metadata in hash order, so several would make
-                # otherwise identical shards differ byte-wise between runs
-                save_file(tensors, str(tmp), metadata={"format": f"dflashkit-features/{FORMAT_VERSION}"})
-                digest = file_sha256(tmp)   # of what reached the disk; re-checked on resume (dflashkit.features.shards)
-            sh["done"], sh["bytes"], sh["sha256"] = True, path.stat().st_size, digest
+            tensors = _capture_shard(
+                target,
+                samples[sh["first"] : sh["first"] + sh["count"]],
+                sh["first"],
+                layer_ids=layer_ids,
+                store=STORAGE_DTYPES[dtype],
+                store_target_tokens=store_target_tokens,
+                store_topk=store_topk,
+                batch_tokens=batch_tokens,
+                bar=bar,
+            )
+            _write_shard(out_dir, sh, tensors)
             manifest.save(out_dir)
             manifest.run_stats["tokens"] += sh["tokens"]
             manifest.run_stats["shards"] += 1
@@ -252,143 +287,57 @@ def capture(target: Target, samples: Sequence[Sample], out_dir: str | Path, *, l
     return manifest
 
 
-def _layer_columns(out_dir: Path, m: Manifest, expect_layer_ids: Sequence[int] | None) -> list[int] | None:
-    """Positions of the expected layers among the captured ones (None: all of them, in order)."""
-    if expect_layer_ids is None or [int(i) for i in expect_layer_ids] == list(m.layer_ids):
-        return None
-    want = [int(i) for i in expect_layer_ids]
-    missing = [i for i in want if i not in m.layer_ids]
-    if missing:
-        raise DataError(f"capture dir {out_dir} was made with target_layer_ids {list(m.layer_ids)} but the drafter "
-                        f"needs {want} (layers {missing} were not captured); capture again with those layer ids")
-    return [list(m.layer_ids).index(i) for i in want]
+def _check_arguments(
+    target: Target, samples: Sequence[Sample], layer_ids: list[int], dtype: str, verify: str, store_topk: int
+) -> None:
+    target.check_layer_ids(layer_ids)
+    if dtype not in STORAGE_DTYPES:
+        raise DataError(f"capture dtype {dtype!r} is not supported; expected one of {sorted(STORAGE_DTYPES)}")
+    if not samples:
+        raise DataError("capture: no samples to capture (empty dataset)")
+    if verify not in VERIFY_MODES:
+        raise DataError(f"capture verify={verify!r}: expected one of {list(VERIFY_MODES)}")
+    if not isinstance(store_topk, int) or isinstance(store_topk, bool) or not 0 <= store_topk <= target.vocab_size:
+        raise DataError(
+            f"capture store_topk={store_topk!r}: expected an integer from 0 (off) to the target's "
+            f"vocabulary size {target.vocab_size}"
+        )
+    check_token_ids(samples, target.vocab_size, what=f"the target {target.source}")
 
 
-def _check_expected(out_dir: Path, m: Manifest, expect_target: Target | str | None) -> None:
-    if expect_target is None:
-        return
-    made = f"capture dir {out_dir} was made with target {m.target.get('source')!r}"
-    if isinstance(expect_target, str):
-        expected = {"fingerprint": expect_target}
-    else:
-        expected = {"num_layers": expect_target.num_layers, "hidden_size": expect_target.hidden_size,
-                    "fingerprint": target_fingerprint(expect_target)}
-    for key, want in expected.items():
-        if m.target.get(key) != want:
-            other = "" if isinstance(expect_target, str) else f" ({expect_target.source!r})"
-            raise DataError(f"{made} with {key} {m.target.get(key)!r} but the expected target{other} has "
-                            f"{key} {want!r}; features only fit the target they were captured from")
+def _check_disk(
+    target: Target, manifest: Manifest, out_dir: Path, todo: list[int], per_token: int, log: Callable[[str], None]
+) -> None:
+    """Say what will be written and refuse before any work when the disk cannot hold it."""
+    todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
+    need = todo_tokens * per_token
+    free = shutil.disk_usage(out_dir).free
+    dtype, topk = manifest.dtype, manifest.store_topk
+    log(
+        f"capture: {manifest.num_samples} samples, {manifest.total_tokens:,} tokens × {len(manifest.layer_ids)} "
+        f"layers × {target.hidden_size} hidden × {STORAGE_DTYPES[dtype].itemsize} B ({dtype})"
+        f"{' + target tokens' if manifest.store_target_tokens else ''}"
+        f"{f' + top-{topk} log-probs ({topk * TOPK_BYTES} B/token)' if topk else ''}"
+        f" ≈ {format_bytes(manifest.total_tokens * per_token)}; "
+        f"to write now: {todo_tokens:,} tokens in {len(todo)} shard(s) ≈ {format_bytes(need)}; "
+        f"free at {out_dir}: {format_bytes(free)}"
+    )
+    if need * 1.02 + (16 << 20) > free:
+        raise DataError(
+            f"not enough disk space in {out_dir}: the capture needs ≈ {format_bytes(need)} but only "
+            f"{format_bytes(free)} is free; free space, use --dtype bf16, --limit, or another --out"
+        )
 
 
-class CapturedFeatures:
-    """Map-style dataset over a finished capture dir: `ds[i]` → Sample with float32 CPU features.
-
-    Shards are opened lazily (safetensors `safe_open`), keeping at most `max_open_shards` handles (LRU);
-    handles are dropped when the dataset is pickled (DataLoader workers reopen their own).
-    require_topk: n > 0 raises DataError unless the capture stored ≥ n top-k log-probs per position (`loss: topk`).
-    """
-
-    def __init__(self, out_dir: str | Path, *, expect_target: Target | str | None = None,
-                 expect_layer_ids: Sequence[int] | None = None, max_open_shards: int = 4,
-                 require_topk: int = 0) -> None:
-        self.dir = Path(out_dir)
-        self.manifest = Manifest.load(self.dir)
-        m = self.manifest
-        _check_expected(self.dir, m, expect_target)
-        if require_topk > m.store_topk:
-            have = ("was captured without the target's top-k log-probs" if not m.store_topk else
-                    f"holds only the top-{m.store_topk} log-probs per position, but {require_topk} are asked for")
-            raise DataError(f"loss: topk needs the target's top-k log-probs in the features, but capture dir "
-                            f"{self.dir} {have}; capture again with `dflashkit capture --topk "
-                            f"{max(require_topk, 32)} ...` into a new --out (or train with loss: ce / kl)")
-        self._columns = _layer_columns(self.dir, m, expect_layer_ids)  # None: every captured layer
-        if not m.complete:
-            missing = m.num_samples - m.done_samples
-            shards = sum(1 for s in m.shards if not s["done"])
-            raise DataError(f"capture dir {self.dir} is incomplete: {missing} of {m.num_samples} samples "
-                            f"({shards} of {len(m.shards)} shards) not captured yet; rerun `dflashkit capture` "
-                            f"with the same arguments to resume it")
-        for sh in m.shards:   # sizes now (cheap); each header when the shard is first opened
-            problem = size_problem(self.dir / sh["file"], sh)
-            if problem:
-                raise DataError(f"capture dir {self.dir}: shard file {sh['file']} {problem}; it holds "
-                                f"{sh['count']} samples: rerun `dflashkit capture` with the same arguments "
-                                f"to recreate it")
-        self.max_open_shards = max_open_shards
-        self._handles: OrderedDict[str, Any] = OrderedDict()
-
-    @property
-    def layer_ids(self) -> list[int]:
-        ids = list(self.manifest.layer_ids)
-        return ids if self._columns is None else [ids[c] for c in self._columns]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [s["length"] for s in self.manifest.samples]
-
-    def __len__(self) -> int:
-        return self.manifest.num_samples
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_handles": OrderedDict()}
-
-    def loss_mask(self, i: int) -> Tensor:
-        """Sample i's loss mask (T,) bool, read without its features."""
-        return self._handle(self.manifest.shards[self.manifest.samples[i]["shard"]]["file"]).get_tensor(
-            f"{i}.loss_mask").bool()
-
-    def _handle(self, name: str) -> Any:
-        if name in self._handles:
-            self._handles.move_to_end(name)
-            return self._handles[name]
-        path = self.dir / name
-        if not path.is_file():
-            raise DataError(f"capture dir {self.dir}: shard file {name} is missing; rerun `dflashkit capture` "
-                            f"with the same arguments to recreate it")
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 — safetensors raises its own error type for damaged files
-            raise DataError(f"capture dir {self.dir}: shard file {name} is damaged (not a readable safetensors "
-                            f"file: {' '.join(str(e).split())[:200]}); rerun `dflashkit capture` with the same "
-                            f"arguments to recreate it") from None
-        self._handles[name] = handle
-        while len(self._handles) > self.max_open_shards:
-            self._handles.popitem(last=False)
-        return handle
-
-    def __getitem__(self, i: int) -> Sample:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} out of range for {n} captured samples")
-        i %= n
-        entry = self.manifest.samples[i]
-        name = self.manifest.shards[entry["shard"]]["file"]
-        h = self._handle(name)
-        try:
-            feats = h.get_tensor(f"{i}.features").float()  # (T, K·H)
-            ids = h.get_tensor(f"{i}.input_ids").long()     # (T,)
-            mask = h.get_tensor(f"{i}.loss_mask").bool()    # (T,)
-            tokens = h.get_tensor(f"{i}.target_tokens").long() if self.manifest.store_target_tokens else None
-            k = self.manifest.store_topk
-            top_ids = h.get_tensor(f"{i}.topk_ids").long() if k else None             # (T, k)
-            top_lp = h.get_tensor(f"{i}.topk_logprobs").float() if k else None        # (T, k)
-        except Exception as e:  # safetensors raises its own error type for a missing key
-            raise DataError(f"capture dir {self.dir}: shard {name} lacks the tensors of sample {i} "
-                            f"({entry['id']!r}): {e}") from None
-        if feats.shape != (entry["length"], self.manifest.feature_dim):
-            raise DataError(f"capture dir {self.dir}: {name} '{i}.features' has shape {list(feats.shape)}, "
-                            f"expected {[entry['length'], self.manifest.feature_dim]}")
-        for key, t in (("topk_ids", top_ids), ("topk_logprobs", top_lp)):
-            if t is not None and t.shape != (entry["length"], k):
-                raise DataError(f"capture dir {self.dir}: {name} '{i}.{key}' has shape {list(t.shape)}, "
-                                f"expected {[entry['length'], k]}")
-        if self._columns is not None:  # a subset of the captured layers, in the drafter's order
-            hidden = int(self.manifest.target["hidden_size"])
-            feats = feats.view(feats.shape[0], -1, hidden)[:, self._columns].reshape(feats.shape[0], -1)  # (T, K'·H)
-        return Sample(id=entry["id"], input_ids=ids, loss_mask=mask, features=feats, target_tokens=tokens,
-                      topk_ids=top_ids, topk_logprobs=top_lp)
+def _write_shard(out_dir: Path, sh: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    """Write one shard atomically and record its size and checksum in its manifest entry `sh`."""
+    path = out_dir / sh["file"]
+    with atomic_path(path) as tmp:
+        # one metadata key only: safetensors writes metadata in hash order, so several would make
+        # otherwise identical shards differ byte-wise between runs
+        save_file(tensors, str(tmp), metadata={"format": f"dflashkit-features/{FORMAT_VERSION}"})
+        digest = file_sha256(tmp)  # of what reached the disk; re-checked on resume (dflashkit.features.shards)
+    sh["done"], sh["bytes"], sh["sha256"] = True, path.stat().st_size, digest
 
 
-__all__ = ["CapturedFeatures", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "OnlineFeatures", "STORAGE_DTYPES",
-           "bytes_per_token", "capture", "format_bytes", "plan_shards", "samples_digest", "target_fingerprint",
-           "topk_logprobs"]
+__all__ = ["DEFAULT_SHARD_BYTES", "capture", "samples_digest"]

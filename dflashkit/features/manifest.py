@@ -5,34 +5,43 @@
     bytes_per_token(5 * 576, "bf16", True, store_topk=32)   # → 5961: disk bytes per captured token
 
 Written by `dflashkit.features.capture.capture` (which also describes the shard format) and re-exported from
-`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored), so feature dirs
-captured before that option stay valid with the same format_version.
+`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored), so feature
+dirs captured before that option stay valid with the same format_version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflashkit.errors import DataError
 from dflashkit.io_utils import atomic_write_text
 
+if TYPE_CHECKING:
+    from dflashkit.target.model import Target
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TOPK_BYTES = 4 + 2   # per stored top-k entry: an int32 token id + a float16 log-prob
+TOPK_BYTES = 4 + 2  # per stored top-k entry: an int32 token id + a float16 log-prob
 
 
 def bytes_per_token(feature_dim: int, dtype: str, store_target_tokens: bool, store_topk: int = 0) -> int:
     """Disk bytes per captured token: features + int32 ids + bool mask (+ int32 target token)
     (+ store_topk × (int32 id + float16 log-prob))."""
-    return (feature_dim * STORAGE_DTYPES[dtype].itemsize + 4 + 1 + (4 if store_target_tokens else 0)
-            + store_topk * TOPK_BYTES)
+    return (
+        feature_dim * STORAGE_DTYPES[dtype].itemsize
+        + 4
+        + 1
+        + (4 if store_target_tokens else 0)
+        + store_topk * TOPK_BYTES
+    )
 
 
 def plan_shards(lengths: Sequence[int], shard_max_tokens: int) -> list[dict[str, Any]]:
@@ -72,7 +81,7 @@ class Manifest:
     shards: list[dict[str, Any]]
     samples: list[dict[str, Any]]
     format_version: int = FORMAT_VERSION
-    store_topk: int = 0   # top-k log-probs stored per position (0: none; manifests older than the option)
+    store_topk: int = 0  # top-k log-probs stored per position (0: none; manifests older than the option)
     run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
 
     @property
@@ -111,14 +120,25 @@ class Manifest:
 
     def to_json(self) -> str:
         """JSON text with one line per shard and per sample (readable, and small for 100K+ samples)."""
-        head = {"format_version": self.format_version, "target": self.target, "layer_ids": self.layer_ids,
-                "dtype": self.dtype, "store_target_tokens": self.store_target_tokens,
-                "store_topk": self.store_topk,
-                "shard_max_tokens": self.shard_max_tokens, "tokens_file": self.tokens_file,
-                "samples_sha256": self.samples_sha256,
-                "totals": {"samples": self.num_samples, "tokens": self.total_tokens,
-                           "supervised": self.total_supervised, "done_samples": self.done_samples,
-                           "bytes": self.bytes, "complete": self.complete}}
+        head = {
+            "format_version": self.format_version,
+            "target": self.target,
+            "layer_ids": self.layer_ids,
+            "dtype": self.dtype,
+            "store_target_tokens": self.store_target_tokens,
+            "store_topk": self.store_topk,
+            "shard_max_tokens": self.shard_max_tokens,
+            "tokens_file": self.tokens_file,
+            "samples_sha256": self.samples_sha256,
+            "totals": {
+                "samples": self.num_samples,
+                "tokens": self.total_tokens,
+                "supervised": self.total_supervised,
+                "done_samples": self.done_samples,
+                "bytes": self.bytes,
+                "complete": self.complete,
+            },
+        }
         parts = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in head.items()]
         for key, rows in (("shards", self.shards), ("samples", self.samples)):
             body = ",\n".join("    " + json.dumps(r) for r in rows)
@@ -129,7 +149,7 @@ class Manifest:
         atomic_write_text(Path(out_dir) / MANIFEST_NAME, self.to_json())
 
     @classmethod
-    def load(cls, out_dir: str | Path) -> "Manifest":
+    def load(cls, out_dir: str | Path) -> Manifest:
         out_dir = Path(out_dir)
         what = "expected a directory written by `dflashkit capture`"
         if not out_dir.is_dir():
@@ -141,14 +161,29 @@ class Manifest:
             raw = json.loads(path.read_text())
             version = raw.get("format_version")
             if version != FORMAT_VERSION:
-                raise DataError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}; recapture it "
-                                f"with this dflashkit")
-            topk = raw.get("store_topk", 0)   # absent in manifests written before the option
+                raise DataError(
+                    f"{path}: format_version {version!r}, expected {FORMAT_VERSION}; recapture it with this dflashkit"
+                )
+            topk = raw.get("store_topk", 0)  # absent in manifests written before the option
             if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
                 raise TypeError(f"'store_topk' = {topk!r}")
-            return cls(**{k: raw[k] for k in ("target", "layer_ids", "dtype", "store_target_tokens",
-                                              "shard_max_tokens", "samples_sha256", "tokens_file", "shards",
-                                              "samples")}, store_topk=topk)
+            return cls(
+                **{
+                    k: raw[k]
+                    for k in (
+                        "target",
+                        "layer_ids",
+                        "dtype",
+                        "store_target_tokens",
+                        "shard_max_tokens",
+                        "samples_sha256",
+                        "tokens_file",
+                        "shards",
+                        "samples",
+                    )
+                },
+                store_topk=topk,
+            )
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
         except UnicodeDecodeError as e:
@@ -157,5 +192,36 @@ class Manifest:
             raise DataError(f"{path}: malformed manifest (missing or bad field {e}); {what}") from None
 
 
-__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "STORAGE_DTYPES", "TOPK_BYTES", "bytes_per_token",
-           "format_bytes", "plan_shards"]
+def target_fingerprint(target: Target) -> str:
+    """Cheap, stable identity of a target: its text config (minus paths/dtype), parameter shapes, a few weights.
+
+    Weight slices are hashed after rounding to bf16, so the same checkpoint loaded in fp32 or bf16 matches.
+    """
+    cfg = target.text_config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache"):
+        cfg.pop(k, None)
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    params = dict(target.model.named_parameters())
+    for name in sorted(params):
+        h.update(f"{name}:{list(params[name].shape)};".encode())
+    for w in (
+        target.embed_weight,
+        target.lm_head_weight,
+        next(target.layers[0].parameters()),
+        next(target.layers[-1].parameters()),
+    ):
+        head = w.detach().reshape(-1)[:256].cpu().to(torch.bfloat16)  # (≤256,)
+        h.update(head.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "STORAGE_DTYPES",
+    "TOPK_BYTES",
+    "Manifest",
+    "bytes_per_token",
+    "format_bytes",
+    "plan_shards",
+]

@@ -1,9 +1,9 @@
-"""Target features computed online: the same interface as `dflashkit.features.capture.CapturedFeatures`, nothing stored.
+"""Target features computed online: the interface of `dflashkit.features.captured.CapturedFeatures`, nothing stored.
 
     OnlineFeatures(target, samples, layer_ids=ids)[i]   # → Sample with the target's features and argmax tokens
     OnlineFeatures(target, samples, layer_ids=ids, store_topk=32)[i]   # … and its top-32 log-probs per position
 
-Re-exported by `dflashkit.features.capture`; the features are those of `Target.forward` (outputs of the decoder layers
+The features are those of `Target.forward` (outputs of the decoder layers
 `layer_ids`, final-layer argmax), exactly what `dflashkit.features.capture.capture` stores.
 
 Top-k log-probs (`topk_logprobs`): per position, the k largest entries of log_softmax over the FULL vocabulary of
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dflashkit.target.model import Target
 
 TOPK_STORE_DTYPE = torch.float16
-_TOPK_CHUNK = 1 << 24   # logits per chunk when taking log_softmax (64 MiB in float32)
+_TOPK_CHUNK = 1 << 24  # logits per chunk when taking log_softmax (64 MiB in float32)
 
 
 def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -37,11 +37,11 @@ def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     over the whole vocabulary, in row chunks so the float32 copy of the logits never exists at once."""
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"top-k: k must be in [1, {logits.shape[-1]}] (the vocabulary size), got {k}")
-    flat = logits.reshape(-1, logits.shape[-1])                            # (R, V)
+    flat = logits.reshape(-1, logits.shape[-1])  # (R, V)
     step = max(1, _TOPK_CHUNK // logits.shape[-1])
     vals, ids = [], []
     for r in range(0, flat.shape[0], step):
-        v, i = torch.log_softmax(flat[r:r + step].float(), dim=-1).topk(k, dim=-1)   # sorted, descending
+        v, i = torch.log_softmax(flat[r : r + step].float(), dim=-1).topk(k, dim=-1)  # sorted, descending
         vals.append(v.to(TOPK_STORE_DTYPE))
         ids.append(i)
     shape = (*logits.shape[:-1], k)
@@ -58,9 +58,16 @@ class OnlineFeatures:
     float16-rounded as captured ones are), for `loss: topk`.
     """
 
-    def __init__(self, target: Target, samples: Sequence[Sample], *, layer_ids: Sequence[int],
-                 feature_device: torch.device | str | None = None, target_tokens: bool = True,
-                 store_topk: int = 0) -> None:
+    def __init__(
+        self,
+        target: Target,
+        samples: Sequence[Sample],
+        *,
+        layer_ids: Sequence[int],
+        feature_device: torch.device | str | None = None,
+        target_tokens: bool = True,
+        store_topk: int = 0,
+    ) -> None:
         self.target = target
         self.samples = list(samples)
         self._layer_ids = [int(i) for i in layer_ids]
@@ -86,12 +93,24 @@ class OnlineFeatures:
     def __getitem__(self, i: int) -> Sample:
         s = self.samples[i]
         need_logits = self.target_tokens or self.store_topk > 0
-        out = self.target.forward(s.input_ids[None], layer_ids=self._layer_ids, logits=need_logits,
-                                  feature_device=self.feature_device, feature_dtype=torch.float32)
+        out = self.target.forward(
+            s.input_ids[None],
+            layer_ids=self._layer_ids,
+            logits=need_logits,
+            feature_device=self.feature_device,
+            feature_dtype=torch.float32,
+        )
         tokens = out.logits.argmax(-1)[0].to(self.feature_device) if self.target_tokens else None  # (T,)
         top_ids = top_lp = None
         if self.store_topk:
-            top_ids, top_lp = topk_logprobs(out.logits[0], self.store_topk)                          # (T, k)
+            top_ids, top_lp = topk_logprobs(out.logits[0], self.store_topk)  # (T, k)
             top_ids, top_lp = top_ids.to(self.feature_device), top_lp.to(self.feature_device, torch.float32)
-        return Sample(id=s.id, input_ids=s.input_ids, loss_mask=s.loss_mask, features=out.features[0],  # (T, K·H)
-                      target_tokens=tokens, topk_ids=top_ids, topk_logprobs=top_lp)
+        return Sample(
+            id=s.id,
+            input_ids=s.input_ids,
+            loss_mask=s.loss_mask,
+            features=out.features[0],  # (T, K·H)
+            target_tokens=tokens,
+            topk_ids=top_ids,
+            topk_logprobs=top_lp,
+        )

@@ -38,7 +38,7 @@ def header_problem(path: str | Path) -> str | None:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             handle.keys()
-    except Exception as e:  # noqa: BLE001 — safetensors raises its own error type (and OSError)
+    except Exception as e:
         return f"is not a readable safetensors file ({' '.join(str(e).split())[:200]})"
     return None
 

@@ -48,13 +48,18 @@ def keep_positions(cache: Any, base: int, rows: Tensor) -> None:
         layer.values = layer.values.index_select(-2, i)
 
 
-_STATE_ATTRS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
-                "has_previous_state")
+_STATE_ATTRS = (
+    "conv_states",
+    "recurrent_states",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+)
 
 
 @dataclass
 class StateSnapshot:
-    """Cloned conv/recurrent state dicts (and their flags) of every linear-attention layer, plus the attention length."""
+    """Cloned conv/recurrent state dicts (and flags) of every linear-attention layer, plus the attention length."""
 
     kv_len: int
     states: list[dict[str, dict[int, Any]]]
@@ -69,13 +74,15 @@ def _clone(d: dict[int, Any]) -> dict[int, Any]:
 
 
 def snapshot(cache: Any) -> StateSnapshot:
-    states = [{a: _clone(getattr(layer, a)) for a in _STATE_ATTRS if hasattr(layer, a)} for layer in _linear_layers(cache)]
+    states = [
+        {a: _clone(getattr(layer, a)) for a in _STATE_ATTRS if hasattr(layer, a)} for layer in _linear_layers(cache)
+    ]
     return StateSnapshot(kv_len=kv_length(cache), states=states)
 
 
 def restore(cache: Any, snap: StateSnapshot) -> None:
     """Put the recurrent states back and crop attention layers to the snapshot's length."""
-    for layer, saved in zip(_linear_layers(cache), snap.states):
+    for layer, saved in zip(_linear_layers(cache), snap.states, strict=True):
         for attr, value in saved.items():
             setattr(layer, attr, _clone(value))
     crop(cache, snap.kv_len)

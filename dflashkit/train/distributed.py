@@ -22,11 +22,12 @@ class DistContext:
     initialised_here: bool = False
 
     @classmethod
-    def from_env(cls, *, use_cuda: bool) -> "DistContext":
+    def from_env(cls, *, use_cuda: bool) -> DistContext:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
         import torch.distributed as dist
+
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         here = False
         if not dist.is_initialized():
@@ -48,17 +49,20 @@ class DistContext:
         """In-place all-reduce (sum or max); identity on one process."""
         if self.distributed:
             import torch.distributed as dist
+
             dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return t
 
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
+
             dist.barrier()
 
     def close(self) -> None:
         if self.initialised_here:
             import torch.distributed as dist
+
             dist.destroy_process_group()
 
 

@@ -61,13 +61,13 @@ class TrainingDiverged(DFlashError):
 class TrainResult:
     out_dir: Path
     step: int
-    stopped: str                       # completed | time_budget | interrupted | requested
-    checkpoint: Path | None            # the last step checkpoint written
-    final_dir: Path | None             # out/final (None when interrupted)
-    best_dir: Path | None = None       # out/best (keep_best: the drafter of the best validation pass)
+    stopped: str  # completed | time_budget | interrupted | requested
+    checkpoint: Path | None  # the last step checkpoint written
+    final_dir: Path | None  # out/final (None when interrupted)
+    best_dir: Path | None = None  # out/best (keep_best: the drafter of the best validation pass)
     best_val_tau: float | None = None
     best_val_step: int = 0
-    train_metrics: dict[str, Any] = field(default_factory=dict)   # last step's record
+    train_metrics: dict[str, Any] = field(default_factory=dict)  # last step's record
     val_metrics: dict[str, Any] | None = None
     elapsed_s: float = 0.0
 
@@ -93,8 +93,11 @@ def handle_stop_signal(signum: int, frame: Any = None) -> None:
     if _STOP["reason"] is not None:
         raise KeyboardInterrupt
     _STOP["reason"] = "interrupted"
-    print(f"\n[dflashkit train] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-          f"(send it again to abort without saving)", flush=True)
+    print(
+        f"\n[dflashkit train] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+        f"(send it again to abort without saving)",
+        flush=True,
+    )
 
 
 @contextlib.contextmanager
@@ -112,9 +115,14 @@ def _stop_handlers():
         _STOP["reason"] = None
 
 
-def train(cfg: TrainConfig, *, dataset: Any = None, target: Any = None,
-          callbacks: Sequence[Callable[[StepEnd], None]] = (),
-          loss_hook: Callable[[int, Tensor], Tensor] | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    dataset: Any = None,
+    target: Any = None,
+    callbacks: Sequence[Callable[[StepEnd], None]] = (),
+    loss_hook: Callable[[int, Tensor], Tensor] | None = None,
+) -> TrainResult:
     """Train (or resume, when `cfg.out` holds a checkpoint) a DFlash drafter; returns where it ended.
 
     dataset: a map-style feature source (`ds[i] -> Sample` with features) instead of cfg.features/tokens.
@@ -136,8 +144,15 @@ def _save(run: Run) -> Path:
     path = run.out / "checkpoints" / checkpoint_name(run.state.step)
     if run.dist.is_main:
         drafter, optim = state
-        path = save_checkpoint(run.out, drafter=drafter, optimizer=optim, scheduler=run.scheduler.state_dict(),
-                               state=run.state, config=run.cfg.to_dict(), keep=run.cfg.keep_checkpoints)
+        path = save_checkpoint(
+            run.out,
+            drafter=drafter,
+            optimizer=optim,
+            scheduler=run.scheduler.state_dict(),
+            state=run.state,
+            config=run.cfg.to_dict(),
+            keep=run.cfg.keep_checkpoints,
+        )
     run.dist.barrier()
     return path
 
@@ -154,8 +169,15 @@ def _save(run: Run) -> Path:
     path = run.out / "checkpoints" / checkpoint_name(run.state.step)
     if run.dist.is_main:
         drafter, optim = state
-        path = save_checkpoint(run.out, drafter=drafter, optimizer=optim, scheduler=run.scheduler.state_dict(),
-                               state=run.state, config=run.cfg.to_dict(), keep=run.cfg.keep_checkpoints)
+        path = save_checkpoint(
+            run.out,
+            drafter=drafter,
+            optimizer=optim,
+            scheduler=run.scheduler.state_dict(),
+            state=run.state,
+            config=run.cfg.to_dict(),
+            keep=run.cfg.keep_checkpoints,
+        )
     run.dist.barrier()
     return path
 
@@ -175,36 +197,71 @@ def _progress_bar(run: Run, schedule_s: float | None) -> Any:
 
     shown = run.dist.is_main and run.cfg.progress
     if schedule_s is None:
-        return tqdm(total=run.total_steps, initial=run.state.step, desc="train", unit="step", dynamic_ncols=True,
-                    disable=not shown)
-    return tqdm(total=schedule_s, initial=min(run.state.elapsed_s, schedule_s), desc="train", unit="s",
-                dynamic_ncols=True, disable=not shown,
-                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
+        return tqdm(
+            total=run.total_steps,
+            initial=run.state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not shown,
+        )
+    return tqdm(
+        total=schedule_s,
+        initial=min(run.state.elapsed_s, schedule_s),
+        desc="train",
+        unit="s",
+        dynamic_ncols=True,
+        disable=not shown,
+        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]",
+    )
 
 
-def _train_step(run: Run, batch_iter: Iterator[Any], epoch: int, elapsed: float, schedule_s: float | None,
-                loss_hook: Callable[[int, Tensor], Tensor] | None) -> dict[str, Any]:
+def _train_step(
+    run: Run,
+    batch_iter: Iterator[Any],
+    epoch: int,
+    elapsed: float,
+    schedule_s: float | None,
+    loss_hook: Callable[[int, Tensor], Tensor] | None,
+) -> dict[str, Any]:
     """One optimizer step over `grad_accum` micro-batches on every rank; returns its metrics record."""
     cfg, dist, st = run.cfg, run.dist, run.state
     bs = run.drafter.config.block_size
     t0 = time.monotonic()
     noise = noise_std_at(cfg, st.step, run.total_steps)
     batches = [next(batch_iter) for _ in range(cfg.grad_accum)]
-    inputs = [prepare_inputs(rb, drafter_config=run.drafter.config, labels=cfg.labels, max_anchors=cfg.max_anchors,
-                             seed=cfg.seed, epoch=epoch, step=st.step, noise_std=noise, device=run.device,
-                             build_masks=False) for rb in batches]
+    inputs = [
+        prepare_inputs(
+            rb,
+            drafter_config=run.drafter.config,
+            labels=cfg.labels,
+            max_anchors=cfg.max_anchors,
+            seed=cfg.seed,
+            epoch=epoch,
+            step=st.step,
+            noise_std=noise,
+            device=run.device,
+            build_masks=False,
+        )
+        for rb in batches
+    ]
     # Normaliser: Σ slot weights over the whole global step, so every split yields the same gradient.
     wsum = sum(((x.labels != -100) * run.weights).sum().double() for x in inputs)
     wsum = dist.all_reduce(torch.as_tensor(wsum, dtype=torch.float64, device=run.device).clone())
     sums = torch.zeros(3 + 2 * bs, dtype=torch.float64, device=run.device)  # loss, tokens, slots≥1, corr, valid
-    for m, (inp, rows) in enumerate(zip(inputs, batches)):
+    for m, (inp, rows) in enumerate(zip(inputs, batches, strict=True)):
         sync = run.no_sync() if m < len(inputs) - 1 else contextlib.nullcontext()
         with sync:
             out = step_loss(run, inp, rows, wsum.to(torch.float32))
             loss = loss_hook(st.step + 1, out.loss) if loss_hook is not None else out.loss
-            (loss * dist.world_size).backward()     # DDP/FSDP average gradients over ranks: undo it
-        head = torch.stack([loss.detach().double(), torch.tensor(float(rows.num_tokens), device=sums.device,
-                            dtype=torch.float64), out.valid_counts[1:].sum().double()])
+            (loss * dist.world_size).backward()  # DDP/FSDP average gradients over ranks: undo it
+        head = torch.stack(
+            [
+                loss.detach().double(),
+                torch.tensor(float(rows.num_tokens), device=sums.device, dtype=torch.float64),
+                out.valid_counts[1:].sum().double(),
+            ]
+        )
         sums += torch.cat([head, out.correct_counts.double(), out.valid_counts.double()])
     dist.all_reduce(sums)
     params = [p for p in run.module.parameters() if p.requires_grad]
@@ -217,11 +274,12 @@ def _train_step(run: Run, batch_iter: Iterator[Any], epoch: int, elapsed: float,
         raise TrainingDiverged(
             f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} at step {st.step + 1} "
             f"(loss {loss_value}, grad norm {grad_norm}); the last good state (step {st.step}) is saved in "
-            f"{path}. Lower lr, raise warmup_ratio, or check the features for inf/NaN.")
+            f"{path}. Lower lr, raise warmup_ratio, or check the features for inf/NaN."
+        )
     clipped = cfg.grad_clip > 0 and grad_norm > cfg.grad_clip
     if schedule_s is not None:  # time-based warmup + cosine: the same elapsed time on every rank
         mult = cosine_at(elapsed / schedule_s, cfg.warmup_ratio, cfg.min_lr_ratio)
-        for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
+        for group, base in zip(run.optimizer.param_groups, run.scheduler.base_lrs, strict=True):
             group["lr"] = base * mult
     lr = run.optimizer.param_groups[0]["lr"]
     run.optimizer.step()
@@ -235,12 +293,25 @@ def _train_step(run: Run, batch_iter: Iterator[Any], epoch: int, elapsed: float,
     st.elapsed_s += dt
     run.rolling.add(loss_value)
     st.recent_losses = list(run.rolling.values)
-    acc = (sums[3:3 + bs] / sums[3 + bs:].clamp_min(1)).tolist()
-    return {"step": st.step, "epoch": epoch, "split": "train", "loss": loss_value, "accuracy": acc,
-            "tau": estimated_tau(acc), "lr": lr, "grad_norm": grad_norm, "clipped": bool(clipped),
-            "clip_fraction": st.clipped_steps / st.step, "tokens": int(sums[1]),
-            "tokens_per_s": float(sums[1]) / dt, "block_positions_per_s": float(sums[2]) / dt,
-            "noise_std": noise, "step_s": dt, **run.rolling.summary("loss")}
+    acc = (sums[3 : 3 + bs] / sums[3 + bs :].clamp_min(1)).tolist()
+    return {
+        "step": st.step,
+        "epoch": epoch,
+        "split": "train",
+        "loss": loss_value,
+        "accuracy": acc,
+        "tau": estimated_tau(acc),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "clipped": bool(clipped),
+        "clip_fraction": st.clipped_steps / st.step,
+        "tokens": int(sums[1]),
+        "tokens_per_s": float(sums[1]) / dt,
+        "block_positions_per_s": float(sums[2]) / dt,
+        "noise_std": noise,
+        "step_s": dt,
+        **run.rolling.summary("loss"),
+    }
 
 
 def _stop_agreed(run: Run, t_session: float) -> bool:
@@ -259,8 +330,9 @@ def _stop_agreed(run: Run, t_session: float) -> bool:
     return False
 
 
-def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
-          loss_hook: Callable[[int, Tensor], Tensor] | None) -> TrainResult:
+def _loop(
+    run: Run, callbacks: Sequence[Callable[[StepEnd], None]], loss_hook: Callable[[int, Tensor], Tensor] | None
+) -> TrainResult:
     cfg, st = run.cfg, run.state
     schedule_s = 60 * cfg.schedule_minutes if cfg.schedule_minutes else None
     bar = _progress_bar(run, schedule_s)
@@ -268,7 +340,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
     record: dict[str, Any] = {}
     val: dict[str, Any] | None = None
     batch_iter, iter_epoch = None, -1
-    elapsed = _agreed_elapsed(run) if schedule_s is not None else 0.0   # training seconds before this step
+    elapsed = _agreed_elapsed(run) if schedule_s is not None else 0.0  # training seconds before this step
     spent = schedule_s is not None and elapsed >= schedule_s
     while st.step < run.total_steps and not spent:
         epoch, in_epoch = divmod(st.step, run.steps_per_epoch)
@@ -277,8 +349,13 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
         record = _train_step(run, batch_iter, epoch, elapsed, schedule_s, loss_hook)
         if st.step % cfg.log_every == 0 or st.step == run.total_steps:
             run.logger.log(record)
-        bar.set_postfix(**({} if schedule_s is None else {"step": st.step}), loss=f"{record['loss']:.3f}",
-                        tau=f"{record['tau']:.2f}", lr=f"{record['lr']:.2e}", refresh=False)
+        bar.set_postfix(
+            **({} if schedule_s is None else {"step": st.step}),
+            loss=f"{record['loss']:.3f}",
+            tau=f"{record['tau']:.2f}",
+            lr=f"{record['lr']:.2e}",
+            refresh=False,
+        )
         bar.update(1 if schedule_s is None else min(record["step_s"], max(0.0, schedule_s - bar.n)))
         if cfg.eval_every and st.step % cfg.eval_every == 0:
             val, last_eval_step = _validate_and_keep(run, epoch), st.step
@@ -294,7 +371,7 @@ def _loop(run: Run, callbacks: Sequence[Callable[[StepEnd], None]],
         if _stop_agreed(run, t_session):
             break
     bar.close()
-    stopped = run.stop_reason if st.step < run.total_steps and not spent else "completed"   # agreed by all ranks
+    stopped = run.stop_reason if st.step < run.total_steps and not spent else "completed"  # agreed by all ranks
     if run.val_rows is not None and last_eval_step != st.step and stopped != "interrupted":
         val = _validate_and_keep(run, max(0, st.step - 1) // run.steps_per_epoch)
     return _finish(run, stopped, record, val, t_session)
@@ -309,8 +386,9 @@ def _validate_and_keep(run: Run, epoch: int) -> dict[str, Any] | None:
     return val
 
 
-def _finish(run: Run, stopped: str, record: dict[str, Any], val: dict[str, Any] | None,
-            t_session: float) -> TrainResult:
+def _finish(
+    run: Run, stopped: str, record: dict[str, Any], val: dict[str, Any] | None, t_session: float
+) -> TrainResult:
     """The last checkpoint, OUT/final (unless interrupted), and what the run returns."""
     st, dist = run.state, run.dist
     last_ckpt = _save(run)
@@ -321,12 +399,25 @@ def _finish(run: Run, stopped: str, record: dict[str, Any], val: dict[str, Any] 
             final = save_final(run.out, drafter, step=st.step)
         dist.barrier()
     if dist.is_main and stopped == "interrupted":
-        print(f"[dflashkit train] stopped at step {st.step}; checkpoint {last_ckpt}. Run the same command again "
-              f"to resume.", flush=True)
+        print(
+            f"[dflashkit train] stopped at step {st.step}; checkpoint {last_ckpt}. Run the same command again "
+            f"to resume.",
+            flush=True,
+        )
     best = run.out / "best" if st.best_val_tau is not None else None
-    return TrainResult(out_dir=run.out, step=st.step, stopped=stopped, checkpoint=last_ckpt, final_dir=final,
-                       best_dir=best, best_val_tau=st.best_val_tau, best_val_step=st.best_val_step,
-                       train_metrics=record, val_metrics=val, elapsed_s=time.monotonic() - t_session)
+    return TrainResult(
+        out_dir=run.out,
+        step=st.step,
+        stopped=stopped,
+        checkpoint=last_ckpt,
+        final_dir=final,
+        best_dir=best,
+        best_val_tau=st.best_val_tau,
+        best_val_step=st.best_val_step,
+        train_metrics=record,
+        val_metrics=val,
+        elapsed_s=time.monotonic() - t_session,
+    )
 
 
 __all__ = ["StepEnd", "TrainResult", "TrainingDiverged", "handle_stop_signal", "train"]

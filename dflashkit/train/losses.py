@@ -83,12 +83,12 @@ def estimated_tau(accuracy: Tensor | Sequence[float]) -> float:
 class LossOutput:
     """Result of `block_loss`. Per-slot tensors are (bs,) and cover valid slots only."""
 
-    loss: Tensor            # scalar, differentiable
-    accuracy: Tensor        # (bs,) float32: argmax == label among valid slots (0 where no valid slot; slot 0,
-                            # the given anchor, is 1 whenever its weight is 0: the head does not run there)
-    valid_counts: Tensor    # (bs,) long
+    loss: Tensor  # scalar, differentiable
+    accuracy: Tensor  # (bs,) float32: argmax == label among valid slots (0 where no valid slot; slot 0,
+    # the given anchor, is 1 whenever its weight is 0: the head does not run there)
+    valid_counts: Tensor  # (bs,) long
     correct_counts: Tensor  # (bs,) long
-    weight_sum: Tensor      # scalar: Σ w_k over valid slots (the default normaliser)
+    weight_sum: Tensor  # scalar: Σ w_k over valid slots (the default normaliser)
 
     @property
     def tau(self) -> float:
@@ -99,13 +99,24 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     """Σ_i row_w[i] · ℓ_i over flat slots, logits = h @ Wᵀ computed chunk by chunk; also returns argmax ids."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, row_w: Tensor,  # type: ignore[override]
-                target: TargetLogits | None, bs: int, chunk_rows: int, need_gh: bool, need_gw: bool,
-                soft: tuple[Tensor, Tensor] | None = None, alpha: float = 0.0):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        row_w: Tensor,  # type: ignore[override]
+        target: TargetLogits | None,
+        bs: int,
+        chunk_rows: int,
+        need_gh: bool,
+        need_gw: bool,
+        soft: tuple[Tensor, Tensor] | None = None,
+        alpha: float = 0.0,
+    ):
         # hidden: (M, H) with M = N·bs; weight: (V, H); labels, row_w: (M,)
         # soft: sparse target (ids (M, k) long ≥ 0, probs (M, k); rows sum to 1, or to 0: hard label only)
         m = hidden.shape[0]
-        acc = torch.promote_types(weight.dtype, torch.float32)      # float32 for bf16/fp16, else as given
+        acc = torch.promote_types(weight.dtype, torch.float32)  # float32 for bf16/fp16, else as given
         total = torch.zeros((), dtype=acc, device=hidden.device)
         preds = torch.empty(m, dtype=torch.long, device=hidden.device)
         gh = torch.empty_like(hidden) if need_gh else None
@@ -113,35 +124,35 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         step = chunk_rows * bs
         for start in range(0, m, step):
             end = min(start + step, m)
-            h = hidden[start:end]                                     # (m_c, H)
-            z = F.linear(h, weight).to(acc)                           # (m_c, V)
+            h = hidden[start:end]  # (m_c, H)
+            z = F.linear(h, weight).to(acc)  # (m_c, V)
             logp = torch.log_softmax(z, dim=-1)
-            w = row_w[start:end].to(acc)                              # (m_c,)
+            w = row_w[start:end].to(acc)  # (m_c,)
             live = w != 0
             if soft is not None:
-                lab = labels[start:end].clamp(min=0)                  # (m_c,)
-                ids = soft[0][start:end].to(z.device)                 # (m_c, k)
-                q = soft[1][start:end].to(z.device, acc)              # (m_c, k)
-                a = torch.where(q.sum(-1) > 0, alpha, 1.0).to(acc)    # (m_c,) no kept entry → hard label
-                lp = logp.gather(1, ids)                              # (m_c, k)
+                lab = labels[start:end].clamp(min=0)  # (m_c,)
+                ids = soft[0][start:end].to(z.device)  # (m_c, k)
+                q = soft[1][start:end].to(z.device, acc)  # (m_c, k)
+                a = torch.where(q.sum(-1) > 0, alpha, 1.0).to(acc)  # (m_c,) no kept entry → hard label
+                lp = logp.gather(1, ids)  # (m_c, k)
                 kl = torch.where(q > 0, q * (q.log() - lp), 0.0).sum(-1)
                 nll = -logp.gather(1, lab[:, None]).squeeze(1)
                 per = torch.where(live, (1 - a) * kl + a * nll, 0.0)
             elif target is None:
-                lab = labels[start:end].clamp(min=0)                  # (m_c,)
+                lab = labels[start:end].clamp(min=0)  # (m_c,)
                 nll = -logp.gather(1, lab[:, None]).squeeze(1)
                 per = torch.where(live, nll, 0.0)
             else:
                 t = target(start // bs, end // bs) if callable(target) else target[start:end]
                 logq = torch.log_softmax(t.reshape(end - start, -1).detach().to(z.device, acc), dim=-1)
-                q = logq.exp()                                        # (m_c, V)
+                q = logq.exp()  # (m_c, V)
                 kl = torch.where(q > 0, q * (logq - logp), 0.0).sum(-1)
                 per = torch.where(live, kl, 0.0)
             total += (per * w).sum()
             preds[start:end] = z.argmax(-1)
             if need_gh or need_gw:
-                g = logp.exp()                                        # softmax (m_c, V)
-                if soft is not None:                                  # g −= q_mix, one chunk at a time
+                g = logp.exp()  # softmax (m_c, V)
+                if soft is not None:  # g −= q_mix, one chunk at a time
                     g.scatter_add_(1, ids, -(1 - a)[:, None] * q)
                     g[torch.arange(end - start, device=g.device), lab] -= a
                 elif target is None:
@@ -172,25 +183,38 @@ def sparse_topk_target(ids: Tensor, logprobs: Tensor, shape: torch.Size, vocab: 
     no kept entry sums to 0 (the loss then uses its hard label)."""
     k = ids.shape[-1]
     if ids.shape != logprobs.shape or ids.shape[:-1] != shape:
-        raise ValueError(f"topk_ids {tuple(ids.shape)} and topk_logprobs {tuple(logprobs.shape)} must both be "
-                         f"{tuple(shape) + (k,)}")
-    ids = ids.reshape(-1, k).long()                                       # (M, k)
+        raise ValueError(
+            f"topk_ids {tuple(ids.shape)} and topk_logprobs {tuple(logprobs.shape)} must both be {(*tuple(shape), k)}"
+        )
+    ids = ids.reshape(-1, k).long()  # (M, k)
     if ids.numel() and int(ids.max()) >= vocab:
-        raise ValueError(f"topk_ids hold id {int(ids.max())} ≥ the head's vocabulary {vocab}; map them to draft "
-                         f"ids (−1 outside the draft vocabulary) first")
+        raise ValueError(
+            f"topk_ids hold id {int(ids.max())} ≥ the head's vocabulary {vocab}; map them to draft "
+            f"ids (−1 outside the draft vocabulary) first"
+        )
     lp = logprobs.reshape(-1, k).to(torch.promote_types(logprobs.dtype, torch.float32))
-    lp = torch.where(ids >= 0, lp, float("-inf"))                         # dropped entries
+    lp = torch.where(ids >= 0, lp, float("-inf"))  # dropped entries
     top = lp.amax(-1, keepdim=True)
     e = torch.where(lp > float("-inf"), torch.exp(lp - top.clamp_min(torch.finfo(lp.dtype).min)), 0.0)
     total = e.sum(-1, keepdim=True)
-    probs = torch.where(total > 0, e / total.clamp_min(torch.finfo(lp.dtype).tiny), 0.0)   # (M, k)
+    probs = torch.where(total > 0, e / total.clamp_min(torch.finfo(lp.dtype).tiny), 0.0)  # (M, k)
     return ids.clamp(min=0), probs
 
 
-def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weights: Tensor | None = None,
-               kind: str = "ce", target_logits: TargetLogits | None = None, chunk_size: int | None = None,
-               normalizer: Tensor | float | None = None, topk_ids: Tensor | None = None,
-               topk_logprobs: Tensor | None = None, ce_weight: float = 0.0) -> LossOutput:
+def block_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    *,
+    weights: Tensor | None = None,
+    kind: str = "ce",
+    target_logits: TargetLogits | None = None,
+    chunk_size: int | None = None,
+    normalizer: Tensor | float | None = None,
+    topk_ids: Tensor | None = None,
+    topk_logprobs: Tensor | None = None,
+    ce_weight: float = 0.0,
+) -> LossOutput:
     """Weighted block loss over drafter outputs.
 
     hidden: (N, bs, H) final-normed drafter states (any leading dims (..., bs, H) are flattened to N);
@@ -208,7 +232,8 @@ def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weight
     if (kind == "kl") != (target_logits is not None):
         raise ValueError("target_logits is required for kind='kl' and only allowed with it")
     if (kind == "topk") != (topk_ids is not None and topk_logprobs is not None) or (
-            kind != "topk" and (topk_ids is not None or topk_logprobs is not None)):
+        kind != "topk" and (topk_ids is not None or topk_logprobs is not None)
+    ):
         raise ValueError("topk_ids and topk_logprobs are required for kind='topk' and only allowed with it")
     if not 0.0 <= ce_weight <= 1.0 or (ce_weight and kind != "topk"):
         raise ValueError(f"ce_weight must be in [0, 1] and is only used with kind='topk', got {ce_weight}")
@@ -218,22 +243,22 @@ def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weight
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h_dim:
         raise ValueError(f"lm_head_weight must be (V, {h_dim}), got {tuple(lm_head_weight.shape)}")
     vocab = lm_head_weight.shape[0]
-    flat_h = hidden.reshape(-1, h_dim).to(lm_head_weight.dtype)          # (M, H), M = N·bs
-    flat_lab = labels.reshape(-1).long()                                 # (M,)
+    flat_h = hidden.reshape(-1, h_dim).to(lm_head_weight.dtype)  # (M, H), M = N·bs
+    flat_lab = labels.reshape(-1).long()  # (M,)
     n = flat_lab.numel() // bs if bs else 0
     acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
     w = (decay_weights(bs) if weights is None else weights).to(device=hidden.device, dtype=acc)
     if w.shape != (bs,):
         raise ValueError(f"weights must be ({bs},), got {tuple(w.shape)}")
-    valid = (flat_lab != -100).view(n, bs)                               # (N, bs)
-    slot_w = w[None] * valid                                             # (N, bs)
+    valid = (flat_lab != -100).view(n, bs)  # (N, bs)
+    slot_w = w[None] * valid  # (N, bs)
     weight_sum = slot_w.sum()
     norm = weight_sum if normalizer is None else torch.as_tensor(normalizer, dtype=acc, device=hidden.device)
     row_w = (slot_w / norm.clamp_min(torch.finfo(acc).tiny)).reshape(-1)  # (M,)
     target = target_logits
     if isinstance(target, Tensor):
         if target.shape[:-1] != labels.shape or target.shape[-1] != vocab:
-            raise ValueError(f"target_logits must be {tuple(labels.shape) + (vocab,)}, got {tuple(target.shape)}")
+            raise ValueError(f"target_logits must be {(*tuple(labels.shape), vocab)}, got {tuple(target.shape)}")
         target = target.reshape(-1, vocab)
     soft = None
     if kind == "topk":
@@ -246,21 +271,32 @@ def block_loss(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, *, weight
     if not callable(target) and flat_lab.numel():
         # Rows with weight 0 (slot 0 — the given anchor — and slots without a label) add nothing to the loss or
         # the gradients: the LM head runs only over the rows that carry one (a quarter fewer at block size 4).
-        live_rows = (row_w != 0).nonzero().squeeze(1)                    # (M_live,)
+        live_rows = (row_w != 0).nonzero().squeeze(1)  # (M_live,)
         flat_h, flat_lab, row_w = flat_h.index_select(0, live_rows), flat_lab[live_rows], row_w[live_rows]
         target = target[live_rows] if target is not None else None
         soft = (soft[0][live_rows], soft[1][live_rows]) if soft is not None else None
-    args = (flat_h, lm_head_weight, flat_lab, row_w, target, bs, rows, grad_on and flat_h.requires_grad,
-            grad_on and lm_head_weight.requires_grad)
-    loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight)) if soft is not None else \
-        _ChunkedLinearLoss.apply(*args)
-    if live_rows is not None:   # rows the head did not run over: slot 0 is the given anchor (counted as right),
-        full = torch.full((n, bs), -1, dtype=torch.long, device=preds.device)     # the others predict nothing
+    args = (
+        flat_h,
+        lm_head_weight,
+        flat_lab,
+        row_w,
+        target,
+        bs,
+        rows,
+        grad_on and flat_h.requires_grad,
+        grad_on and lm_head_weight.requires_grad,
+    )
+    loss, preds = (
+        _ChunkedLinearLoss.apply(*args, soft, float(ce_weight)) if soft is not None else _ChunkedLinearLoss.apply(*args)
+    )
+    if live_rows is not None:  # rows the head did not run over: slot 0 is the given anchor (counted as right),
+        full = torch.full((n, bs), -1, dtype=torch.long, device=preds.device)  # the others predict nothing
         full[:, 0] = all_labels.view(n, bs)[:, 0]
         preds = full.view(-1).index_copy_(0, live_rows, preds)
     with torch.no_grad():
-        correct = ((preds.view(n, bs) == all_labels.view(n, bs)) & valid).sum(0)   # (bs,)
-        counts = valid.sum(0)                                                    # (bs,)
+        correct = ((preds.view(n, bs) == all_labels.view(n, bs)) & valid).sum(0)  # (bs,)
+        counts = valid.sum(0)  # (bs,)
         acc = correct.float() / counts.clamp_min(1).float()
-    return LossOutput(loss=loss, accuracy=acc, valid_counts=counts, correct_counts=correct,
-                      weight_sum=weight_sum.detach())
+    return LossOutput(
+        loss=loss, accuracy=acc, valid_counts=counts, correct_counts=correct, weight_sum=weight_sum.detach()
+    )

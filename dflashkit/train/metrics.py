@@ -37,11 +37,15 @@ class RollingStats:
 
         def q(p: float) -> float:  # linear interpolation, as numpy's default
             pos = p * (len(xs) - 1)
-            lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+            lo, hi = math.floor(pos), math.ceil(pos)
             return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
-        return {f"{prefix}_p10": q(0.1), f"{prefix}_median": q(0.5), f"{prefix}_mean": sum(xs) / len(xs),
-                f"{prefix}_p90": q(0.9)}
+        return {
+            f"{prefix}_p10": q(0.1),
+            f"{prefix}_median": q(0.5),
+            f"{prefix}_mean": sum(xs) / len(xs),
+            f"{prefix}_p90": q(0.9),
+        }
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -61,8 +65,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 class MetricsLogger:
     """Appends records to metrics.jsonl and scalars to TensorBoard; a no-op when `enabled` is False."""
 
-    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
-                 resume_step: int | None = None) -> None:
+    def __init__(
+        self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True, resume_step: int | None = None
+    ) -> None:
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self.tb = None
@@ -75,8 +80,10 @@ class MetricsLogger:
         self._file = self.path.open("a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(log_dir=str(Path(out_dir) / "tb"), purge_step=resume_step + 1
-                                    if resume_step is not None else None)
+
+            self.tb = SummaryWriter(
+                log_dir=str(Path(out_dir) / "tb"), purge_step=resume_step + 1 if resume_step is not None else None
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -5,11 +5,11 @@
     batch = collate_rows([rows[i] for i in ids])                 # RowBatch, rows padded to one length T
 
 A row holds whole documents back to back; `doc_ids` (−1 on padding) and per-document `positions` keep them apart
-(the training mask never lets a block see another document). The target's argmax tokens and top-k log-probs
-travel with their positions (`target_tokens` −1, `topk_ids` −1 / `topk_logprobs` −inf where a sample has none
-and on padding); shifting them to the slot they supervise is `dflashkit.train.slot_targets`'s job. A sample longer than
-`max_tokens` is cut to `max_tokens` (counted in `PackPlan.truncated`). Packing is best-fit-decreasing ("bfd", ties broken by a seeded
-shuffle) or greedy in a seeded order ("greedy").
+(the training mask never lets a block see another document). The target's argmax tokens and top-k log-probs travel
+with their positions (`target_tokens` −1, `topk_ids` −1 / `topk_logprobs` −inf where a sample has none and on
+padding); shifting them to the slot they supervise is `dflashkit.train.slot_targets`'s job. A sample longer than
+`max_tokens` is cut to `max_tokens` (counted in `PackPlan.truncated`). Packing is best-fit-decreasing ("bfd", ties
+broken by a seeded shuffle) or greedy in a seeded order ("greedy").
 
 Distribution over steps and ranks: each epoch permutes the rows with a seed derived from (seed, epoch); a global
 step takes the next `batch_rows × grad_accum × world_size` rows of that order (wrapping around at the end of the
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.errors import DataError
 from dflashkit.data.samples import Sample
+from dflashkit.errors import DataError
 
 
 def mix_seed(*parts: Any) -> int:
@@ -44,10 +44,10 @@ def mix_seed(*parts: Any) -> int:
 class PackPlan:
     """Which dataset indices go into which row (in row order), and how many samples were truncated."""
 
-    rows: list[list[int]]     # dataset indices per row
-    row_tokens: list[int]     # tokens per row after truncation
+    rows: list[list[int]]  # dataset indices per row
+    row_tokens: list[int]  # tokens per row after truncation
     max_tokens: int
-    truncated: int            # samples longer than max_tokens (cut to max_tokens)
+    truncated: int  # samples longer than max_tokens (cut to max_tokens)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -75,8 +75,9 @@ def sample_lengths(source: Any) -> list[int]:
     return [len(source[i]) for i in range(len(source))]
 
 
-def plan_rows(lengths: Sequence[int] | dict[int, int], *, max_tokens: int, seed: int = 0,
-              strategy: str = "bfd") -> PackPlan:
+def plan_rows(
+    lengths: Sequence[int] | dict[int, int], *, max_tokens: int, seed: int = 0, strategy: str = "bfd"
+) -> PackPlan:
     """Pack samples (index → length) into rows of ≤ max_tokens tokens; deterministic given `seed`.
 
     lengths: a list (index i has lengths[i]) or a dict {dataset index: length} (e.g. a train/val subset).
@@ -104,10 +105,10 @@ def plan_rows(lengths: Sequence[int] | dict[int, int], *, max_tokens: int, seed:
                 rows.append([i])
                 fill.append(n)
     else:
-        items.sort(key=lambda x: -x[1])                      # stable: the seeded order breaks ties
-        free: list[tuple[int, int]] = []                     # sorted (remaining capacity, row id)
+        items.sort(key=lambda x: -x[1])  # stable: the seeded order breaks ties
+        free: list[tuple[int, int]] = []  # sorted (remaining capacity, row id)
         for i, n in items:
-            k = bisect.bisect_left(free, (n, -1))            # the tightest row that still fits
+            k = bisect.bisect_left(free, (n, -1))  # the tightest row that still fits
             if k < len(free):
                 _, r = free.pop(k)
                 rows[r].append(i)
@@ -138,7 +139,7 @@ def supervision_problem(source: Any, plan: PackPlan) -> str | None:
     earliest, none_at_all, n = None, 0, 0
     for row in plan.rows:
         for i in row:
-            mask = _loss_mask(source, i).bool()                         # (T,)
+            mask = _loss_mask(source, i).bool()  # (T,)
             pairs = (mask[:-1] & mask[1:]).nonzero()
             if pairs.numel() and int(pairs[0]) + 1 < plan.max_tokens:
                 return None
@@ -150,13 +151,17 @@ def supervision_problem(source: Any, plan: PackPlan) -> str | None:
     if not n:
         return "no training samples (the training split is empty)"
     if earliest is None:
-        return (f"none of the {n} training samples has two consecutive supervised tokens (loss_mask): there is "
-                f"nothing to train on; check that the data marks the assistant responses")
+        return (
+            f"none of the {n} training samples has two consecutive supervised tokens (loss_mask): there is "
+            f"nothing to train on; check that the data marks the assistant responses"
+        )
     some_none = f" ({none_at_all} have none at all)" if none_at_all else ""
-    return (f"max_tokens={plan.max_tokens} leaves nothing to train on: samples are cut to their first "
-            f"{plan.max_tokens} tokens, but the supervised (response) tokens of all {n} training samples start at "
-            f"position {earliest} (0-based) or later{some_none}, so every loss would be 0; raise max_tokens above "
-            f"{earliest + 1} (the responses come after the prompts)")
+    return (
+        f"max_tokens={plan.max_tokens} leaves nothing to train on: samples are cut to their first "
+        f"{plan.max_tokens} tokens, but the supervised (response) tokens of all {n} training samples start at "
+        f"position {earliest} (0-based) or later{some_none}, so every loss would be 0; raise max_tokens above "
+        f"{earliest + 1} (the responses come after the prompts)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -164,13 +169,13 @@ def supervision_problem(source: Any, plan: PackPlan) -> str | None:
 class PackedRow:
     """One packed row of T ≤ max_tokens real tokens (no padding yet)."""
 
-    input_ids: Tensor             # (T,) long
-    doc_ids: Tensor               # (T,) long, 0..n_docs−1
-    positions: Tensor             # (T,) long, restarting at 0 for every document
-    loss_mask: Tensor             # (T,) bool
-    features: Tensor              # (T, K·H)
+    input_ids: Tensor  # (T,) long
+    doc_ids: Tensor  # (T,) long, 0..n_docs−1
+    positions: Tensor  # (T,) long, restarting at 0 for every document
+    loss_mask: Tensor  # (T,) bool
+    features: Tensor  # (T, K·H)
     target_tokens: Tensor | None  # (T,) long, −1 where a sample has none; None when no sample has any
-    topk_ids: Tensor | None = None       # (T, K) long, −1 where a sample has none; None when no sample has any
+    topk_ids: Tensor | None = None  # (T, K) long, −1 where a sample has none; None when no sample has any
     topk_logprobs: Tensor | None = None  # (T, K) float32, −inf where a sample has none
 
     def __len__(self) -> int:
@@ -189,28 +194,33 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
     k = ks.pop() if ks else 0
     for d, s in enumerate(samples):
         if s.features is None:
-            raise DataError(f"sample {s.id!r} has no features; train from `dflashkit capture` output or set "
-                            f"online: true")
+            raise DataError(
+                f"sample {s.id!r} has no features; train from `dflashkit capture` output or set online: true"
+            )
         n = min(len(s), max_tokens)
         if s.features.shape[0] < n:
-            raise DataError(f"sample {s.id!r}: features cover {s.features.shape[0]} positions but it has "
-                            f"{len(s)} tokens")
+            raise DataError(
+                f"sample {s.id!r}: features cover {s.features.shape[0]} positions but it has {len(s)} tokens"
+            )
         ids.append(s.input_ids[:n].long())
         docs.append(torch.full((n,), d, dtype=torch.long))
         pos.append(torch.arange(n, dtype=torch.long))
         mask.append(s.loss_mask[:n].bool())
         feats.append(s.features[:n])
         if have_targets:
-            tgts.append(s.target_tokens[:n].long() if s.target_tokens is not None
-                        else torch.full((n,), -1, dtype=torch.long))
+            tgts.append(
+                s.target_tokens[:n].long() if s.target_tokens is not None else torch.full((n,), -1, dtype=torch.long)
+            )
         if k:
             if s.topk_ids is None or s.topk_logprobs is None:
                 top_ids.append(torch.full((n, k), -1, dtype=torch.long))
                 top_lp.append(torch.full((n, k), float("-inf")))
             else:
                 if s.topk_ids.shape[0] < n or s.topk_logprobs.shape != s.topk_ids.shape:
-                    raise DataError(f"sample {s.id!r}: top-k ids {list(s.topk_ids.shape)} and log-probs "
-                                    f"{list(s.topk_logprobs.shape)} must both cover its {len(s)} tokens")
+                    raise DataError(
+                        f"sample {s.id!r}: top-k ids {list(s.topk_ids.shape)} and log-probs "
+                        f"{list(s.topk_logprobs.shape)} must both cover its {len(s)} tokens"
+                    )
                 top_ids.append(s.topk_ids[:n].long())
                 top_lp.append(s.topk_logprobs[:n].float())
     total = sum(len(x) for x in ids)
@@ -219,10 +229,16 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
     widths = {f.shape[1] for f in feats}
     if len(widths) != 1:
         raise DataError(f"samples of one row have different feature widths {sorted(widths)}")
-    return PackedRow(input_ids=torch.cat(ids), doc_ids=torch.cat(docs), positions=torch.cat(pos),
-                     loss_mask=torch.cat(mask), features=torch.cat(feats),
-                     target_tokens=torch.cat(tgts) if have_targets else None,
-                     topk_ids=torch.cat(top_ids) if k else None, topk_logprobs=torch.cat(top_lp) if k else None)
+    return PackedRow(
+        input_ids=torch.cat(ids),
+        doc_ids=torch.cat(docs),
+        positions=torch.cat(pos),
+        loss_mask=torch.cat(mask),
+        features=torch.cat(feats),
+        target_tokens=torch.cat(tgts) if have_targets else None,
+        topk_ids=torch.cat(top_ids) if k else None,
+        topk_logprobs=torch.cat(top_lp) if k else None,
+    )
 
 
 class PackedRows(torch.utils.data.Dataset):
@@ -244,29 +260,38 @@ class RowBatch:
     """B rows padded to a common length T. Padding: doc_ids −1, loss_mask False, features 0, ids 0, target tokens
     and top-k ids −1, top-k log-probs −inf."""
 
-    input_ids: Tensor             # (B, T) long
-    doc_ids: Tensor               # (B, T) long
-    positions: Tensor             # (B, T) long
-    loss_mask: Tensor             # (B, T) bool
-    features: Tensor              # (B, T, K·H)
+    input_ids: Tensor  # (B, T) long
+    doc_ids: Tensor  # (B, T) long
+    positions: Tensor  # (B, T) long
+    loss_mask: Tensor  # (B, T) bool
+    features: Tensor  # (B, T, K·H)
     target_tokens: Tensor | None  # (B, T) long, −1 where unknown / padding
-    row_ids: list[int]            # global row indices (seed anchors and noise per row)
-    topk_ids: Tensor | None = None       # (B, T, K) long, −1 where unknown / padding
+    row_ids: list[int]  # global row indices (seed anchors and noise per row)
+    topk_ids: Tensor | None = None  # (B, T, K) long, −1 where unknown / padding
     topk_logprobs: Tensor | None = None  # (B, T, K) float32, −inf where unknown / padding
 
     @property
     def num_tokens(self) -> int:
         return int((self.doc_ids >= 0).sum())
 
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "RowBatch":
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> RowBatch:
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return RowBatch(mv(self.input_ids), mv(self.doc_ids), mv(self.positions), mv(self.loss_mask),
-                        mv(self.features), mv(self.target_tokens), list(self.row_ids), mv(self.topk_ids),
-                        mv(self.topk_logprobs))
+        return RowBatch(
+            mv(self.input_ids),
+            mv(self.doc_ids),
+            mv(self.positions),
+            mv(self.loss_mask),
+            mv(self.features),
+            mv(self.target_tokens),
+            list(self.row_ids),
+            mv(self.topk_ids),
+            mv(self.topk_logprobs),
+        )
 
 
-def collate_rows(rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None, *,
-                 pad_to_multiple: int = 1) -> RowBatch:
+def collate_rows(
+    rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None, *, pad_to_multiple: int = 1
+) -> RowBatch:
     """Pad rows to the longest one (rounded up to `pad_to_multiple`) and stack them."""
     if not rows:
         raise DataError("cannot collate an empty batch")
@@ -278,15 +303,15 @@ def collate_rows(rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None
     doc_ids = torch.full((b, t), -1, dtype=torch.long)
     positions = torch.zeros(b, t, dtype=torch.long)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    features = torch.zeros(b, t, width, dtype=rows[0].features.dtype)      # (B, T, K·H)
+    features = torch.zeros(b, t, width, dtype=rows[0].features.dtype)  # (B, T, K·H)
     have_targets = any(r.target_tokens is not None for r in rows)
     targets = torch.full((b, t), -1, dtype=torch.long) if have_targets else None
     ks = {int(r.topk_ids.shape[1]) for r in rows if r.topk_ids is not None}
     if len(ks) > 1:
         raise DataError(f"rows of one batch hold different numbers of top-k log-probs {sorted(ks)}")
     k = ks.pop() if ks else 0
-    top_ids = torch.full((b, t, k), -1, dtype=torch.long) if k else None               # (B, T, K)
-    top_lp = torch.full((b, t, k), float("-inf")) if k else None                       # (B, T, K)
+    top_ids = torch.full((b, t, k), -1, dtype=torch.long) if k else None  # (B, T, K)
+    top_lp = torch.full((b, t, k), float("-inf")) if k else None  # (B, T, K)
     for i, r in enumerate(rows):
         n = len(r)
         if r.features.shape[1] != width:
@@ -301,8 +326,17 @@ def collate_rows(rows: Sequence[PackedRow], row_ids: Sequence[int] | None = None
         if k and r.topk_ids is not None:
             top_ids[i, :n] = r.topk_ids
             top_lp[i, :n] = r.topk_logprobs
-    return RowBatch(input_ids, doc_ids, positions, loss_mask, features, targets,
-                    list(row_ids) if row_ids is not None else list(range(b)), top_ids, top_lp)
+    return RowBatch(
+        input_ids,
+        doc_ids,
+        positions,
+        loss_mask,
+        features,
+        targets,
+        list(row_ids) if row_ids is not None else list(range(b)),
+        top_ids,
+        top_lp,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -323,21 +357,29 @@ def epoch_order(num_rows: int, *, seed: int, epoch: int) -> list[int]:
     return torch.randperm(num_rows, generator=g).tolist()
 
 
-def step_rows(order: Sequence[int], step_in_epoch: int, *, batch_rows: int, grad_accum: int = 1,
-              rank: int = 0, world_size: int = 1) -> list[list[int]]:
+def step_rows(
+    order: Sequence[int],
+    step_in_epoch: int,
+    *,
+    batch_rows: int,
+    grad_accum: int = 1,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
     """This rank's micro-batches (lists of row ids) for one optimizer step of the epoch given by `order`."""
     g = rows_per_step(batch_rows=batch_rows, grad_accum=grad_accum, world_size=world_size)
     n = len(order)
     start = step_in_epoch * g
-    chunk = [order[(start + j) % n] for j in range(g)]        # wraps around on the last step
-    local = chunk[rank * batch_rows * grad_accum:(rank + 1) * batch_rows * grad_accum]
-    return [local[m * batch_rows:(m + 1) * batch_rows] for m in range(grad_accum)]
+    chunk = [order[(start + j) % n] for j in range(g)]  # wraps around on the last step
+    local = chunk[rank * batch_rows * grad_accum : (rank + 1) * batch_rows * grad_accum]
+    return [local[m * batch_rows : (m + 1) * batch_rows] for m in range(grad_accum)]
 
 
-def split_indices(n: int, *, val_fraction: float = 0.0, val_samples: int | None = None,
-                  seed: int = 0) -> tuple[list[int], list[int]]:
+def split_indices(
+    n: int, *, val_fraction: float = 0.0, val_samples: int | None = None, seed: int = 0
+) -> tuple[list[int], list[int]]:
     """(train, held-out) dataset indices: a seeded random subset of `val_samples` (or round(fraction·n))."""
-    k = int(val_samples) if val_samples is not None else int(round(val_fraction * n))
+    k = int(val_samples) if val_samples is not None else round(val_fraction * n)
     if k <= 0:
         return list(range(n)), []
     if k >= n:
@@ -346,6 +388,19 @@ def split_indices(n: int, *, val_fraction: float = 0.0, val_samples: int | None 
     return sorted(perm[k:]), sorted(perm[:k])
 
 
-__all__ = ["PackPlan", "PackedRow", "PackedRows", "RowBatch", "collate_rows", "epoch_order", "mix_seed",
-           "pack_row", "plan_rows", "rows_per_step", "sample_lengths", "split_indices", "step_rows",
-           "steps_per_epoch"]
+__all__ = [
+    "PackPlan",
+    "PackedRow",
+    "PackedRows",
+    "RowBatch",
+    "collate_rows",
+    "epoch_order",
+    "mix_seed",
+    "pack_row",
+    "plan_rows",
+    "rows_per_step",
+    "sample_lengths",
+    "split_indices",
+    "step_rows",
+    "steps_per_epoch",
+]

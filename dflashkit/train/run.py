@@ -31,11 +31,16 @@ from dflashkit.io_utils import remove_stale_temps
 from dflashkit.train.distributed import DistContext, drop_reducer
 from dflashkit.train.losses import decay_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
-from dflashkit.train.packing import (PackedRows, plan_rows, sample_lengths, split_indices, steps_per_epoch,
-                                     supervision_problem)
+from dflashkit.train.packing import (
+    PackedRows,
+    plan_rows,
+    sample_lengths,
+    split_indices,
+    steps_per_epoch,
+    supervision_problem,
+)
 from dflashkit.train.schedule import cosine_with_warmup
-from dflashkit.train.state import (TrainState, latest_checkpoint, load_checkpoint_state, load_saved_config,
-                                   restore_rng)
+from dflashkit.train.state import TrainState, latest_checkpoint, load_checkpoint_state, load_saved_config, restore_rng
 
 
 class DrafterStep(nn.Module):
@@ -44,34 +49,48 @@ class DrafterStep(nn.Module):
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor) -> None:
         super().__init__()
         self.drafter = drafter
-        self.embed_weight = [embed_weight]      # a list: neither a parameter nor a buffer (never synced/saved)
+        self.embed_weight = [embed_weight]  # a list: neither a parameter nor a buffer (never synced/saved)
 
-    def forward(self, features: torch.Tensor, first_tokens: torch.Tensor, context_positions: torch.Tensor,
-                block_positions: torch.Tensor, masks: dict[str, Any]) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        first_tokens: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        masks: dict[str, Any],
+    ) -> torch.Tensor:
         bs = self.drafter.config.block_size
-        embeds = self.drafter.block_embeddings(first_tokens, self.embed_weight[0], bs)   # (B, Nb·bs, H)
-        return self.drafter(features, embeds, context_positions=context_positions,
-                            block_positions=block_positions, attention_mask=masks)      # (B, Nb·bs, H)
+        embeds = self.drafter.block_embeddings(first_tokens, self.embed_weight[0], bs)  # (B, Nb·bs, H)
+        return self.drafter(
+            features, embeds, context_positions=context_positions, block_positions=block_positions, attention_mask=masks
+        )  # (B, Nb·bs, H)
 
 
 def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) -> Any:
     """The configured feature source: captured features (`features`) or online ones (`tokens`, online: true).
     With loss: topk, captured features must hold the top-k log-probs (a DataError naming the directory and the
     fix otherwise) and online ones compute them (`topk`, default DEFAULT_ONLINE_TOPK entries)."""
-    from dflashkit.features import capture as feats
     from dflashkit.data.samples import read_tokens
+    from dflashkit.features.captured import CapturedFeatures
+    from dflashkit.features.online import OnlineFeatures
     from dflashkit.train.config import DEFAULT_ONLINE_TOPK
 
     ids = list(drafter_config.target_layer_ids)
     if cfg.features is None and cfg.tokens is None:
-        raise ConfigError("no training data: set features (a `dflashkit capture` directory) or tokens "
-                          "(tokens.jsonl from `dflashkit prepare`) with online: true")
+        raise ConfigError(
+            "no training data: set features (a `dflashkit capture` directory) or tokens "
+            "(tokens.jsonl from `dflashkit prepare`) with online: true"
+        )
     if cfg.features is not None:
-        return feats.CapturedFeatures(cfg.features, expect_target=target, expect_layer_ids=ids,
-                                      require_topk=(cfg.topk or 1) if cfg.loss == "topk" else 0)
+        return CapturedFeatures(
+            cfg.features,
+            expect_target=target,
+            expect_layer_ids=ids,
+            require_topk=(cfg.topk or 1) if cfg.loss == "topk" else 0,
+        )
     samples, _ = read_tokens(cfg.tokens)
     topk = (cfg.topk or DEFAULT_ONLINE_TOPK) if cfg.loss == "topk" else 0
-    return feats.OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size))
+    return OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size))
 
 
 def _resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -86,8 +105,10 @@ def _check_same_drafter(saved: DrafterConfig, wanted: DrafterConfig, where: str)
             continue
         a, b = getattr(saved, f.name), getattr(wanted, f.name)
         if a != b:
-            raise ConfigError(f"cannot resume {where}: the checkpoint's drafter has {f.name} = {a!r} but this "
-                              f"config builds {b!r}; use a new `out` directory")
+            raise ConfigError(
+                f"cannot resume {where}: the checkpoint's drafter has {f.name} = {a!r} but this "
+                f"config builds {b!r}; use a new `out` directory"
+            )
 
 
 @dataclass
@@ -99,8 +120,8 @@ class Run:
     device: torch.device
     out: Path
     target: Any
-    embed: torch.Tensor                # (V, H) frozen, on device
-    lm_head: torch.Tensor              # (V, H) frozen, on device
+    embed: torch.Tensor  # (V, H) frozen, on device
+    lm_head: torch.Tensor  # (V, H) frozen, on device
     drafter: DFlashDrafter
     module: nn.Module
     optimizer: torch.optim.Optimizer
@@ -112,7 +133,7 @@ class Run:
     state: TrainState
     logger: MetricsLogger
     rolling: RollingStats
-    weights: torch.Tensor              # (bs,) slot weights
+    weights: torch.Tensor  # (bs,) slot weights
     autocast_dtype: torch.dtype | None
     info: dict[str, Any] = field(default_factory=dict)
     stop_reason: str | None = None
@@ -146,10 +167,14 @@ class Run:
         tensors land on rank 0 (other ranks get an unusable drafter and an empty dict)."""
         if not self.fsdp:
             return self.drafter, self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.module, options=opts)                 # keys "drafter.…"
+        full = get_model_state_dict(self.module, options=opts)  # keys "drafter.…"
         optim = get_optimizer_state_dict(self.module, self.optimizer, options=opts)
         drafter = DFlashDrafter(self.drafter.config) if self.dist.is_main else self.drafter
         if self.dist.is_main:
@@ -167,9 +192,9 @@ class Run:
         self.logger.close()
         wrapper = weakref.ref(self.module)
         self.module = self.drafter
-        gc.collect()                        # DDP/FSDP wrappers sit in reference cycles
+        gc.collect()  # DDP/FSDP wrappers sit in reference cycles
         alive = wrapper()
-        if alive is not None:               # someone still holds the wrapper: free its Reducer at least
+        if alive is not None:  # someone still holds the wrapper: free its Reducer at least
             drop_reducer(alive)
             del alive
             gc.collect()
@@ -184,10 +209,11 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     device = _resolve_device(cfg.drafter_device, int(os.environ.get("LOCAL_RANK", "0")))
     dist = DistContext.from_env(use_cuda=device.type == "cuda")
     if cfg.fsdp and not dist.distributed:
-        raise ConfigError("fsdp: true shards the drafter over ranks; launch with torchrun (≥ 2 processes) or "
-                          "set fsdp: false")
+        raise ConfigError(
+            "fsdp: true shards the drafter over ranks; launch with torchrun (≥ 2 processes) or set fsdp: false"
+        )
     out = Path(cfg.out)
-    if dist.is_main:   # temp checkpoint dirs of killed runs or failed (disk-full) saves
+    if dist.is_main:  # temp checkpoint dirs of killed runs or failed (disk-full) saves
         for d in (out / "checkpoints", out):
             remove_stale_temps(d, log=lambda msg: print(f"[dflashkit train] {msg}", flush=True))
     if target is None:
@@ -201,24 +227,48 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     lm_head = embed if target.lm_head_weight is target.embed_weight else target.lm_head_weight.detach().to(device)
     core, module = _wrap(cfg, drafter, embed, dist, device)
     optimizer, scheduler, state = _optimizer(cfg, drafter, core, data.total, blob, dist.world_size)
-    logger = MetricsLogger(out, enabled=dist.is_main, tensorboard=cfg.tensorboard,
-                           resume_step=state.step if blob is not None else None)
+    logger = MetricsLogger(
+        out, enabled=dist.is_main, tensorboard=cfg.tensorboard, resume_step=state.step if blob is not None else None
+    )
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-    info = {**data.info, "resumed_from": str(ckpt) if ckpt is not None else None,
-            "parameters": drafter.num_parameters(), "world_size": dist.world_size, "device": str(device)}
+    info = {
+        **data.info,
+        "resumed_from": str(ckpt) if ckpt is not None else None,
+        "parameters": drafter.num_parameters(),
+        "world_size": dist.world_size,
+        "device": str(device),
+    }
     if dist.is_main:
         _announce(cfg, info, data, state, ckpt)
     keep_target = cfg.online or cfg.loss == "kl"
-    return Run(cfg=cfg, dist=dist, device=device, out=out, target=target if keep_target else None, embed=embed,
-               lm_head=lm_head, drafter=drafter, module=module, optimizer=optimizer, scheduler=scheduler,
-               rows=data.rows, val_rows=data.val_rows, steps_per_epoch=data.steps_per_epoch, total_steps=data.total,
-               state=state, logger=logger, rolling=RollingStats(cfg.rolling_window, state.recent_losses),
-               weights=decay_weights(drafter.config.block_size, cfg.gamma).to(device),
-               autocast_dtype=torch.bfloat16 if use_bf16 else None, info=info)
+    return Run(
+        cfg=cfg,
+        dist=dist,
+        device=device,
+        out=out,
+        target=target if keep_target else None,
+        embed=embed,
+        lm_head=lm_head,
+        drafter=drafter,
+        module=module,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        rows=data.rows,
+        val_rows=data.val_rows,
+        steps_per_epoch=data.steps_per_epoch,
+        total_steps=data.total,
+        state=state,
+        logger=logger,
+        rolling=RollingStats(cfg.rolling_window, state.recent_losses),
+        weights=decay_weights(drafter.config.block_size, cfg.gamma).to(device),
+        autocast_dtype=torch.bfloat16 if use_bf16 else None,
+        info=info,
+    )
 
 
-def _drafter_to_train(cfg: Any, target: Any, out: Path, dist: DistContext
-                      ) -> tuple[DFlashDrafter, dict[str, Any] | None, Path | None]:
+def _drafter_to_train(
+    cfg: Any, target: Any, out: Path, dist: DistContext
+) -> tuple[DFlashDrafter, dict[str, Any] | None, Path | None]:
     """(drafter, saved training state or None, checkpoint it came from or None): resumed from `out/latest` after
     checking that the config still matches, else `init_from`, else freshly initialised with `cfg.seed`."""
     from dflashkit.drafter.checkpoint import load_drafter
@@ -233,8 +283,10 @@ def _drafter_to_train(cfg: Any, target: Any, out: Path, dist: DistContext
         check_resume_compatible(load_saved_config(ckpt), cfg, where=f"from {ckpt}")
         blob = load_checkpoint_state(ckpt)
         if blob["state"]["world_size"] != dist.world_size:
-            raise ConfigError(f"cannot resume from {ckpt}: world_size was {blob['state']['world_size']} but is "
-                              f"{dist.world_size} now (the global batch would change)")
+            raise ConfigError(
+                f"cannot resume from {ckpt}: world_size was {blob['state']['world_size']} but is "
+                f"{dist.world_size} now (the global batch would change)"
+            )
         drafter = load_drafter(ckpt)
         if cfg.init_from is None:
             _check_same_drafter(drafter.config, wanted, f"from {ckpt}")
@@ -245,8 +297,10 @@ def _drafter_to_train(cfg: Any, target: Any, out: Path, dist: DistContext
         drafter = DFlashDrafter(wanted)
     check_drafter_fits(drafter.config, target, source="drafter")
     if cfg.loss == "kl" and drafter.config.draft_vocab_size is not None:
-        raise ConfigError("loss: kl needs the full vocabulary; this drafter has a reduced draft vocabulary "
-                          f"(draft_vocab_size {drafter.config.draft_vocab_size}) — use loss: ce")
+        raise ConfigError(
+            "loss: kl needs the full vocabulary; this drafter has a reduced draft vocabulary "
+            f"(draft_vocab_size {drafter.config.draft_vocab_size}) — use loss: ce"
+        )
     return drafter, blob, ckpt
 
 
@@ -257,8 +311,8 @@ class _DataPlan:
     rows: PackedRows
     val_rows: PackedRows | None
     steps_per_epoch: int
-    total: int                 # optimizer steps of the schedule (10⁹ = until schedule_minutes are spent)
-    unbounded: bool            # a time-based schedule without max_steps
+    total: int  # optimizer steps of the schedule (10⁹ = until schedule_minutes are spent)
+    unbounded: bool  # a time-based schedule without max_steps
     fill: float
     info: dict[str, Any]
 
@@ -266,36 +320,50 @@ class _DataPlan:
 def _plan_data(cfg: Any, source: Any, world_size: int) -> _DataPlan:
     """Split the samples into train / validation, pack them into rows, and count the steps."""
     lengths = sample_lengths(source)
-    train_idx, val_idx = split_indices(len(lengths), val_fraction=cfg.val_fraction, val_samples=cfg.val_samples,
-                                       seed=cfg.seed)
-    plan = plan_rows({i: lengths[i] for i in train_idx}, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                     strategy=cfg.packing)
-    problem = supervision_problem(source, plan)   # e.g. max_tokens shorter than every prompt: a loss of 0
+    train_idx, val_idx = split_indices(
+        len(lengths), val_fraction=cfg.val_fraction, val_samples=cfg.val_samples, seed=cfg.seed
+    )
+    plan = plan_rows({i: lengths[i] for i in train_idx}, max_tokens=cfg.max_tokens, seed=cfg.seed, strategy=cfg.packing)
+    problem = supervision_problem(source, plan)  # e.g. max_tokens shorter than every prompt: a loss of 0
     if problem:
         raise DataError(problem)
-    val_plan = plan_rows({i: lengths[i] for i in val_idx}, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                         strategy=cfg.packing) if val_idx else None
+    val_plan = (
+        plan_rows({i: lengths[i] for i in val_idx}, max_tokens=cfg.max_tokens, seed=cfg.seed, strategy=cfg.packing)
+        if val_idx
+        else None
+    )
     rows = PackedRows(source, plan)
     val_rows = PackedRows(source, val_plan) if val_plan is not None and len(val_plan) else None
     spe = steps_per_epoch(len(rows), batch_rows=cfg.batch_rows, grad_accum=cfg.grad_accum, world_size=world_size)
     # a time-based schedule without max_steps runs until its training time is spent (epochs do not cap it)
     unbounded = cfg.schedule_minutes is not None and cfg.max_steps is None
-    total = cfg.max_steps if cfg.max_steps is not None else (10 ** 9 if unbounded else cfg.epochs * spe)
-    info = {"samples": len(lengths), "train_samples": len(train_idx), "val_samples": len(val_idx),
-            "rows": len(rows), "val_rows": len(val_rows) if val_rows is not None else 0,
-            "truncated": plan.truncated, "fill": plan.fill, "steps_per_epoch": spe, "total_steps": total}
-    return _DataPlan(rows=rows, val_rows=val_rows, steps_per_epoch=spe, total=total, unbounded=unbounded,
-                     fill=plan.fill, info=info)
+    total = cfg.max_steps if cfg.max_steps is not None else (10**9 if unbounded else cfg.epochs * spe)
+    info = {
+        "samples": len(lengths),
+        "train_samples": len(train_idx),
+        "val_samples": len(val_idx),
+        "rows": len(rows),
+        "val_rows": len(val_rows) if val_rows is not None else 0,
+        "truncated": plan.truncated,
+        "fill": plan.fill,
+        "steps_per_epoch": spe,
+        "total_steps": total,
+    }
+    return _DataPlan(
+        rows=rows, val_rows=val_rows, steps_per_epoch=spe, total=total, unbounded=unbounded, fill=plan.fill, info=info
+    )
 
 
-def _wrap(cfg: Any, drafter: DFlashDrafter, embed: torch.Tensor, dist: DistContext, device: torch.device
-          ) -> tuple[DrafterStep, nn.Module]:
+def _wrap(
+    cfg: Any, drafter: DFlashDrafter, embed: torch.Tensor, dist: DistContext, device: torch.device
+) -> tuple[DrafterStep, nn.Module]:
     """(the plain step module, what runs): FSDP2-sharded, DDP-wrapped or plain; compiled when asked."""
     core = DrafterStep(drafter, embed)
     module: nn.Module = core
     if cfg.fsdp:
         from torch.distributed.fsdp import fully_shard
-        for layer in drafter.layers:        # one all-gather per decoder layer; fc/norms/mask vector at the root
+
+        for layer in drafter.layers:  # one all-gather per decoder layer; fc/norms/mask vector at the root
             fully_shard(layer)
         fully_shard(core)
     elif dist.distributed:
@@ -305,11 +373,13 @@ def _wrap(cfg: Any, drafter: DFlashDrafter, embed: torch.Tensor, dist: DistConte
     return core, module
 
 
-def _optimizer(cfg: Any, drafter: DFlashDrafter, core: nn.Module, total: int, blob: dict[str, Any] | None,
-               world_size: int) -> tuple[torch.optim.Optimizer, Any, TrainState]:
+def _optimizer(
+    cfg: Any, drafter: DFlashDrafter, core: nn.Module, total: int, blob: dict[str, Any] | None, world_size: int
+) -> tuple[torch.optim.Optimizer, Any, TrainState]:
     """AdamW + warmup/cosine LambdaLR, and the training state — restored from `blob` when resuming."""
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+    )
     warmup = max(1, math.ceil(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
     lr_fn = cosine_with_warmup(total, warmup, cfg.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_fn)
@@ -317,26 +387,31 @@ def _optimizer(cfg: Any, drafter: DFlashDrafter, core: nn.Module, total: int, bl
         return optimizer, scheduler, TrainState(world_size=world_size)
     if cfg.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(core, optimizer, optim_state_dict=blob["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+
+        set_optimizer_state_dict(
+            core, optimizer, optim_state_dict=blob["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
     else:
         optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     # The saved lr came from the saved schedule; a changed run length (epochs/max_steps) re-shapes the
     # cosine, so take the next lr from the current one (the same value when nothing changed).
-    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base * lr_fn(scheduler.last_epoch)
     restore_rng(blob["rng"])
     return optimizer, scheduler, TrainState(**blob["state"])
 
 
 def _announce(cfg: Any, info: dict[str, Any], data: _DataPlan, state: TrainState, ckpt: Path | None) -> None:
-    print(f"[dflashkit train] {info['train_samples']} samples → {info['rows']} rows (fill {data.fill:.0%}, "
-          f"{info['truncated']} truncated to {cfg.max_tokens} tokens), {info['val_samples']} held out; "
-          f"{data.steps_per_epoch} steps/epoch, "
-          + (f"steps until {cfg.schedule_minutes:g} min of training" if data.unbounded else f"{data.total} steps")
-          + f"; drafter {info['parameters']:,} params on {info['device']}"
-          + (f"; resuming from {ckpt} at step {state.step}" if ckpt is not None else ""), flush=True)
+    print(
+        f"[dflashkit train] {info['train_samples']} samples → {info['rows']} rows (fill {data.fill:.0%}, "
+        f"{info['truncated']} truncated to {cfg.max_tokens} tokens), {info['val_samples']} held out; "
+        f"{data.steps_per_epoch} steps/epoch, "
+        + (f"steps until {cfg.schedule_minutes:g} min of training" if data.unbounded else f"{data.total} steps")
+        + f"; drafter {info['parameters']:,} params on {info['device']}"
+        + (f"; resuming from {ckpt} at step {state.step}" if ckpt is not None else ""),
+        flush=True,
+    )
 
 
 __all__ = ["DrafterStep", "Run", "open_feature_source", "setup_run"]

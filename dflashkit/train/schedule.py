@@ -1,7 +1,7 @@
 """Learning-rate schedules: linear warmup then cosine decay, by optimizer step or by fraction of training time.
 
-    LambdaLR(optimizer, cosine_with_warmup(total_steps=1000, warmup_steps=40))   # step-based
-    group["lr"] = base_lr * cosine_at(elapsed / schedule_s, warmup=0.04)         # time-based (schedule_minutes)
+LambdaLR(optimizer, cosine_with_warmup(total_steps=1000, warmup_steps=40))   # step-based
+group["lr"] = base_lr * cosine_at(elapsed / schedule_s, warmup=0.04)         # time-based (schedule_minutes)
 """
 
 from __future__ import annotations

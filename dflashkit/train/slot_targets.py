@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.train.blocks import BlockBatch
 from dflashkit.errors import DataError
+from dflashkit.train.blocks import BlockBatch
 from dflashkit.train.packing import RowBatch
 
 
@@ -34,15 +34,17 @@ def block_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> Tensor:
     if mode == "data":
         return blocks.labels
     if rows.target_tokens is None:
-        raise DataError("labels: target needs the target's argmax tokens (Sample.target_tokens); capture them "
-                        "with the features or train with online: true")
+        raise DataError(
+            "labels: target needs the target's argmax tokens (Sample.target_tokens); capture them "
+            "with the features or train with online: true"
+        )
     b, t = rows.target_tokens.shape
     bs, nb = blocks.block_size, blocks.num_blocks
     docs = rows.doc_ids
-    shifted = torch.full_like(rows.target_tokens, -1)                  # (B, T): target's token FOR index i
+    shifted = torch.full_like(rows.target_tokens, -1)  # (B, T): target's token FOR index i
     same = docs[:, 1:] == docs[:, :-1]
     shifted[:, 1:] = torch.where(same, rows.target_tokens[:, :-1], -1)
-    idx = (blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(bs, device=docs.device))  # (B, Nb, bs)
+    idx = blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(bs, device=docs.device)  # (B, Nb, bs)
     got = shifted.gather(1, idx.clamp(max=t - 1).reshape(b, nb * bs)).view(b, nb, bs)
     labels = torch.where(blocks.label_valid & (got >= 0), got, -100)
     labels[:, :, 0] = blocks.labels[:, :, 0]
@@ -54,21 +56,25 @@ def topk_targets(blocks: BlockBatch, rows: RowBatch, k: int | None = None) -> tu
     log-probs (B, Nb, bs, K) float32), ids −1 / log-probs −inf where the slot is invalid (see the module
     docstring) or its sample has none. `k` keeps the first (largest) k of the stored entries (None: all)."""
     if rows.topk_ids is None or rows.topk_logprobs is None:
-        raise DataError("loss: topk needs the target's top-k log-probs per position (Sample.topk_ids / "
-                        "topk_logprobs); capture the features with `dflashkit capture --topk 32`, or train with "
-                        "online: true")
-    dev = blocks.anchors.device                                         # computed where the blocks are
-    ids, lps = rows.topk_ids.to(dev), rows.topk_logprobs.to(dev)       # (B, T, K)
+        raise DataError(
+            "loss: topk needs the target's top-k log-probs per position (Sample.topk_ids / "
+            "topk_logprobs); capture the features with `dflashkit capture --topk 32`, or train with "
+            "online: true"
+        )
+    dev = blocks.anchors.device  # computed where the blocks are
+    ids, lps = rows.topk_ids.to(dev), rows.topk_logprobs.to(dev)  # (B, T, K)
     if k is not None:
         if k > ids.shape[-1]:
-            raise DataError(f"topk: {k} asks for more entries than the features hold ({ids.shape[-1]} per "
-                            f"position); capture with --topk {k} or lower topk")
-        ids, lps = ids[..., :k], lps[..., :k]                           # stored sorted, descending
+            raise DataError(
+                f"topk: {k} asks for more entries than the features hold ({ids.shape[-1]} per "
+                f"position); capture with --topk {k} or lower topk"
+            )
+        ids, lps = ids[..., :k], lps[..., :k]  # stored sorted, descending
     b, t, kk = ids.shape
     bs, nb = blocks.block_size, blocks.num_blocks
     docs = rows.doc_ids.to(dev)
-    same = (docs[:, 1:] == docs[:, :-1])[..., None]                     # (B, T−1, 1)
-    s_ids = torch.full_like(ids, -1)                                    # (B, T, K): target's top-k FOR index i
+    same = (docs[:, 1:] == docs[:, :-1])[..., None]  # (B, T−1, 1)
+    s_ids = torch.full_like(ids, -1)  # (B, T, K): target's top-k FOR index i
     s_lps = torch.full_like(lps, float("-inf"))
     s_ids[:, 1:] = torch.where(same, ids[:, :-1], -1)
     s_lps[:, 1:] = torch.where(same, lps[:, :-1], float("-inf"))
@@ -76,8 +82,8 @@ def topk_targets(blocks: BlockBatch, rows: RowBatch, k: int | None = None) -> tu
     flat = idx.reshape(b, nb * bs, 1).expand(b, nb * bs, kk)
     got_ids = s_ids.gather(1, flat).view(b, nb, bs, kk)
     got_lps = s_lps.gather(1, flat).view(b, nb, bs, kk)
-    ok = blocks.label_valid.clone()                                     # (B, Nb, bs)
-    ok[:, :, 0] = False                                                 # the anchor slot: no soft target
+    ok = blocks.label_valid.clone()  # (B, Nb, bs)
+    ok[:, :, 0] = False  # the anchor slot: no soft target
     got_ids = torch.where(ok[..., None], got_ids, -1)
     got_lps = torch.where(ok[..., None] & (got_ids >= 0), got_lps, float("-inf"))
     return got_ids, got_lps
@@ -92,21 +98,21 @@ def kl_target_logits(run: Any, rows: RowBatch, blocks: BlockBatch) -> Callable[[
         for d in rows.doc_ids[i].unique().tolist():
             if d < 0:
                 continue
-            sel = (rows.doc_ids[i] == d).nonzero().flatten()            # contiguous indices of document d
-            out = run.target.forward(rows.input_ids[i, sel][None], logits=True).logits[0]   # (n, V)
+            sel = (rows.doc_ids[i] == d).nonzero().flatten()  # contiguous indices of document d
+            out = run.target.forward(rows.input_ids[i, sel][None], logits=True).logits[0]  # (n, V)
             if logits is None:
                 logits = torch.zeros(b, t, out.shape[-1], dtype=out.dtype, device=run.device)
             logits[i, sel.to(run.device)] = out.to(run.device)
     bs, nb = blocks.block_size, blocks.num_blocks
     idx = (blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(bs, device=run.device) - 1).clamp(0, t - 1)
-    flat_b = torch.arange(b, device=run.device).repeat_interleave(nb)          # (B·Nb,)
-    flat_idx = idx.reshape(b * nb, bs)                                          # (B·Nb, bs)
-    return lambda r0, r1: logits[flat_b[r0:r1, None], flat_idx[r0:r1]]          # (rows, bs, V)
+    flat_b = torch.arange(b, device=run.device).repeat_interleave(nb)  # (B·Nb,)
+    flat_idx = idx.reshape(b * nb, bs)  # (B·Nb, bs)
+    return lambda r0, r1: logits[flat_b[r0:r1, None], flat_idx[r0:r1]]  # (rows, bs, V)
 
 
 def _target_to_draft(drafter: Any, vocab: int, device: torch.device) -> Tensor:
     """(vocab,) long: the draft id of every target id, −100 outside the draft vocabulary."""
-    d2t = drafter.draft_to_target.to(device)                                    # (N,)
+    d2t = drafter.draft_to_target.to(device)  # (N,)
     t2d = torch.full((vocab,), -100, dtype=torch.long, device=device)
     t2d[d2t] = torch.arange(d2t.numel(), device=device)
     return t2d
@@ -118,7 +124,7 @@ def draft_vocab_head(drafter: Any, lm_head: Tensor, labels: Tensor) -> tuple[Ten
     be drafted, which evaluation measures). Without one: the full head and the labels unchanged."""
     if drafter.config.draft_vocab_size is None:
         return lm_head, labels
-    d2t = drafter.draft_to_target.to(lm_head.device)                            # (N,)
+    d2t = drafter.draft_to_target.to(lm_head.device)  # (N,)
     t2d = _target_to_draft(drafter, lm_head.shape[0], labels.device)
     mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], torch.full_like(labels, -100))
     return lm_head.index_select(0, d2t), mapped

@@ -43,13 +43,13 @@ LATEST_NAME = "latest"
 class TrainState:
     """Counters that, with the optimizer/scheduler states and the config, define where a run stands."""
 
-    step: int = 0                  # optimizer steps completed
-    epoch: int = 0                 # epoch of the next step
-    batch_in_epoch: int = 0        # step index within that epoch
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0  # epoch of the next step
+    batch_in_epoch: int = 0  # step index within that epoch
     clipped_steps: int = 0
     tokens_seen: int = 0
     world_size: int = 1
-    elapsed_s: float = 0.0         # training time over all sessions
+    elapsed_s: float = 0.0  # training time over all sessions
     recent_losses: list[float] = field(default_factory=list)
     best_val_tau: float | None = None  # keep_best: the highest validation τ so far, and its step (OUT/best)
     best_val_step: int = 0
@@ -61,8 +61,13 @@ def capture_rng() -> dict[str, Any]:
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+        "numpy": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached": float(np_state[4]),
+        },
     }
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
@@ -97,23 +102,32 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return path
 
 
-def save_checkpoint(out_dir: str | Path, *, drafter: DFlashDrafter, optimizer: dict[str, Any],
-                    scheduler: dict[str, Any], state: TrainState, config: dict[str, Any],
-                    keep: int = 0) -> Path:
+def save_checkpoint(
+    out_dir: str | Path,
+    *,
+    drafter: DFlashDrafter,
+    optimizer: dict[str, Any],
+    scheduler: dict[str, Any],
+    state: TrainState,
+    config: dict[str, Any],
+    keep: int = 0,
+) -> Path:
     """Write out/checkpoints/step-N atomically, point `latest` at it, prune old ones; returns the directory."""
     out = Path(out_dir)
     root = out / "checkpoints"
     final = root / checkpoint_name(state.step)
-    if not (final / STATE_NAME).is_file():          # same step twice (e.g. save_every then stop): keep the first
+    if not (final / STATE_NAME).is_file():  # same step twice (e.g. save_every then stop): keep the first
         tmp = root / f".{final.name}.tmp-{os.getpid()}"
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)
             save_drafter(drafter, tmp, metadata={"step": str(state.step)})
-            torch.save({"optimizer": optimizer, "scheduler": scheduler, "rng": capture_rng(),
-                        "state": asdict(state)}, tmp / STATE_NAME)
+            torch.save(
+                {"optimizer": optimizer, "scheduler": scheduler, "rng": capture_rng(), "state": asdict(state)},
+                tmp / STATE_NAME,
+            )
             (tmp / CONFIG_YAML).write_text(yaml.safe_dump(config, sort_keys=False))
-        except (OSError, RuntimeError, SafetensorError) as e:   # a full disk, as torch / safetensors report it
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as torch / safetensors report it
             shutil.rmtree(tmp, ignore_errors=True)
             raise _save_failed(out, final, e) from None
         if final.exists():
@@ -134,8 +148,11 @@ def _save_failed(out: Path, path: Path, error: BaseException) -> CheckpointError
     """The one-line error for a failed checkpoint write; the previous checkpoint is untouched by then."""
     pointer = out / LATEST_NAME
     prev = pointer.read_text().strip() if pointer.is_file() else None
-    kept = (f"the previous checkpoint {out / prev} is intact (resume from it: free space, then run the same "
-            f"command again)" if prev else "no earlier checkpoint exists")
+    kept = (
+        f"the previous checkpoint {out / prev} is intact (resume from it: free space, then run the same command again)"
+        if prev
+        else "no earlier checkpoint exists"
+    )
     return CheckpointError(f"cannot write {path}: {write_failure(path, error)}; {kept}")
 
 
@@ -176,6 +193,17 @@ def load_saved_config(path: str | Path) -> dict[str, Any]:
     return yaml.safe_load(f.read_text()) or {}
 
 
-__all__ = ["CONFIG_YAML", "LATEST_NAME", "STATE_NAME", "TrainState", "capture_rng", "checkpoint_name",
-           "latest_checkpoint", "load_checkpoint_state", "load_saved_config", "restore_rng", "save_checkpoint",
-           "save_final"]
+__all__ = [
+    "CONFIG_YAML",
+    "LATEST_NAME",
+    "STATE_NAME",
+    "TrainState",
+    "capture_rng",
+    "checkpoint_name",
+    "latest_checkpoint",
+    "load_checkpoint_state",
+    "load_saved_config",
+    "restore_rng",
+    "save_checkpoint",
+    "save_final",
+]

@@ -22,15 +22,21 @@ from dflashkit.train.config import TrainConfig
 from dflashkit.train.losses import LossOutput, block_loss
 from dflashkit.train.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
 from dflashkit.train.run import Run
-from dflashkit.train.slot_targets import block_labels, draft_vocab_head, draft_vocab_topk, kl_target_logits, topk_targets
+from dflashkit.train.slot_targets import (
+    block_labels,
+    draft_vocab_head,
+    draft_vocab_topk,
+    kl_target_logits,
+    topk_targets,
+)
 
 
 @dataclass
 class StepInputs:
-    features: Tensor        # (B, T, K·H) context features (noise added when on), on the drafter device
-    blocks: BlockBatch      # on the drafter device
-    labels: Tensor          # (B, Nb, bs) long, −100 invalid
-    masks: dict[str, Any] | None   # additive attention mask per layer type (None: built when used)
+    features: Tensor  # (B, T, K·H) context features (noise added when on), on the drafter device
+    blocks: BlockBatch  # on the drafter device
+    labels: Tensor  # (B, Nb, bs) long, −100 invalid
+    masks: dict[str, Any] | None  # additive attention mask per layer type (None: built when used)
 
 
 def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> list[Tensor]:
@@ -38,8 +44,7 @@ def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> l
     out = []
     for i, rid in enumerate(rows.row_ids):
         g = torch.Generator().manual_seed(mix_seed(seed, "anchors", epoch, rid))
-        out.append(sample_anchors(rows.doc_ids[i].cpu(), rows.loss_mask[i].cpu(), max_anchors=max_anchors,
-                                  generator=g))
+        out.append(sample_anchors(rows.doc_ids[i].cpu(), rows.loss_mask[i].cpu(), max_anchors=max_anchors, generator=g))
     return out
 
 
@@ -52,8 +57,9 @@ def noise_std_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
     return float(cfg.noise_std) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total_steps))))
 
 
-def fc_noise(features: Tensor, doc_ids: Tensor, std: float, *, seed: int, epoch: int, step: int,
-             row_ids: Sequence[int]) -> Tensor:
+def fc_noise(
+    features: Tensor, doc_ids: Tensor, std: float, *, seed: int, epoch: int, step: int, row_ids: Sequence[int]
+) -> Tensor:
     """features (B, T, K·H) + N(0, std²) on real tokens, one generator per (seed, epoch, step, row)."""
     if std <= 0:
         return features
@@ -64,22 +70,39 @@ def fc_noise(features: Tensor, doc_ids: Tensor, std: float, *, seed: int, epoch:
     return features + noise * std * (doc_ids >= 0)[..., None].to(features.dtype)
 
 
-def prepare_inputs(rows: RowBatch, *, drafter_config: Any, labels: str, max_anchors: int, seed: int, epoch: int,
-                   step: int = 0, noise_std: float = 0.0, device: torch.device | str = "cpu",
-                   mask_dtype: torch.dtype = torch.float32, build_masks: bool = True) -> StepInputs:
+def prepare_inputs(
+    rows: RowBatch,
+    *,
+    drafter_config: Any,
+    labels: str,
+    max_anchors: int,
+    seed: int,
+    epoch: int,
+    step: int = 0,
+    noise_std: float = 0.0,
+    device: torch.device | str = "cpu",
+    mask_dtype: torch.dtype = torch.float32,
+    build_masks: bool = True,
+) -> StepInputs:
     """Rows (CPU) → blocks, labels and masks on `device`; noise only on the features.
 
     Masks are dense and made additive once here, in the attention dtype (`mask_dtype`), so every drafter layer
     shares one tensor instead of converting its own copy (and saving it for backward)."""
     anchors = row_anchors(rows, seed=seed, epoch=epoch, max_anchors=max_anchors)
-    nb = max([1] + [int(a.numel()) for a in anchors])                  # ≥ 1 block keeps shapes valid
-    blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask,
-                          block_size=drafter_config.block_size, anchors=anchors, num_blocks=nb)
-    lab = block_labels(blocks, rows, labels)                           # (B, Nb, bs)
+    nb = max([1] + [int(a.numel()) for a in anchors])  # ≥ 1 block keeps shapes valid
+    blocks = build_blocks(
+        rows.input_ids,
+        rows.doc_ids,
+        rows.positions,
+        rows.loss_mask,
+        block_size=drafter_config.block_size,
+        anchors=anchors,
+        num_blocks=nb,
+    )
+    lab = block_labels(blocks, rows, labels)  # (B, Nb, bs)
     blocks = blocks.to(device)
-    feats = rows.features.to(device, non_blocking=True)                # (B, T, K·H)
-    feats = fc_noise(feats, rows.doc_ids.to(device), noise_std, seed=seed, epoch=epoch, step=step,
-                     row_ids=rows.row_ids)
+    feats = rows.features.to(device, non_blocking=True)  # (B, T, K·H)
+    feats = fc_noise(feats, rows.doc_ids.to(device), noise_std, seed=seed, epoch=epoch, step=step, row_ids=rows.row_ids)
     masks = attention_masks(drafter_config, blocks, mask_dtype) if build_masks else None
     return StepInputs(features=feats, blocks=blocks, labels=lab.to(device), masks=masks)
 
@@ -100,20 +123,32 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     if masks is None:
         masks = attention_masks(run.drafter.config, inp.blocks, run.autocast_dtype or torch.float32)
     with run.autocast():
-        hidden = run.module(inp.features, inp.blocks.first_tokens, inp.blocks.context_positions,
-                            inp.blocks.block_positions, masks)                # (B, Nq, H)
+        hidden = run.module(
+            inp.features, inp.blocks.first_tokens, inp.blocks.context_positions, inp.blocks.block_positions, masks
+        )  # (B, Nq, H)
     bs = inp.blocks.block_size
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss == "kl" else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     soft: dict[str, Any] = {}
-    if cfg.loss == "topk":   # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
-        ids, lps = topk_targets(inp.blocks, rows, cfg.topk)                        # (B, Nb, bs, K)
+    if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
+        ids, lps = topk_targets(inp.blocks, rows, cfg.topk)  # (B, Nb, bs, K)
         ids = draft_vocab_topk(run.drafter, ids, run.lm_head.shape[0])
-        soft = dict(topk_ids=ids.reshape(-1, bs, ids.shape[-1]), topk_logprobs=lps.reshape(-1, bs, lps.shape[-1]),
-                    ce_weight=cfg.topk_ce_weight)
-    return block_loss(hidden.reshape(-1, bs, hidden.shape[-1]), head, labels.reshape(-1, bs),
-                      weights=run.weights, kind=cfg.loss, target_logits=target, chunk_size=cfg.loss_chunk_size,
-                      normalizer=normalizer, **soft)
+        soft = dict(
+            topk_ids=ids.reshape(-1, bs, ids.shape[-1]),
+            topk_logprobs=lps.reshape(-1, bs, lps.shape[-1]),
+            ce_weight=cfg.topk_ce_weight,
+        )
+    return block_loss(
+        hidden.reshape(-1, bs, hidden.shape[-1]),
+        head,
+        labels.reshape(-1, bs),
+        weights=run.weights,
+        kind=cfg.loss,
+        target_logits=target,
+        chunk_size=cfg.loss_chunk_size,
+        normalizer=normalizer,
+        **soft,
+    )
 
 
 class _IndexedRows(torch.utils.data.Dataset):
@@ -136,15 +171,32 @@ def micro_batches(run: Run, epoch: int, first_step: int) -> Iterator[RowBatch]:
     `num_workers` DataLoader workers (prefetching) or in the main process when 0 (online features)."""
     cfg, dist = run.cfg, run.dist
     order = epoch_order(len(run.rows), seed=cfg.seed, epoch=epoch)
-    plan = [ids for s in range(first_step, run.steps_per_epoch)
-            for ids in step_rows(order, s, batch_rows=cfg.batch_rows, grad_accum=cfg.grad_accum,
-                                 rank=dist.rank, world_size=dist.world_size)]
+    plan = [
+        ids
+        for s in range(first_step, run.steps_per_epoch)
+        for ids in step_rows(
+            order, s, batch_rows=cfg.batch_rows, grad_accum=cfg.grad_accum, rank=dist.rank, world_size=dist.world_size
+        )
+    ]
     if cfg.num_workers == 0:
         return (collate_rows([run.rows[i] for i in ids], ids) for ids in plan)
-    loader = torch.utils.data.DataLoader(_IndexedRows(run.rows), batch_sampler=plan, collate_fn=_collate_indexed,
-                                         num_workers=cfg.num_workers, pin_memory=run.device.type == "cuda")
+    loader = torch.utils.data.DataLoader(
+        _IndexedRows(run.rows),
+        batch_sampler=plan,
+        collate_fn=_collate_indexed,
+        num_workers=cfg.num_workers,
+        pin_memory=run.device.type == "cuda",
+    )
     return iter(loader)
 
 
-__all__ = ["StepInputs", "attention_masks", "fc_noise", "micro_batches", "noise_std_at", "prepare_inputs",
-           "row_anchors", "step_loss"]
+__all__ = [
+    "StepInputs",
+    "attention_masks",
+    "fc_noise",
+    "micro_batches",
+    "noise_std_at",
+    "prepare_inputs",
+    "row_anchors",
+    "step_loss",
+]

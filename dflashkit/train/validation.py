@@ -44,22 +44,38 @@ def validate(run: Run) -> dict[str, Any] | None:
     cfg, dist = run.cfg, run.dist
     run.module.eval()
     bs = run.drafter.config.block_size
-    sums = torch.zeros(2 + 2 * bs, dtype=torch.float64, device=run.device)   # Σwℓ, Σw, correct(bs), valid(bs)
+    sums = torch.zeros(2 + 2 * bs, dtype=torch.float64, device=run.device)  # Σwℓ, Σw, correct(bs), valid(bs)
     mine = list(range(dist.rank, len(run.val_rows), dist.world_size))
     for k in range(0, len(mine), cfg.batch_rows):
-        ids = mine[k:k + cfg.batch_rows]
+        ids = mine[k : k + cfg.batch_rows]
         rows = collate_rows([run.val_rows[i] for i in ids], ids)
-        inp = prepare_inputs(rows, drafter_config=run.drafter.config, labels=cfg.labels,
-                             max_anchors=cfg.max_anchors, seed=cfg.seed, epoch=-1, device=run.device,
-                             mask_dtype=run.autocast_dtype or torch.float32)
+        inp = prepare_inputs(
+            rows,
+            drafter_config=run.drafter.config,
+            labels=cfg.labels,
+            max_anchors=cfg.max_anchors,
+            seed=cfg.seed,
+            epoch=-1,
+            device=run.device,
+            mask_dtype=run.autocast_dtype or torch.float32,
+        )
         out = step_loss(run, inp, rows, 1.0)
-        sums += torch.cat([torch.stack([out.loss.double(), out.weight_sum.double()]),
-                           out.correct_counts.double(), out.valid_counts.double()])
+        sums += torch.cat(
+            [
+                torch.stack([out.loss.double(), out.weight_sum.double()]),
+                out.correct_counts.double(),
+                out.valid_counts.double(),
+            ]
+        )
     dist.all_reduce(sums)
     run.module.train()
-    acc = (sums[2:2 + bs] / sums[2 + bs:].clamp_min(1)).tolist()
-    return {"loss": float(sums[0] / sums[1].clamp_min(1e-12)), "accuracy": acc, "tau": estimated_tau(acc),
-            "supervised": int(sums[2 + bs + 1:].sum())}
+    acc = (sums[2 : 2 + bs] / sums[2 + bs :].clamp_min(1)).tolist()
+    return {
+        "loss": float(sums[0] / sums[1].clamp_min(1e-12)),
+        "accuracy": acc,
+        "tau": estimated_tau(acc),
+        "supervised": int(sums[2 + bs + 1 :].sum()),
+    }
 
 
 __all__ = ["keep_if_best", "validate"]

@@ -24,24 +24,44 @@ def write_prompts(path: Path, lengths: list[int]) -> Path:
     g = torch.Generator().manual_seed(5)
     with open(path, "w", encoding="utf-8") as f:
         for i, n in enumerate(lengths):
-            ids = torch.randint(3, 97, (n,), generator=g).tolist()   # no special ids (0 pad, 1 bos, 2 eos)
+            ids = torch.randint(3, 97, (n,), generator=g).tolist()  # no special ids (0 pad, 1 bos, 2 eos)
             f.write(json.dumps({"id": f"p{i}", "prompt_ids": ids}) + "\n")
     return path
 
 
 def test_regen_throughput_tiny(tiny_llama_dir, tmp_path, capsys):
     bench = load_bench()
-    prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7, 30, 6])     # the 30-token one is skipped
-    assert bench.main(["--target", str(tiny_llama_dir), "--dataset", str(prompts), "--prompts", "4",
-                       "--max-prompt-tokens", "12", "--max-new-tokens", "6", "--batch-sizes", "1,3",
-                       "--repeats", "2", "--threads", "1"]) == 0
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7, 30, 6])  # the 30-token one is skipped
+    assert (
+        bench.main(
+            [
+                "--target",
+                str(tiny_llama_dir),
+                "--dataset",
+                str(prompts),
+                "--prompts",
+                "4",
+                "--max-prompt-tokens",
+                "12",
+                "--max-new-tokens",
+                "6",
+                "--batch-sizes",
+                "1,3",
+                "--repeats",
+                "2",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
     assert doc["batch_sizes"] == [1, 3] and doc["n_prompts"] == 4 and doc["repeats"] == 2
     assert all(t > 0 for t in doc["tok_s"]) and all(r > 0 for r in doc["responses_per_min"])
-    assert doc["same_as_first"] == [1.0, 1.0]                 # batching (left padding) keeps greedy output
+    assert doc["same_as_first"] == [1.0, 1.0]  # batching (left padding) keeps greedy output
     assert doc["best_batch_size"] in (1, 3)
-    assert any(line.split()[:1] == ["3"] for line in lines[:-1])   # one table row per batch size
+    assert any(line.split()[:1] == ["3"] for line in lines[:-1])  # one table row per batch size
 
 
 def test_responses_come_back_in_input_order(tiny_llama_dir):

@@ -15,10 +15,26 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "speed.py"
-REQUIRED = ("tau_chain_macro", "tau_ddtree_best", "ddtree_best_budget", "hf_ar_tok_s", "chain_tok_s",
-            "speedup_chain_vs_hf_ar", "speedup_ddtree_vs_hf_ar", "speedup_prompt_lookup_vs_hf_ar", "efficiency",
-            "greedy_equal_fraction", "n_prompts", "dflashkit_ar_tok_s", "ddtree_tok_s", "ddtree", "threads",
-            "round_cost_vs_ar", "best_method", "speedup_best_vs_hf_ar")
+REQUIRED = (
+    "tau_chain_macro",
+    "tau_ddtree_best",
+    "ddtree_best_budget",
+    "hf_ar_tok_s",
+    "chain_tok_s",
+    "speedup_chain_vs_hf_ar",
+    "speedup_ddtree_vs_hf_ar",
+    "speedup_prompt_lookup_vs_hf_ar",
+    "efficiency",
+    "greedy_equal_fraction",
+    "n_prompts",
+    "dflashkit_ar_tok_s",
+    "ddtree_tok_s",
+    "ddtree",
+    "threads",
+    "round_cost_vs_ar",
+    "best_method",
+    "speedup_best_vs_hf_ar",
+)
 
 
 def load_bench():
@@ -31,9 +47,19 @@ def load_bench():
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, vocab_size=97, num_target_layers=8, target_layer_ids=[1, 4, 6],
-                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                        intermediate_size=32, block_size=4, mask_token_id=5)
+    cfg = DrafterConfig(
+        hidden_size=64,
+        vocab_size=97,
+        num_target_layers=8,
+        target_layer_ids=[1, 4, 6],
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        block_size=4,
+        mask_token_id=5,
+    )
     return save_drafter(DFlashDrafter(cfg), tmp_path_factory.mktemp("drafter"))
 
 
@@ -49,8 +75,24 @@ def write_prompts(path: Path, n: int) -> Path:
 def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
     bench = load_bench()
     prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
-    doc = bench.main(["--target", str(tiny_llama_dir), "--drafter", str(drafter_dir), "--dataset", str(prompts),
-                      "--prompts", "2", "--max-new-tokens", "12", "--budgets", "2,4", "--threads", "1"])
+    doc = bench.main(
+        [
+            "--target",
+            str(tiny_llama_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--dataset",
+            str(prompts),
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--budgets",
+            "2,4",
+            "--threads",
+            "1",
+        ]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     last = json.loads(lines[-1])
     assert last == json.loads(json.dumps(doc))
@@ -62,8 +104,15 @@ def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
     assert all(t["greedy_equal_fraction"] == 1.0 for t in last["ddtree"].values())
     assert last["divergence_bugs"] == 0
     assert 1.0 <= last["tau_chain_macro"] <= 4.0 and 1.0 <= last["tau_ddtree_best"] <= 5.0
-    for k in ("hf_ar_tok_s", "chain_tok_s", "ddtree_tok_s", "dflashkit_ar_tok_s", "speedup_chain_vs_hf_ar",
-              "speedup_prompt_lookup_vs_hf_ar", "efficiency"):
+    for k in (
+        "hf_ar_tok_s",
+        "chain_tok_s",
+        "ddtree_tok_s",
+        "dflashkit_ar_tok_s",
+        "speedup_chain_vs_hf_ar",
+        "speedup_prompt_lookup_vs_hf_ar",
+        "efficiency",
+    ):
         assert last[k] > 0, k
     assert last["round_cost_vs_ar"] > 0 and last["best_method"] in ("chain", "ddtree:2", "ddtree:4")
     assert last["speedup_best_vs_hf_ar"] == max(last["speedup_chain_vs_hf_ar"], last["speedup_ddtree_vs_hf_ar"])

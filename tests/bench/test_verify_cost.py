@@ -21,15 +21,14 @@ def load_bench():
 
 def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
     bench = load_bench()
-    assert bench.main(["--target", str(tiny_llama_dir), "--tokens", "1,3,5", "--context", "16",
-                       "--repeats", "2"]) == 0
+    assert bench.main(["--target", str(tiny_llama_dir), "--tokens", "1,3,5", "--context", "16", "--repeats", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
     assert doc["tokens"] == [1, 3, 5] and doc["context"] == 16
     for key in ("forward_s", "body_s", "head_s", "stock_forward_s"):
         assert len(doc[key]) == 3 and all(t > 0 for t in doc[key])
     assert doc["ratio"][0] == 1.0 and doc["stock_ratio"][0] == 1.0
-    assert any(line.split()[:1] == ["5"] for line in lines)       # one table row per size
+    assert any(line.split()[:1] == ["5"] for line in lines)  # one table row per size
 
 
 def test_verify_cost_rejects_bad_sizes():

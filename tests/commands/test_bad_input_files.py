@@ -13,22 +13,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.cli import build_parser, main
+from dflashkit.data.samples import Sample
+from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.errors import CheckpointError, ConfigError, DataError, TargetError
-from dflashkit.evaluate.stats import load_prompts
-from dflashkit.features.capture import Manifest
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.data.samples import Sample
+from dflashkit.errors import CheckpointError, ConfigError, DataError, TargetError
+from dflashkit.evaluate.stats import load_prompts
+from dflashkit.features.manifest import Manifest
 from dflashkit.target.model import Target
-from dflashkit.train.loop import train
 from dflashkit.train.config import TrainConfig
-
-from helpers.bad_input import (CHAT_OK, DEAD_PID, DRAFTER, FAKE_TARGET, PROMPT_OK, _one_line_error,  # noqa: F401
-                              _tokens_line, captured)
-
+from dflashkit.train.loop import train
+from helpers.bad_input import (
+    CHAT_OK,
+    DEAD_PID,
+    DRAFTER,
+    FAKE_TARGET,
+    PROMPT_OK,
+    _one_line_error,
+    _tokens_line,
+)
 
 # ---------------------------------------------------------------------------------------------- drafter config
 CONFIG_CASES = [  # (where, field, bad value, expected type named in the message)
@@ -79,8 +84,10 @@ def test_cli_commands_on_a_config_with_string_numbers(drafter_dir, tiny_llama_di
     assert says in _one_line_error(capsys, main(["generate", *t, "--drafter", str(d), "--prompt-ids", "3,4"]))
     assert says in _one_line_error(capsys, main(["convert", str(d), str(tmp_path / "out")]))
     assert says in _one_line_error(capsys, main(["info", *t, "--drafter", str(d)]))
-    for argv in (["inspect", str(d), "--no-values"], ["doctor", *t, "--drafter", str(d), "--prompts", "1",
-                                                       "--max-new-tokens", "2"]):
+    for argv in (
+        ["inspect", str(d), "--no-values"],
+        ["doctor", *t, "--drafter", str(d), "--prompts", "1", "--max-new-tokens", "2"],
+    ):
         rc = main(argv)
         out, err = capsys.readouterr()
         assert rc == 1 and "Traceback" not in err and f"FAIL config: {says}" in out
@@ -106,6 +113,7 @@ def test_non_utf8_files_are_named(what, drafter_dir, captured, tmp_path):
         load, err = (lambda: Manifest.load(captured[0])), DataError
     else:
         from dflashkit.evaluate.report import load_results
+
         path = tmp_path / "results.json"
         path.write_bytes(b'{"results": {"\xff": 1}}')
         load, err = (lambda: load_results(path)), DataError
@@ -127,15 +135,26 @@ def samples(target) -> list[Sample]:
 
 
 def _cfg(out: Path, **kw) -> TrainConfig:
-    base = dict(out=str(out), drafter=dict(DRAFTER), max_tokens=32, max_steps=2, save_every=1, progress=False,
-                tensorboard=False, val_fraction=0.0)
+    base = dict(
+        out=str(out),
+        drafter=dict(DRAFTER),
+        max_tokens=32,
+        max_steps=2,
+        save_every=1,
+        progress=False,
+        tensorboard=False,
+        val_fraction=0.0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 def test_max_tokens_without_supervised_tokens_is_refused_before_training(samples, target, tmp_path):
-    with pytest.raises(DataError, match=r"max_tokens=8 leaves nothing to train on: .*position 10 \(0-based\).*"
-                                        r"raise max_tokens above 11"):
+    with pytest.raises(
+        DataError,
+        match=r"max_tokens=8 leaves nothing to train on: .*position 10 \(0-based\).*"
+        r"raise max_tokens above 11",
+    ):
         train(_cfg(tmp_path / "run", max_tokens=8), dataset=samples, target=target)
     assert not (tmp_path / "run" / "checkpoints").exists()
     unsupervised = [Sample(s.id, s.input_ids, torch.zeros_like(s.loss_mask), s.features) for s in samples]
@@ -143,15 +162,16 @@ def test_max_tokens_without_supervised_tokens_is_refused_before_training(samples
         train(_cfg(tmp_path / "run2"), dataset=unsupervised, target=target)
 
 
-def test_disk_full_during_checkpoint_save_keeps_the_previous_one_and_leftovers_go(samples, target, tmp_path,
-                                                                                   monkeypatch):
+def test_disk_full_during_checkpoint_save_keeps_the_previous_one_and_leftovers_go(
+    samples, target, tmp_path, monkeypatch
+):
     import dflashkit.train.state as ts
 
     out = tmp_path / "run"
     real_save = torch.save
     calls = []
 
-    def full_disk(obj, f, *a, **kw):                  # the second checkpoint's train_state.pt hits a full disk
+    def full_disk(obj, f, *a, **kw):  # the second checkpoint's train_state.pt hits a full disk
         calls.append(f)
         if len(calls) >= 2:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -164,41 +184,45 @@ def test_disk_full_during_checkpoint_save_keeps_the_previous_one_and_leftovers_g
     assert f"cannot write {out / 'checkpoints' / 'step-000002'}: the disk is full" in msg
     assert f"the previous checkpoint {out / 'checkpoints' / 'step-000001'} is intact" in msg
     assert (out / "latest").read_text().strip() == "checkpoints/step-000001"
-    load_drafter(out / "checkpoints" / "step-000001")                 # loadable
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]   # no temp dir left
+    load_drafter(out / "checkpoints" / "step-000001")  # loadable
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]  # no temp dir left
     monkeypatch.setattr(ts.torch, "save", real_save)
 
     # what a SIGKILL mid-save leaves behind, from processes that are gone; a live process's temp dir stays
     stale = [out / "checkpoints" / f".step-000002.tmp-{DEAD_PID}", out / f".final.tmp-{DEAD_PID}"]
     live = out / "checkpoints" / f".step-000009.tmp-{os.getppid()}"
-    for d in stale + [live]:
+    for d in [*stale, live]:
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"half")
-    res = train(_cfg(out), dataset=samples, target=target)             # resumes from step 1
+    res = train(_cfg(out), dataset=samples, target=target)  # resumes from step 1
     assert res.step == 2 and res.stopped == "completed"
     assert not any(d.exists() for d in stale) and live.exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")) == [
-        "step-000001", "step-000002"]
+        "step-000001",
+        "step-000002",
+    ]
 
 
 def test_stale_temps_of_dead_processes_go_and_an_interrupted_replacement_is_undone(tmp_path):
     from dflashkit.io_utils import remove_stale_temps
 
-    (tmp_path / f".final.old-{DEAD_PID}").mkdir()                     # killed between the two renames
+    (tmp_path / f".final.old-{DEAD_PID}").mkdir()  # killed between the two renames
     (tmp_path / f".final.old-{DEAD_PID}" / "config.json").write_text("{}")
     (tmp_path / "step").mkdir()
-    (tmp_path / f".step.old-{DEAD_PID}").mkdir()                      # NAME exists: just a leftover
+    (tmp_path / f".step.old-{DEAD_PID}").mkdir()  # NAME exists: just a leftover
     (tmp_path / f".latest.tmp-{DEAD_PID}").write_text("x")
-    (tmp_path / f".mine.tmp-{os.getpid()}").write_text("x")          # our pid on a leftover: an earlier process
-    (tmp_path / f".busy.tmp-{os.getppid()}").write_text("x")         # a live process: kept
-    (tmp_path / ".other.tmp").write_text("x")                         # not ours to judge: kept
+    (tmp_path / f".mine.tmp-{os.getpid()}").write_text("x")  # our pid on a leftover: an earlier process
+    (tmp_path / f".busy.tmp-{os.getppid()}").write_text("x")  # a live process: kept
+    (tmp_path / ".other.tmp").write_text("x")  # not ours to judge: kept
     logs: list[str] = []
     removed = remove_stale_temps(tmp_path, log=logs.append)
-    assert sorted(p.name for p in removed) == sorted([f".step.old-{DEAD_PID}", f".latest.tmp-{DEAD_PID}",
-                                                      f".mine.tmp-{os.getpid()}"])
+    assert sorted(p.name for p in removed) == sorted(
+        [f".step.old-{DEAD_PID}", f".latest.tmp-{DEAD_PID}", f".mine.tmp-{os.getpid()}"]
+    )
     assert (tmp_path / "final" / "config.json").is_file() and any("restored" in x for x in logs)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["final", "step", f".busy.tmp-{os.getppid()}",
-                                                                 ".other.tmp"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["final", "step", f".busy.tmp-{os.getppid()}", ".other.tmp"]
+    )
 
 
 def test_write_failure_words():
@@ -216,8 +240,11 @@ def test_failed_final_save_is_one_line(samples, target, tmp_path, monkeypatch):
     def full_disk(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ts, "save_drafter", lambda d, path, **kw: full_disk() if ".final.tmp" in str(path)
-                        else save_drafter(d, path, **kw))
+    monkeypatch.setattr(
+        ts,
+        "save_drafter",
+        lambda d, path, **kw: full_disk() if ".final.tmp" in str(path) else save_drafter(d, path, **kw),
+    )
     with pytest.raises(CheckpointError, match=r"cannot write .*final: the disk is full .*step-000002 is intact"):
         train(_cfg(tmp_path / "run"), dataset=samples, target=target)
     assert not list((tmp_path / "run").glob(".final.tmp-*"))
@@ -227,15 +254,17 @@ def test_failed_final_save_is_one_line(samples, target, tmp_path, monkeypatch):
 def test_broken_tokenizer_files_are_an_error_naming_the_directory(tiny_llama_dir, tmp_path):
     d = shutil.copytree(tiny_llama_dir, tmp_path / "t")
     (d / "tokenizer.json").write_text('{"version": "1.0", "model": {broken')
-    with pytest.raises(TargetError, match=rf"{d}: the tokenizer files \['tokenizer.json'\] exist but cannot be "
-                                          rf"loaded \(.*Error"):
+    with pytest.raises(
+        TargetError,
+        match=rf"{d}: the tokenizer files \['tokenizer.json'\] exist but cannot be "
+        rf"loaded \(.*Error",
+    ):
         Target.load(d)
 
 
 def test_init_drafter_accepts_target_between_out_and_overrides(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "d"
-    assert main(["init-drafter", str(out), "--target", str(tiny_llama_dir), "num_hidden_layers=1",
-                 "block_size=4"]) == 0
+    assert main(["init-drafter", str(out), "--target", str(tiny_llama_dir), "num_hidden_layers=1", "block_size=4"]) == 0
     cfg = DrafterConfig.load(out / "config.json")
     assert (cfg.num_hidden_layers, cfg.block_size) == (1, 4)
     with pytest.raises(SystemExit):
@@ -245,9 +274,11 @@ def test_init_drafter_accepts_target_between_out_and_overrides(tiny_llama_dir, t
 
 @pytest.mark.parametrize("command", ["prepare", "eval", "simulate"])
 def test_every_command_whose_error_hint_says_on_error_has_it(command, tmp_path):
-    required = {"prepare": ["--data", "x.jsonl", "--out", "o"],
-                "eval": ["--dataset", "x.jsonl", "--out", "o"],
-                "simulate": ["--dataset", "x.jsonl", "--out", "o", "--cache", "c", "--drafter", "a=b"]}[command]
+    required = {
+        "prepare": ["--data", "x.jsonl", "--out", "o"],
+        "eval": ["--dataset", "x.jsonl", "--out", "o"],
+        "simulate": ["--dataset", "x.jsonl", "--out", "o", "--cache", "c", "--drafter", "a=b"],
+    }[command]
     args = build_parser().parse_args([command, *required, "--on-error", "skip"])
     assert args.on_error == "skip"
 
@@ -258,18 +289,28 @@ def test_cli_prepare_skips_and_counts_a_non_utf8_line(tmp_path, capsys, monkeypa
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from dflashkit.target.default import ensure_default_target
+
     tdir = tmp_path / "t"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                 tie_word_embeddings=True)).save_pretrained(tdir)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        )
+    ).save_pretrained(tdir)
     AutoTokenizer.from_pretrained(ensure_default_target()).save_pretrained(tdir)
     data = tmp_path / "chats.jsonl"
     data.write_bytes(CHAT_OK.encode() + b"\n" + b'{"prompt": "caf\xe9"}\n' + CHAT_OK.replace("hi", "ho").encode())
     base = ["prepare", "--target", str(tdir), "--data", str(data), "--no-regenerate", "--max-length", "64"]
-    line = _one_line_error(capsys, main(base + ["--out", str(tmp_path / "a")]))
+    line = _one_line_error(capsys, main([*base, "--out", str(tmp_path / "a")]))
     assert f"{data}:2: not valid UTF-8" in line and "--on-error skip" in line
-    assert main(base + ["--out", str(tmp_path / "b"), "--on-error", "skip"]) == 0
+    assert main([*base, "--out", str(tmp_path / "b"), "--on-error", "skip"]) == 0
     assert "from 2 conversations (1 malformed" in capsys.readouterr().out
     report = json.loads((tmp_path / "b" / "prepare.json").read_text())
     assert report["samples_written"] == 2 and len(report["malformed"]) == 1

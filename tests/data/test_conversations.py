@@ -6,8 +6,13 @@ import json
 
 import pytest
 
-from dflashkit.data.conversations import (Conversation, prompt_messages, read_jsonl_conversations, tokenize_for_training,
-                            tokenize_regenerated)
+from dflashkit.data.conversations import (
+    Conversation,
+    prompt_messages,
+    read_jsonl_conversations,
+    tokenize_for_training,
+    tokenize_regenerated,
+)
 from dflashkit.data.datasets import DATASETS, heldout, load_dataset, load_humaneval, load_mtbench, load_sharegpt
 from dflashkit.errors import DataError
 
@@ -17,19 +22,20 @@ def tok():
     from transformers import AutoTokenizer
 
     from dflashkit.target.default import ensure_default_target
+
     return AutoTokenizer.from_pretrained(ensure_default_target())
 
 
 def _write(tmp_path, lines, name="d.jsonl"):
     p = tmp_path / name
-    p.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    p.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return p
 
 
 def _spans(tok, sample):
     """Decoded runs of consecutive supervised tokens."""
     spans, cur = [], []
-    for i, m in zip(sample.input_ids, sample.loss_mask):
+    for i, m in zip(sample.input_ids, sample.loss_mask, strict=True):
         if m:
             cur.append(i)
         elif cur:
@@ -42,19 +48,31 @@ def _spans(tok, sample):
 
 # ------------------------------------------------------------------------------------------- JSONL
 def test_jsonl_formats(tmp_path):
-    p = _write(tmp_path, [
-        {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                                 {"role": "assistant", "content": [{"type": "text", "text": "A"}]}]},
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
-        {"prompt": "just a prompt", "id": 7},
-        json.dumps("bare string"),
-        "",
-    ])
+    p = _write(
+        tmp_path,
+        [
+            {
+                "id": "a",
+                "messages": [
+                    {"role": "system", "content": "S"},
+                    {"role": "user", "content": "U"},
+                    {"role": "assistant", "content": [{"type": "text", "text": "A"}]},
+                ],
+            },
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+            {"prompt": "just a prompt", "id": 7},
+            json.dumps("bare string"),
+            "",
+        ],
+    )
     convs, problems = read_jsonl_conversations(p)
     assert problems == []
     assert [c.id for c in convs] == ["a", "d-2", "7", "d-4"]
-    assert convs[0].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                                 {"role": "assistant", "content": "A"}]
+    assert convs[0].messages == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+    ]
     assert convs[1].messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert convs[2].messages == [{"role": "user", "content": "just a prompt"}]
     assert convs[3].messages == [{"role": "user", "content": "bare string"}]
@@ -71,8 +89,10 @@ def test_malformed_line_stop_names_file_and_line(tmp_path):
 
 
 def test_skip_mode_records_problems(tmp_path):
-    p = _write(tmp_path, [{"prompt": "ok"}, "not json", {"text": "no known field"}, {"prompt": "ok", "id": "d-1"},
-                          {"prompt": "fine"}])
+    p = _write(
+        tmp_path,
+        [{"prompt": "ok"}, "not json", {"text": "no known field"}, {"prompt": "ok", "id": "d-1"}, {"prompt": "fine"}],
+    )
     convs, problems = read_jsonl_conversations(p, on_error="skip")
     assert [c.messages[0]["content"] for c in convs] == ["ok", "fine"]
     assert len(problems) == 3
@@ -84,7 +104,7 @@ def test_skip_mode_records_problems(tmp_path):
 def test_empty_and_missing_files(tmp_path):
     with pytest.raises(DataError, match="no conversations"):
         read_jsonl_conversations(_write(tmp_path, ["", "  "]))
-    with pytest.raises(DataError, match="no conversations.*1 malformed"):
+    with pytest.raises(DataError, match=r"no conversations.*1 malformed"):
         read_jsonl_conversations(_write(tmp_path, ["[1, 2]"], "bad.jsonl"), on_error="skip")
     with pytest.raises(DataError, match="no such file"):
         read_jsonl_conversations(tmp_path / "nope.jsonl")
@@ -92,7 +112,7 @@ def test_empty_and_missing_files(tmp_path):
 
 def test_no_user_and_no_assistant(tmp_path, tok):
     p = _write(tmp_path, [{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}])
-    with pytest.raises(DataError, match="d.jsonl:1: no user message"):
+    with pytest.raises(DataError, match=r"d.jsonl:1: no user message"):
         read_jsonl_conversations(p)
     conv = Conversation([{"role": "user", "content": "q"}], "x", "t")
     assert prompt_messages(conv) == conv.messages
@@ -103,9 +123,18 @@ def test_no_user_and_no_assistant(tmp_path, tok):
 
 
 def test_prompt_messages_first_turn_only():
-    conv = Conversation([{"role": "assistant", "content": "continuation"}, {"role": "system", "content": "s"},
-                         {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
-                         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}], "c", "t")
+    conv = Conversation(
+        [
+            {"role": "assistant", "content": "continuation"},
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"},
+            {"role": "assistant", "content": "a2"},
+        ],
+        "c",
+        "t",
+    )
     assert prompt_messages(conv) == [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
 
 
@@ -119,9 +148,14 @@ def test_loss_mask_single_turn(tok):
 
 
 def test_loss_mask_multi_turn_with_system(tok):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
-            {"role": "assistant", "content": " 6, of course "}, {"role": "user", "content": "trailing, dropped"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": " 6, of course "},
+        {"role": "user", "content": "trailing, dropped"},
+    ]
     s = tokenize_for_training(tok, msgs, max_length=4096)
     assert _spans(tok, s) == ["4<|im_end|>", " 6, of course <|im_end|>"]
     assert "trailing" not in tok.decode(s.input_ids)
@@ -143,20 +177,26 @@ THINK_TEMPLATE = (
     "{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% endif %}")
+    "{% endif %}"
+)
 
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_loss_mask_thinking_template(tok, thinking):
     import copy
+
     t = copy.deepcopy(tok)
     t.chat_template = THINK_TEMPLATE
-    msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
-            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    msgs = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
     s = tokenize_for_training(t, msgs, max_length=4096, chat_template_kwargs={"enable_thinking": thinking})
     spans = _spans(t, s)
-    assert spans[0] == "a1<|im_end|>"                    # history turn: no think block in the template
-    if thinking:                                         # the model writes the (empty) think block itself
+    assert spans[0] == "a1<|im_end|>"  # history turn: no think block in the template
+    if thinking:  # the model writes the (empty) think block itself
         assert spans[1] == "<think>\n\n</think>\n\na2<|im_end|>"
     else:  # the prompt ends in "</think>\n\n"; BPE merges "\n\na2" differently, so the one straddling token is
         # supervised (it carries content characters); no template token before it is
@@ -168,8 +208,9 @@ def test_tokenize_regenerated(tok):
     resp = tok("Hello you", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
     s = tokenize_regenerated(tok, prompt, resp, max_length=4096)
     assert _spans(tok, s) == ["Hello you<|im_end|>"]
-    assert s.input_ids[: -len(resp)] == tok.apply_chat_template(prompt, add_generation_prompt=True,
-                                                                  tokenize=True, return_dict=False)
+    assert s.input_ids[: -len(resp)] == tok.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 # ------------------------------------------------------------------------------------------- datasets
@@ -180,12 +221,12 @@ def test_sharegpt_parse_and_split():
     assert len(train) + len(held) > 17_000
     assert 0.01 < len(held) / (len(train) + len(held)) < 0.03
     train_ids, held_ids = {c.id for c in train}, {c.id for c in held}
-    assert len(train_ids) == len(train) and len(held_ids) == len(held)       # repeated ids were made unique
+    assert len(train_ids) == len(train) and len(held_ids) == len(held)  # repeated ids were made unique
     assert not train_ids & held_ids
     assert not {i.rsplit("_", 1)[0] for i in train_ids} & {i.rsplit("_", 1)[0] for i in held_ids}
     assert all(heldout(c.id.split(".")[0]) for c in held)
-    assert problems and all("record" in p for p in problems)                 # dropped records are reported
-    assert [c.id for c in load_sharegpt("heldout", limit=5)] == [c.id for c in held[:5]]   # deterministic
+    assert problems and all("record" in p for p in problems)  # dropped records are reported
+    assert [c.id for c in load_sharegpt("heldout", limit=5)] == [c.id for c in held[:5]]  # deterministic
     roles = {m["role"] for c in train[:2000] for m in c.messages}
     assert roles <= {"system", "user", "assistant"}
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dflashkit.data.conversations import Conversation, encode_prompt, end_of_turn_ids
-from dflashkit.errors import DataError
 from dflashkit.data.regenerate import generate_batch, read_regenerated, regenerate
+from dflashkit.errors import DataError
 from dflashkit.target.model import Target
 
 
@@ -21,11 +21,23 @@ def tiny_dir(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from dflashkit.target.default import ensure_default_target
+
     tok = AutoTokenizer.from_pretrained(ensure_default_target())
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                      tie_word_embeddings=True, initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     path = tmp_path_factory.mktemp("tiny")
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -37,33 +49,43 @@ def tiny(tiny_dir):
     return Target.load(tiny_dir)
 
 
-QUESTIONS = ["Hi", "Tell me a long story about dragons, please.", "What is 2+2?", "Name three colours.",
-             "Why is the sky blue? Explain briefly.", "ok"]
+QUESTIONS = [
+    "Hi",
+    "Tell me a long story about dragons, please.",
+    "What is 2+2?",
+    "Name three colours.",
+    "Why is the sky blue? Explain briefly.",
+    "ok",
+]
 
 
-def _convs(n=len(QUESTIONS)):
-    return [Conversation([{"role": "user", "content": q}, {"role": "assistant", "content": "old answer"}],
-                         f"c{i}", "test") for i, q in enumerate(QUESTIONS[:n])]
+def _convs(n: int | None = None):
+    n = len(QUESTIONS) if n is None else n
+    return [
+        Conversation([{"role": "user", "content": q}, {"role": "assistant", "content": "old answer"}], f"c{i}", "test")
+        for i, q in enumerate(QUESTIONS[:n])
+    ]
 
 
 def test_batched_equals_unbatched_greedy(tiny):
     prompts = [encode_prompt(tiny.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
-    assert len({len(p) for p in prompts}) == 3                       # different lengths → real left padding
+    assert len({len(p) for p in prompts}) == 3  # different lengths → real left padding
     batched = generate_batch(tiny, prompts, max_new_tokens=10)
     single = [generate_batch(tiny, [p], max_new_tokens=10)[0] for p in prompts]
     assert batched == single
-    assert len({tuple(r) for r, _ in single}) == 3                   # outputs differ per prompt
+    assert len({tuple(r) for r, _ in single}) == 3  # outputs differ per prompt
     # control: attending to the pads (no attention mask) changes the outputs, so the check above has teeth
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
-    out = tiny.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                              do_sample=False, pad_token_id=2)
+    out = tiny.model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=2
+    )
     assert [r[width:] for r in out.tolist()] != [r for r, _ in single]
 
 
 def test_regenerate_writes_lines(tiny, tmp_path):
     out = tmp_path / "regen.jsonl"
-    convs = _convs(3) + [Conversation([{"role": "assistant", "content": "no user"}], "bad", "test")]
+    convs = [*_convs(3), Conversation([{"role": "assistant", "content": "no user"}], "bad", "test")]
     stats = regenerate(tiny, convs, out, max_new_tokens=6, batch_size=2, progress=False)
     recs = read_regenerated(out)
     assert sorted(r["id"] for r in recs) == ["c0", "c1", "c2"]
@@ -76,8 +98,13 @@ def test_regenerate_writes_lines(tiny, tmp_path):
             assert r["response_token_ids"][-1] in end_of_turn_ids(tiny.tokenizer)
         else:
             assert len(r["response_token_ids"]) == 6
-        assert r["generation"] == {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0,
-                                   "chat_template_kwargs": {}, "target": tiny.source}
+        assert r["generation"] == {
+            "max_new_tokens": 6,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "chat_template_kwargs": {},
+            "target": tiny.source,
+        }
     # settings must match when resuming
     with pytest.raises(DataError, match="generation settings"):
         regenerate(tiny, convs, out, max_new_tokens=7, progress=False)
@@ -90,13 +117,13 @@ def test_resume_after_kill(tiny, tmp_path):
     out = tmp_path / "regen.jsonl"
     text = ref.read_text()
     lines = text.splitlines(keepends=True)
-    out.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])     # killed mid-line
+    out.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed mid-line
     assert len(read_regenerated(out)) == 2
     stats = regenerate(tiny, convs, out, max_new_tokens=8, batch_size=2, progress=False)
     assert stats.already_done == 2 and stats.generated == len(convs) - 2
     recs = read_regenerated(out)
     assert len(recs) == len(convs) and len({r["id"] for r in recs}) == len(convs)
-    assert {r["id"]: r for r in recs} == {r["id"]: r for r in read_regenerated(ref)}   # greedy: nothing lost
+    assert {r["id"]: r for r in recs} == {r["id"]: r for r in read_regenerated(ref)}  # greedy: nothing lost
     again = regenerate(tiny, convs, out, max_new_tokens=8, progress=False)
     assert again.generated == 0 and again.already_done == len(convs)
     # a damaged line that is not the last one is an error naming the line
@@ -110,17 +137,39 @@ def test_prepare_end_to_end(tiny_dir, tmp_path, capsys):
     from dflashkit.cli import main
 
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "a", "messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"}]},
-        {"id": "b", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
-        {"id": "c", "prompt": "Write a haiku."},
-    ]) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "id": "a",
+                    "messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"}],
+                },
+                {"id": "b", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+                {"id": "c", "prompt": "Write a haiku."},
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "prep"
-    argv = ["prepare", "--data", str(data), "--out", str(out), "--target", str(tiny_dir), "--max-new-tokens", "5",
-            "--batch-size", "2", "--max-length", "64"]
+    argv = [
+        "prepare",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--target",
+        str(tiny_dir),
+        "--max-new-tokens",
+        "5",
+        "--batch-size",
+        "2",
+        "--max-length",
+        "64",
+    ]
     assert main(argv) == 0
     assert "prepared 3 samples" in capsys.readouterr().out
-    rows = [json.loads(l) for l in (out / "tokens.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == ["a", "b", "c"]
     for r in rows:
         assert len(r["input_ids"]) == len(r["loss_mask"]) <= 64 and set(r["loss_mask"]) <= {0, 1}
@@ -137,8 +186,7 @@ def test_prepare_end_to_end(tiny_dir, tmp_path, capsys):
     assert (out / "tokens.jsonl").read_text() == before
     # --no-regenerate: the data's own answers; the prompt-only line has none and is skipped with a reason
     out2 = tmp_path / "prep2"
-    assert main(["prepare", "--data", str(data), "--out", str(out2), "--target", str(tiny_dir),
-                 "--no-regenerate"]) == 0
+    assert main(["prepare", "--data", str(data), "--out", str(out2), "--target", str(tiny_dir), "--no-regenerate"]) == 0
     rep2 = json.loads((out2 / "prepare.json").read_text())
     assert rep2["samples_written"] == 2 and "no assistant" in rep2["skipped_reasons"]["c"]
     assert not (out2 / "regenerated.jsonl").exists()

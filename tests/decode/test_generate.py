@@ -8,19 +8,28 @@ import pytest
 import torch
 
 from dflashkit.decode import generate as decode_mod
-from dflashkit.drafter.config import DrafterConfig
 from dflashkit.decode.generate import generate
-from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.decode.sampling import SamplingParams, probs
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.target.model import Target
 from helpers.oracles import reference_greedy
 
 
 def drafter_config(vocab: int = 97, bs: int = 6, hidden: int = 64, layers: int = 8) -> DrafterConfig:
-    return DrafterConfig(hidden_size=hidden, vocab_size=vocab, num_target_layers=layers,
-                         target_layer_ids=[1, 4, 6] if layers == 8 else [0, layers - 1],
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=32, block_size=bs, mask_token_id=5)
+    return DrafterConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_target_layers=layers,
+        target_layer_ids=[1, 4, 6] if layers == 8 else [0, layers - 1],
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        block_size=bs,
+        mask_token_id=5,
+    )
 
 
 class OracleDrafter(DFlashDrafter):
@@ -42,7 +51,11 @@ class OracleDrafter(DFlashDrafter):
         out = torch.randn(n, vocab, generator=self.rng)
         for k in range(n):
             pos = self._positions[k + 1]
-            true = self.reference[pos] if pos < len(self.reference) else int(torch.randint(vocab, (1,), generator=self.rng))
+            true = (
+                self.reference[pos]
+                if pos < len(self.reference)
+                else int(torch.randint(vocab, (1,), generator=self.rng))
+            )
             wrong = (true + 1 + int(torch.randint(vocab - 1, (1,), generator=self.rng))) % vocab
             good = torch.rand(1, generator=self.rng).item() < self.p_correct
             out[k, true if good else wrong] = 20.0
@@ -60,8 +73,16 @@ def test_greedy_is_lossless(tiny_target_dirs, kind):
         full = prompt.tolist() + ref
         for method in ("ar", "chain", "tree"):
             drafter = OracleDrafter(drafter_config(), full, p_correct=0.8, seed=seed).eval()
-            res = generate(target, prompt, drafter=drafter, method=method, max_new_tokens=40, tree_budget=10,
-                           tree_top_k=2, check_invariants=True)
+            res = generate(
+                target,
+                prompt,
+                drafter=drafter,
+                method=method,
+                max_new_tokens=40,
+                tree_budget=10,
+                tree_top_k=2,
+                check_invariants=True,
+            )
             assert res.tokens == ref, (kind, method, seed)
             taus.setdefault(method, []).append(res.tau)
     assert max(taus["ar"]) == 1.0
@@ -80,7 +101,7 @@ def test_random_drafter_is_lossless_and_stop_tokens(tiny_llama_dir):
         assert generate(target, prompt, drafter=drafter, method=method, max_new_tokens=25).tokens == ref
     stop = ref[10]
     res = generate(target, prompt, drafter=drafter, max_new_tokens=25, stop_token_ids=[stop])
-    assert res.stop_reason == "stop_token" and res.tokens == ref[:ref.index(stop) + 1]
+    assert res.stop_reason == "stop_token" and res.tokens == ref[: ref.index(stop) + 1]
 
 
 def test_chain_shaped_tree_equals_chain(tiny_llama_dir):
@@ -91,8 +112,16 @@ def test_chain_shaped_tree_equals_chain(tiny_llama_dir):
     for method in ("chain", "tree"):
         drafter = OracleDrafter(drafter_config(bs=6), full, p_correct=0.7, seed=11).eval()
         # top_k=1 and budget bs−1: the tree is exactly the drafted chain
-        runs[method] = generate(target, prompt, drafter=drafter, method=method, max_new_tokens=30, tree_top_k=1,
-                                tree_budget=5, check_invariants=True)
+        runs[method] = generate(
+            target,
+            prompt,
+            drafter=drafter,
+            method=method,
+            max_new_tokens=30,
+            tree_top_k=1,
+            tree_budget=5,
+            check_invariants=True,
+        )
     assert runs["tree"].tokens == runs["chain"].tokens
     assert runs["tree"].acceptance_lengths == runs["chain"].acceptance_lengths
 
@@ -127,9 +156,17 @@ def test_sampling_matches_target_distribution(tmp_path):
 
     vocab = 6
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -140,8 +177,12 @@ def test_sampling_matches_target_distribution(tmp_path):
     prompt = torch.tensor([1, 2, 3, 4])
     with torch.no_grad():  # exact joint distribution
         p1 = probs(model(prompt[None]).logits[0, -1], params)
-        exact = torch.stack([p1[a] * probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], params)
-                             for a in range(vocab)])
+        exact = torch.stack(
+            [
+                p1[a] * probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], params)
+                for a in range(vocab)
+            ]
+        )
     torch.manual_seed(1)
     drafter = DFlashDrafter(drafter_config(vocab=vocab, bs=2, hidden=32, layers=2)).eval()
     n = 1200
@@ -153,7 +194,10 @@ def test_sampling_matches_target_distribution(tmp_path):
     # a wrong rule (accept every draft) must fail the same test
     orig = decode_mod.accept_argmax_drafts
     try:
-        decode_mod.accept_argmax_drafts = lambda drafts, p, gen=None: (len(drafts), int(torch.multinomial(p[-1], 1, generator=gen)))
+        decode_mod.accept_argmax_drafts = lambda drafts, p, gen=None: (
+            len(drafts),
+            int(torch.multinomial(p[-1], 1, generator=gen)),
+        )
         emp = _joint_counts(target, drafter, prompt, n, sampling=params)
     finally:
         decode_mod.accept_argmax_drafts = orig
@@ -164,10 +208,12 @@ class RecordCalls:
     """Mixin for a drafter: records every pass (block positions and hidden output) in `self.calls`."""
 
     def forward(self, context_features, block_embeds, *, context_positions, block_positions, **kw):
-        out = super().forward(context_features, block_embeds, context_positions=context_positions,
-                              block_positions=block_positions, **kw)
-        self.__dict__.setdefault("calls", []).append({"block": block_positions[0].tolist(),
-                                                      "hidden": out.detach().clone()})
+        out = super().forward(
+            context_features, block_embeds, context_positions=context_positions, block_positions=block_positions, **kw
+        )
+        self.__dict__.setdefault("calls", []).append(
+            {"block": block_positions[0].tolist(), "hidden": out.detach().clone()}
+        )
         return out
 
 
@@ -201,8 +247,8 @@ def test_last_round_drafts_with_the_full_block(tiny_llama_dir, monkeypatch):
     assert res.tokens == reference_greedy(target, prompt, n_new)
     assert len(drafter.calls) == len(verified) == res.rounds
     assert all(len(c["block"]) == bs for c in drafter.calls)
-    committed = 1                                   # the prefill's token
-    for call, block, L in zip(drafter.calls, verified, res.acceptance_lengths):
+    committed = 1  # the prefill's token
+    for _call, block, L in zip(drafter.calls, verified, res.acceptance_lengths, strict=True):
         room = n_new - committed
         assert len(block) == 1 + min(bs - 1, room)  # only what fits is verified
         committed += L
@@ -213,18 +259,24 @@ def test_last_round_drafts_with_the_full_block(tiny_llama_dir, monkeypatch):
     seq = torch.tensor(prompt.tolist() + res.tokens)[None]
     ctx = target.forward(seq[:, :start], layer_ids=drafter.config.target_layer_ids, logits=False).features
     n_verify = len(block) - 1
-    assert n_verify < bs - 1                        # the case under test: the block is cut by max_new_tokens
+    assert n_verify < bs - 1  # the case under test: the block is cut by max_new_tokens
 
     def direct(block_len: int) -> torch.Tensor:
         embeds = drafter.block_embeddings(torch.tensor([[block[0]]]), target.embed_weight, block_len)
         with torch.no_grad():
-            hidden = DFlashDrafter.forward(drafter, ctx, embeds, context_positions=torch.arange(start)[None],
-                                           block_positions=torch.arange(start, start + block_len)[None])
-        return drafter.logits(hidden[0, 1:n_verify + 1], target.lm_head_weight)  # (nv, V)
+            hidden = DFlashDrafter.forward(
+                drafter,
+                ctx,
+                embeds,
+                context_positions=torch.arange(start)[None],
+                block_positions=torch.arange(start, start + block_len)[None],
+            )
+        return drafter.logits(hidden[0, 1 : n_verify + 1], target.lm_head_weight)  # (nv, V)
 
     full = direct(bs)
-    assert torch.allclose(full, drafter.logits(last["hidden"][0, 1:n_verify + 1], target.lm_head_weight),
-                          atol=1e-4, rtol=1e-4)
+    assert torch.allclose(
+        full, drafter.logits(last["hidden"][0, 1 : n_verify + 1], target.lm_head_weight), atol=1e-4, rtol=1e-4
+    )
     assert full.argmax(-1).tolist() == block[1:]
     assert not torch.allclose(direct(n_verify + 1), full, atol=1e-3)  # a shorter block would draft otherwise
 
@@ -249,12 +301,19 @@ def test_greedy_exact_with_odd_max_new_tokens(tiny_target_dirs, kind, monkeypatc
         for method in ("chain", "tree"):
             drafter = SpyOracle(drafter_config(bs=bs), prompt.tolist() + ref, p_correct=0.9, seed=n_new).eval()
             depths.clear()
-            res = generate(target, prompt, drafter=drafter, method=method, max_new_tokens=n_new, tree_budget=12,
-                           check_invariants=True)
+            res = generate(
+                target,
+                prompt,
+                drafter=drafter,
+                method=method,
+                max_new_tokens=n_new,
+                tree_budget=12,
+                check_invariants=True,
+            )
             assert res.tokens == ref[:n_new] and len(res.tokens) == n_new, (kind, method, n_new)
             assert all(len(c["block"]) == bs for c in getattr(drafter, "calls", []))
             if method == "tree":
                 committed = 1
-                for depth, L in zip(depths, res.acceptance_lengths):
+                for depth, L in zip(depths, res.acceptance_lengths, strict=True):
                     assert depth == min(bs - 1, n_new - committed)
                     committed += L

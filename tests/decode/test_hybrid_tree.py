@@ -18,15 +18,16 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+from dflashkit.data.samples import Sample
 from dflashkit.decode import hybrid_tree as ht
 from dflashkit.decode.generate import generate
-from dflashkit.evaluate.stats import Prompt
+from dflashkit.decode.tree import DraftTree, build_tree, tree_attention_bias
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.data.samples import Sample
-from dflashkit.evaluate.simulate import build_transcripts, simulate_many
+from dflashkit.evaluate.simulate import simulate_many
+from dflashkit.evaluate.stats import Prompt
+from dflashkit.evaluate.transcripts import build_transcripts
 from dflashkit.target.model import Target
-from dflashkit.decode.tree import DraftTree, build_tree, tree_attention_bias
 from helpers.oracles import PositionalOracle, drafter_config, reference_greedy
 
 BUDGETS = (1, 2, 4, 8, 16, 32)
@@ -50,8 +51,8 @@ def train_drafter(target: Target, seqs: list[torch.Tensor], tmp_path) -> DFlashD
     """A drafter trained for 60 steps on the target's greedy continuations of `seqs`: good on those, poor
     elsewhere — the real-drafter end of the quality range."""
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.train.loop import train
     from dflashkit.train.config import TrainConfig
+    from dflashkit.train.loop import train
 
     drafter_kw = dict(num_hidden_layers=1, block_size=6, mask_token_id=5)
     layer_ids = default_drafter_config(target, **drafter_kw).target_layer_ids
@@ -61,16 +62,26 @@ def train_drafter(target: Target, seqs: list[torch.Tensor], tmp_path) -> DFlashD
         mask = torch.arange(len(ids)) >= len(p)
         out = target.forward(ids[None], layer_ids=layer_ids)
         samples.append(Sample(f"s{i}", ids, mask, out.features[0], out.logits[0].argmax(-1)))
-    cfg = TrainConfig(out=str(tmp_path), drafter=drafter_kw, max_tokens=96, max_steps=60, save_every=0,
-                      progress=False, tensorboard=False, lr=3e-3, warmup_ratio=0.02)
+    cfg = TrainConfig(
+        out=str(tmp_path),
+        drafter=drafter_kw,
+        max_tokens=96,
+        max_steps=60,
+        save_every=0,
+        progress=False,
+        tensorboard=False,
+        lr=3e-3,
+        warmup_ratio=0.02,
+    )
     train(cfg, dataset=samples, target=target)
     return load_drafter(tmp_path / "final").eval()
 
 
 @pytest.fixture(scope="module")
 def trained(targets, tmp_path_factory) -> dict[str, DFlashDrafter]:
-    return {k: train_drafter(t, prompts(4, seed=1)[:2], tmp_path_factory.mktemp(f"drafter_{k}"))
-            for k, t in targets.items()}
+    return {
+        k: train_drafter(t, prompts(4, seed=1)[:2], tmp_path_factory.mktemp(f"drafter_{k}")) for k, t in targets.items()
+    }
 
 
 def oracle_tree(target: Target, prompt: torch.Tensor, budget: int, seed: int) -> tuple[DraftTree, list[int]]:
@@ -96,7 +107,7 @@ def test_conv_windows_follow_each_nodes_path():
             path.append(kernel + j)
             j = int(parents[j])
         seq = list(range(kernel)) + path[::-1]  # committed columns 0…K−1, then the root path's node columns
-        assert after[i].tolist() == seq[-kernel:] and before[i].tolist() == seq[-kernel - 1:-1], i
+        assert after[i].tolist() == seq[-kernel:] and before[i].tolist() == seq[-kernel - 1 : -1], i
     assert [lv.tolist() for lv in sched.levels] == [[0], [1, 2], [3, 6], [4, 5], [7]]
     assert sched.parent_rows[2].tolist() == [0, 1] and sched.parent_rows[4].tolist() == [1]
     # "scan": root-to-leaf paths padded with N = 8; every node's first occurrence
@@ -116,10 +127,13 @@ def test_one_pass_gives_every_node_its_own_path_logits(targets, kind, scan):
         start = len(prompt)
         tp = ht._TreePass(ht.TreeSchedule.of(tree, "cpu"), scan=scan, keep_states=True)
         with ht._tree_mixers(target, tp):
-            out = target.forward(tree.tokens[None], cache=cache, use_cache=True,
-                                 position_ids=(start + tree.depths)[None],
-                                 attention_mask=tree_attention_bias(tree.parents, start, dtype=target.dtype,
-                                                                    device="cpu"))
+            out = target.forward(
+                tree.tokens[None],
+                cache=cache,
+                use_cache=True,
+                position_ids=(start + tree.depths)[None],
+                attention_mask=tree_attention_bias(tree.parents, start, dtype=target.dtype, device="cpu"),
+            )
         assert int(tree.depths.max()) >= min(budget, 3)
         for i, path in enumerate(_node_paths(tree)):
             ref = target.forward(torch.cat([prompt, tree.tokens[path]])[None]).logits[0, -1]  # fresh, stock model
@@ -142,7 +156,7 @@ def _node_paths(tree: DraftTree) -> list[list[int]]:
 
 
 def _assert_states_close(cache, ref, *, kv: bool = False) -> None:
-    for layer, want in zip(cache.layers, ref.layers):
+    for layer, want in zip(cache.layers, ref.layers, strict=True):
         if hasattr(want, "recurrent_states"):
             torch.testing.assert_close(layer.conv_states[0], want.conv_states[0], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(layer.recurrent_states[0], want.recurrent_states[0], atol=1e-5, rtol=1e-4)
@@ -165,13 +179,13 @@ def test_commit_equals_fresh_prefill_of_the_committed_tokens(targets, mode, keep
         tree, ref = oracle_tree(target, prompt, 16, seed=seed)
         verdict = ht.verify_tree(target, cache, tree, len(prompt), layer_ids=[1, 4], mode=mode)
         committed = tree.tokens[verdict.path]
-        assert committed.tolist() == ref[len(prompt):len(prompt) + len(verdict.path)]  # the greedy path
+        assert committed.tolist() == ref[len(prompt) : len(prompt) + len(verdict.path)]  # the greedy path
         assert verdict.next_token == ref[len(prompt) + len(verdict.path)]
         full = torch.cat([prompt, committed])[None]
         fresh = target.new_cache()
         out = target.forward(full, layer_ids=[1, 4], cache=fresh, use_cache=True)
         _assert_states_close(cache, fresh, kv=True)
-        torch.testing.assert_close(verdict.features, out.features[:, len(prompt):], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(verdict.features, out.features[:, len(prompt) :], atol=1e-4, rtol=1e-4)
         nxt = torch.tensor([[verdict.next_token]])
         pos = torch.tensor([[full.shape[1]]])
         a = target.forward(nxt, cache=cache, use_cache=True, position_ids=pos).logits[0, -1]
@@ -189,16 +203,25 @@ def test_greedy_tree_is_lossless_for_every_budget_and_drafter(targets, trained, 
     for i, prompt in enumerate(prompts(4, seed=1)[1:]):  # prompt 1 was trained on, prompts 2 and 3 were not
         ref = reference_greedy(target, prompt, N_NEW)
         full = prompt.tolist() + ref
-        drafters = {"trained": lambda: trained[kind],
-                    "oracle_0.9": lambda: PositionalOracle(drafter_config(), full, p_correct=0.9, seed=i).eval(),
-                    "oracle_0.4": lambda: PositionalOracle(drafter_config(), full, p_correct=0.4, seed=i).eval()}
+        drafters = {
+            "trained": lambda: trained[kind],
+            "oracle_0.9": lambda full=full, i=i: PositionalOracle(drafter_config(), full, p_correct=0.9, seed=i).eval(),
+            "oracle_0.4": lambda full=full, i=i: PositionalOracle(drafter_config(), full, p_correct=0.4, seed=i).eval(),
+        }
         for name, make in drafters.items():
             chain = generate(target, prompt, drafter=make(), method="chain", max_new_tokens=N_NEW)
             assert chain.tokens == ref, (kind, name, "chain")
             taus.setdefault((name, "chain"), []).append(chain.tau)
             for budget in BUDGETS:
-                res = generate(target, prompt, drafter=make(), method="tree", tree_budget=budget,
-                               max_new_tokens=N_NEW, check_invariants=True)
+                res = generate(
+                    target,
+                    prompt,
+                    drafter=make(),
+                    method="tree",
+                    tree_budget=budget,
+                    max_new_tokens=N_NEW,
+                    check_invariants=True,
+                )
                 assert res.tokens == ref, (kind, name, budget, i)
                 taus.setdefault((name, budget), []).append(res.tau)
     mean = {k: sum(v) / len(v) for k, v in taus.items()}
@@ -214,9 +237,19 @@ def test_every_mode_is_lossless_and_they_agree(targets):
         ref = reference_greedy(target, prompt, N_NEW)
         full = prompt.tolist() + ref
         for budget in (3, 32):
-            runs = {mode: generate(target, prompt, drafter=PositionalOracle(drafter_config(), full, 0.6, seed=i).eval(),
-                                   method="tree", tree_budget=budget, max_new_tokens=N_NEW, hybrid_tree=mode,
-                                   check_invariants=True) for mode in ("scan", "levels", "paths")}
+            runs = {
+                mode: generate(
+                    target,
+                    prompt,
+                    drafter=PositionalOracle(drafter_config(), full, 0.6, seed=i).eval(),
+                    method="tree",
+                    tree_budget=budget,
+                    max_new_tokens=N_NEW,
+                    hybrid_tree=mode,
+                    check_invariants=True,
+                )
+                for mode in ("scan", "levels", "paths")
+            }
             assert runs["scan"].tokens == runs["levels"].tokens == runs["paths"].tokens == ref
             lengths = {mode: r.acceptance_lengths for mode, r in runs.items()}
             assert lengths["scan"] == lengths["levels"] == lengths["paths"], lengths
@@ -227,11 +260,14 @@ def test_acceptance_lengths_equal_simulated_ddtree(targets, trained, tmp_path):
     drafter: the acceptance a tree-capable verifier should get is what hybrid tree verification gets."""
     target = targets["qwen3_5"]
     ps = [Prompt(f"p{i}", p.tolist()) for i, p in enumerate(prompts(3, seed=1))]
-    cache = build_transcripts(target, ps, tmp_path / "tr", max_new_tokens=N_NEW, layer_ids=[1, 2, 3, 4, 5, 6],
-                              progress=False)
+    cache = build_transcripts(
+        target, ps, tmp_path / "tr", max_new_tokens=N_NEW, layer_ids=[1, 2, 3, 4, 5, 6], progress=False
+    )
     refs = {len(p.ids): cache.load(i).ids for i, p in enumerate(ps)}
-    drafters = {"oracle": PositionalOracle(drafter_config(), refs, p_correct=0.6, seed=5).eval(),
-                "trained": trained["qwen3_5"]}
+    drafters = {
+        "oracle": PositionalOracle(drafter_config(), refs, p_correct=0.6, seed=5).eval(),
+        "trained": trained["qwen3_5"],
+    }
     budgets = [1, 4, 16, 32]
     sims = simulate_many(drafters, cache, tree_budgets=budgets, progress=False)
     for name, d in drafters.items():
@@ -251,8 +287,17 @@ def test_chain_shaped_tree_equals_chain_on_hybrid(targets):
     for method, mode in (("chain", "auto"), ("tree", "scan"), ("tree", "levels"), ("tree", "paths")):
         d = PositionalOracle(drafter_config(), full, p_correct=0.7, seed=2).eval()
         # top_k = 1 and budget = bs − 1: the tree is exactly the drafted chain
-        runs[mode] = generate(target, prompt, drafter=d, method=method, tree_top_k=1, tree_budget=5,
-                              max_new_tokens=N_NEW, hybrid_tree=mode, check_invariants=True)
+        runs[mode] = generate(
+            target,
+            prompt,
+            drafter=d,
+            method=method,
+            tree_top_k=1,
+            tree_budget=5,
+            max_new_tokens=N_NEW,
+            hybrid_tree=mode,
+            check_invariants=True,
+        )
     for mode in ("scan", "levels", "paths"):
         assert runs[mode].tokens == runs["auto"].tokens
         assert runs[mode].acceptance_lengths == runs["auto"].acceptance_lengths
@@ -285,8 +330,12 @@ def test_turning_state_handling_off_breaks_greedy_equality(targets, broken, mode
     for i, prompt in enumerate(prompts(2, seed=11)):
         ref = reference_greedy(target, prompt, N_NEW)
         d = PositionalOracle(drafter_config(), prompt.tolist() + ref, p_correct=0.6, seed=i).eval()
-        equal.append(generate(target, prompt, drafter=d, method="tree", tree_budget=16, max_new_tokens=N_NEW,
-                              hybrid_tree=mode).tokens == ref)
+        equal.append(
+            generate(
+                target, prompt, drafter=d, method="tree", tree_budget=16, max_new_tokens=N_NEW, hybrid_tree=mode
+            ).tokens
+            == ref
+        )
     assert not any(equal), broken
 
 
@@ -298,12 +347,27 @@ def test_other_recurrent_layers_use_path_batching():
 
     torch.manual_seed(0)
     kinds = ["linear_attention"] * 3 + ["full_attention"]
-    cfg = Qwen3NextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                          layer_types=kinds * 2, linear_num_value_heads=4, linear_num_key_heads=2,
-                          linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=2,
-                          num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                          tie_word_embeddings=False)
+    cfg = Qwen3NextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        layer_types=kinds * 2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        tie_word_embeddings=False,
+    )
     model = Qwen3NextForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -318,15 +382,17 @@ def test_other_recurrent_layers_use_path_batching():
     ref = reference_greedy(target, prompt, N_NEW)
     for budget in (2, 32):
         d = PositionalOracle(drafter_config(), prompt.tolist() + ref, p_correct=0.6, seed=1).eval()
-        res = generate(target, prompt, drafter=d, method="tree", tree_budget=budget, max_new_tokens=N_NEW,
-                       check_invariants=True)
+        res = generate(
+            target, prompt, drafter=d, method="tree", tree_budget=budget, max_new_tokens=N_NEW, check_invariants=True
+        )
         assert res.tokens == ref and (budget == 2 or res.tau > 2)
 
 
 def test_bad_hybrid_tree_mode(targets):
     with pytest.raises(ValueError, match="valid modes"):
-        generate(targets["qwen3_5"], [3, 4, 5], drafter=DFlashDrafter(drafter_config()), method="tree",
-                 hybrid_tree="beam")
+        generate(
+            targets["qwen3_5"], [3, 4, 5], drafter=DFlashDrafter(drafter_config()), method="tree", hybrid_tree="beam"
+        )
 
 
 def test_eval_report_says_hybrid_ddtree_verifies_the_whole_tree(targets, tmp_path):
@@ -336,8 +402,17 @@ def test_eval_report_says_hybrid_ddtree_verifies_the_whole_tree(targets, tmp_pat
     ps = [Prompt(f"p{i}", p.tolist()) for i, p in enumerate(prompts(2, seed=15))]
     refs = {len(p.ids): p.ids + generate(target, p.ids, method="ar", max_new_tokens=16).tokens for p in ps}
     d = PositionalOracle(drafter_config(), refs, p_correct=0.6, seed=3).eval()
-    doc = evaluate(target, {"oracle": d}, ps, methods="ar,chain,ddtree:16", max_new_tokens=16, out_dir=tmp_path,
-                   progress=False, stop_token_ids=(), warmup=False)
+    doc = evaluate(
+        target,
+        {"oracle": d},
+        ps,
+        methods="ar,chain,ddtree:16",
+        max_new_tokens=16,
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+        warmup=False,
+    )
     assert not any("spine" in n or "chain only" in n for n in doc["notes"])
     assert any("verifies the whole tree exactly" in n and "'scan'" in n for n in doc["notes"])
     res = doc["results"]["oracle"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from itertools import pairwise
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_force_spine_includes_top1_chain_and_fills_best_first() -> None:
         pre = prefixes(tree)
         assert pre[: len(spine)] == spine  # the spine comes first, in depth order
         rest = [p for p in brute_force_top_prefixes(lp, 10**9, top_k) if p not in set(spine)]
-        assert set(pre[len(spine):]) == set(rest[: budget - len(spine)])
+        assert set(pre[len(spine) :]) == set(rest[: budget - len(spine)])
 
 
 def test_force_spine_can_differ_from_plain() -> None:
@@ -141,8 +142,11 @@ def all_prefixes_top(draft_log_probs: torch.Tensor, budget: int) -> set[tuple[in
     """Reference without any top-K: every prefix over the whole vocabulary, scored by Π q_i(u_i); the best B."""
     depth, vocab = draft_log_probs.shape
     lp = draft_log_probs.double().tolist()
-    scored = [(sum(lp[i][t] for i, t in enumerate(seq)), seq)
-              for d in range(1, depth + 1) for seq in itertools.product(range(vocab), repeat=d)]
+    scored = [
+        (sum(lp[i][t] for i, t in enumerate(seq)), seq)
+        for d in range(1, depth + 1)
+        for seq in itertools.product(range(vocab), repeat=d)
+    ]
     scored.sort(key=lambda x: -x[0])
     return {seq for _, seq in scored[:budget]}
 
@@ -222,8 +226,8 @@ def test_tree_attention_bias_sees_the_cache_and_ancestors_only() -> None:
     bias = tree_attention_bias(parents, 3, dtype=torch.float32, device="cpu")
     assert bias.shape == (1, 1, 4, 7)
     allowed = bias[0, 0] == 0
-    assert allowed[:, :3].all()                                              # every cached token
-    assert torch.equal(allowed[:, 3:], naive_mask(parents.tolist()))         # itself and its ancestors
+    assert allowed[:, :3].all()  # every cached token
+    assert torch.equal(allowed[:, 3:], naive_mask(parents.tolist()))  # itself and its ancestors
     assert (bias[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
 
 
@@ -296,7 +300,7 @@ def test_follow_tree_path_length_bounds() -> None:
         assert 1 <= len(path) <= 1 + min(budget, depth)
         assert path[0] == 0
         parents, toks = tree.parents.tolist(), tree.tokens.tolist()
-        for a, b in zip(path, path[1:]):
+        for a, b in pairwise(path):
             assert parents[b] == a and toks[b] == target[a].item()
         last = path[-1]
         assert all(toks[c] != target[last].item() for c in tree.children(last))
@@ -308,20 +312,30 @@ def test_every_tree_top_k_default_is_the_budget() -> None:
     import inspect
     from pathlib import Path
 
+    from dflashkit.cli import build_parser
     from dflashkit.decode import generate as decode
     from dflashkit.evaluate import evaluate, simulate
-    from dflashkit.cli import build_parser
 
     bench = Path(__file__).resolve().parents[2] / "bench" / "speed.py"
     spec = importlib.util.spec_from_file_location("bench_speed_defaults", bench)
     speed = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(speed)
-    for fn in (decode.generate, simulate.replay, simulate.simulate_many, simulate.simulate,
-               simulate.simulation_results, evaluate.evaluate, speed.run_bench):
+    for fn in (
+        decode.generate,
+        simulate.replay,
+        simulate.simulate_many,
+        simulate.simulate,
+        simulate.simulation_results,
+        evaluate.evaluate,
+        speed.run_bench,
+    ):
         assert inspect.signature(fn).parameters["tree_top_k"].default is None, fn.__qualname__
     parser = build_parser()
-    base = {"generate": ["--prompt", "x"], "eval": ["--dataset", "d", "--out", "o"],
-            "simulate": ["--dataset", "d", "--cache", "c", "--out", "o"]}
+    base = {
+        "generate": ["--prompt", "x"],
+        "eval": ["--dataset", "d", "--out", "o"],
+        "simulate": ["--dataset", "d", "--cache", "c", "--out", "o"],
+    }
     for cmd, rest in base.items():
         assert parser.parse_args([cmd, *rest]).tree_top_k is None, cmd
         assert parser.parse_args([cmd, *rest, "--tree-top-k", "4"]).tree_top_k == 4

@@ -4,16 +4,11 @@ architectural differences in words (4-of-5 fc, copied geometry, …) and weight 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from dflashkit.drafter.checkpoint import drafter_state_dict
 from dflashkit.cli import main
-from dflashkit.drafter.config import DrafterConfig
 from dflashkit.diagnose.diff import diff_checkpoints, target_geometry
 from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint
 from dflashkit.drafter.model import DFlashDrafter
@@ -47,8 +42,13 @@ def test_inspect_four_of_five_fc(tmp_path, capsys):
     path = write_checkpoint(tmp_path / "four", small_config(), fc_features=4)
     r = inspect_checkpoint(path)
     assert not r.ok
-    assert any(line.startswith("FAIL fc width: fc reads 4 target layers (fc.weight [64, 256] = 4 × hidden 64) "
-                               "but config.json names 5 (target_layer_ids [1, 2, 3, 4, 5])") for line in lines_of(r))
+    assert any(
+        line.startswith(
+            "FAIL fc width: fc reads 4 target layers (fc.weight [64, 256] = 4 × hidden 64) "
+            "but config.json names 5 (target_layer_ids [1, 2, 3, 4, 5])"
+        )
+        for line in lines_of(r)
+    )
     assert main(["inspect", str(path)]) == 1
     assert "fc reads 4 target layers" in capsys.readouterr().out
 
@@ -57,17 +57,18 @@ def test_inspect_geometry_and_keys_disagree_with_config(tmp_path):
     own = small_config(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     path = write_checkpoint(tmp_path / "geo", own)
     raw = json.loads((path / "config.json").read_text())
-    raw.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)   # config lies about the geometry
+    raw.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # config lies about the geometry
     (path / "config.json").write_text(json.dumps(raw))
     lines = lines_of(inspect_checkpoint(path))
-    assert any("FAIL geometry: tensors say 2 heads × 32 with 1 kv heads; config.json says 4 × 16 with 2" in x
-               for x in lines)
-    assert any("tensor 'layers.0.self_attn.q_norm.weight' has shape [32], config.json implies [16]" in x
-               for x in lines)
+    assert any(
+        "FAIL geometry: tensors say 2 heads × 32 with 1 kv heads; config.json says 4 × 16 with 2" in x for x in lines
+    )
+    assert any("tensor 'layers.0.self_attn.q_norm.weight' has shape [32], config.json implies [16]" in x for x in lines)
 
     def edit(sd):
         del sd["norm.weight"]
         sd["lm_head.weight"] = torch.zeros(97, 64)
+
     lines = lines_of(inspect_checkpoint(write_checkpoint(tmp_path / "keys", small_config(), edit=edit)))
     assert any("FAIL tensors: missing tensors ['norm.weight']" in x for x in lines)
     assert any("FAIL tensors: unexpected tensors ['lm_head.weight']" in x for x in lines)
@@ -79,14 +80,14 @@ def test_inspect_partial_and_unreadable_checkpoints_name_the_problem(tmp_path, c
     (path / "config.json").unlink()
     r = inspect_checkpoint(path)
     assert any("config.json is missing" in x for x in lines_of(r))
-    assert r.facts["fc_features"] == 5          # still described from the tensors
+    assert r.facts["fc_features"] == 5  # still described from the tensors
     path = write_checkpoint(tmp_path / "w", small_config())
     (path / "model.safetensors").unlink()
-    assert any("no model.safetensors (or model.safetensors.index.json)" in x
-               for x in lines_of(inspect_checkpoint(path)))
+    assert any(
+        "no model.safetensors (or model.safetensors.index.json)" in x for x in lines_of(inspect_checkpoint(path))
+    )
     (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
-    assert any("model.safetensors is not a readable safetensors file" in x
-               for x in lines_of(inspect_checkpoint(path)))
+    assert any("model.safetensors is not a readable safetensors file" in x for x in lines_of(inspect_checkpoint(path)))
     (path / "model.safetensors").unlink()
     index = {"weight_map": {"fc.weight": "model-00001.safetensors"}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -96,10 +97,15 @@ def test_inspect_partial_and_unreadable_checkpoints_name_the_problem(tmp_path, c
 
 
 def test_inspect_flags_non_finite_weights(tmp_path):
-    path = write_checkpoint(tmp_path / "nan", small_config(),
-                            edit=lambda sd: sd["layers.0.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")))
-    assert any("FAIL values: non-finite values (NaN/inf) in ['layers.0.mlp.up_proj.weight']" in x
-               for x in lines_of(inspect_checkpoint(path)))
+    path = write_checkpoint(
+        tmp_path / "nan",
+        small_config(),
+        edit=lambda sd: sd["layers.0.mlp.up_proj.weight"].__setitem__((0, 0), float("nan")),
+    )
+    assert any(
+        "FAIL values: non-finite values (NaN/inf) in ['layers.0.mlp.up_proj.weight']" in x
+        for x in lines_of(inspect_checkpoint(path))
+    )
 
 
 # ---------------------------------------------------------------------------------------------- diff
@@ -123,23 +129,36 @@ def test_diff_four_of_five_against_healthy(tmp_path):
 
 def test_diff_geometry_copied_from_recorded_target(tmp_path):
     extra = {"target_geometry": {"num_attention_heads": 2, "head_dim": 32}, "target_architecture": "LlamaForCausalLM"}
-    a = write_checkpoint(tmp_path / "a", small_config(num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                                       extra=extra))
+    a = write_checkpoint(
+        tmp_path / "a", small_config(num_attention_heads=2, num_key_value_heads=1, head_dim=32, extra=extra)
+    )
     b = write_checkpoint(tmp_path / "b", small_config(extra=extra))
     d = diff_checkpoints(a, b)
-    assert any(x.startswith("A's attention geometry equals its target's (head_dim 32, 2 heads; target geometry "
-                            "from recorded in the checkpoint), B uses its own (16, 4)") for x in d.differences)
+    assert any(
+        x.startswith(
+            "A's attention geometry equals its target's (head_dim 32, 2 heads; target geometry "
+            "from recorded in the checkpoint), B uses its own (16, 4)"
+        )
+        for x in d.differences
+    )
 
 
 def test_diff_geometry_with_target(tmp_path, wide_head_target, capsys):
     from dflashkit.target.model import Target
 
-    a = write_checkpoint(tmp_path / "a", small_config(num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                                       num_target_layers=4, target_layer_ids=[0, 1, 2]))
+    a = write_checkpoint(
+        tmp_path / "a",
+        small_config(
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_target_layers=4, target_layer_ids=[0, 1, 2]
+        ),
+    )
     b = write_checkpoint(tmp_path / "b", small_config(num_target_layers=4, target_layer_ids=[0, 1, 2]))
     d = diff_checkpoints(a, b, target=Target.load(wide_head_target))
-    assert any("A's attention geometry equals its target's (head_dim 32, 2 heads; target geometry from the "
-               "--target), B uses its own (16, 4)" in x for x in d.differences)
+    assert any(
+        "A's attention geometry equals its target's (head_dim 32, 2 heads; target geometry from the "
+        "--target), B uses its own (16, 4)" in x
+        for x in d.differences
+    )
     assert main(["diff", str(a), str(b), "--target", str(wide_head_target), "--json", "--no-weights"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert any("A's attention geometry equals its target's" in x for x in data["differences"])
@@ -160,17 +179,30 @@ def test_known_target_family_geometry():
 def test_diff_fields_and_weight_statistics(tmp_path):
     cfg = small_config()
     a = write_checkpoint(tmp_path / "a", cfg)
-    other = cfg.replace(block_size=8, learned_mask_embedding=False, mask_token_id=3, rope_theta=10_000.0,
-                        rms_norm_eps=1e-5, layer_types=["sliding_attention"], sliding_window=64)
+    other = cfg.replace(
+        block_size=8,
+        learned_mask_embedding=False,
+        mask_token_id=3,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-5,
+        layer_types=["sliding_attention"],
+        sliding_window=64,
+    )
 
     def perturb(sd):
         sd["layers.0.mlp.down_proj.weight"] = -sd["layers.0.mlp.down_proj.weight"] * 2
+
     b = write_checkpoint(tmp_path / "b", other, edit=perturb)
     d = diff_checkpoints(a, b)
     text = "\n".join(d.differences)
-    for words in ("block size: A 4, B 8", "mask: A uses a learned mask embedding, B uses mask token 3",
-                  "rope θ: A 1000000.0, B 10000.0", "norm ε: A 1e-06, B 1e-05", "sliding window: A None, B 64",
-                  "layer types: A ['full_attention'], B ['sliding_attention']"):
+    for words in (
+        "block size: A 4, B 8",
+        "mask: A uses a learned mask embedding, B uses mask token 3",
+        "rope θ: A 1000000.0, B 10000.0",
+        "norm ε: A 1e-06, B 1e-05",
+        "sliding window: A None, B 64",
+        "layer types: A ['full_attention'], B ['sliding_attention']",
+    ):
         assert words in text
     w = d.weights
     worst = w["most_different"][0]

@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 
 from dflashkit.cli import main
-from dflashkit.errors import DataError
 from dflashkit.diagnose.logs import analyze, ashman_d, bimodality_coefficient, compare, read_run, steps_to_accuracy
+from dflashkit.errors import DataError
 
 
-def synthetic_run(path: Path, *, steps: int = 240, collapse_at: int | None = None, bimodal: bool = False,
-                  keys: tuple[str, ...] | None = None, seed: int = 0, speed: float = 60.0) -> Path:
+def synthetic_run(
+    path: Path,
+    *,
+    steps: int = 240,
+    collapse_at: int | None = None,
+    bimodal: bool = False,
+    keys: tuple[str, ...] | None = None,
+    seed: int = 0,
+    speed: float = 60.0,
+) -> Path:
     """metrics.jsonl as dflashkit training writes it (train records every step, val every 40)."""
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
@@ -27,21 +35,40 @@ def synthetic_run(path: Path, *, steps: int = 240, collapse_at: int | None = Non
         lr = 6e-4 * step / warm if step <= warm else 6e-4 * cosine
         loss = 3.0 * math.exp(-step / speed) + 0.8 + rng.gauss(0, 0.05)
         if bimodal and rng.random() < 0.3:
-            loss = 0.02 + abs(rng.gauss(0, 0.01))          # degenerate batches: almost no supervised tokens
+            loss = 0.02 + abs(rng.gauss(0, 0.01))  # degenerate batches: almost no supervised tokens
         grad = 1.5 * math.exp(-step / 200) + 0.3 + abs(rng.gauss(0, 0.05))
         if collapse_at is not None and step >= collapse_at:
             grad = 1e-7 * rng.random()
         acc1 = 0.9 * (1 - math.exp(-step / speed))
-        acc = [0.0] + [acc1 * 0.85 ** k for k in range(7)]
-        rec = {"step": step, "epoch": 0, "split": "train", "loss": loss, "accuracy": acc, "tau": 1 + sum(
-            math.prod(acc[1:k + 1]) for k in range(1, 8)), "lr": lr, "grad_norm": grad, "clipped": grad > 1.0,
-            "noise_std": 0.05 * (1 - step / steps), "loss_p10": loss, "loss_median": loss}
+        acc = [0.0] + [acc1 * 0.85**k for k in range(7)]
+        rec = {
+            "step": step,
+            "epoch": 0,
+            "split": "train",
+            "loss": loss,
+            "accuracy": acc,
+            "tau": 1 + sum(math.prod(acc[1 : k + 1]) for k in range(1, 8)),
+            "lr": lr,
+            "grad_norm": grad,
+            "clipped": grad > 1.0,
+            "noise_std": 0.05 * (1 - step / steps),
+            "loss_p10": loss,
+            "loss_median": loss,
+        }
         if keys is not None:
             rec = {k: v for k, v in rec.items() if k in keys or k in ("step", "epoch", "split")}
         rows.append(rec)
         if step % 40 == 0:
-            rows.append({"step": step, "epoch": 0, "split": "val", "loss": loss + 0.1, "accuracy": acc,
-                         "tau": rec.get("tau", 1.0)})
+            rows.append(
+                {
+                    "step": step,
+                    "epoch": 0,
+                    "split": "val",
+                    "loss": loss + 0.1,
+                    "accuracy": acc,
+                    "tau": rec.get("tau", 1.0),
+                }
+            )
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -69,8 +96,9 @@ def test_healthy_run_flags_nothing(tmp_path):
     g, lo = a["grad_norm"], a["loss"]
     assert g["warmup_records"] == 9 and 0.3 < g["mean_after_warmup"] < 1.8
     assert lo["p10"] < lo["median"] < lo["p90"] and a["lr"]["peak_step"] == 10
-    assert a["clipped_fraction"] == pytest.approx(sum(1 for r in read_run(tmp_path / "good").train
-                                                      if r["grad_norm"] > 1.0) / 240)
+    assert a["clipped_fraction"] == pytest.approx(
+        sum(1 for r in read_run(tmp_path / "good").train if r["grad_norm"] > 1.0) / 240
+    )
     assert a["train_tau"]["last"] > a["train_tau"]["first"] and a["noise_std"]["first"] > a["noise_std"]["last"]
 
 
@@ -112,7 +140,7 @@ def test_runs_with_different_metric_sets_are_compared(tmp_path, capsys):
     assert c["missing"] == {"slow": ["clipped", "grad_norm", "loss_median", "loss_p10", "noise_std"]}
     assert {"loss", "accuracy", "tau", "lr"} <= set(c["shared"])
     s = c["steps_to_accuracy"]
-    assert s["fast"] < s["slow"]             # validation records every 40 steps decide
+    assert s["fast"] < s["slow"]  # validation records every 40 steps decide
     assert steps_to_accuracy(logs[0], 0.5, slot=1) <= s["fast"]
     assert steps_to_accuracy(logs[0], 0.99) is None
     assert "grad norm" not in statuses(analyze(logs[1]))

@@ -10,45 +10,86 @@ from safetensors.torch import save_file
 
 from dflashkit.drafter.checkpoint import drafter_state_dict, load_drafter, save_drafter
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.errors import CheckpointError, TargetError
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import CheckpointError, TargetError
 
 # The field set of z-lab's Qwen3-8B-DFlash-b16 config.json (values as published), used at full size on meta.
 ZLAB_QWEN3_8B = {
-    "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16, "bos_token_id": 151643,
-    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}, "dtype": "bfloat16",
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 12288, "layer_types": ["full_attention"] * 5, "max_position_embeddings": 40960,
-    "max_window_layers": 5, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5,
-    "num_key_value_heads": 8, "num_target_layers": 36, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "4.57.1",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
 def zlab_small_config() -> dict:
     cfg = dict(ZLAB_QWEN3_8B)
-    cfg.update(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-               vocab_size=200, num_hidden_layers=2, layer_types=["full_attention"] * 2,
-               dflash_config={"mask_token_id": 150, "target_layer_ids": [1, 3, 5]}, num_target_layers=8)
+    cfg.update(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=200,
+        num_hidden_layers=2,
+        layer_types=["full_attention"] * 2,
+        dflash_config={"mask_token_id": 150, "target_layer_ids": [1, 3, 5]},
+        num_target_layers=8,
+    )
     return cfg
 
 
 def zlab_state_dict(cfg: dict, n_features: int | None = None) -> dict[str, torch.Tensor]:
     """Tensors named and shaped exactly as z-lab's DFlashDraftModel saves them, built by hand."""
-    h, hd, nh, kv, inter = (cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads",
-                                             "num_key_value_heads", "intermediate_size"))
+    h, hd, nh, kv, inter = (
+        cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    )
     k = n_features or len(cfg["dflash_config"]["target_layer_ids"])
     sd = {"fc.weight": torch.randn(h, k * h), "hidden_norm.weight": torch.randn(h), "norm.weight": torch.randn(h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        sd.update({p + "input_layernorm.weight": torch.randn(h), p + "post_attention_layernorm.weight": torch.randn(h),
-                   p + "self_attn.q_proj.weight": torch.randn(nh * hd, h), p + "self_attn.k_proj.weight": torch.randn(kv * hd, h),
-                   p + "self_attn.v_proj.weight": torch.randn(kv * hd, h), p + "self_attn.o_proj.weight": torch.randn(h, nh * hd),
-                   p + "self_attn.q_norm.weight": torch.randn(hd), p + "self_attn.k_norm.weight": torch.randn(hd),
-                   p + "mlp.gate_proj.weight": torch.randn(inter, h), p + "mlp.up_proj.weight": torch.randn(inter, h),
-                   p + "mlp.down_proj.weight": torch.randn(h, inter)})
+        sd.update(
+            {
+                p + "input_layernorm.weight": torch.randn(h),
+                p + "post_attention_layernorm.weight": torch.randn(h),
+                p + "self_attn.q_proj.weight": torch.randn(nh * hd, h),
+                p + "self_attn.k_proj.weight": torch.randn(kv * hd, h),
+                p + "self_attn.v_proj.weight": torch.randn(kv * hd, h),
+                p + "self_attn.o_proj.weight": torch.randn(h, nh * hd),
+                p + "self_attn.q_norm.weight": torch.randn(hd),
+                p + "self_attn.k_norm.weight": torch.randn(hd),
+                p + "mlp.gate_proj.weight": torch.randn(inter, h),
+                p + "mlp.up_proj.weight": torch.randn(inter, h),
+                p + "mlp.down_proj.weight": torch.randn(h, inter),
+            }
+        )
     return sd
 
 
@@ -61,11 +102,22 @@ def write_zlab(path, cfg, sd):
 
 def test_round_trip_is_bit_exact(tmp_path):
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=32, vocab_size=64, num_target_layers=6, target_layer_ids=[0, 2, 4],
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=48, block_size=8, learned_mask_embedding=True,
-                        layer_types=["sliding_attention", "full_attention"], sliding_window=16,
-                        extra={"chat_template": {"present": True}})
+    cfg = DrafterConfig(
+        hidden_size=32,
+        vocab_size=64,
+        num_target_layers=6,
+        target_layer_ids=[0, 2, 4],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        block_size=8,
+        learned_mask_embedding=True,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        extra={"chat_template": {"present": True}},
+    )
     drafter = DFlashDrafter(cfg)
     save_drafter(drafter, tmp_path / "ckpt")
     loaded = load_drafter(tmp_path / "ckpt")
@@ -116,15 +168,18 @@ def test_missing_and_unexpected_keys_are_listed(tmp_path):
     sd = zlab_state_dict(cfg)
     del sd["norm.weight"], sd["layers.1.mlp.up_proj.weight"]
     sd["lm_head.weight"] = torch.randn(200, 32)
-    with pytest.raises(CheckpointError, match=r"missing keys \['layers.1.mlp.up_proj.weight', 'norm.weight'\]; "
-                                              r"unexpected keys \['lm_head.weight'\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing keys \['layers.1.mlp.up_proj.weight', 'norm.weight'\]; "
+        r"unexpected keys \['lm_head.weight'\]",
+    ):
         load_drafter(write_zlab(tmp_path / "z", cfg, sd))
 
 
 def test_bad_config_files(tmp_path):
     d = tmp_path / "c"
     d.mkdir()
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config.json"):
         load_drafter(d)
     (d / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"config.json: not valid JSON \(line 1"):
@@ -136,7 +191,7 @@ def test_bad_config_files(tmp_path):
         load_drafter(d)
     cfg = zlab_small_config()
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="no model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no model.safetensors"):
         load_drafter(d)
     (d / "model.safetensors").write_bytes(b"\x00\x01garbage")
     with pytest.raises(CheckpointError, match="unreadable safetensors"):
@@ -149,9 +204,18 @@ def test_drafter_must_fit_target(tiny_llama_dir):
     from dflashkit.target.model import Target, check_drafter_fits
 
     target = Target.load(tiny_llama_dir)  # hidden 64, vocab 97, 8 layers
-    good = DrafterConfig(hidden_size=64, vocab_size=97, num_target_layers=8, target_layer_ids=[1, 4],
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=32, mask_token_id=5)
+    good = DrafterConfig(
+        hidden_size=64,
+        vocab_size=97,
+        num_target_layers=8,
+        target_layer_ids=[1, 4],
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        mask_token_id=5,
+    )
     check_drafter_fits(good, target)
     with pytest.raises(TargetError, match="hidden_size 32 ≠ the target's hidden size 64"):
         check_drafter_fits(good.replace(hidden_size=32), target)

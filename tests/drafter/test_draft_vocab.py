@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import torch
 
+from dflashkit.decode.generate import generate
 from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.decode.generate import generate
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.target.model import Target
 from dflashkit.train.slot_targets import draft_vocab_head
 
 
 def _cfg(**kw) -> DrafterConfig:
-    base = dict(hidden_size=64, vocab_size=97, num_target_layers=8, target_layer_ids=[1, 4, 6], num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32, block_size=4,
-                mask_token_id=5, draft_vocab_size=20)
+    base = dict(
+        hidden_size=64,
+        vocab_size=97,
+        num_target_layers=8,
+        target_layer_ids=[1, 4, 6],
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        block_size=4,
+        mask_token_id=5,
+        draft_vocab_size=20,
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -39,11 +50,20 @@ def test_reduced_vocab_decoding_is_lossless_and_round_trips(tiny_llama_dir, tmp_
     d = DFlashDrafter(_cfg()).eval()
     d.draft_to_target.copy_(torch.randperm(97)[:20].sort().values)
     prompt = torch.tensor([3, 14, 15, 92, 65, 35])
-    ref = target.model.generate(prompt[None], max_new_tokens=20, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, 6:].tolist()
+    ref = target.model.generate(prompt[None], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, 6:
+    ].tolist()
     for method in ("chain", "tree"):
-        res = generate(target, prompt, drafter=d, method=method, max_new_tokens=20, tree_budget=6, tree_top_k=2,
-                       check_invariants=True)
+        res = generate(
+            target,
+            prompt,
+            drafter=d,
+            method=method,
+            max_new_tokens=20,
+            tree_budget=6,
+            tree_top_k=2,
+            check_invariants=True,
+        )
         assert res.tokens == ref, method
     save_drafter(d, tmp_path / "ckpt")
     back = load_drafter(tmp_path / "ckpt")

@@ -6,14 +6,24 @@ import pytest
 import torch
 
 from dflashkit.drafter.config import DrafterConfig, default_target_layer_ids
-from dflashkit.errors import ConfigError
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
+from dflashkit.errors import ConfigError
 
 
 def tiny_config(**kw) -> DrafterConfig:
-    base = dict(hidden_size=32, vocab_size=50, num_target_layers=8, target_layer_ids=[1, 3, 5], num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, block_size=4,
-                mask_token_id=1)
+    base = dict(
+        hidden_size=32,
+        vocab_size=50,
+        num_target_layers=8,
+        target_layer_ids=[1, 3, 5],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        block_size=4,
+        mask_token_id=1,
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -28,16 +38,27 @@ def test_cached_rounds_equal_single_forward(layer_types, window):
     bs = cfg.block_size
     cache = DrafterCache()
     # round 1: context 0..6, block at 7..10
-    drafter(feats[:, :7], drafter.block_embeddings(torch.tensor([[4]]), embed, bs),
-            context_positions=torch.arange(7)[None], block_positions=torch.arange(7, 7 + bs)[None], cache=cache)
+    drafter(
+        feats[:, :7],
+        drafter.block_embeddings(torch.tensor([[4]]), embed, bs),
+        context_positions=torch.arange(7)[None],
+        block_positions=torch.arange(7, 7 + bs)[None],
+        cache=cache,
+    )
     assert cache.length == 7
     # round 2: 3 new context tokens 7..9, block at 10..13
     blk = drafter.block_embeddings(torch.tensor([[9]]), embed, bs)
-    out_cached = drafter(feats[:, 7:], blk, context_positions=torch.arange(7, 10)[None],
-                         block_positions=torch.arange(10, 10 + bs)[None], cache=cache)
+    out_cached = drafter(
+        feats[:, 7:],
+        blk,
+        context_positions=torch.arange(7, 10)[None],
+        block_positions=torch.arange(10, 10 + bs)[None],
+        cache=cache,
+    )
     assert cache.length == 10 and cache.keys[0].shape[2] == 10  # only context K/V are cached
-    out_full = drafter(feats, blk, context_positions=torch.arange(10)[None],
-                       block_positions=torch.arange(10, 10 + bs)[None])
+    out_full = drafter(
+        feats, blk, context_positions=torch.arange(10)[None], block_positions=torch.arange(10, 10 + bs)[None]
+    )
     torch.testing.assert_close(out_cached, out_full, rtol=1e-5, atol=1e-5)
     cache.crop(7)
     assert cache.length == 7 and cache.keys[1].shape[2] == 7
@@ -114,8 +135,15 @@ def test_geometry_is_the_drafters_own():
     from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.target.model import Target
 
-    tcfg = Qwen3Config(vocab_size=1000, hidden_size=3072, intermediate_size=64, num_hidden_layers=28,
-                       num_attention_heads=24, num_key_value_heads=4, head_dim=256)
+    tcfg = Qwen3Config(
+        vocab_size=1000,
+        hidden_size=3072,
+        intermediate_size=64,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+    )
     with torch.device("meta"):
         target = Target(Qwen3ForCausalLM(tcfg))
     cfg = default_drafter_config(target)
@@ -125,14 +153,17 @@ def test_geometry_is_the_drafters_own():
     assert cfg.learned_mask_embedding  # no tokenizer → no known spare row → learned mask
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(target_layer_ids=[1, 8]), "out of range"),
-    (dict(target_layer_ids=[1, 1, 2]), "duplicates"),
-    (dict(mask_token_id=50), "outside the embedding table"),
-    (dict(num_attention_heads=3), "multiple of"),
-    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
-    (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(target_layer_ids=[1, 8]), "out of range"),
+        (dict(target_layer_ids=[1, 1, 2]), "duplicates"),
+        (dict(mask_token_id=50), "outside the embedding table"),
+        (dict(num_attention_heads=3), "multiple of"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
+        (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
+    ],
+)
 def test_bad_config_fields(bad, match):
     with pytest.raises(ConfigError, match=match):
         tiny_config(**bad)

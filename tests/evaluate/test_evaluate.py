@@ -4,24 +4,42 @@ prompts, divergences are triaged (near-tie vs bug), prompts and methods are vali
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 import torch
 
 import dflashkit.evaluate.evaluate as ev
-from dflashkit.drafter.config import DrafterConfig
 from dflashkit.decode.generate import generate
-from dflashkit.errors import ConfigError, DataError, TargetError
-from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods
-from dflashkit.evaluate.evaluate import evaluate, first_divergence, logit_margin, triage_divergence
-from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.decode.sampling import SamplingParams
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import ConfigError, DataError, TargetError
+from dflashkit.evaluate.evaluate import evaluate
+from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods
+from dflashkit.evaluate.triage import first_divergence, logit_margin, triage_divergence
 from dflashkit.target.model import Target
 from helpers.oracles import PositionalOracle, drafter_config, make_prompts
 
-REQUIRED = ("tau_micro", "tau_macro", "histogram", "survival", "per_position_acceptance", "full_block_fraction",
-            "zero_accept_fraction", "tokens_per_round", "timings_s", "timings_per_round_s", "tok_s", "speedup_vs_ar",
-            "predicted_speedup", "efficiency", "greedy_equal_fraction", "divergences", "n_prompts")
+REQUIRED = (
+    "tau_micro",
+    "tau_macro",
+    "histogram",
+    "survival",
+    "per_position_acceptance",
+    "full_block_fraction",
+    "zero_accept_fraction",
+    "tokens_per_round",
+    "timings_s",
+    "timings_per_round_s",
+    "tok_s",
+    "speedup_vs_ar",
+    "predicted_speedup",
+    "efficiency",
+    "greedy_equal_fraction",
+    "divergences",
+    "n_prompts",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +56,24 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
     prompts = make_prompts(3, seed=7)
     n_new = 16
     torch.manual_seed(0)
-    drafters = {"oracle": oracle_for(llama, prompts, n_new, p_correct=0.8, seed=2),
-                "random": DFlashDrafter(drafter_config()).eval()}
+    drafters = {
+        "oracle": oracle_for(llama, prompts, n_new, p_correct=0.8, seed=2),
+        "random": DFlashDrafter(drafter_config()).eval(),
+    }
     calls = []
     real_generate = ev.generate
     monkeypatch.setattr(ev, "generate", lambda *a, **k: calls.append(k["method"]) or real_generate(*a, **k))
-    doc = evaluate(llama, drafters, prompts, methods="ar,chain,ddtree:4", max_new_tokens=n_new, out_dir=tmp_path,
-                   dataset="unit", progress=False, stop_token_ids=())
+    doc = evaluate(
+        llama,
+        drafters,
+        prompts,
+        methods="ar,chain,ddtree:4",
+        max_new_tokens=n_new,
+        out_dir=tmp_path,
+        dataset="unit",
+        progress=False,
+        stop_token_ids=(),
+    )
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(doc))
     assert set(on_disk) >= {"target", "dataset", "settings", "ar", "results"}
@@ -56,7 +85,7 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
             assert st["greedy_equal_fraction"] == 1.0 and st["divergences"] == [] and st["n_prompts"] == 3
             assert sum(st["histogram"]) == st["rounds"] > 0
             assert st["survival"][0] == 1.0
-            assert all(a >= b for a, b in zip(st["survival"], st["survival"][1:]))
+            assert all(a >= b for a, b in pairwise(st["survival"]))
             assert len(st["survival"]) == (6 if method == "chain" else 5)
             assert st["tok_s"] > 0 and st["speedup_vs_ar"] > 0 and st["predicted_speedup"] > 0
             assert set(st["timings_s"]) == {"prefill", "draft", "tree_build", "verify", "commit"}
@@ -69,18 +98,56 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
     with open(tmp_path / "progress.jsonl", "a") as f:  # a kill mid-write leaves a torn last line
         f.write('{"key": "abc", "id": "p')
     calls.clear()  # resume: nothing left to do
-    again = evaluate(llama, drafters, prompts, methods="ar,chain,ddtree:4", max_new_tokens=n_new, out_dir=tmp_path,
-                     progress=False, stop_token_ids=())
-    assert calls == [] and again["results"]["oracle"]["chain"]["tau_micro"] == doc["results"]["oracle"]["chain"]["tau_micro"]
+    again = evaluate(
+        llama,
+        drafters,
+        prompts,
+        methods="ar,chain,ddtree:4",
+        max_new_tokens=n_new,
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+    )
+    assert (
+        calls == []
+        and again["results"]["oracle"]["chain"]["tau_micro"] == doc["results"]["oracle"]["chain"]["tau_micro"]
+    )
     more = prompts + make_prompts(4, seed=8)[3:]  # one new prompt: only it runs (after warm-up)
-    evaluate(llama, drafters, more, methods="ar,chain,ddtree:4", max_new_tokens=n_new, out_dir=tmp_path,
-             progress=False, stop_token_ids=(), warmup=False)
+    evaluate(
+        llama,
+        drafters,
+        more,
+        methods="ar,chain,ddtree:4",
+        max_new_tokens=n_new,
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+        warmup=False,
+    )
     assert len(calls) == 5 and len((tmp_path / "progress.jsonl").read_text().splitlines()) == 4  # tail repaired
     with pytest.raises(DataError, match="other settings"):  # resume with other settings is refused
-        evaluate(llama, drafters, prompts, methods="ar,chain", max_new_tokens=n_new, out_dir=tmp_path,
-                 progress=False, stop_token_ids=())
-    fresh = evaluate(llama, {"random": drafters["random"]}, prompts[:1], methods="chain", max_new_tokens=4,
-                     out_dir=tmp_path, resume=False, progress=False, stop_token_ids=(), warmup=False)
+        evaluate(
+            llama,
+            drafters,
+            prompts,
+            methods="ar,chain",
+            max_new_tokens=n_new,
+            out_dir=tmp_path,
+            progress=False,
+            stop_token_ids=(),
+        )
+    fresh = evaluate(
+        llama,
+        {"random": drafters["random"]},
+        prompts[:1],
+        methods="chain",
+        max_new_tokens=4,
+        out_dir=tmp_path,
+        resume=False,
+        progress=False,
+        stop_token_ids=(),
+        warmup=False,
+    )
     assert fresh["ar"]["n_prompts"] == 1 and len((tmp_path / "progress.jsonl").read_text().splitlines()) == 1
 
 
@@ -91,12 +158,12 @@ def test_triage_near_tie_and_bug(llama):
     i = 5
     margin, top2 = logit_margin(llama, prompt + ref[:i])
     assert top2[0] == ref[i] and margin > 0
-    swapped = ref[:i] + [top2[1]] + ref[i + 1:]
+    swapped = [*ref[:i], top2[1], *ref[i + 1 :]]
     near = triage_divergence(llama, prompt, ref, swapped, threshold=margin * 2)
     assert near["index"] == i and near["verdict"] == "near_tie" and near["spec_token"] == top2[1]
     assert triage_divergence(llama, prompt, ref, swapped, threshold=margin / 2)["verdict"] == "bug"
     junk = next(t for t in range(97) if t not in top2)
-    assert triage_divergence(llama, prompt, ref, ref[:i] + [junk], threshold=1e9)["verdict"] == "bug"
+    assert triage_divergence(llama, prompt, ref, [*ref[:i], junk], threshold=1e9)["verdict"] == "bug"
     assert first_divergence([1, 2, 3], [1, 2]) == 2 and first_divergence([1, 2], [1, 2]) is None
 
 
@@ -113,8 +180,17 @@ def test_divergence_is_reported_in_results(llama, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ev, "generate", broken)
     torch.manual_seed(0)
-    doc = evaluate(llama, {"d": DFlashDrafter(drafter_config())}, prompts, methods="chain", max_new_tokens=8,
-                   out_dir=tmp_path, progress=False, stop_token_ids=(), warmup=False)
+    doc = evaluate(
+        llama,
+        {"d": DFlashDrafter(drafter_config())},
+        prompts,
+        methods="chain",
+        max_new_tokens=8,
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+        warmup=False,
+    )
     st = doc["results"]["d"]["chain"]
     assert st["greedy_equal_fraction"] == 0.0 and len(st["divergences"]) == 2
     assert {d["index"] for d in st["divergences"]} == {3} and st["divergence_verdicts"]["bug"] == 2
@@ -126,31 +202,67 @@ def test_validation_before_work(llama, tmp_path):
     with pytest.raises(ConfigError, match="unknown method 'ddtree:0'"):
         parse_methods(["ddtree:0"])
     assert [m.name for m in parse_methods("ar, chain,ddtree:8,tree-8")] == ["ar", "chain", "ddtree:8"]
-    bad = DFlashDrafter(DrafterConfig(hidden_size=32, vocab_size=97, num_target_layers=8, target_layer_ids=[1],
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      intermediate_size=32, block_size=4))
+    bad = DFlashDrafter(
+        DrafterConfig(
+            hidden_size=32,
+            vocab_size=97,
+            num_target_layers=8,
+            target_layer_ids=[1],
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=32,
+            block_size=4,
+        )
+    )
     with pytest.raises(TargetError, match="drafter 'bad': hidden_size 32"):
         evaluate(llama, {"ok": DFlashDrafter(drafter_config()), "bad": bad}, make_prompts(1), out_dir=tmp_path)
     assert not (tmp_path / "progress.jsonl").exists()
     with pytest.raises(ConfigError, match="greedy decoding only"):
-        evaluate(llama, {"ok": DFlashDrafter(drafter_config())}, make_prompts(1), methods="ddtree:4",
-                 sampling=SamplingParams(temperature=1.0), out_dir=tmp_path)
+        evaluate(
+            llama,
+            {"ok": DFlashDrafter(drafter_config())},
+            make_prompts(1),
+            methods="ddtree:4",
+            sampling=SamplingParams(temperature=1.0),
+            out_dir=tmp_path,
+        )
     with pytest.raises(ConfigError, match="need at least one drafter"):
         evaluate(llama, {}, make_prompts(1), methods="chain", out_dir=tmp_path)
 
 
 def test_sampled_evaluation_has_no_greedy_check(llama, tmp_path):
-    doc = evaluate(llama, {"d": DFlashDrafter(drafter_config())}, make_prompts(2), methods="ar,chain",
-                   max_new_tokens=6, sampling=SamplingParams(temperature=1.0), out_dir=tmp_path, progress=False,
-                   stop_token_ids=(), warmup=False)
+    doc = evaluate(
+        llama,
+        {"d": DFlashDrafter(drafter_config())},
+        make_prompts(2),
+        methods="ar,chain",
+        max_new_tokens=6,
+        sampling=SamplingParams(temperature=1.0),
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+        warmup=False,
+    )
     st = doc["results"]["d"]["chain"]
-    assert st["greedy_equal_fraction"] is None and st["n_prompts"] == 2 and doc["settings"]["sampling"]["temperature"] == 1.0
+    assert (
+        st["greedy_equal_fraction"] is None
+        and st["n_prompts"] == 2
+        and doc["settings"]["sampling"]["temperature"] == 1.0
+    )
 
 
 def test_load_prompts(llama, tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"id": "a", "prompt_ids": [3, 4, 5]}) + "\n\n" + json.dumps({"prompt_ids": [6] * 500})
-                    + "\n" + json.dumps({"id": "c", "prompt_ids": [7, 8]}) + "\n")
+    path.write_text(
+        json.dumps({"id": "a", "prompt_ids": [3, 4, 5]})
+        + "\n\n"
+        + json.dumps({"prompt_ids": [6] * 500})
+        + "\n"
+        + json.dumps({"id": "c", "prompt_ids": [7, 8]})
+        + "\n"
+    )
     prompts, skipped = load_prompts(llama, path, max_new_tokens=32)
     assert [p.id for p in prompts] == ["a", "c"] and prompts[0].ids == [3, 4, 5]
     assert list(skipped) == ["prompts-3"] and "context window of 512" in skipped["prompts-3"]
@@ -177,16 +289,28 @@ def test_acceptance_stats_by_hand():
 
 # ---------------------------------------------------------------------------------------------- CLI
 def test_cli_eval_simulate_report_generate(tiny_llama_dir, tmp_path, capsys):
-    from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.cli import main
+    from dflashkit.drafter.checkpoint import save_drafter
 
     torch.manual_seed(0)
     a = save_drafter(DFlashDrafter(drafter_config()), tmp_path / "a")
     b = save_drafter(DFlashDrafter(drafter_config([2, 7], bs=4)), tmp_path / "b")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": p.id, "prompt_ids": p.ids}) + "\n" for p in make_prompts(2)))
-    common = ["--target", str(tiny_llama_dir), "--drafter", f"a={a}", "--drafter", f"b={b}", "--dataset", str(data),
-              "--max-new-tokens", "8", "--ignore-eos", "--quiet"]
+    common = [
+        "--target",
+        str(tiny_llama_dir),
+        "--drafter",
+        f"a={a}",
+        "--drafter",
+        f"b={b}",
+        "--dataset",
+        str(data),
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--quiet",
+    ]
     assert main(["eval", *common, "--methods", "ar,chain,ddtree:4", "--out", str(tmp_path / "eval")]) == 0
     out = capsys.readouterr().out
     assert "| a | ddtree:4 |" in out and "| b | chain |" in out and "results.json" in out
@@ -196,22 +320,56 @@ def test_cli_eval_simulate_report_generate(tiny_llama_dir, tmp_path, capsys):
     for name in ("report.md", "progress.jsonl", "survival.png", "comparison.png"):
         assert (tmp_path / "eval" / name).stat().st_size > 0
 
-    assert main(["simulate", *common, "--cache", str(tmp_path / "cache"), "--budgets", "2,4",
-                 "--out", str(tmp_path / "sim")]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                *common,
+                "--cache",
+                str(tmp_path / "cache"),
+                "--budgets",
+                "2,4",
+                "--out",
+                str(tmp_path / "sim"),
+            ]
+        )
+        == 0
+    )
     sim = json.loads((tmp_path / "sim" / "results.json").read_text())
     assert set(sim["results"]["a"]) == {"chain", "ddtree:2", "ddtree:4"} and sim["kind"] == "simulate"
     assert sim["results"]["a"]["chain"]["histogram"] == doc["results"]["a"]["chain"]["histogram"]  # same loop
     capsys.readouterr()
 
-    assert main(["report", str(tmp_path / "eval" / "results.json"), str(tmp_path / "sim"),
-                 "--out", str(tmp_path / "cmp")]) == 0
+    assert (
+        main(["report", str(tmp_path / "eval" / "results.json"), str(tmp_path / "sim"), "--out", str(tmp_path / "cmp")])
+        == 0
+    )
     assert "| eval |" in capsys.readouterr().out and (tmp_path / "cmp" / "compare.png").exists()
     assert main(["report", str(tmp_path / "eval" / "results.json"), "--out", str(tmp_path / "rep")]) == 0
     assert (tmp_path / "rep" / "report.md").exists()
     capsys.readouterr()
 
-    assert main(["generate", "--target", str(tiny_llama_dir), "--drafter", str(a), "--prompt-ids", "3,4,5",
-                 "--max-new-tokens", "6", "--method", "tree", "--tree-budget", "3", "--ignore-eos"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_llama_dir),
+                "--drafter",
+                str(a),
+                "--prompt-ids",
+                "3,4,5",
+                "--max-new-tokens",
+                "6",
+                "--method",
+                "tree",
+                "--tree-budget",
+                "3",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
     assert "τ = " in capsys.readouterr().out
 
 
@@ -221,7 +379,9 @@ def test_cli_errors(tiny_llama_dir, tmp_path, capsys):
     base = ["--target", str(tiny_llama_dir), "--drafter", f"a={tmp_path}", "--out", str(tmp_path / "o")]
     assert main(["eval", *base, "--dataset", "mtbenchh"]) == 2
     err = capsys.readouterr().err
-    assert "unknown dataset 'mtbenchh'" in err and "mtbench, humaneval" in err and "\n" == err[-1] and err.count("\n") == 1
+    assert (
+        "unknown dataset 'mtbenchh'" in err and "mtbench, humaneval" in err and err[-1] == "\n" and err.count("\n") == 1
+    )
     assert main(["eval", *base, "--dataset", "mtbench", "--methods", "ar,medusa"]) == 2
     assert "valid forms are ar, chain, ddtree:B" in capsys.readouterr().err
     assert main(["simulate", *base, "--dataset", "nope", "--cache", str(tmp_path / "c")]) == 2
@@ -237,8 +397,18 @@ def test_cli_errors(tiny_llama_dir, tmp_path, capsys):
 def test_ar_only_with_hf_baseline(llama, tmp_path):
     from dflashkit.evaluate.report import render
 
-    doc = evaluate(llama, {}, make_prompts(1), methods="ar", max_new_tokens=6, out_dir=tmp_path, progress=False,
-                   stop_token_ids=(), hf_baseline=True, warmup=False)
+    doc = evaluate(
+        llama,
+        {},
+        make_prompts(1),
+        methods="ar",
+        max_new_tokens=6,
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+        hf_baseline=True,
+        warmup=False,
+    )
     assert doc["results"] == {} and doc["ar"]["hf_generate"]["equal_to_ar_fraction"] == 1.0
     assert "(baseline) | ar" in render(tmp_path / "results.json")
 
@@ -249,8 +419,7 @@ def test_deadline_time_boxes_and_resumes(llama, tmp_path):
 
     prompts = make_prompts(3, seed=5)
     drafters = {"random": DFlashDrafter(drafter_config()).eval()}
-    kw = dict(methods="ar,chain", max_new_tokens=6, out_dir=tmp_path, progress=False, stop_token_ids=(),
-              warmup=False)
+    kw = dict(methods="ar,chain", max_new_tokens=6, out_dir=tmp_path, progress=False, stop_token_ids=(), warmup=False)
     doc = evaluate(llama, drafters, prompts, deadline=time.monotonic(), **kw)
     assert doc["dataset"]["n_prompts"] == 1 and doc["dataset"]["time_boxed"] == {"requested": 3, "evaluated": 1}
     assert doc["results"]["random"]["chain"]["n_prompts"] == 1
@@ -265,20 +434,32 @@ def test_quickstart_shortfall_notes():
     from dflashkit.quickstart import QuickstartSettings, shortfall_notes
 
     s = asdict(QuickstartSettings())
-    idle = {"settings": s, "done": {"prepare": {"conversations": 190}, "train": {"steps": 700},
-                                    "eval": {"mtbench": {"prompts": 8, "requested": 8}}}}
+    idle = {
+        "settings": s,
+        "done": {
+            "prepare": {"conversations": 190},
+            "train": {"steps": 700},
+            "eval": {"mtbench": {"prompts": 8, "requested": 8}},
+        },
+    }
     assert shortfall_notes(idle) == []
-    busy = {"settings": s, "done": {"prepare": {"conversations": 32}, "train": {"steps": 140},
-                                    "eval": {"mtbench": {"prompts": 3, "requested": 8}}}}
+    busy = {
+        "settings": s,
+        "done": {
+            "prepare": {"conversations": 32},
+            "train": {"steps": 140},
+            "eval": {"mtbench": {"prompts": 3, "requested": 8}},
+        },
+    }
     notes = shortfall_notes(busy)
     assert len(notes) == 3
     assert "32 responses" in notes[0] and "~222" in notes[0]
     assert "140 steps" in notes[1] and "~720" in notes[1]
     assert "3 of 8 prompts" in notes[2]
     two = {"settings": {**s, "num_hidden_layers": 2}, "done": {**idle["done"], "train": {"steps": 300}}}
-    assert shortfall_notes(two) == []           # 300 of ~432 idle 2-layer steps: not a shortfall
+    assert shortfall_notes(two) == []  # 300 of ~432 idle 2-layer steps: not a shortfall
     deep = {"settings": {**s, "num_hidden_layers": 5}, "done": {**idle["done"], "train": {"steps": 10}}}
-    assert shortfall_notes(deep) == []          # no idle figure for 5 layers: no claim either way
+    assert shortfall_notes(deep) == []  # no idle figure for 5 layers: no claim either way
 
 
 def test_quickstart_original_text_scales_with_the_regeneration_rate():
@@ -288,7 +469,7 @@ def test_quickstart_original_text_scales_with_the_regeneration_rate():
     s = QuickstartSettings()
     idle = round(IDLE_RESPONSES_PER_MIN * s.regen_minutes)
     assert original_text_count(s, idle) == s.original_text == 300
-    assert original_text_count(s, 2 * idle) == 300                       # a faster machine: no more than asked
+    assert original_text_count(s, 2 * idle) == 300  # a faster machine: no more than asked
     assert original_text_count(s, idle // 2) == pytest.approx(150, abs=1)
     assert original_text_count(QuickstartSettings(original_text=0), idle) == 0
-    assert original_text_count(QuickstartSettings(regen_minutes=0.0), 4) == 300   # no idle figure: as asked
+    assert original_text_count(QuickstartSettings(regen_minutes=0.0), 4) == 300  # no idle figure: as asked

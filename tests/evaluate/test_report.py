@@ -8,36 +8,70 @@ import json
 import pytest
 
 from dflashkit.errors import DataError
-from dflashkit.evaluate.stats import acceptance_stats
 from dflashkit.evaluate.report import PLOTS, compare, load_results, render
+from dflashkit.evaluate.stats import acceptance_stats
 
 
 def fake_results(tau_shift: int = 0, kind: str = "evaluate") -> dict:
     def stats(lengths, max_len, speed):
         st = acceptance_stats(lengths, max_len)
         timed = kind == "evaluate"
-        return {**st, "n_prompts": len(lengths), "tok_s": 40.0 * speed if timed else None,
-                "speedup_vs_ar": speed if timed else None, "predicted_speedup": speed * 1.2 if timed else None,
-                "efficiency": 1 / 1.2 if timed else None, "greedy_equal_fraction": 1.0 if timed else None,
-                "timings_s": {"prefill": 0.1, "draft": 0.2, "tree_build": 0.0, "verify": 0.5, "commit": 0.01},
-                "timings_per_round_s": {"prefill": 0.01, "draft": 0.02, "tree_build": 0.0, "verify": 0.05,
-                                        "commit": 0.001},
-                "round_s": 0.071, "divergences": [] if speed < 2 else
-                [{"prompt_id": "p1", "index": 4, "ar_token": 7, "spec_token": 9, "margin": 1e-5, "top2": [7, 9],
-                  "verdict": "near_tie", "threshold": 1e-3}]}
+        return {
+            **st,
+            "n_prompts": len(lengths),
+            "tok_s": 40.0 * speed if timed else None,
+            "speedup_vs_ar": speed if timed else None,
+            "predicted_speedup": speed * 1.2 if timed else None,
+            "efficiency": 1 / 1.2 if timed else None,
+            "greedy_equal_fraction": 1.0 if timed else None,
+            "timings_s": {"prefill": 0.1, "draft": 0.2, "tree_build": 0.0, "verify": 0.5, "commit": 0.01},
+            "timings_per_round_s": {"prefill": 0.01, "draft": 0.02, "tree_build": 0.0, "verify": 0.05, "commit": 0.001},
+            "round_s": 0.071,
+            "divergences": []
+            if speed < 2
+            else [
+                {
+                    "prompt_id": "p1",
+                    "index": 4,
+                    "ar_token": 7,
+                    "spec_token": 9,
+                    "margin": 1e-5,
+                    "top2": [7, 9],
+                    "verdict": "near_tie",
+                    "threshold": 1e-3,
+                }
+            ],
+        }
 
     chain = [[1 + tau_shift, 3, 6, 2], [4, 1, 6]]
-    return {"schema": "dflashkit.eval/1", "kind": kind,
-            "target": {"source": "tiny", "architecture": "LlamaForCausalLM", "num_layers": 8, "hidden_size": 64,
-                       "dtype": "float32"},
-            "dataset": {"name": "unit", "n_prompts": 2, "skipped": {"x": "too long"}},
-            "settings": {"max_new_tokens": 16, "sampling": {"temperature": 0.0}, "tree_top_k": 8},
-            "drafters": {"a": {"source": "ckpt/a", "block_size": 6, "target_layer_ids": [1, 4], "parameters": 1234}},
-            "ar": {"n_prompts": 2, "tok_s": 40.0, "t_step_s": 0.02, "timings_s": {"prefill": 0.1, "verify": 0.3},
-                   "timings_per_round_s": {"draft": 0.0, "verify": 0.02, "commit": 0.001}} if kind == "evaluate" else None,
-            "results": {"a": {"chain": stats(chain, 6, 1.5), "ddtree:4": stats([[5, 5, 2], [3]], 5, 2.1)},
-                        "b": {"chain": stats([[1, 1, 2]], 6, 0.8)}},
-            "notes": ["a note"]}
+    return {
+        "schema": "dflashkit.eval/1",
+        "kind": kind,
+        "target": {
+            "source": "tiny",
+            "architecture": "LlamaForCausalLM",
+            "num_layers": 8,
+            "hidden_size": 64,
+            "dtype": "float32",
+        },
+        "dataset": {"name": "unit", "n_prompts": 2, "skipped": {"x": "too long"}},
+        "settings": {"max_new_tokens": 16, "sampling": {"temperature": 0.0}, "tree_top_k": 8},
+        "drafters": {"a": {"source": "ckpt/a", "block_size": 6, "target_layer_ids": [1, 4], "parameters": 1234}},
+        "ar": {
+            "n_prompts": 2,
+            "tok_s": 40.0,
+            "t_step_s": 0.02,
+            "timings_s": {"prefill": 0.1, "verify": 0.3},
+            "timings_per_round_s": {"draft": 0.0, "verify": 0.02, "commit": 0.001},
+        }
+        if kind == "evaluate"
+        else None,
+        "results": {
+            "a": {"chain": stats(chain, 6, 1.5), "ddtree:4": stats([[5, 5, 2], [3]], 5, 2.1)},
+            "b": {"chain": stats([[1, 1, 2]], 6, 0.8)},
+        },
+        "notes": ["a note"],
+    }
 
 
 def test_render_writes_markdown_and_plots(tmp_path):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.drafter.config import DrafterConfig
 from dflashkit.decode.generate import generate
-from dflashkit.errors import DataError, TargetError
-from dflashkit.evaluate.stats import Prompt
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.evaluate.simulate import TranscriptCache, build_transcripts, simulate, simulate_many
+from dflashkit.errors import DataError, TargetError
+from dflashkit.evaluate.simulate import simulate, simulate_many
+from dflashkit.evaluate.stats import Prompt
+from dflashkit.evaluate.transcripts import TranscriptCache, build_transcripts
 from dflashkit.target.model import Target
 from helpers.oracles import PositionalOracle, drafter_config, make_prompts
 
@@ -28,27 +28,39 @@ def llama(tiny_llama_dir):
 def test_simulation_equals_real_loop(llama, tmp_path):
     prompts = make_prompts(2)
     n_new = 30
-    cache = build_transcripts(llama, prompts, tmp_path / "tr", max_new_tokens=n_new, layer_ids=[1, 4, 6],
-                              progress=False)
+    cache = build_transcripts(
+        llama, prompts, tmp_path / "tr", max_new_tokens=n_new, layer_ids=[1, 4, 6], progress=False
+    )
     # the oracle knows the greedy continuation of prompt p0 (it proposes noise-level junk for p1)
-    ref = prompts[0].ids + cache.load(0).ids[len(prompts[0].ids):]
+    ref = prompts[0].ids + cache.load(0).ids[len(prompts[0].ids) :]
     torch.manual_seed(0)
-    drafters = {"oracle": PositionalOracle(drafter_config(), ref, p_correct=0.75, seed=3).eval(),
-                "random": DFlashDrafter(drafter_config()).eval()}
+    drafters = {
+        "oracle": PositionalOracle(drafter_config(), ref, p_correct=0.75, seed=3).eval(),
+        "random": DFlashDrafter(drafter_config()).eval(),
+    }
     sims = simulate_many(drafters, cache, tree_budgets=[3, 10], tree_top_k=2, progress=False)
     for name, d in drafters.items():
         for method, kw in (("chain", {}), ("ddtree:3", {"tree_budget": 3}), ("ddtree:10", {"tree_budget": 10})):
             taus = []
             for p in prompts:
-                res = generate(llama, p.ids, drafter=d, method="tree" if kw else "chain", max_new_tokens=n_new,
-                               tree_top_k=2, check_invariants=True, **kw)
+                res = generate(
+                    llama,
+                    p.ids,
+                    drafter=d,
+                    method="tree" if kw else "chain",
+                    max_new_tokens=n_new,
+                    tree_top_k=2,
+                    check_invariants=True,
+                    **kw,
+                )
                 assert sims[name][method]["per_prompt"][p.id] == res.acceptance_lengths, (name, method, p.id)
                 taus.append(res.tau)
             assert sims[name][method]["tau_macro"] == pytest.approx(sum(taus) / len(taus))
     chain, tree = sims["oracle"]["chain"], sims["oracle"]["ddtree:10"]
-    assert chain["per_prompt"]["p0"] and max(chain["per_prompt"]["p0"]) > 2          # acceptance exercised
+    assert chain["per_prompt"]["p0"] and max(chain["per_prompt"]["p0"]) > 2  # acceptance exercised
     assert sum(tree["per_prompt"]["p0"]) / len(tree["per_prompt"]["p0"]) > sum(chain["per_prompt"]["p0"]) / len(
-        chain["per_prompt"]["p0"])                                                    # the tree recovers 2nd ranks
+        chain["per_prompt"]["p0"]
+    )  # the tree recovers 2nd ranks
     assert sum(sims["random"]["chain"]["histogram"]) == sims["random"]["chain"]["rounds"]
     # the one-drafter form gives the same numbers
     single = simulate(drafters["oracle"], tmp_path / "tr", tree_budgets=[3], tree_top_k=2)
@@ -59,8 +71,9 @@ def test_simulation_with_stop_token_and_short_block(llama, tmp_path):
     p = make_prompts(1, seed=4)[0]
     free = generate(llama, p.ids, method="ar", max_new_tokens=20).tokens
     stop = free[9]
-    cache = build_transcripts(llama, [p], tmp_path / "tr", max_new_tokens=20, layer_ids=[1, 4, 6],
-                              stop_token_ids=[stop], progress=False)
+    cache = build_transcripts(
+        llama, [p], tmp_path / "tr", max_new_tokens=20, layer_ids=[1, 4, 6], stop_token_ids=[stop], progress=False
+    )
     assert cache.load(0).stop_reason == "stop_token"
     ref = p.ids + free
     d = PositionalOracle(drafter_config(bs=4), ref, p_correct=0.5, seed=1).eval()
@@ -73,8 +86,9 @@ def test_simulation_with_stop_token_and_short_block(llama, tmp_path):
 
 def test_layers_are_stored_separately(llama, tmp_path):
     prompts = make_prompts(2, seed=1)
-    cache = build_transcripts(llama, prompts, tmp_path / "tr", max_new_tokens=12, layer_ids=[7, 1, 4, 2, 6],
-                              progress=False)
+    cache = build_transcripts(
+        llama, prompts, tmp_path / "tr", max_new_tokens=12, layer_ids=[7, 1, 4, 2, 6], progress=False
+    )
     assert cache.layer_ids == [1, 2, 4, 6, 7]
     keys = set(load_file(str(tmp_path / "tr" / cache.entries[0]["file"])))
     assert keys == {"input_ids", "layer1", "layer2", "layer4", "layer6", "layer7"}
@@ -109,7 +123,7 @@ def test_cache_resume_and_damage(llama, tmp_path):
     t = load_file(str(out / "p00001.safetensors"))
     t["layer4"] = t["layer4"][:-1]
     save_file(t, str(out / "p00001.safetensors"))
-    with pytest.raises(DataError, match="p00001.safetensors: tensor 'layer4'"):
+    with pytest.raises(DataError, match=r"p00001.safetensors: tensor 'layer4'"):
         cache.load(1)
     (out / "p00002.safetensors").write_bytes(b"garbage")
     with pytest.raises(DataError, match="unreadable transcript"):
@@ -117,7 +131,7 @@ def test_cache_resume_and_damage(llama, tmp_path):
     (out / "manifest.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(DataError, match="not a dflashkit transcript manifest"):
         TranscriptCache(out)
-    with pytest.raises(DataError, match="no manifest.json"):
+    with pytest.raises(DataError, match=r"no manifest.json"):
         TranscriptCache(tmp_path / "nowhere")
 
 
@@ -147,14 +161,22 @@ def test_simulation_drafts_full_last_blocks_like_the_real_loop(llama, tmp_path):
     p = make_prompts(1, seed=6)[0]
     bs = 6
     for n_new in (7, 13):
-        cache = build_transcripts(llama, [p], tmp_path / f"tr{n_new}", max_new_tokens=n_new, layer_ids=[1, 4, 6],
-                                  progress=False)
+        cache = build_transcripts(
+            llama, [p], tmp_path / f"tr{n_new}", max_new_tokens=n_new, layer_ids=[1, 4, 6], progress=False
+        )
         ids = cache.load(0).ids
         oracle = PositionalOracle(drafter_config(bs=bs), ids, p_correct=0.9, seed=2).eval()
         sim = simulate(oracle, cache, tree_budgets=[12])
         for method, kw in (("chain", {}), ("ddtree:12", {"tree_budget": 12})):
-            real = generate(llama, p.ids, drafter=oracle, method="tree" if kw else "chain", max_new_tokens=n_new,
-                            check_invariants=True, **kw)
+            real = generate(
+                llama,
+                p.ids,
+                drafter=oracle,
+                method="tree" if kw else "chain",
+                max_new_tokens=n_new,
+                check_invariants=True,
+                **kw,
+            )
             assert sim[method]["per_prompt"][p.id] == real.acceptance_lengths, (n_new, method)
             assert sum(real.acceptance_lengths) + 1 >= n_new and len(real.tokens) == n_new
         torch.manual_seed(n_new)
@@ -163,5 +185,5 @@ def test_simulation_drafts_full_last_blocks_like_the_real_loop(llama, tmp_path):
         sim_calls, rec.calls = rec.calls, []
         generate(llama, p.ids, drafter=rec, method="chain", max_new_tokens=n_new)
         assert [n for n, _ in sim_calls] == [n for n, _ in rec.calls] == [bs] * len(rec.calls)
-        for (_, a), (_, b) in zip(sim_calls, rec.calls):
+        for (_, a), (_, b) in zip(sim_calls, rec.calls, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

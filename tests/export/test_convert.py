@@ -7,29 +7,57 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from helpers.checkpoints import small_config, speculators_checkpoint, write_checkpoint
 
-from dflashkit.drafter.checkpoint import load_drafter, read_tensors
 from dflashkit.cli import main
-from dflashkit.drafter.config import DrafterConfig
-from dflashkit.export.convert import convert, map_key
+from dflashkit.drafter.checkpoint import load_drafter, read_tensors
 from dflashkit.errors import CheckpointError
+from dflashkit.export.convert import convert, map_key
+from helpers.checkpoints import small_config, speculators_checkpoint, write_checkpoint
 
 # Fields the serving engines' DFlash loaders read from the draft config.json (dotted = inside dflash_config).
 # vLLM: vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model / DFlashQwen3DecoderLayer /
 #       _resolve_layer_attention) and vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
 #       (get_eagle3_aux_layers_from_config: dflash_config.target_layer_ids, + 1 for its capture points).
-VLLM_DFLASH_FIELDS = ("architectures", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps",
-                      "max_position_embeddings", "rope_parameters", "attention_bias", "layer_types", "sliding_window",
-                      "dflash_config.mask_token_id", "dflash_config.target_layer_ids")
+VLLM_DFLASH_FIELDS = (
+    "architectures",
+    "hidden_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "attention_bias",
+    "layer_types",
+    "sliding_window",
+    "dflash_config.mask_token_id",
+    "dflash_config.target_layer_ids",
+)
 # SGLang: python/sglang/srt/models/dflash.py (DFlashAttention / DFlashMLP / DFlashDraftModel) and
 #         python/sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config, get_dflash_layer_types).
-SGLANG_DFLASH_FIELDS = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps",
-                        "max_position_embeddings", "rope_theta", "layer_types", "sliding_window", "num_target_layers",
-                        "block_size", "dflash_config.target_layer_ids", "dflash_config.mask_token_id")
+SGLANG_DFLASH_FIELDS = (
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_theta",
+    "layer_types",
+    "sliding_window",
+    "num_target_layers",
+    "block_size",
+    "dflash_config.target_layer_ids",
+    "dflash_config.mask_token_id",
+)
 
 
 def lookup(raw: dict, dotted: str):
@@ -41,13 +69,18 @@ def lookup(raw: dict, dotted: str):
 
 
 def test_zlab_speculators_zlab_round_trip_is_exact(tmp_path):
-    cfg = small_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=32,
-                       draft_vocab_size=20, is_causal=False)
+    cfg = small_config(
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=32,
+        draft_vocab_size=20,
+        is_causal=False,
+    )
     src = write_checkpoint(tmp_path / "z", cfg, edit=lambda sd: sd["draft_to_target"].copy_(torch.randperm(97)[:20]))
     spec = tmp_path / "spec"
     convert(src, spec, to="speculators")
     raw = json.loads((spec / "config.json").read_text())
-    assert raw["aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6]           # hidden_states indices: + 1
+    assert raw["aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6]  # hidden_states indices: + 1
     assert raw["transformer_layer_config"]["num_attention_heads"] == 4 and raw["sliding_window_non_causal"] is True
     t = read_tensors(spec)
     a = read_tensors(src)
@@ -67,13 +100,17 @@ def test_speculators_checkpoint_imports_with_shifted_ids_and_dropped_tables(tmp_
     out = tmp_path / "z"
     assert main(["convert", str(src), str(out), "--num-target-layers", "8"]) == 0
     printed = capsys.readouterr().out
-    assert "aux_hidden_state_layer_ids [2, 4, 6] (hidden_states indices) → z-lab target_layer_ids [1, 3, 5]" \
-        in printed
+    assert "aux_hidden_state_layer_ids [2, 4, 6] (hidden_states indices) → z-lab target_layer_ids [1, 3, 5]" in printed
     assert "dropped embed_tokens.weight [97, 64]" in printed and "dropped verifier_norm.weight [64]" in printed
     drafter = load_drafter(out)
     c = drafter.config
-    assert (c.target_layer_ids, c.num_target_layers, c.mask_token_id, c.block_size, c.rope_theta) == \
-        ([1, 3, 5], 8, 90, 8, 10000.0)
+    assert (c.target_layer_ids, c.num_target_layers, c.mask_token_id, c.block_size, c.rope_theta) == (
+        [1, 3, 5],
+        8,
+        90,
+        8,
+        10000.0,
+    )
     own = drafter.state_dict()
     for k, v in sd.items():
         assert torch.equal(own[k], v), k
@@ -84,21 +121,24 @@ def test_speculators_checkpoint_imports_with_shifted_ids_and_dropped_tables(tmp_
 
 
 def test_speculators_reduced_vocabulary(tmp_path):
-    src, sd, tables = speculators_checkpoint(tmp_path / "spec", draft_vocab=12)
+    src, _, tables = speculators_checkpoint(tmp_path / "spec", draft_vocab=12)
     report = convert(src, tmp_path / "z", num_target_layers=8)
     d = load_drafter(tmp_path / "z")
     assert d.config.draft_vocab_size == 12
-    assert torch.equal(d.draft_to_target, tables["d2t"] + torch.arange(12))     # target id = draft id + d2t
+    assert torch.equal(d.draft_to_target, tables["d2t"] + torch.arange(12))  # target id = draft id + d2t
     assert any(n.startswith("dropped lm_head.weight [12, 64]") for n in report.notes)
     assert json.loads((tmp_path / "z/config.json").read_text())["draft_vocab_size"] == 12
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"shift_label": True}, "shift_label: true"),
-    ({"aux_hidden_state_layer_ids": [0, 4, 6]}, "contains 0 \\(the embedding output\\)"),
-    ({"projector_type": "domino"}, "projector_type 'domino'"),
-    ({"mask_token_id": None}, "mask_token_id is not set"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"shift_label": True}, "shift_label: true"),
+        ({"aux_hidden_state_layer_ids": [0, 4, 6]}, "contains 0 \\(the embedding output\\)"),
+        ({"projector_type": "domino"}, "projector_type 'domino'"),
+        ({"mask_token_id": None}, "mask_token_id is not set"),
+    ],
+)
 def test_speculators_refusals_name_the_field(tmp_path, change, message):
     src, _, _ = speculators_checkpoint(tmp_path / "spec", **change)
     with pytest.raises(CheckpointError, match=message):
@@ -121,10 +161,10 @@ def test_export_carries_every_field_the_serving_loaders_read(tmp_path):
     raw = json.loads((tmp_path / "export/config.json").read_text())
     for name in VLLM_DFLASH_FIELDS + SGLANG_DFLASH_FIELDS:
         lookup(raw, name)
-    assert raw["architectures"] == ["DFlashDraftModel"] and raw["hidden_act"] == "silu"   # SGLang: silu only
-    assert raw["dflash_config"]["target_layer_ids"] == [1, 3, 5]      # decoder-layer indices (vLLM adds 1)
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["hidden_act"] == "silu"  # SGLang: silu only
+    assert raw["dflash_config"]["target_layer_ids"] == [1, 3, 5]  # decoder-layer indices (vLLM adds 1)
     assert raw["rope_parameters"]["rope_theta"] == raw["rope_theta"]
-    mask = torch.load(tmp_path / "export/mask_embedding.pt", weights_only=True)   # vLLM's override file
+    mask = torch.load(tmp_path / "export/mask_embedding.pt", weights_only=True)  # vLLM's override file
     assert mask["mask_token_id"] == raw["dflash_config"]["mask_token_id"]
     assert torch.equal(mask["embedding"], read_tensors(src)["mask_embedding"])
 
@@ -159,7 +199,8 @@ def test_inspect_and_doctor_read_speculators_checkpoints(tmp_path, tiny_llama_di
     assert r.ok and r.format == "speculators" and r.facts["target_layer_ids"] == [1, 3, 5]
     assert [f.line() for f in r.findings if f.status != "OK"] == [
         f"WARN format: speculators-format checkpoint (layer ids count the embedding output) — fix: convert it: "
-        f"dflashkit convert {src} OUT"]
+        f"dflashkit convert {src} OUT"
+    ]
     report = run_doctor(Target.load(tiny_llama_dir), src, prompts=1, max_new_tokens=4)
     lines = [f.line() for f in report.findings]
     assert "OK target layers: [1, 3, 5] of 8, distinct" in lines

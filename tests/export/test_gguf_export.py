@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from helpers.checkpoints import small_config, write_checkpoint
 
-from dflashkit.drafter.checkpoint import read_tensors
 from dflashkit.cli import main
+from dflashkit.drafter.checkpoint import read_tensors
 from dflashkit.errors import CheckpointError, ConfigError, TargetError
 from dflashkit.export.gguf_export import export_gguf, gguf_tensor_name
+from helpers.checkpoints import small_config, write_checkpoint
 
 VT, QT = gguf.GGUFValueType, gguf.GGMLQuantizationType
 
@@ -52,8 +52,17 @@ LOADER_KEYS = {
 }
 
 
-def loader_tensors(n_embd: int, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
-                   n_extract: int, n_vocab: int, n_vocab_draft: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+def loader_tensors(
+    n_embd: int,
+    n_layer: int,
+    n_head: int,
+    n_head_kv: int,
+    head_dim: int,
+    n_ff: int,
+    n_extract: int,
+    n_vocab: int,
+    n_vocab_draft: int,
+) -> dict[str, tuple[tuple[int, ...], bool]]:
     """src/models/dflash.cpp llama_model_dflash::load_arch_tensors: GGUF name → (ne, required), for a plain
     DFlash drafter (no DSpark / DFlash2 heads). The loader fails on any tensor of the file it did not create."""
     table = {
@@ -65,27 +74,30 @@ def loader_tensors(n_embd: int, n_layer: int, n_head: int, n_head_kv: int, head_
         "d2t": ((n_vocab_draft,), False),
     }
     for i in range(n_layer):
-        table.update({
-            f"blk.{i}.attn_norm.weight": ((n_embd,), True),
-            f"blk.{i}.attn_q.weight": ((n_embd, head_dim * n_head), True),
-            f"blk.{i}.attn_k.weight": ((n_embd, head_dim * n_head_kv), True),
-            f"blk.{i}.attn_v.weight": ((n_embd, head_dim * n_head_kv), False),
-            f"blk.{i}.attn_output.weight": ((head_dim * n_head, n_embd), True),
-            f"blk.{i}.attn_q_norm.weight": ((head_dim,), True),
-            f"blk.{i}.attn_k_norm.weight": ((head_dim,), True),
-            f"blk.{i}.ffn_norm.weight": ((n_embd,), True),
-            f"blk.{i}.ffn_gate.weight": ((n_embd, n_ff), True),
-            f"blk.{i}.ffn_down.weight": ((n_ff, n_embd), True),
-            f"blk.{i}.ffn_up.weight": ((n_embd, n_ff), True),
-        })
+        table.update(
+            {
+                f"blk.{i}.attn_norm.weight": ((n_embd,), True),
+                f"blk.{i}.attn_q.weight": ((n_embd, head_dim * n_head), True),
+                f"blk.{i}.attn_k.weight": ((n_embd, head_dim * n_head_kv), True),
+                f"blk.{i}.attn_v.weight": ((n_embd, head_dim * n_head_kv), False),
+                f"blk.{i}.attn_output.weight": ((head_dim * n_head, n_embd), True),
+                f"blk.{i}.attn_q_norm.weight": ((head_dim,), True),
+                f"blk.{i}.attn_k_norm.weight": ((head_dim,), True),
+                f"blk.{i}.ffn_norm.weight": ((n_embd,), True),
+                f"blk.{i}.ffn_gate.weight": ((n_embd, n_ff), True),
+                f"blk.{i}.ffn_down.weight": ((n_ff, n_embd), True),
+                f"blk.{i}.ffn_up.weight": ((n_embd, n_ff), True),
+            }
+        )
     return table
 
 
 MATRIX_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 
 
-def write_target_gguf(path: Path, target_dir: Path, *, embd_type: QT = QT.Q8_0, tied: bool = False,
-                      n_layers: int = 8) -> Path:
+def write_target_gguf(
+    path: Path, target_dir: Path, *, embd_type: QT = QT.Q8_0, tied: bool = False, n_layers: int = 8
+) -> Path:
     """A llama-arch target GGUF holding the conftest tiny Llama's tables (what the exporter reads from a target)."""
     sd = load_file(str(target_dir / "model.safetensors"))
     embd = sd["model.embed_tokens.weight"].float().numpy()
@@ -129,9 +141,17 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
             assert not required, f"required key {key} missing"
     assert fields["general.architecture"].contents() == "dflash"
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)
-    table = loader_tensors(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                           cfg.head_dim, cfg.intermediate_size, cfg.num_features, n_vocab,
-                           cfg.draft_vocab_size or n_vocab)
+    table = loader_tensors(
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.num_features,
+        n_vocab,
+        cfg.draft_vocab_size or n_vocab,
+    )
     unknown = sorted(set(tensors) - set(table))
     assert not unknown, f"tensors the loader would not consume: {unknown}"
     missing = sorted(n for n, (_, req) in table.items() if req and n not in tensors)
@@ -139,7 +159,7 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
     for name, t in tensors.items():
         assert tuple(int(x) for x in t.shape) == table[name][0], f"{name}: ne {list(t.shape)} ≠ {table[name][0]}"
         if name == "d2t":
-            assert t.tensor_type == QT.I64       # dflash.cpp: GGML_ASSERT(model.d2t->type == GGML_TYPE_I64)
+            assert t.tensor_type == QT.I64  # dflash.cpp: GGML_ASSERT(model.d2t->type == GGML_TYPE_I64)
         elif len(t.shape) == 1:
             assert t.tensor_type == QT.F32, f"{name}: norms stay F32"
         elif name not in ("token_embd.weight", "output.weight"):
@@ -157,18 +177,23 @@ def dequant(t) -> np.ndarray:
 
 @pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0"])
 def test_real_row_drafter_matches_the_loader(tmp_path, target_gguf, outtype):
-    cfg = small_config(learned_mask_embedding=False, mask_token_id=90, target_layer_ids=[1, 3, 5],
-                       num_hidden_layers=2, intermediate_size=128)
+    cfg = small_config(
+        learned_mask_embedding=False,
+        mask_token_id=90,
+        target_layer_ids=[1, 3, 5],
+        num_hidden_layers=2,
+        intermediate_size=128,
+    )
     ckpt = write_checkpoint(tmp_path / "d", cfg)
     out = tmp_path / "d.gguf"
     export_gguf(ckpt, out, target=target_gguf, outtype=outtype)
     tensors = check_against_loader(out, cfg, outtype=outtype)
-    assert "token_embd.weight" not in tensors and "output.weight" not in tensors   # shared with the target
+    assert "token_embd.weight" not in tensors and "output.weight" not in tensors  # shared with the target
     fields, _ = read(out)
-    assert list(fields["dflash.target_layers"].contents()) == [2, 4, 6]           # id + 1: layer inputs
+    assert list(fields["dflash.target_layers"].contents()) == [2, 4, 6]  # id + 1: layer inputs
     assert fields["tokenizer.ggml.mask_token_id"].contents() == 90
     assert fields["dflash.block_size"].contents() == cfg.block_size
-    assert "dflash.attention.causal" not in fields                                 # bidirectional block
+    assert "dflash.attention.causal" not in fields  # bidirectional block
     tfields, _ = read(target_gguf)
     assert fields["tokenizer.ggml.tokens"].contents() == tfields["tokenizer.ggml.tokens"].contents()
     sd = read_tensors(ckpt)
@@ -185,11 +210,11 @@ def test_learned_mask_carries_patched_table_and_own_head(tmp_path, target_gguf, 
     report = export_gguf(ckpt, out, target=target_gguf, outtype="f32")
     tensors = check_against_loader(out, cfg, outtype="f32")
     _, ttensors = read(target_gguf)
-    assert tensors["token_embd.weight"].tensor_type == QT.Q8_0                 # the target's own quantisation
+    assert tensors["token_embd.weight"].tensor_type == QT.Q8_0  # the target's own quantisation
     embd, ref = dequant(tensors["token_embd.weight"]), dequant(ttensors["token_embd.weight"])
     mask = read_tensors(ckpt)["mask_embedding"].numpy()
-    assert np.allclose(embd[7], mask, atol=2e-2 * np.abs(mask).max())            # row 7 = the learned vector
-    assert np.array_equal(np.delete(embd, 7, 0), np.delete(ref, 7, 0))          # every other row untouched
+    assert np.allclose(embd[7], mask, atol=2e-2 * np.abs(mask).max())  # row 7 = the learned vector
+    assert np.array_equal(np.delete(embd, 7, 0), np.delete(ref, 7, 0))  # every other row untouched
     assert np.array_equal(dequant(tensors["output.weight"]), dequant(ttensors["output.weight"]))
     assert any("learned mask" in n for n in report.notes)
 
@@ -202,7 +227,7 @@ def test_reduced_vocabulary_writes_d2t_and_reduced_head(tmp_path, target_gguf, l
     out = tmp_path / "d.gguf"
     export_gguf(ckpt, out, target=target_gguf, outtype="q8_0")
     tensors = check_against_loader(out, cfg, outtype="q8_0")
-    assert np.array_equal(np.array(tensors["d2t"].data), draft_ids.numpy())   # absolute target ids
+    assert np.array_equal(np.array(tensors["d2t"].data), draft_ids.numpy())  # absolute target ids
     _, ttensors = read(target_gguf)
     assert np.array_equal(dequant(tensors["output.weight"]), dequant(ttensors["output.weight"])[draft_ids.numpy()])
     assert ("token_embd.weight" in tensors) == learned
@@ -219,7 +244,7 @@ def test_tied_f32_target_and_cli(tmp_path, tiny_llama_dir, capsys):
     embd, head = dequant(tensors["token_embd.weight"]), dequant(tensors["output.weight"])
     _, ttensors = read(tgt)
     ref = dequant(ttensors["token_embd.weight"])
-    assert np.array_equal(head, ref)                                # tied target: its table is the head
+    assert np.array_equal(head, ref)  # tied target: its table is the head
     assert np.array_equal(embd[5], read_tensors(ckpt)["mask_embedding"].numpy())
 
 
@@ -230,7 +255,7 @@ def test_speculators_checkpoint_exports(tmp_path, target_gguf):
     out = tmp_path / "s.gguf"
     export_gguf(src, out, target=target_gguf, outtype="f32", num_target_layers=8)
     fields, tensors = read(out)
-    assert list(fields["dflash.target_layers"].contents()) == [2, 4, 6]   # aux ids [2, 4, 6] − 1, then + 1
+    assert list(fields["dflash.target_layers"].contents()) == [2, 4, 6]  # aux ids [2, 4, 6] − 1, then + 1
     assert tensors["d2t"].shape[0] == 30 and "token_embd.weight" not in tensors
     assert np.array_equal(dequant(tensors["blk.1.ffn_up.weight"]), sd["layers.1.mlp.up_proj.weight"].numpy())
 
@@ -239,8 +264,10 @@ def test_refusals(tmp_path, target_gguf, tiny_llama_dir):
     last = write_checkpoint(tmp_path / "last", small_config(target_layer_ids=[1, 4, 7]))
     with pytest.raises(CheckpointError, match="last decoder layer"):
         export_gguf(last, tmp_path / "x.gguf", target=target_gguf)
-    mixed = write_checkpoint(tmp_path / "mixed", small_config(
-        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64))
+    mixed = write_checkpoint(
+        tmp_path / "mixed",
+        small_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+    )
     with pytest.raises(CheckpointError, match="one causal switch"):
         export_gguf(mixed, tmp_path / "x.gguf", target=target_gguf)
     bias = write_checkpoint(tmp_path / "bias", small_config(attention_bias=True))
@@ -251,8 +278,8 @@ def test_refusals(tmp_path, target_gguf, tiny_llama_dir):
     with pytest.raises(TargetError, match="not this drafter's target"):
         export_gguf(ok, tmp_path / "x.gguf", target=six)
     with pytest.raises(TargetError, match="convert_hf_to_gguf"):
-        export_gguf(ok, tmp_path / "x.gguf", target=tiny_llama_dir)            # an HF directory, no .gguf
+        export_gguf(ok, tmp_path / "x.gguf", target=tiny_llama_dir)  # an HF directory, no .gguf
     with pytest.raises(ConfigError, match="outtype"):
         export_gguf(ok, tmp_path / "x.gguf", target=target_gguf, outtype="q4_k")
-    assert not (tmp_path / "x.gguf").exists()                                   # a refusal writes nothing
-    assert main(["convert", str(ok), str(tmp_path / "x.gguf"), "--to", "gguf"]) == 2   # --target is required
+    assert not (tmp_path / "x.gguf").exists()  # a refusal writes nothing
+    assert main(["convert", str(ok), str(tmp_path / "x.gguf"), "--to", "gguf"]) == 2  # --target is required

@@ -23,16 +23,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflashkit.export import llamacpp
 from dflashkit.drafter.checkpoint import load_drafter, save_drafter
-from dflashkit.export.gguf_export import export_gguf
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.export import llamacpp
+from dflashkit.export.gguf_export import export_gguf
 
-pytestmark = [pytest.mark.llamacpp, pytest.mark.integration,
-              pytest.mark.skipif(not llamacpp.built(), reason="llama.cpp not built (scripts/build_llamacpp.sh)")]
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.integration,
+    pytest.mark.skipif(not llamacpp.built(), reason="llama.cpp not built (scripts/build_llamacpp.sh)"),
+]
 
-PROMPTS = ["<|im_start|>user\nWrite a Python function that reverses a list.<|im_end|>\n<|im_start|>assistant\n",
-           "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n"]
+PROMPTS = [
+    "<|im_start|>user\nWrite a Python function that reverses a list.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n",
+]
 VARIANTS = ("real_row", "learned", "learned_d8192")
 TIE = 0.02
 
@@ -40,12 +45,14 @@ TIE = 0.02
 @pytest.fixture(scope="module")
 def target():
     from dflashkit.target.model import Target
+
     return Target.load("default")
 
 
 @pytest.fixture(scope="module")
 def ggufs() -> dict[str, Path]:
     from dflashkit.target.default import gguf_path
+
     return {"q4_1": gguf_path(), "f32": llamacpp.f32_target_gguf()}
 
 
@@ -66,7 +73,7 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(i)
         d = DFlashDrafter(cfg)
         with torch.no_grad():
-            for pname, p in d.named_parameters():
+            for p in d.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.08)
             if cfg.learned_mask_embedding:
@@ -89,18 +96,23 @@ def reference_drafts(target, drafter, prompt_ids: list[int], run: llamacpp.SpecR
     [(drafts, top-1 − top-2 logit margin per slot)]."""
     cfg = drafter.config
     seq = prompt_ids + run.generated_ids
-    pos0 = len(prompt_ids) - 1                      # llama.cpp's first block starts at the last prompt token
+    pos0 = len(prompt_ids) - 1  # llama.cpp's first block starts at the last prompt token
     out = []
     with torch.no_grad():
         for r in run.rounds:
             feats = target.forward(torch.tensor([seq[:pos0]]), layer_ids=cfg.target_layer_ids, logits=False).features
             emb = drafter.block_embeddings(torch.tensor([[seq[pos0]]]), target.embed_weight, cfg.block_size)
-            h = drafter(feats, emb, context_positions=torch.arange(pos0)[None],
-                        block_positions=torch.arange(pos0, pos0 + cfg.block_size)[None])
-            logits = drafter.logits(h[0, 1:1 + len(r.draft)], target.lm_head_weight)
+            h = drafter(
+                feats,
+                emb,
+                context_positions=torch.arange(pos0)[None],
+                block_positions=torch.arange(pos0, pos0 + cfg.block_size)[None],
+            )
+            logits = drafter.logits(h[0, 1 : 1 + len(r.draft)], target.lm_head_weight)
             top = logits.topk(2, dim=-1)
-            out.append((drafter.to_target_ids(top.indices[:, 0]).tolist(),
-                        (top.values[:, 0] - top.values[:, 1]).tolist()))
+            out.append(
+                (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())
+            )
             pos0 += r.accepted + 1
     return out
 
@@ -114,9 +126,9 @@ def test_drafts_equal_pytorch_on_f32_target(name, target, drafters, ggufs, tmp_p
         run = llamacpp.run_speculative(ggufs["f32"], prompt, drafter=gguf_file, n_max=3, n_predict=24)
         assert len(run.rounds) >= 6, run.log[-2000:]
         ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        for r, (ref, margin) in zip(run.rounds, reference_drafts(target, drafter, ids, run)):
+        for r, (ref, margin) in zip(run.rounds, reference_drafts(target, drafter, ids, run), strict=True):
             assert len(r.draft) == len(ref)
-            for got, want, m in zip(r.draft, ref, margin):
+            for got, want, m in zip(r.draft, ref, margin, strict=True):
                 slots += 1
                 if got != want:
                     assert m < TIE, f"slot draft {got} ≠ PyTorch {want} with a clear margin {m:.3f}"
@@ -151,10 +163,30 @@ def _free_port() -> int:
 def test_gguf_loads_in_llama_server(drafters, ggufs, tmp_path_factory):
     gguf_file = _gguf(drafters, ggufs, tmp_path_factory, "learned_d8192", "q4_1")
     port = _free_port()
-    proc = subprocess.Popen([str(llamacpp.tool("llama-server")), "-m", str(ggufs["q4_1"]), "-md", str(gguf_file),
-                             "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "--host", "127.0.0.1",
-                             "--port", str(port), "-t", "2", "-c", "1024"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            str(llamacpp.tool("llama-server")),
+            "-m",
+            str(ggufs["q4_1"]),
+            "-md",
+            str(gguf_file),
+            "--spec-type",
+            "draft-dflash",
+            "--spec-draft-n-max",
+            "3",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            "2",
+            "-c",
+            "1024",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120

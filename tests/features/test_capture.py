@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflashkit.errors import DataError
-from dflashkit.features.capture import MANIFEST_NAME, CapturedFeatures, Manifest, OnlineFeatures, capture, plan_shards
 from dflashkit.data.samples import Sample
+from dflashkit.errors import DataError
+from dflashkit.features.capture import capture
+from dflashkit.features.captured import CapturedFeatures
+from dflashkit.features.manifest import MANIFEST_NAME, Manifest, plan_shards
+from dflashkit.features.online import OnlineFeatures
 from dflashkit.target.model import Target
 
 LAYERS = [1, 4, 6]
@@ -22,7 +25,7 @@ def make_samples(lengths: list[int], seed: int = 0) -> list[Sample]:
     out = []
     for j, n in enumerate(lengths):
         mask = torch.zeros(n, dtype=torch.bool)
-        mask[n // 3:] = True  # a "prompt" then a supervised "response"
+        mask[n // 3 :] = True  # a "prompt" then a supervised "response"
         out.append(Sample(id=f"s{j}", input_ids=torch.randint(3, 97, (n,), generator=g), loss_mask=mask))
     return out
 
@@ -52,7 +55,7 @@ def test_features_equal_hidden_states_and_tokens_equal_final_argmax(llama, tmp_p
     quiet(llama, samples, tmp_path, dtype=dtype)
     ds = CapturedFeatures(tmp_path, expect_target=llama, expect_layer_ids=LAYERS)
     tol = dict(rtol=0, atol=0) if dtype == "fp32" else dict(rtol=1e-2, atol=1e-2)  # bf16: 8 mantissa bits
-    for s, got in zip(samples, ds):
+    for s, got in zip(samples, ds, strict=True):
         ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
         want = torch.cat([ref.hidden_states[i + 1][0] for i in LAYERS], dim=-1)  # (T, K·H)
         assert got.features.dtype == torch.float32 and got.features.shape == want.shape
@@ -66,7 +69,7 @@ def test_hybrid_target_capture(tiny_hybrid_dir, tmp_path):
     target = Target.load(tiny_hybrid_dir)
     samples = make_samples([9, 6])
     quiet(target, samples, tmp_path, dtype="fp32", layer_ids=[0, 3, 7])
-    for s, got in zip(samples, CapturedFeatures(tmp_path)):
+    for s, got in zip(samples, CapturedFeatures(tmp_path), strict=True):
         ref = target.model(input_ids=s.input_ids[None], output_hidden_states=True)
         want = torch.cat([ref.hidden_states[i + 1][0] for i in (0, 3)], dim=-1)
         torch.testing.assert_close(got.features[:, :128], want, rtol=1e-5, atol=1e-5)
@@ -80,8 +83,14 @@ def test_round_trip_through_several_shards(llama, tmp_path):
     assert [(s["first"], s["count"]) for s in m.shards] == [(0, 2), (2, 2), (4, 2), (6, 1)]
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == [f"shard-0000{i}.safetensors" for i in range(4)]
     on_disk = json.loads((tmp_path / MANIFEST_NAME).read_text())
-    assert on_disk["totals"] == {"samples": 7, "tokens": sum(lengths), "supervised": m.total_supervised,
-                                 "done_samples": 7, "bytes": m.bytes, "complete": True}
+    assert on_disk["totals"] == {
+        "samples": 7,
+        "tokens": sum(lengths),
+        "supervised": m.total_supervised,
+        "done_samples": 7,
+        "bytes": m.bytes,
+        "complete": True,
+    }
     assert on_disk["target"]["hidden_size"] == 64 and on_disk["layer_ids"] == LAYERS
     ds = CapturedFeatures(tmp_path, max_open_shards=1)  # forces handle eviction
     assert len(ds) == 7 and ds.lengths == lengths and ds.layer_ids == LAYERS
@@ -94,6 +103,7 @@ def test_round_trip_through_several_shards(llama, tmp_path):
     with pytest.raises(IndexError):
         ds[7]
     import pickle  # DataLoader workers get a pickled copy: open handles must not travel
+
     assert torch.equal(pickle.loads(pickle.dumps(ds))[4].features, ds[4].features)
 
 
@@ -148,7 +158,7 @@ def test_online_equals_captured_fp32(llama, tmp_path):
     quiet(llama, samples, tmp_path, dtype="fp32", shard_max_tokens=8)
     stored, online = CapturedFeatures(tmp_path), OnlineFeatures(llama, samples, layer_ids=LAYERS)
     assert len(online) == len(stored) == 3 and online.lengths == stored.lengths
-    for a, b in zip(stored, online):
+    for a, b in zip(stored, online, strict=True):
         assert a.id == b.id and b.features.device.type == "cpu"
         assert torch.equal(a.features, b.features) and torch.equal(a.target_tokens, b.target_tokens)
 
@@ -157,7 +167,7 @@ def test_batched_equal_lengths_match_per_sample(llama, tmp_path):
     samples = make_samples([6, 6, 6, 9, 6])
     quiet(llama, samples, tmp_path / "a", dtype="fp32")
     quiet(llama, samples, tmp_path / "b", dtype="fp32", batch_tokens=18)
-    for a, b in zip(CapturedFeatures(tmp_path / "a"), CapturedFeatures(tmp_path / "b")):
+    for a, b in zip(CapturedFeatures(tmp_path / "a"), CapturedFeatures(tmp_path / "b"), strict=True):
         torch.testing.assert_close(a.features, b.features, rtol=1e-5, atol=1e-5)
         assert a.id == b.id and torch.equal(a.input_ids, b.input_ids)
 
@@ -169,11 +179,11 @@ def test_a_subset_of_the_captured_layers_reads_those_columns_in_the_drafters_ord
     sub = CapturedFeatures(tmp_path, expect_target=llama, expect_layer_ids=[LAYERS[2], LAYERS[0]])
     assert sub.layer_ids == [LAYERS[2], LAYERS[0]]
     H = llama.hidden_size
-    for s, a, b in zip(samples, full, sub):
+    for s, a, b in zip(samples, full, sub, strict=True):
         ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
         want = torch.cat([ref.hidden_states[LAYERS[2] + 1][0], ref.hidden_states[LAYERS[0] + 1][0]], dim=-1)
         torch.testing.assert_close(b.features, want, rtol=0, atol=0)  # (T, 2·H), bit-exact in fp32
-        assert torch.equal(b.features[:, :H], a.features[:, 2 * H:3 * H]) and torch.equal(b.input_ids, a.input_ids)
+        assert torch.equal(b.features[:, :H], a.features[:, 2 * H : 3 * H]) and torch.equal(b.input_ids, a.input_ids)
 
 
 def test_bad_input_errors(llama, qwen3, tiny_llama_dir, tmp_path):
@@ -183,21 +193,27 @@ def test_bad_input_errors(llama, qwen3, tiny_llama_dir, tmp_path):
         CapturedFeatures(tmp_path)
     d = tmp_path / "cap"
     quiet(llama, make_samples([5, 9, 4]), d, dtype="fp32", shard_max_tokens=10)
-    with pytest.raises(DataError, match=r"made with target_layer_ids \[1, 4, 6\] but the drafter needs \[1, 4, 7\] "
-                                        r"\(layers \[7\] were not captured\)"):
+    with pytest.raises(
+        DataError,
+        match=r"made with target_layer_ids \[1, 4, 6\] but the drafter needs \[1, 4, 7\] "
+        r"\(layers \[7\] were not captured\)",
+    ):
         CapturedFeatures(d, expect_layer_ids=[1, 4, 7])
-    with pytest.raises(DataError, match=r"with fingerprint '[0-9a-f]+' but the expected target .*qwen3.* has "
-                                        r"fingerprint '[0-9a-f]+'"):
+    with pytest.raises(
+        DataError,
+        match=r"with fingerprint '[0-9a-f]+' but the expected target .*qwen3.* has "
+        r"fingerprint '[0-9a-f]+'",
+    ):
         CapturedFeatures(d, expect_target=qwen3)
     with pytest.raises(DataError, match="fingerprint"):
         CapturedFeatures(d, expect_target="0123456789abcdef")
     CapturedFeatures(d, expect_target=llama, expect_layer_ids=LAYERS)  # the right ones pass
     CapturedFeatures(d, expect_target=Target.load(tiny_llama_dir, dtype="bf16"))  # same weights, other dtype
     (d / "shard-00001.safetensors").unlink()
-    with pytest.raises(DataError, match="shard file shard-00001.safetensors is missing"):
+    with pytest.raises(DataError, match=r"shard file shard-00001.safetensors is missing"):
         CapturedFeatures(d)
     (d / MANIFEST_NAME).write_text("{not json")
-    with pytest.raises(DataError, match="manifest.json: not valid JSON"):
+    with pytest.raises(DataError, match=r"manifest.json: not valid JSON"):
         CapturedFeatures(d)
 
 
@@ -207,7 +223,7 @@ def test_disk_space_checked_before_work(llama, tmp_path, monkeypatch):
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**6, 10**6, 1000))
-    with pytest.raises(DataError, match="not enough disk space.*needs"):
+    with pytest.raises(DataError, match=r"not enough disk space.*needs"):
         quiet(llama, make_samples([5]), tmp_path, dtype="fp32")
     assert not list(tmp_path.glob("shard-*"))
 
@@ -218,27 +234,32 @@ def test_cli_capture_end_to_end(tiny_llama_dir, llama, tmp_path, capsys):
 
     samples = make_samples([7, 5, 9, 6])
     tokens = tmp_path / "tokens.jsonl"
-    tokens.write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids.tolist(),
-                                          "loss_mask": s.loss_mask.int().tolist()}) + "\n" for s in samples))
+    tokens.write_text(
+        "".join(
+            json.dumps({"id": s.id, "input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.int().tolist()}) + "\n"
+            for s in samples
+        )
+    )
     out = tmp_path / "feats"
     base = ["capture", "--target", str(tiny_llama_dir), "--tokens", str(tokens), "--quiet"]
-    assert main(base + ["--out", str(out), "--layer-ids", "1,4,6", "--dtype", "fp32", "--shard-tokens", "12",
-                        "--limit", "3"]) == 0
+    opts = ["--out", str(out), "--layer-ids", "1,4,6", "--dtype", "fp32", "--shard-tokens", "12", "--limit", "3"]
+    assert main([*base, *opts]) == 0
     text = capsys.readouterr().out
     assert "capture: 3 samples, 21 tokens × 3 layers × 64 hidden" in text
     assert "captured 3 samples, 21 tokens" in text and "tok/s" in text and "2 shard(s)" in text
     ds = CapturedFeatures(out, expect_target=llama, expect_layer_ids=LAYERS)
     assert len(ds) == 3 and Manifest.load(out).tokens_file == str(tokens.resolve())
-    torch.testing.assert_close(ds[2].features, OnlineFeatures(llama, samples, layer_ids=LAYERS)[2].features,
-                               rtol=0, atol=0)
-    assert main(base + ["--out", str(out), "--layer-ids", "1,4,6", "--dtype", "fp32", "--limit", "3"]) == 0
+    torch.testing.assert_close(
+        ds[2].features, OnlineFeatures(llama, samples, layer_ids=LAYERS)[2].features, rtol=0, atol=0
+    )
+    assert main([*base, "--out", str(out), "--layer-ids", "1,4,6", "--dtype", "fp32", "--limit", "3"]) == 0
     assert "nothing to do" in capsys.readouterr().out
     # default layer ids come from the default drafter config; --drafter-config reads a config's
-    assert main(base + ["--out", str(tmp_path / "d")]) == 0
+    assert main([*base, "--out", str(tmp_path / "d")]) == 0
     assert CapturedFeatures(tmp_path / "d").layer_ids == default_drafter_config(llama).target_layer_ids
     cfg_path = tmp_path / "drafter.json"
     default_drafter_config(llama, target_layer_ids=[0, 2]).save(cfg_path)
-    assert main(base + ["--out", str(tmp_path / "c"), "--drafter-config", str(cfg_path)]) == 0
+    assert main([*base, "--out", str(tmp_path / "c"), "--drafter-config", str(cfg_path)]) == 0
     assert CapturedFeatures(tmp_path / "c").layer_ids == [0, 2]
-    assert main(base + ["--out", str(out), "--layer-ids", "1,4", "--limit", "3"]) == 2  # user error, no traceback
+    assert main([*base, "--out", str(out), "--layer-ids", "1,4", "--limit", "3"]) == 2  # user error, no traceback
     assert "already holds a capture" in capsys.readouterr().err

@@ -1,24 +1,21 @@
-"""Shared pieces of the bad-input tests (tests/test_bad_input*.py): a captured feature
-directory, token lines, and the check that a CLI error is exactly one line with no traceback."""
+"""Shared pieces of the bad-input tests (tests/commands/test_bad_input*.py): token lines, a re-capture, and the check
+that a CLI error is exactly one line with no traceback. The `captured` fixture is in tests/commands/conftest.py."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
-from pathlib import Path
-
-import pytest
 
 from dflashkit.features.capture import capture
-from dflashkit.data.samples import Sample, read_tokens
 
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 LAYERS = [1, 4, 6]
-DEAD_PID = 99_999_999          # above any pid_max: never a running process
+DEAD_PID = 99_999_999  # above any pid_max: never a running process
 CHAT_OK = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
 PROMPT_OK = json.dumps({"id": "p1", "prompt_ids": [3, 4, 5]})
-FAKE_TARGET = SimpleNamespace(vocab_size=97, tokenizer=None, source="fake",
-                              text_config=SimpleNamespace(max_position_embeddings=512))
+FAKE_TARGET = SimpleNamespace(
+    vocab_size=97, tokenizer=None, source="fake", text_config=SimpleNamespace(max_position_embeddings=512)
+)
 
 
 def _one_line_error(capsys, rc: int, expect_rc: int = 2) -> str:
@@ -26,7 +23,7 @@ def _one_line_error(capsys, rc: int, expect_rc: int = 2) -> str:
     err = capsys.readouterr().err
     assert rc == expect_rc, err
     assert "Traceback" not in err
-    lines = [x for x in err.splitlines() if x.strip() and "%|" not in x]   # minus progress bars
+    lines = [x for x in err.splitlines() if x.strip() and "%|" not in x]  # minus progress bars
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -36,19 +33,7 @@ def _tokens_line(i: int, n: int = 14, prompt: int = 10, vocab: int = 97) -> str:
     return json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt)})
 
 
-@pytest.fixture()
-def captured(target, tmp_path) -> tuple[Path, list[Sample], dict[str, bytes]]:
-    path = tmp_path / "tokens.jsonl"
-    path.write_text("".join(_tokens_line(i, n=14 + i) + "\n" for i in range(3)))
-    samples, _ = read_tokens(path)
-    out = tmp_path / "feats"
-    capture(target, samples, out, layer_ids=LAYERS, dtype="fp32", shard_max_tokens=16, log=None, progress=False)
-    return out, samples, {p.name: p.read_bytes() for p in out.glob("shard-*")}
-
-
 def _recapture(target, samples, out, **kw) -> list[str]:
     logs: list[str] = []
     capture(target, samples, out, layer_ids=LAYERS, dtype="fp32", log=logs.append, progress=False, **kw)
     return logs
-
-

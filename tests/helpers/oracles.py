@@ -13,9 +13,19 @@ from dflashkit.target.model import Target
 
 
 def drafter_config(layer_ids=(1, 4, 6), bs: int = 6) -> DrafterConfig:
-    return DrafterConfig(hidden_size=64, vocab_size=97, num_target_layers=8, target_layer_ids=list(layer_ids),
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=32, block_size=bs, mask_token_id=5)
+    return DrafterConfig(
+        hidden_size=64,
+        vocab_size=97,
+        num_target_layers=8,
+        target_layer_ids=list(layer_ids),
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        block_size=bs,
+        mask_token_id=5,
+    )
 
 
 class PositionalOracle(DFlashDrafter):
@@ -24,8 +34,9 @@ class PositionalOracle(DFlashDrafter):
     call order — so the real loop and the replay see the same proposals.
     Slot k proposes the true token with probability `p_correct`, else a wrong one with the true token second."""
 
-    def __init__(self, cfg: DrafterConfig, reference: dict[int, list[int]] | list[int],
-                 p_correct: float, seed: int = 0) -> None:
+    def __init__(
+        self, cfg: DrafterConfig, reference: dict[int, list[int]] | list[int], p_correct: float, seed: int = 0
+    ) -> None:
         super().__init__(cfg)
         self.reference, self.p_correct, self.seed = reference, p_correct, seed
 
@@ -60,4 +71,4 @@ def make_prompts(n: int, seed: int = 0) -> list[Prompt]:
 
 def reference_greedy(target: Target, prompt: torch.Tensor, n: int) -> list[int]:
     out = target.model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, prompt.shape[0]:].tolist()
+    return out[0, prompt.shape[0] :].tolist()

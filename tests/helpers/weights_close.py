@@ -17,19 +17,27 @@ from __future__ import annotations
 
 import torch
 
-ADAM_STEP_CEILING = 1.5     # |m̂/√v̂| of AdamW in its first steps (β = 0.9, 0.999) stays below this
+ADAM_STEP_CEILING = 1.5  # |m̂/√v̂| of AdamW in its first steps (β = 0.9, 0.999) stays below this
 
 
 def assert_grads_close(a: list[torch.Tensor], b: list[torch.Tensor], *, rel: float = 1e-4) -> None:
     """Each gradient tensor of `a` equals `b`'s within `rel` × (b's largest magnitude) elementwise."""
     assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         scale = float(y.abs().max())
-        torch.testing.assert_close(x, y, rtol=rel, atol=rel * scale + 1e-12, msg=lambda m: f"grad {i}: {m}")
+        torch.testing.assert_close(x, y, rtol=rel, atol=rel * scale + 1e-12, msg=lambda m, i=i: f"grad {i}: {m}")
 
 
-def assert_close_after_adam(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, lr: float, steps: int,
-                            atol: float = 1e-5, rtol: float = 1e-4, max_outlier_fraction: float = 0.01) -> None:
+def assert_close_after_adam(
+    a: dict[str, torch.Tensor],
+    b: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    steps: int,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    max_outlier_fraction: float = 0.01,
+) -> None:
     """Weights after `steps` AdamW steps of learning rate ≤ `lr` from the same start: every element within the
     Adam ceiling (two runs moving apart: 2 · 1.5 · lr per step), and at most `max_outlier_fraction` of all
     elements past `atol + rtol·|b|`."""
@@ -43,4 +51,5 @@ def assert_close_after_adam(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
         total += d.numel()
     assert outliers <= max_outlier_fraction * total, (
         f"{outliers} of {total} weights differ by more than {atol} + {rtol}·|w| (allowed: "
-        f"{max_outlier_fraction:.0%}, the parameters whose gradients are ~0)")
+        f"{max_outlier_fraction:.0%}, the parameters whose gradients are ~0)"
+    )

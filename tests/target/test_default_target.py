@@ -9,8 +9,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_smollm2_default_converts_loads_and_answers():
-    from dflashkit.target.default import default_target_dir
     from dflashkit.drafter.defaults import default_drafter_config
+    from dflashkit.target.default import default_target_dir
     from dflashkit.target.model import Target
 
     target = Target.load("default")
@@ -18,10 +18,14 @@ def test_smollm2_default_converts_loads_and_answers():
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
     assert target.chat_template_info()["present"]
     tok = target.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     out = target.model.generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     assert text, "greedy answer is empty"
     assert "paris" in text.lower()
     # the captured final state reproduces the model's own logits

@@ -25,7 +25,7 @@ def test_features_equal_output_hidden_states(tiny_target_dirs, kind):
     out = target.forward(ids, layer_ids=ids_k)
     assert out.features.shape == (2, 11, len(ids_k) * h)
     for j, layer in enumerate(ids_k):  # concatenation order follows layer_ids
-        torch.testing.assert_close(out.features[..., j * h:(j + 1) * h], ref.hidden_states[layer + 1], rtol=0, atol=0)
+        torch.testing.assert_close(out.features[..., j * h : (j + 1) * h], ref.hidden_states[layer + 1], rtol=0, atol=0)
     # verifier logits come from the *final* layer's pre-norm state through norm + LM head
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(target.verifier_logits(out.final_hidden), ref.logits, rtol=1e-5, atol=1e-5)
@@ -59,10 +59,10 @@ def test_features_move_to_drafter_device_and_dtype(tiny_llama_dir):
 def test_bad_target_inputs(tmp_path, tiny_llama_dir):
     with pytest.raises(TargetError, match="does not exist"):
         Target.load(tmp_path / "nope")
-    with pytest.raises(TargetError, match="no config.json"):
+    with pytest.raises(TargetError, match=r"no config.json"):
         Target.load(tmp_path)
     (tmp_path / "weights.bin").write_text("x")
-    with pytest.raises(TargetError, match="not a .gguf"):
+    with pytest.raises(TargetError, match=r"not a .gguf"):
         Target.load(tmp_path / "weights.bin")
     target = Target.load(tiny_llama_dir)
     with pytest.raises(TargetError, match=r"out of range.*8 decoder layers"):

@@ -28,15 +28,15 @@ def test_equals_f_linear_for_every_small_shape():
 def test_one_row_many_rows_and_autograd_run_f_linear_exactly():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(500, 32, generator=g)
-    for rows in (1, FEW_ROWS + 1):                     # an AR step (HF generate stays stock), a long sequence
+    for rows in (1, FEW_ROWS + 1):  # an AR step (HF generate stays stock), a long sequence
         x = torch.randn(rows, 32, generator=g)
         assert torch.equal(linear_few_rows(x, w), F.linear(x, w))
     xg = torch.randn(4, 32, generator=g, requires_grad=True)
     out = linear_few_rows(xg, w)
-    assert torch.equal(out, F.linear(xg, w)) and out.requires_grad         # training keeps autograd's path
+    assert torch.equal(out, F.linear(xg, w)) and out.requires_grad  # training keeps autograd's path
     out.sum().backward()
     assert xg.grad is not None
-    with torch.no_grad(), pytest.raises(RuntimeError):                      # dtype mismatch: F.linear's own error
+    with torch.no_grad(), pytest.raises(RuntimeError):  # dtype mismatch: F.linear's own error
         linear_few_rows(torch.randn(3, 32, generator=g).double(), w)
     assert linear_few_rows(torch.zeros(0, 32), w).shape == (0, 500)
 
@@ -73,5 +73,5 @@ def test_min_rows_one_takes_the_weight_stationary_path_for_a_single_row():
     assert ((got - F.linear(x, w)).abs() <= _bound(x, w)).all()
     from dflashkit.target.products import stock_products
 
-    with stock_products():                              # inside stock_products(): F.linear exactly
+    with stock_products():  # inside stock_products(): F.linear exactly
         assert torch.equal(linear_few_rows(x, w, min_rows=1), F.linear(x, w))

@@ -6,10 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.train.blocks import (BlockBatch, build_blocks, candidate_anchors, dense_mask, flex_mask_mod,
-                              masks_for_layer_types, reference_mask, sample_anchors)
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.train.blocks import (
+    BlockBatch,
+    build_blocks,
+    candidate_anchors,
+    dense_mask,
+    flex_mask_mod,
+    masks_for_layer_types,
+    reference_mask,
+    sample_anchors,
+)
 
 
 def packed_row(seed: int, t: int = 48, vocab: int = 50) -> dict[str, torch.Tensor]:
@@ -24,11 +32,11 @@ def packed_row(seed: int, t: int = 48, vocab: int = 50) -> dict[str, torch.Tenso
         length = min(int(torch.randint(4, 20, (1,), generator=g)), t - i - int(torch.randint(0, 4, (1,), generator=g)))
         if length < 2:
             break
-        doc_ids[i:i + length] = d
-        positions[i:i + length] = torch.arange(length)
+        doc_ids[i : i + length] = d
+        positions[i : i + length] = torch.arange(length)
         prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=g))
-        loss_mask[i + prompt:i + length] = True
-        loss_mask[i:i + length] &= torch.rand(length, generator=g) > 0.1
+        loss_mask[i + prompt : i + length] = True
+        loss_mask[i : i + length] &= torch.rand(length, generator=g) > 0.1
         i += length
         d += 1
     input_ids = torch.randint(2, vocab, (t,), generator=g)
@@ -83,7 +91,7 @@ def test_labels_and_positions(bs: int) -> None:
         for i, a in enumerate(batch.anchors[b].tolist()):
             if a < 0:
                 assert batch.labels[b, i].eq(-100).all() and not batch.label_valid[b, i].any()
-                assert batch.block_positions[b, i * bs:(i + 1) * bs].tolist() == list(range(bs))
+                assert batch.block_positions[b, i * bs : (i + 1) * bs].tolist() == list(range(bs))
                 assert int(batch.block_doc_ids[b, i]) == -1 and int(batch.first_tokens[b, i]) == 0
                 continue
             assert int(batch.first_tokens[b, i]) == ids[a]
@@ -105,7 +113,7 @@ def _batch_with_padding(seed: int, bs: int) -> tuple[list[dict[str, torch.Tensor
     stacked = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     g = torch.Generator().manual_seed(seed)
     anchors = [sample_anchors(r["doc_ids"], r["loss_mask"], max_anchors=4, generator=g) for r in rows]
-    anchors[1] = anchors[1][: max(1, anchors[1].numel() // 2)]          # rows with different anchor counts
+    anchors[1] = anchors[1][: max(1, anchors[1].numel() // 2)]  # rows with different anchor counts
     batch = build_blocks(**stacked, block_size=bs, anchors=anchors, num_blocks=max(a.numel() for a in anchors) + 1)
     assert (batch.anchors == -1).any()
     return rows, batch
@@ -127,10 +135,11 @@ def test_dense_and_flex_match_reference(bs: int, causal: bool, window: int | Non
         flex = create_mask(mod, 2, None, nq, kv, device="cpu")
         bi = torch.arange(2)[:, None, None, None]
         qi, ki = torch.arange(nq)[None, None, :, None], torch.arange(kv)[None, None, None, :]
-        broadcast = mod(bi, torch.zeros_like(bi), qi, ki)               # the mask_mod over all index pairs
+        broadcast = mod(bi, torch.zeros_like(bi), qi, ki)  # the mask_mod over all index pairs
         for b, row in enumerate(rows):
-            ref = reference_mask(row["doc_ids"], row["positions"], batch.anchors[b], bs,
-                                 causal_in_block=causal, window=window)
+            ref = reference_mask(
+                row["doc_ids"], row["positions"], batch.anchors[b], bs, causal_in_block=causal, window=window
+            )
             assert torch.equal(dense[b, 0], ref)
             assert torch.equal(flex[b, 0].bool(), ref)
             assert torch.equal(broadcast[b, 0], ref)
@@ -144,10 +153,10 @@ def test_strict_context_and_overlapping_blocks() -> None:
     doc_ids = torch.tensor([0] * 5 + [1] * 7)
     positions = torch.tensor(list(range(5)) + list(range(7)))
     loss_mask = torch.ones(t, dtype=torch.bool)
-    anchors = torch.tensor([7, 8])                                     # doc 1, positions 2 and 3: overlapping
+    anchors = torch.tensor([7, 8])  # doc 1, positions 2 and 3: overlapping
     batch = build_blocks(torch.arange(t), doc_ids, positions, loss_mask, block_size=bs, anchors=anchors)
     for causal in (False, True):
-        m = dense_mask(batch, causal_in_block=causal)[0, 0]            # (8, 12 + 8)
+        m = dense_mask(batch, causal_in_block=causal)[0, 0]  # (8, 12 + 8)
         assert torch.equal(m, reference_mask(doc_ids, positions, anchors, bs, causal_in_block=causal))
         blk_a, blk_b = m[:bs], m[bs:]
         # block at index 7 (position 2) sees exactly doc-1 keys at positions 0, 1 (indices 5, 6)
@@ -155,16 +164,17 @@ def test_strict_context_and_overlapping_blocks() -> None:
         assert not blk_a[:, 7].any() and not blk_b[:, 8].any(), "the anchor's own position is not context"
         assert blk_b[:, :t].nonzero()[:, 1].unique().tolist() == [5, 6, 7]
         assert not blk_a[:, :5].any() and not blk_b[:, :5].any(), "another document is invisible"
-        assert not blk_a[:, t + bs:].any() and not blk_b[:, t:t + bs].any(), "blocks never see each other"
-        assert blk_a[:, t:t + bs].diagonal().all() and blk_b[:, t + bs:].diagonal().all()
+        assert not blk_a[:, t + bs :].any() and not blk_b[:, t : t + bs].any(), "blocks never see each other"
+        assert blk_a[:, t : t + bs].diagonal().all() and blk_b[:, t + bs :].diagonal().all()
     assert batch.labels[0].tolist() == [[7, 8, 9, 10], [8, 9, 10, 11]]
 
 
 def test_window_by_position() -> None:
     doc_ids = torch.zeros(10, dtype=torch.long)
     positions = torch.arange(10)
-    batch = build_blocks(torch.arange(10), doc_ids, positions, torch.ones(10, dtype=torch.bool), block_size=3,
-                         anchors=torch.tensor([6]))
+    batch = build_blocks(
+        torch.arange(10), doc_ids, positions, torch.ones(10, dtype=torch.bool), block_size=3, anchors=torch.tensor([6])
+    )
     m = dense_mask(batch, causal_in_block=True, window=2)[0, 0]
     # slot 0 (position 6) sees context position 5 only; slot 2 (position 8) sees no context, block slots 1, 2
     assert m[0, :10].nonzero().flatten().tolist() == [5]
@@ -173,13 +183,27 @@ def test_window_by_position() -> None:
 
 # ---------------------------------------------------------------------------------------------- equivalence
 def tiny_config(**kw) -> DrafterConfig:
-    return DrafterConfig(hidden_size=32, vocab_size=50, num_target_layers=4, target_layer_ids=[0, 2],
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64, block_size=4, mask_token_id=1, **kw)
+    return DrafterConfig(
+        hidden_size=32,
+        vocab_size=50,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        block_size=4,
+        mask_token_id=1,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("cfg_kw", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}],
-                         ids=["full", "sliding+full"])
+@pytest.mark.parametrize(
+    "cfg_kw",
+    [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}],
+    ids=["full", "sliding+full"],
+)
 def test_training_mask_forward_equals_per_block_inference(cfg_kw: dict) -> None:
     torch.manual_seed(0)
     cfg = tiny_config(**cfg_kw)
@@ -189,8 +213,10 @@ def test_training_mask_forward_equals_per_block_inference(cfg_kw: dict) -> None:
     rows = [packed_row(3, t=40), packed_row(4, t=40)]
     stacked = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     t = stacked["doc_ids"].shape[1]
-    anchors = [sample_anchors(r["doc_ids"], r["loss_mask"], max_anchors=3, generator=torch.Generator().manual_seed(5))
-               for r in rows]
+    anchors = [
+        sample_anchors(r["doc_ids"], r["loss_mask"], max_anchors=3, generator=torch.Generator().manual_seed(5))
+        for r in rows
+    ]
     # add a block at the start of a document (empty context) and one running past its document's end
     starts = (stacked["positions"][0] == 0) & (stacked["doc_ids"][0] >= 0)
     ends = torch.ones(t, dtype=torch.bool)
@@ -198,16 +224,23 @@ def test_training_mask_forward_equals_per_block_inference(cfg_kw: dict) -> None:
     ends &= stacked["doc_ids"][0] >= 0
     extra = torch.tensor([int(starts.nonzero()[1]), int(ends.nonzero()[0]) - 1])
     anchors[0] = torch.cat([anchors[0], extra]).unique().sort().values
-    batch = build_blocks(**stacked, block_size=bs, anchors=anchors,
-                         num_blocks=max(a.numel() for a in anchors) + 1)   # padding blocks in both rows
+    batch = build_blocks(
+        **stacked, block_size=bs, anchors=anchors, num_blocks=max(a.numel() for a in anchors) + 1
+    )  # padding blocks in both rows
     assert (batch.anchors == -1).any(dim=1).all()
     features = torch.randn(2, t, cfg.num_features * cfg.hidden_size)
-    block_embeds = drafter.block_embeddings(batch.first_tokens, embed, bs)             # (2, Nq, H)
+    block_embeds = drafter.block_embeddings(batch.first_tokens, embed, bs)  # (2, Nq, H)
     with torch.no_grad():
-        out = drafter(features, block_embeds, context_positions=batch.context_positions,
-                      block_positions=batch.block_positions, attention_mask=masks_for_layer_types(cfg, batch))
-        unmasked = drafter(features, block_embeds, context_positions=batch.context_positions,
-                           block_positions=batch.block_positions)
+        out = drafter(
+            features,
+            block_embeds,
+            context_positions=batch.context_positions,
+            block_positions=batch.block_positions,
+            attention_mask=masks_for_layer_types(cfg, batch),
+        )
+        unmasked = drafter(
+            features, block_embeds, context_positions=batch.context_positions, block_positions=batch.block_positions
+        )
     assert torch.isfinite(out).all()
     checked = 0
     for b in range(2):
@@ -215,12 +248,17 @@ def test_training_mask_forward_equals_per_block_inference(cfg_kw: dict) -> None:
         for i, a in enumerate(batch.anchors[b].tolist()):
             if a < 0:
                 continue
-            ctx = ((docs == docs[a]) & (pos < pos[a])).nonzero().flatten()          # document, positions < anchor
+            ctx = ((docs == docs[a]) & (pos < pos[a])).nonzero().flatten()  # document, positions < anchor
             blk_pos = (pos[a] + torch.arange(bs))[None]
             with torch.no_grad():
-                ref = drafter(features[b:b + 1, ctx], block_embeds[b:b + 1, i * bs:(i + 1) * bs],
-                              context_positions=pos[ctx][None], block_positions=blk_pos, attention_mask=None)
-            got = out[b:b + 1, i * bs:(i + 1) * bs]
+                ref = drafter(
+                    features[b : b + 1, ctx],
+                    block_embeds[b : b + 1, i * bs : (i + 1) * bs],
+                    context_positions=pos[ctx][None],
+                    block_positions=blk_pos,
+                    attention_mask=None,
+                )
+            got = out[b : b + 1, i * bs : (i + 1) * bs]
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
             checked += 1
     assert checked >= 4
@@ -260,14 +298,25 @@ def test_flex_block_mask_attention_equals_dense_sdpa(causal: bool, window: int |
 def test_drafter_flex_path_equals_dense_path() -> None:
     """The drafter's flex-attention branch (BlockMask per layer type; CUDA training) gives the same hidden states
     as its SDPA branch with dense masks (CPU), on a sliding + full drafter."""
-    from dflashkit.train.blocks import masks_for_layer_types
     from dflashkit.drafter.config import DrafterConfig
     from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.train.blocks import masks_for_layer_types
 
-    cfg = DrafterConfig(hidden_size=32, vocab_size=50, num_target_layers=4, target_layer_ids=[0, 2],
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=64, block_size=4, mask_token_id=1,
-                        layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    cfg = DrafterConfig(
+        hidden_size=32,
+        vocab_size=50,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        block_size=4,
+        mask_token_id=1,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=3,
+    )
     _, batch = _batch_with_padding(7, 4)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).eval()

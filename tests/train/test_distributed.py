@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,9 +35,25 @@ def _tokens(path: Path) -> Path:
 
 
 def _args(tokens: Path, target: Path, out: Path, batch_rows: int, *extra: str) -> list[str]:
-    return ["train", "-", "--no-progress", f"tokens={tokens}", "online=true", f"target={target}", f"out={out}",
-            f"max_steps={STEPS}", f"batch_rows={batch_rows}", "save_every=2", "drafter.num_hidden_layers=2",
-            "drafter.block_size=4", "max_tokens=40", "tensorboard=false", "noise_std=0.05", "lr=2e-3", *extra]
+    return [
+        "train",
+        "-",
+        "--no-progress",
+        f"tokens={tokens}",
+        "online=true",
+        f"target={target}",
+        f"out={out}",
+        f"max_steps={STEPS}",
+        f"batch_rows={batch_rows}",
+        "save_every=2",
+        "drafter.num_hidden_layers=2",
+        "drafter.block_size=4",
+        "max_tokens=40",
+        "tensorboard=false",
+        "noise_std=0.05",
+        "lr=2e-3",
+        *extra,
+    ]
 
 
 def _torchrun(tmp: Path, args: list[str]) -> subprocess.CompletedProcess:
@@ -46,15 +62,13 @@ def _torchrun(tmp: Path, args: list[str]) -> subprocess.CompletedProcess:
     launcher = tmp / "dflashkit_cli.py"
     launcher.write_text("import sys\nfrom dflashkit.cli import main\nsys.exit(main())\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(launcher),
-           *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(launcher), *args]
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, tiny_llama_dir: Path) -> tuple[Path, Path]:
     """(tokens file, single-process run dir with 2 rows per step)."""
-    pytest.importorskip("dflashkit.features.capture").OnlineFeatures
     from dflashkit.cli import main
 
     tmp = tmp_path_factory.mktemp("dist")
@@ -69,33 +83,35 @@ def single(tmp_path_factory, tiny_llama_dir: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_torchrun_two_ranks_matches_single_process(mode: str, tmp_path: Path, tiny_llama_dir: Path,
-                                                   single: tuple[Path, Path]) -> None:
+def test_torchrun_two_ranks_matches_single_process(
+    mode: str, tmp_path: Path, tiny_llama_dir: Path, single: tuple[Path, Path]
+) -> None:
     tokens, single_out = single
     out = tmp_path / mode
     extra = ["fsdp=true"] if mode == "fsdp" else []
-    if mode == "fsdp":       # stop after step 1 (time budget: the schedule is unchanged), then resume to the end
+    if mode == "fsdp":  # stop after step 1 (time budget: the schedule is unchanged), then resume to the end
         proc = _torchrun(tmp_path, _args(tokens, tiny_llama_dir, out, 1, *extra, "time_budget_minutes=1e-9"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "time_budget at step 1" in proc.stdout
     proc = _torchrun(tmp_path, _args(tokens, tiny_llama_dir, out, 1, *extra))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count(f"dflashkit train: completed at step {STEPS}") == 1    # rank 0 reports, once
+    assert proc.stdout.count(f"dflashkit train: completed at step {STEPS}") == 1  # rank 0 reports, once
     if mode == "fsdp":
         assert "resuming from" in proc.stdout and "step-000001 at step 1" in proc.stdout
 
     recs = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))                # one writer
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))  # one writer
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == (
-        ["step-000001", "step-000002", "step-000004"] if mode == "fsdp" else ["step-000002", "step-000004"])
-    assert not list(out.rglob(".*"))                                               # no temp files left
+        ["step-000001", "step-000002", "step-000004"] if mode == "fsdp" else ["step-000002", "step-000004"]
+    )
+    assert not list(out.rglob(".*"))  # no temp files left
     state = torch.load(out / "checkpoints" / "step-000004" / "train_state.pt", weights_only=True)
     assert state["state"]["world_size"] == 2
 
     ref = read_metrics(single_out / "metrics.jsonl")
     assert [r["loss"] for r in recs] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
     assert recs[-1]["tokens"] == ref[-1]["tokens"]
-    assert recs[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)   # same weights: same gradient
+    assert recs[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)  # same weights: same gradient
     # After Adam steps the weights agree only as far as Adam lets them (see weights_close.py)
     assert_close_after_adam(read_tensors(out / "final"), read_tensors(single_out / "final"), lr=2e-3, steps=STEPS)
 
@@ -141,8 +157,16 @@ def test_ddp_teardown_never_hangs(tmp_path: Path) -> None:
     script = tmp_path / "teardown_rank.py"
     script.write_text(_TEARDOWN_RANK)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "12", str(tmp_path / "store")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), "12", str(tmp_path / "store")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=150)[0] for p in procs]
     except subprocess.TimeoutExpired:
@@ -151,5 +175,5 @@ def test_ddp_teardown_never_hangs(tmp_path: Path) -> None:
         for p in procs:
             p.kill()
             p.wait()
-    for r, (p, out) in enumerate(zip(procs, outs)):
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"rank {r}: 12 teardowns" in out, out[-3000:]

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.data.samples import Sample
 from dflashkit.drafter.checkpoint import read_tensors
 from dflashkit.errors import ConfigError
-from dflashkit.train.metrics import read_metrics
-from dflashkit.data.samples import Sample
 from dflashkit.target.model import Target
-from dflashkit.train.loop import train
 from dflashkit.train.config import TrainConfig
+from dflashkit.train.loop import train
+from dflashkit.train.metrics import read_metrics
 
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 
@@ -37,20 +37,34 @@ def samples(target: Target) -> list[Sample]:
 
 
 def cfg_for(out: Path, **kw) -> TrainConfig:
-    base = dict(out=str(out), drafter=dict(DRAFTER), max_tokens=64, max_steps=10, save_every=1, keep_checkpoints=0,
-                progress=False, tensorboard=False, lr=1e-2, val_samples=1, eval_every=1, keep_best=True)
+    base = dict(
+        out=str(out),
+        drafter=dict(DRAFTER),
+        max_tokens=64,
+        max_steps=10,
+        save_every=1,
+        keep_checkpoints=0,
+        progress=False,
+        tensorboard=False,
+        lr=1e-2,
+        val_samples=1,
+        eval_every=1,
+        keep_best=True,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 def damage_after(step: int):
     """A callback that scrambles the drafter's weights after `step`: later validation passes get worse."""
+
     def hook(end) -> None:
         if end.step == step:
             g = torch.Generator().manual_seed(1)
             with torch.no_grad():
                 for p in end.run.module.parameters():
                     p.copy_(torch.randn(p.shape, generator=g) * p.detach().std().clamp_min(1e-3))
+
     return hook
 
 
@@ -62,7 +76,7 @@ def test_best_is_the_highest_validation_pass_bit_exact(tmp_path: Path, target: T
     res = train(cfg_for(tmp_path, max_steps=10), dataset=samples, target=target, callbacks=[damage_after(6)])
     taus = val_taus(tmp_path)
     assert sorted(taus) == list(range(1, 11))
-    first_best = min(s for s, t in taus.items() if t == max(taus.values()))   # a tie keeps the earlier pass
+    first_best = min(s for s, t in taus.items() if t == max(taus.values()))  # a tie keeps the earlier pass
     assert max(taus[s] for s in range(1, 7)) > max(taus[s] for s in range(7, 11)), taus  # the damage shows
     assert res.best_val_step == first_best < 10 and res.best_val_tau == pytest.approx(taus[first_best])
     assert res.best_dir == tmp_path / "best"
@@ -72,7 +86,7 @@ def test_best_is_the_highest_validation_pass_bit_exact(tmp_path: Path, target: T
         assert torch.equal(best[k], at_step[k]), k
     meta = json.loads((tmp_path / "best" / "best.json").read_text())
     assert meta["step"] == first_best and meta["val"]["tau"] == pytest.approx(taus[first_best])
-    final = read_tensors(tmp_path / "final")                  # final is still the last step
+    final = read_tensors(tmp_path / "final")  # final is still the last step
     assert all(torch.equal(final[k], read_tensors(tmp_path / "checkpoints" / "step-000010")[k]) for k in final)
 
 
@@ -107,7 +121,11 @@ def test_quickstart_screen_names_the_chosen_step() -> None:
     from dflashkit.quickstart import _chosen_step
 
     assert _chosen_step({"steps": 700, "final": "f"}) == ""
-    assert _chosen_step({"steps": 700, "best_step": 700, "best_val_tau": 1.252}) == \
-        "; drafter of the last step (best validation τ 1.25)"
-    assert _chosen_step({"steps": 2800, "best_step": 1300, "best_val_tau": 1.29}) == \
-        "; drafter of step 1300 (best validation τ 1.29)"
+    assert (
+        _chosen_step({"steps": 700, "best_step": 700, "best_val_tau": 1.252})
+        == "; drafter of the last step (best validation τ 1.25)"
+    )
+    assert (
+        _chosen_step({"steps": 2800, "best_step": 1300, "best_val_tau": 1.29})
+        == "; drafter of step 1300 (best validation τ 1.29)"
+    )

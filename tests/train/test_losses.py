@@ -32,13 +32,13 @@ def _problem(seed: int, n: int = 7, bs: int = 4, h: int = 6, v: int = 11):
     weight = torch.randn(v, h, generator=g, dtype=torch.float64)
     labels = torch.randint(0, v, (n, bs), generator=g)
     labels[torch.rand(n, bs, generator=g) < 0.25] = -100
-    labels[0] = -100                                                  # one padding block
+    labels[0] = -100  # one padding block
     target = torch.randn(n, bs, v, generator=g, dtype=torch.float64) * 2
     return hidden, weight, labels, target
 
 
 def _unchunked(hidden, weight, labels, weights, target=None):
-    logits = hidden @ weight.t()                                      # (N, bs, V)
+    logits = hidden @ weight.t()  # (N, bs, V)
     valid = labels != -100
     if target is None:
         per = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100)
@@ -58,8 +58,9 @@ def test_chunked_loss_and_grads_equal_unchunked(kind: str, chunk: int | None) ->
     ref = _unchunked(h1, w1, labels, weights, target if kind == "kl" else None)
     ref.backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = block_loss(h2, w2, labels, weights=weights, kind=kind, chunk_size=chunk,
-                     target_logits=target if kind == "kl" else None)
+    out = block_loss(
+        h2, w2, labels, weights=weights, kind=kind, chunk_size=chunk, target_logits=target if kind == "kl" else None
+    )
     out.loss.backward()
     torch.testing.assert_close(out.loss.double(), ref.double())
     torch.testing.assert_close(h2.grad, h1.grad)
@@ -88,7 +89,7 @@ def test_callable_target_and_frozen_head() -> None:
 
 def test_kl_to_one_hot_target_approaches_ce() -> None:
     hidden, weight, labels, _ = _problem(2)
-    sharp = F.one_hot(labels.clamp(min=0), weight.shape[0]).double() * 40.0   # target ≈ one-hot on the label
+    sharp = F.one_hot(labels.clamp(min=0), weight.shape[0]).double() * 40.0  # target ≈ one-hot on the label
     ce = block_loss(hidden, weight, labels).loss
     kl = block_loss(hidden, weight, labels, kind="kl", target_logits=sharp, chunk_size=2).loss
     torch.testing.assert_close(kl, ce, rtol=1e-6, atol=1e-6)
@@ -96,8 +97,8 @@ def test_kl_to_one_hot_target_approaches_ce() -> None:
 
 def test_accuracy_counts_and_tau_on_hand_made_logits() -> None:
     v = bs = 3
-    weight = torch.eye(v)                                             # logits = hidden
-    preds = torch.tensor([[0, 1, 2], [0, 1, 0], [0, 2, 2], [0, 1, 1]])   # argmax per slot (N=4, bs=3)
+    weight = torch.eye(v)  # logits = hidden
+    preds = torch.tensor([[0, 1, 2], [0, 1, 0], [0, 2, 2], [0, 1, 1]])  # argmax per slot (N=4, bs=3)
     hidden = F.one_hot(preds, v).float() * 5.0
     labels = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, -100]])
     out = block_loss(hidden, weight, labels, weights=decay_weights(bs), chunk_size=1)

@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import json
 import signal
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from dflashkit.train.blocks import build_blocks
-from dflashkit.drafter.checkpoint import load_drafter, read_tensors
-from dflashkit.errors import ConfigError
-from dflashkit.drafter.defaults import default_drafter_config
-from dflashkit.train.metrics import RollingStats, read_metrics
-from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.train.packing import collate_rows, pack_row
 from dflashkit.data.samples import Sample
+from dflashkit.drafter.checkpoint import load_drafter, read_tensors
+from dflashkit.drafter.defaults import default_drafter_config
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
-from dflashkit.train.loop import TrainingDiverged, train
-from dflashkit.train.slot_targets import block_labels
-from dflashkit.train.step import noise_std_at, prepare_inputs, row_anchors
+from dflashkit.train.blocks import build_blocks
 from dflashkit.train.config import TrainConfig
+from dflashkit.train.loop import TrainingDiverged, train
+from dflashkit.train.metrics import RollingStats, read_metrics
+from dflashkit.train.packing import collate_rows, pack_row
+from dflashkit.train.slot_targets import block_labels
 from dflashkit.train.state import latest_checkpoint
+from dflashkit.train.step import noise_std_at, prepare_inputs, row_anchors
 from helpers.weights_close import assert_close_after_adam, assert_grads_close
 
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
@@ -37,8 +38,15 @@ DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def make_samples(target: Target, layer_ids: list[int], *, n: int = 4, seed: int = 0,
-                 lengths: list[int] | None = None, prompt: int = 4) -> list[Sample]:
+def make_samples(
+    target: Target,
+    layer_ids: list[int],
+    *,
+    n: int = 4,
+    seed: int = 0,
+    lengths: list[int] | None = None,
+    prompt: int = 4,
+) -> list[Sample]:
     """Random token sequences (first `prompt` tokens unsupervised) with the tiny target's features/argmax."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -58,8 +66,16 @@ def samples(target: Target) -> list[Sample]:
 
 
 def cfg_for(out: Path, **kw) -> TrainConfig:
-    base = dict(out=str(out), drafter=dict(DRAFTER), max_tokens=48, max_steps=6, save_every=3, progress=False,
-                tensorboard=False, lr=2e-3)
+    base = dict(
+        out=str(out),
+        drafter=dict(DRAFTER),
+        max_tokens=48,
+        max_steps=6,
+        save_every=3,
+        progress=False,
+        tensorboard=False,
+        lr=2e-3,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -76,7 +92,7 @@ def test_fc_consumes_all_target_layers(target: Target) -> None:
     drafter = DFlashDrafter(cfg).eval()
     h = cfg.hidden_size
     assert drafter.fc.in_features == 5 * h
-    feats = make_samples(target, cfg.target_layer_ids, n=1)[0].features[None]      # (1, T, 5·H)
+    feats = make_samples(target, cfg.target_layer_ids, n=1)[0].features[None]  # (1, T, 5·H)
     assert feats.shape[-1] == 5 * h
     t = feats.shape[1]
     embeds = drafter.block_embeddings(torch.tensor([[5]]), target.embed_weight, cfg.block_size)
@@ -85,7 +101,7 @@ def test_fc_consumes_all_target_layers(target: Target) -> None:
         ref = drafter(feats, embeds, **kw)
         for j in range(5):
             cut = feats.clone()
-            cut[..., j * h:(j + 1) * h] = 0                                        # drop target layer j
+            cut[..., j * h : (j + 1) * h] = 0  # drop target layer j
             assert (drafter(cut, embeds, **kw) - ref).abs().max() > 1e-4, f"fc ignores target layer {j}"
 
 
@@ -95,10 +111,9 @@ def test_labels_same_position_data_and_final_layer_target(target: Target, sample
     two = [samples[0], samples[1]]
     rows = collate_rows([pack_row(two, 64)], [0])
     anchors = row_anchors(rows, seed=0, epoch=0, max_anchors=512)
-    blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=4,
-                          anchors=anchors)
+    blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=4, anchors=anchors)
     data, tgt = block_labels(blocks, rows, "data"), block_labels(blocks, rows, "target")
-    logits = [target.forward(s.input_ids[None]).logits[0] for s in two]            # final norm + LM head
+    logits = [target.forward(s.input_ids[None]).logits[0] for s in two]  # final norm + LM head
     offset = [0, len(two[0])]
     checked = 0
     for n, a in enumerate(blocks.anchors[0].tolist()):
@@ -106,7 +121,7 @@ def test_labels_same_position_data_and_final_layer_target(target: Target, sample
         local = a - offset[d]
         for k in range(1, 4):
             if local + k >= len(two[d]):
-                assert data[0, n, k] == -100 and tgt[0, n, k] == -100               # never crosses a document
+                assert data[0, n, k] == -100 and tgt[0, n, k] == -100  # never crosses a document
                 continue
             assert data[0, n, k] == two[d].input_ids[local + k]
             assert tgt[0, n, k] == logits[d][local + k - 1].argmax()
@@ -125,8 +140,8 @@ def test_noise_only_on_fc_inputs(target: Target, samples: list[Sample]) -> None:
         assert torch.equal(clean.blocks.first_tokens, noisy.blocks.first_tokens)
         real = rows.doc_ids >= 0
         assert not torch.equal(clean.features[real], noisy.features[real])
-        assert torch.equal(clean.features[~real], noisy.features[~real])            # padding stays zero
-        assert torch.equal(clean.features, rows.features)                          # inputs untouched
+        assert torch.equal(clean.features[~real], noisy.features[~real])  # padding stays zero
+        assert torch.equal(clean.features, rows.features)  # inputs untouched
     c = TrainConfig(noise_std=0.2, noise_schedule="cosine")
     assert noise_std_at(c, 0, 10) == pytest.approx(0.2) and noise_std_at(c, 10, 10) == pytest.approx(0.0)
 
@@ -134,18 +149,24 @@ def test_noise_only_on_fc_inputs(target: Target, samples: list[Sample]) -> None:
 def test_overfit_one_sequence_drafts_it_through_inference_path(tmp_path: Path, target: Target) -> None:
     cfg_d = default_drafter_config(target, **DRAFTER)
     seq = make_samples(target, cfg_d.target_layer_ids, n=1, lengths=[24], prompt=0, seed=5)
-    result = train(cfg_for(tmp_path / "run", max_steps=150, lr=3e-3, warmup_ratio=0.02, save_every=0),
-                   dataset=seq, target=target)
+    result = train(
+        cfg_for(tmp_path / "run", max_steps=150, lr=3e-3, warmup_ratio=0.02, save_every=0), dataset=seq, target=target
+    )
     assert result.stopped == "completed" and result.train_metrics["loss"] < 0.1
     drafter = load_drafter(tmp_path / "run" / "final").eval()
     ids, feats, bs = seq[0].input_ids, seq[0].features, cfg_d.block_size
     with torch.no_grad():
         for a in range(0, len(ids) - bs + 1):
-            embeds = drafter.block_embeddings(ids[a][None, None], target.embed_weight, bs)   # [tok, MASK…]
-            hidden = drafter(feats[None, :a], embeds, context_positions=torch.arange(a)[None],
-                             block_positions=torch.arange(a, a + bs)[None], attention_mask=None)
-            draft = drafter.logits(hidden, target.lm_head_weight).argmax(-1)[0]    # (bs,)
-            assert draft[1:].tolist() == ids[a + 1:a + bs].tolist(), f"anchor {a}"
+            embeds = drafter.block_embeddings(ids[a][None, None], target.embed_weight, bs)  # [tok, MASK…]
+            hidden = drafter(
+                feats[None, :a],
+                embeds,
+                context_positions=torch.arange(a)[None],
+                block_positions=torch.arange(a, a + bs)[None],
+                attention_mask=None,
+            )
+            draft = drafter.logits(hidden, target.lm_head_weight).argmax(-1)[0]  # (bs,)
+            assert draft[1:].tolist() == ids[a + 1 : a + bs].tolist(), f"anchor {a}"
 
 
 # ---------------------------------------------------------------------------------------------- resume and stops
@@ -177,8 +198,7 @@ def _first_step_grads(cfg: TrainConfig, samples: list[Sample], target: Target) -
 
     def keep(opt, args, kwargs) -> None:
         if not grads:
-            grads.extend(p.grad.detach().clone() for g in opt.param_groups for p in g["params"]
-                         if p.grad is not None)
+            grads.extend(p.grad.detach().clone() for g in opt.param_groups for p in g["params"] if p.grad is not None)
 
     handle = register_optimizer_step_pre_hook(keep)
     try:
@@ -196,7 +216,7 @@ def test_grad_accum_equals_bigger_batch(tmp_path: Path, target: Target, samples:
     assert len(ga) == len(list(DFlashDrafter(default_drafter_config(target, **DRAFTER)).parameters()))
     assert_grads_close(ga, gb)
     la, lb = (read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab")
-    assert la[0]["loss"] == pytest.approx(lb[0]["loss"], rel=1e-5)         # step 1: same weights, same loss
+    assert la[0]["loss"] == pytest.approx(lb[0]["loss"], rel=1e-5)  # step 1: same weights, same loss
     assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], rel=1e-3)
     assert_close_after_adam(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), lr=2e-3, steps=3)
 
@@ -222,13 +242,13 @@ def test_nan_loss_saves_and_stops(tmp_path: Path, target: Target, samples: list[
 def test_sigint_finishes_step_and_saves(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
     def interrupt(end) -> None:
         if end.step == 2:
-            signal.raise_signal(signal.SIGINT)          # goes through the installed handler
+            signal.raise_signal(signal.SIGINT)  # goes through the installed handler
 
-    before = signal.getsignal(signal.SIGINT)    # default_int_handler, or SIG_IGN under nohup / `&`
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under nohup / `&`
     result = train(cfg_for(tmp_path, save_every=0), dataset=samples, target=target, callbacks=[interrupt])
     assert result.stopped == "interrupted" and result.step == 2 and result.final_dir is None
     assert latest_checkpoint(tmp_path).name == "step-000002"
-    assert signal.getsignal(signal.SIGINT) is before                         # the previous handler restored
+    assert signal.getsignal(signal.SIGINT) is before  # the previous handler restored
     done = train(cfg_for(tmp_path, save_every=0), dataset=samples, target=target)
     assert done.stopped == "completed" and done.step == 6 and (tmp_path / "final" / "model.safetensors").is_file()
 
@@ -239,10 +259,10 @@ def test_resume_refuses_incompatible_config(tmp_path: Path, target: Target, samp
         train(cfg_for(tmp_path, max_steps=4, drafter={**DRAFTER, "block_size": 8}), dataset=samples, target=target)
     with pytest.raises(ConfigError, match="lr was"):
         train(cfg_for(tmp_path, max_steps=4, lr=1e-3), dataset=samples, target=target)
-    more = train(cfg_for(tmp_path, max_steps=4), dataset=samples, target=target)    # run length may change
+    more = train(cfg_for(tmp_path, max_steps=4), dataset=samples, target=target)  # run length may change
     assert more.step == 4
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")}
-    assert lrs[3] > 0                     # the new cosine, not the end (lr 0) of the old 2-step schedule
+    assert lrs[3] > 0  # the new cosine, not the end (lr 0) of the old 2-step schedule
 
 
 def test_time_budget_stops_cleanly(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
@@ -251,8 +271,7 @@ def test_time_budget_stops_cleanly(tmp_path: Path, target: Target, samples: list
     assert (tmp_path / "final" / "config.json").is_file() and latest_checkpoint(tmp_path).name == "step-000001"
 
 
-def test_time_schedule_spans_training_time_and_resumes(tmp_path: Path, target: Target,
-                                                       samples: list[Sample]) -> None:
+def test_time_schedule_spans_training_time_and_resumes(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
     """schedule_minutes: the lr follows warmup + cosine over summed step times (not steps); the run completes
     once they are spent, also across a resume, and max_steps still caps it."""
     from dflashkit.train.schedule import cosine_at
@@ -266,18 +285,18 @@ def test_time_schedule_spans_training_time_and_resumes(tmp_path: Path, target: T
 
     first = train(cfg_for(tmp_path, **kw), dataset=samples, target=target, callbacks=[stop_at_3])
     assert first.stopped == "interrupted" and first.step == 3
-    done = train(cfg_for(tmp_path, **kw), dataset=samples, target=target)          # resumes the same schedule
+    done = train(cfg_for(tmp_path, **kw), dataset=samples, target=target)  # resumes the same schedule
     assert done.stopped == "completed" and done.step > 3 and done.final_dir is not None
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "train"]
     assert [r["step"] for r in rows] == list(range(1, done.step + 1))
     elapsed = 0.0
-    for r in rows:                               # lr of each step = cosine at the training time before it
+    for r in rows:  # lr of each step = cosine at the training time before it
         assert r["lr"] == pytest.approx(2e-3 * cosine_at(elapsed / seconds, 0.1), rel=1e-9, abs=1e-15)
         elapsed += r["step_s"]
-    assert elapsed >= seconds > elapsed - rows[-1]["step_s"]   # stopped by the first step past the schedule
+    assert elapsed >= seconds > elapsed - rows[-1]["step_s"]  # stopped by the first step past the schedule
     lrs = [r["lr"] for r in rows]
     peak = lrs.index(max(lrs))
-    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))           # cosine: never rises after the peak
+    assert all(a >= b for a, b in pairwise(lrs[peak:]))  # cosine: never rises after the peak
     assert cosine_at(0.0, 0.1) == pytest.approx(0.01) and cosine_at(1.0, 0.1) == 0.0
     capped = train(cfg_for(tmp_path / "cap", **{**kw, "max_steps": 2}), dataset=samples, target=target)
     assert capped.stopped == "completed" and capped.step == 2
@@ -301,24 +320,47 @@ def test_bf16_autocast_path_runs(tmp_path: Path, target: Target, samples: list[S
 
 
 def test_metrics_files_and_loss_decreases(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
-    result = train(cfg_for(tmp_path, max_steps=12, save_every=5, eval_every=4, val_samples=1, tensorboard=True,
-                           keep_checkpoints=2), dataset=samples, target=target)
+    result = train(
+        cfg_for(
+            tmp_path, max_steps=12, save_every=5, eval_every=4, val_samples=1, tensorboard=True, keep_checkpoints=2
+        ),
+        dataset=samples,
+        target=target,
+    )
     recs = read_metrics(tmp_path / "metrics.jsonl")
     tr = [r for r in recs if r["split"] == "train"]
     va = [r for r in recs if r["split"] == "val"]
     assert [r["step"] for r in tr] == list(range(1, 13)) and [r["step"] for r in va] == [4, 8, 12]
-    for key in ("loss", "accuracy", "tau", "lr", "grad_norm", "clipped", "clip_fraction", "tokens_per_s",
-                "block_positions_per_s", "noise_std", "loss_p10", "loss_median", "loss_mean", "loss_p90"):
+    for key in (
+        "loss",
+        "accuracy",
+        "tau",
+        "lr",
+        "grad_norm",
+        "clipped",
+        "clip_fraction",
+        "tokens_per_s",
+        "block_positions_per_s",
+        "noise_std",
+        "loss_p10",
+        "loss_median",
+        "loss_mean",
+        "loss_p90",
+    ):
         assert key in tr[-1], key
     assert len(tr[-1]["accuracy"]) == 4 and tr[-1]["loss"] < tr[0]["loss"]
     assert {"loss", "accuracy", "tau"} <= set(va[0])
     assert any((tmp_path / "tb").iterdir())
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert ckpts == ["step-000010", "step-000012"]                                # pruned to keep_checkpoints
+    assert ckpts == ["step-000010", "step-000012"]  # pruned to keep_checkpoints
     assert (tmp_path / "latest").read_text().strip() == "checkpoints/step-000012"
-    saved = (tmp_path / "checkpoints" / "step-000012")
-    assert {p.name for p in saved.iterdir()} == {"config.json", "model.safetensors", "train_state.pt",
-                                                 "train_config.yaml"}
+    saved = tmp_path / "checkpoints" / "step-000012"
+    assert {p.name for p in saved.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "train_state.pt",
+        "train_config.yaml",
+    }
     state = torch.load(saved / "train_state.pt", weights_only=True)
     assert state["state"]["step"] == 12 and "optimizer" in state and "rng" in state
     assert result.val_metrics is not None
@@ -352,6 +394,7 @@ def test_train_config_yaml_overrides_and_errors(tmp_path: Path) -> None:
 
 def yaml_roundtrip(cfg: TrainConfig) -> dict:
     import yaml
+
     return yaml.safe_load(cfg.to_yaml())
 
 
@@ -366,14 +409,26 @@ def write_tokens_file(path: Path, n: int) -> Path:
 
 
 def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    pytest.importorskip("dflashkit.features.capture").OnlineFeatures      # written by the capture work
     from dflashkit.cli import main
 
     tokens = write_tokens_file(tmp_path / "tokens.jsonl", 3)
     out = tmp_path / "run"
-    rc = main(["train", "--no-progress", "-", f"tokens={tokens}", "online=true", f"target={tiny_llama_dir}",
-               f"out={out}", "max_steps=2", "drafter.num_hidden_layers=1", "drafter.block_size=4", "max_tokens=32",
-               "tensorboard=false"])
+    rc = main(
+        [
+            "train",
+            "--no-progress",
+            "-",
+            f"tokens={tokens}",
+            "online=true",
+            f"target={tiny_llama_dir}",
+            f"out={out}",
+            "max_steps=2",
+            "drafter.num_hidden_layers=1",
+            "drafter.block_size=4",
+            "max_tokens=32",
+            "tensorboard=false",
+        ]
+    )
     assert rc == 0 and (out / "final" / "model.safetensors").is_file()
 
 
@@ -387,13 +442,32 @@ def test_cli_sigint_from_background_saves_and_exits_130(tmp_path: Path, tiny_lla
 
     tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", "import sys; from dflashkit.cli import main; sys.exit(main())", "train", "-",
-           "--no-progress", f"tokens={tokens}", "online=true", f"target={tiny_llama_dir}", f"out={out}",
-           "max_steps=100000", "save_every=0", "drafter.num_hidden_layers=1", "drafter.block_size=4",
-           "max_tokens=40", "tensorboard=false"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from dflashkit.cli import main; sys.exit(main())",
+        "train",
+        "-",
+        "--no-progress",
+        f"tokens={tokens}",
+        "online=true",
+        f"target={tiny_llama_dir}",
+        f"out={out}",
+        "max_steps=100000",
+        "save_every=0",
+        "drafter.num_hidden_layers=1",
+        "drafter.block_size=4",
+        "max_tokens=40",
+        "tensorboard=false",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
