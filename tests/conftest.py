@@ -12,6 +12,21 @@ import pytest
 import torch
 
 TINY_VOCAB = 97
+# the config fields every tiny target shares (tests that build other architectures in memory reuse them)
+TINY_CONFIG = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 # Tiny models are dominated by per-op overhead: one thread is several times faster than two, and immune to
 # contention from other processes on this 2-core machine.
@@ -22,20 +37,7 @@ def _tiny_config(kind: str):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    common = dict(TINY_CONFIG)
     if kind == "llama":
         return LlamaConfig(**common, head_dim=16)
     if kind == "qwen3":

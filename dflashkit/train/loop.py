@@ -163,31 +163,6 @@ def _agreed_elapsed(run: Run) -> float:
     return float(run.dist.all_reduce(t, op="max"))
 
 
-def _save(run: Run) -> Path:
-    """Collective: every rank calls it; rank 0 writes. Returns the checkpoint directory."""
-    state = run.gather_state()
-    path = run.out / "checkpoints" / checkpoint_name(run.state.step)
-    if run.dist.is_main:
-        drafter, optim = state
-        path = save_checkpoint(
-            run.out,
-            drafter=drafter,
-            optimizer=optim,
-            scheduler=run.scheduler.state_dict(),
-            state=run.state,
-            config=run.cfg.to_dict(),
-            keep=run.cfg.keep_checkpoints,
-        )
-    run.dist.barrier()
-    return path
-
-
-def _agreed_elapsed(run: Run) -> float:
-    """Training seconds so far (step times over all sessions), the largest over ranks so all agree."""
-    t = torch.tensor([run.state.elapsed_s], dtype=torch.float64, device=run.device)
-    return float(run.dist.all_reduce(t, op="max"))
-
-
 _STOP_CODES = {None: 0, "requested": 1, "time_budget": 2, "interrupted": 3}
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_VOCAB
+from conftest import TINY_CONFIG, TINY_VOCAB
 from torch import nn
 
 from dflashkit.drafter.checkpoint import load_drafter, save_drafter
@@ -24,21 +24,7 @@ def _memory_target(kind: str, **cfg_kw) -> Target:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    common.update(cfg_kw)
+    common = {**TINY_CONFIG, **cfg_kw}
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[kind]
     extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32} if kind == "qwen3_moe" else {}
     torch.manual_seed(0)
