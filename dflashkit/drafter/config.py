@@ -13,19 +13,79 @@ Run `python -m dflashkit.drafter.config` to print the default drafter config for
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from dflashkit.drafter.config_fields import check_zlab_field_types, field_type_problem
+from pydantic import AfterValidator, Field
+
+from dflashkit.drafter.config_fields import check_zlab_field_types
 from dflashkit.errors import ConfigError
 from dflashkit.target.layer_ids import layer_ids_problem
+from dflashkit.validation import (
+    BlockSize,
+    Bool,
+    Expect,
+    LayerIds,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Where,
+    check_fields,
+    choice,
+    fail,
+    optional,
+)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+_SOURCE: contextvars.ContextVar[str] = contextvars.ContextVar("drafter_config_source", default="drafter config")
+
+
+def _default_where(_name: str) -> str:
+    """Where a config's values came from when validate() is not told: a file being read, else "drafter config"."""
+    return _SOURCE.get()
+
+
+def parameter_count(cfg: DrafterConfig) -> int:
+    """The drafter's parameters (+ its draft→target map, counted in float32 units), from the config alone."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    bias = (q + 2 * kv + h) if cfg.attention_bias else 0
+    layer = h * q + 2 * h * kv + q * h + bias + 2 * hd + 3 * h * cfg.intermediate_size + 2 * h
+    extra = h if cfg.learned_mask_embedding else 0
+    extra += 2 * (cfg.draft_vocab_size or 0)
+    return len(cfg.target_layer_ids) * h * h + 2 * h + cfg.num_hidden_layers * layer + extra
+
+
+def memory_available() -> int:
+    """Bytes this process could allocate: free RAM, or the largest GPU's memory when CUDA is there."""
+    import psutil
+
+    best = psutil.virtual_memory().available
+    import torch
+
+    if torch.cuda.is_available():
+        best = max(best, *(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
+    return int(best)
+
+
+def check_memory(cfg: DrafterConfig, where: str, *, bytes_per_parameter: int = 4, what: str = "its weights") -> None:
+    """Refuse a drafter whose float32 weights (or `bytes_per_parameter` per parameter) cannot fit this machine."""
+    need = parameter_count(cfg) * bytes_per_parameter
+    if need > 256 << 20 and need > memory_available():  # small drafters never need the probe
+        raise ConfigError(
+            f"{where}: this drafter (hidden_size {cfg.hidden_size}, intermediate_size {cfg.intermediate_size}, "
+            f"{cfg.num_hidden_layers} layers, {len(cfg.target_layer_ids)} target features) needs "
+            f"{need / 1e9:,.1f} GB for {what}, more than the {memory_available() / 1e9:,.1f} GB this machine can "
+            f"allocate"
+        )
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -81,46 +141,56 @@ def default_geometry(hidden_size: int) -> dict[str, int]:
     }
 
 
+_ACT = Annotated[str, AfterValidator(lambda v: _check_activation(v)), Expect("an activation name (silu, gelu, …)")]
+_LayerTypes = Annotated[list[choice(*LAYER_TYPES)], Expect(f"a list of {' or '.join(LAYER_TYPES)}")]
+_Eps = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False), Expect("a number > 0 and < 1")]
+
+
+def _check_activation(name: str) -> str:
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise ValueError(f"expected an activation transformers knows ({', '.join(sorted(ACT2FN)[:8])}, …)")
+    return name
+
+
 @dataclass
 class DrafterConfig:
-    """Everything that defines a DFlash drafter network and its coupling to a target."""
+    """Everything that defines a DFlash drafter network and its coupling to a target. Every field's type is its
+    check (`dflashkit.validation`); `validate()` runs them and the rules between fields."""
 
-    hidden_size: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    num_hidden_layers: int = 5
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 8
-    head_dim: int = 128
-    intermediate_size: int = 12288
-    block_size: int = 16
+    hidden_size: PositiveInt
+    vocab_size: PositiveInt
+    num_target_layers: PositiveInt
+    target_layer_ids: LayerIds
+    num_hidden_layers: PositiveInt = 5
+    num_attention_heads: PositiveInt = 32
+    num_key_value_heads: PositiveInt = 8
+    head_dim: PositiveInt = 128
+    intermediate_size: PositiveInt = 12288
+    block_size: BlockSize = 16
     # Id placed in block slots 1..bs-1. With `learned_mask_embedding` the slots use the drafter's own trained
     # vector instead of this row of the target's table (targets like SmolLM2 have no spare row).
-    mask_token_id: int = 0
-    learned_mask_embedding: bool = False
-    layer_types: list[str] = field(default_factory=list)
-    sliding_window: int | None = None
+    mask_token_id: NonNegativeInt = 0
+    learned_mask_embedding: Bool = False
+    layer_types: _LayerTypes = field(default_factory=list)
+    sliding_window: optional(PositiveInt, "no sliding-window layers") = None
     # None: full-attention layers bidirectional in the block, sliding layers causal (z-lab's `is_causal`).
-    is_causal: bool | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 40960
-    hidden_act: str = "silu"
-    attention_bias: bool = False
+    is_causal: optional(Bool, "by layer type") = None
+    rms_norm_eps: _Eps = 1e-6
+    rope_theta: PositiveFloat = 1_000_000.0
+    max_position_embeddings: PositiveInt = 40960
+    hidden_act: _ACT = "silu"
+    attention_bias: Bool = False
     # Optional reduced draft vocabulary (ids into the target vocabulary); stored in the checkpoint when set.
-    draft_vocab_size: int | None = None
+    draft_vocab_size: optional(PositiveInt, "the target's whole vocabulary") = None
     # Fields of the target's chat setup recorded at training time (checked by doctor at evaluation).
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: Annotated[dict[str, Any], Expect("a mapping")] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("num_hidden_layers", "target_layer_ids"):  # used below: name a wrong type, no TypeError
-            problem = field_type_problem(name, getattr(self, name))
-            if problem:
-                raise ConfigError(f"drafter config field '{name}' {problem}")
+        check_fields(DrafterConfig, {"num_hidden_layers": self.num_hidden_layers}, _default_where)
         if not self.layer_types:
-            self.layer_types = [FULL_ATTENTION] * int(self.num_hidden_layers)
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
         self.validate()
 
     # ------------------------------------------------------------------ construction
@@ -161,65 +231,46 @@ class DrafterConfig:
         )
 
     # ------------------------------------------------------------------ checks
-    def validate(self) -> None:
-        """Raise ConfigError naming the field and what was expected."""
-        for name in (
-            "rms_norm_eps",
-            "rope_theta",
-            "mask_token_id",
-            "max_position_embeddings",
-            "attention_bias",
-            "is_causal",
-            "hidden_act",
-            "layer_types",
-            "sliding_window",
-            "draft_vocab_size",
-        ):
-            problem = field_type_problem(name, getattr(self, name))
-            if problem:
-                raise ConfigError(f"drafter config field '{name}' {problem}")
-        for name in (
-            "hidden_size",
-            "vocab_size",
-            "num_target_layers",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "block_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"drafter config field '{name}' must be a positive integer, got {value!r}")
+    def validate(self, where: Where | None = None) -> None:
+        """Raise ConfigError naming the field, its value and what was expected (`where(field)`: its source)."""
+        where = where or _default_where
+        check_fields(DrafterConfig, {f.name: getattr(self, f.name) for f in fields(self)}, where)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
+            raise fail(
+                where("num_attention_heads"),
+                "num_attention_heads",
+                self.num_attention_heads,
+                f"a multiple of num_key_value_heads ({self.num_key_value_heads})",
             )
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        self.check_layer_ids(self.num_target_layers)
+            raise fail(where("head_dim"), "head_dim", self.head_dim, "an even number (RoPE rotates pairs)")
+        problem = layer_ids_problem(self.target_layer_ids, self.num_target_layers)
+        if problem:
+            raise ConfigError(f"{where('target_layer_ids')}: {problem}")
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
-                f"{self.num_hidden_layers}"
+            raise fail(
+                where("layer_types"),
+                "layer_types",
+                self.layer_types,
+                f"one entry per layer: num_hidden_layers = {self.num_hidden_layers}",
             )
-        for i, t in enumerate(self.layer_types):
-            if t not in LAYER_TYPES:
-                raise ConfigError(f"layer_types[{i}] = {t!r}; expected one of {list(LAYER_TYPES)}")
-        if SLIDING_ATTENTION in self.layer_types and (
-            not isinstance(self.sliding_window, int) or self.sliding_window < 1
-        ):
-            raise ConfigError(
-                f"sliding_window must be a positive integer when a layer is sliding_attention, "
-                f"got {self.sliding_window!r}"
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise fail(where("sliding_window"), "sliding_window", None, "an integer ≥ 1: a layer is sliding_attention")
+        if not self.mask_token_id < self.vocab_size:
+            raise fail(
+                where("mask_token_id"),
+                "mask_token_id",
+                self.mask_token_id,
+                f"a row of the embedding table: 0 ≤ id < vocab_size {self.vocab_size}",
             )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(
-                f"mask_token_id {self.mask_token_id} is outside the embedding table "
-                f"(vocab_size {self.vocab_size}); expected 0 ≤ id < {self.vocab_size}"
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise fail(
+                where("draft_vocab_size"),
+                "draft_vocab_size",
+                self.draft_vocab_size,
+                f"at most the target's vocabulary (vocab_size {self.vocab_size})",
             )
+        check_memory(self, where("hidden_size"))
 
     def check_layer_ids(self, num_target_layers: int) -> None:
         """target_layer_ids must be distinct 0-based decoder-layer indices of the target."""
@@ -319,6 +370,7 @@ class DrafterConfig:
         layer_types = pick("layer_types", None) or [FULL_ATTENTION] * num_layers
         if raw.get("use_sliding_window") is False and "layer_types" not in raw:
             sliding_window = None
+        token = _SOURCE.set(source)
         try:
             return cls(
                 hidden_size=int(pick("hidden_size")),
@@ -344,10 +396,10 @@ class DrafterConfig:
                 draft_vocab_size=dflash.get("draft_vocab_size"),
                 extra=dict(dflash.get("dflashkit") or {}),
             )
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: malformed field value ({e})") from None
+        finally:
+            _SOURCE.reset(token)
 
     def save(self, path: str | Path) -> None:
         from dflashkit.io_utils import atomic_write_text

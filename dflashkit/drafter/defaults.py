@@ -8,24 +8,44 @@ parser the CLI uses for drafter fields, and the one-line description of a drafte
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
-
-import yaml
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.errors import ConfigError
+from dflashkit.validation import PositiveInt, Where, check_fields, parse_yaml_value, problem, show
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """`key=value` strings → dict; values parsed as YAML scalars/lists (e.g. `target_layer_ids=[1,5,9]`)."""
+    """`key=value` strings → dict of checked drafter fields (values parsed as YAML: `target_layer_ids=[1,5,9]`)."""
     out: dict[str, Any] = {}
+    where: dict[str, str] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value")
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. num_hidden_layers=3)")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        key = key.strip()
+        where[key] = f"override {item!r}"
+        out[key] = parse_yaml_value(value, where[key])
+    check_overrides(out, lambda k: where.get(k, "drafter overrides"))
     return out
+
+
+def check_overrides(overrides: Any, where: Where, *, prefix: str = "") -> None:
+    """Drafter config fields given as overrides (CLI `key=value`, a training config's `drafter:` mapping): known
+    names, each value of its declared type; `num_features` (how many target layers, default 5) besides."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(
+            f"{where('')}: {prefix.rstrip('.') or 'drafter'} = {show(overrides)}: expected a mapping "
+            f"of drafter config fields"
+        )
+    fields_only = {k: v for k, v in overrides.items() if k != "num_features"}
+    check_fields(DrafterConfig, fields_only, where, prefix=prefix, what="drafter config field")
+    if "num_features" in overrides:
+        why = problem(PositiveInt, overrides["num_features"])
+        if why:
+            raise ConfigError(
+                f"{where('num_features')}: {prefix}num_features = {show(overrides['num_features'])}: {why}"
+            )
 
 
 def default_drafter_config(target: Any, **overrides: Any) -> DrafterConfig:
@@ -36,10 +56,7 @@ def default_drafter_config(target: Any, **overrides: Any) -> DrafterConfig:
     learned mask at equal training minutes, README "Mask choice"), else a learned mask embedding stored in the
     drafter. `learned_mask_embedding=True` asks for the learned one.
     """
-    valid = {f.name for f in fields(DrafterConfig)} | {"num_features"}
-    unknown = sorted(set(overrides) - valid)
-    if unknown:
-        raise ConfigError(f"unknown drafter config field(s) {unknown}; valid fields: {sorted(valid)}")
+    check_overrides(overrides, lambda _k: "drafter overrides")
     overrides = dict(overrides)
     spare = target.spare_mask_token_id()
     if overrides.pop("learned_mask_embedding", False):

@@ -16,13 +16,34 @@ from the current step on (so only an unchanged config reproduces an uninterrupte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import Field
 
 from dflashkit.errors import ConfigError
+from dflashkit.validation import (
+    AdamBetas,
+    Bool,
+    Expect,
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Seed,
+    Text,
+    UnitInterval,
+    check_fields,
+    choice,
+    fail,
+    load_yaml,
+    optional,
+    parse_yaml_value,
+)
 
 # Fields that define what is trained and how: changing one between a checkpoint and its resume is an error.
 RESUME_LOCKED = (
@@ -55,116 +76,96 @@ RESUME_LOCKED = (
     "topk_ce_weight",
 )
 
-_FLOAT_FIELDS = (
-    "lr",
-    "min_lr_ratio",
-    "warmup_ratio",
-    "weight_decay",
-    "grad_clip",
-    "gamma",
-    "noise_std",
-    "val_fraction",
-    "time_budget_minutes",
-    "schedule_minutes",
-    "topk_ce_weight",
-)
 DEFAULT_ONLINE_TOPK = 32  # loss: topk with online features and topk: null — entries per position
-_CHOICES = {
-    "loss": ("ce", "kl", "topk"),
-    "labels": ("data", "target"),
-    "noise_schedule": ("constant", "cosine"),
-    "dtype": ("auto", "fp32", "bf16"),
-    "packing": ("bfd", "greedy"),
-}
+_Device = Annotated[str, Field(min_length=1), Expect("a device: auto, cpu, cuda or cuda:N")]
 
 
 @dataclass
 class TrainConfig:
-    """A DFlash training run. Paths are relative to the working directory."""
+    """A DFlash training run. Paths are relative to the working directory. Every field's type is its check
+    (`dflashkit.validation`); `validate()` runs them and the rules between fields."""
 
     # ---- data and models
-    features: str | None = None  # directory written by `dflashkit capture` (offline features)
-    tokens: str | None = None  # tokens.jsonl from `dflashkit prepare` (with online: true)
-    online: bool = False  # compute target features on the fly from `tokens`
-    target: str = "default"  # model dir, .gguf, or "default" (embedded SmolLM2-135M-Instruct)
-    trust_remote_code: bool = False
-    drafter: dict[str, Any] = field(default_factory=dict)  # overrides for default_drafter_config
-    init_from: str | None = None  # start from these drafter weights (z-lab checkpoint) instead of random
-    out: str = "runs/dflash"
+    features: optional(Text, "no captured features") = None  # directory written by `dflashkit capture`
+    tokens: optional(Text, "no tokens file") = None  # tokens.jsonl from `dflashkit prepare` (with online: true)
+    online: Bool = False  # compute target features on the fly from `tokens`
+    target: Text = "default"  # model dir, .gguf, or "default" (embedded SmolLM2-135M-Instruct)
+    trust_remote_code: Bool = False
+    drafter: Annotated[dict[str, Any], Expect("a mapping of drafter config fields")] = field(default_factory=dict)
+    init_from: optional(Text, "a fresh drafter") = None  # start from these drafter weights instead of random
+    out: Text = "runs/dflash"
     # ---- batch geometry
-    max_tokens: int = 3072  # tokens per packed row
-    packing: str = "bfd"  # "bfd" best-fit-decreasing, "greedy" in seeded order
-    batch_rows: int = 1  # rows per micro-batch per rank
-    grad_accum: int = 1  # micro-batches per optimizer step
-    max_anchors: int = 512  # blocks per document, resampled every epoch
+    max_tokens: PositiveInt = 3072  # tokens per packed row
+    packing: choice("bfd", "greedy") = "bfd"  # "bfd" best-fit-decreasing, "greedy" in seeded order
+    batch_rows: PositiveInt = 1  # rows per micro-batch per rank
+    grad_accum: PositiveInt = 1  # micro-batches per optimizer step
+    max_anchors: PositiveInt = 512  # blocks per document, resampled every epoch
     # ---- objective
-    loss: str = "ce"  # "ce" hard labels, "kl" to the target's final-layer distribution (runs
-    # the target every step), "topk" KL to its stored top-k log-probs
-    # (`dflashkit capture --topk K`), renormalised over the k entries
-    topk: int | None = None  # loss: topk — entries used per position: None = all captured ones
-    # (online: DEFAULT_ONLINE_TOPK); fewer keeps the largest of a capture
-    topk_ce_weight: float = 0.0  # loss: topk — α in (1 − α)·KL_topk + α·CE(hard label)
-    labels: str = "data"  # "data" tokens, or "target" = the target's final-layer argmax
-    gamma: float | None = None  # decay of slot weights; None → 7 for bs 16, 5 for 10, 4 for 8
-    noise_std: float = 0.0  # Gaussian noise on the fc inputs (target features) only
-    noise_schedule: str = "constant"  # "constant" or "cosine" (decays to 0 over the run)
+    # "ce" hard labels, "kl" to the target's final-layer distribution (runs the target every step), "topk" KL to
+    # its stored top-k log-probs (`dflashkit capture --topk K`), renormalised over the k entries
+    loss: choice("ce", "kl", "topk") = "ce"
+    # loss: topk — entries used per position: None = all captured ones (online: DEFAULT_ONLINE_TOPK)
+    topk: optional(PositiveInt, "all captured") = None
+    topk_ce_weight: UnitInterval = 0.0  # loss: topk — α in (1 − α)·KL_topk + α·CE(hard label)
+    labels: choice("data", "target") = "data"  # "data" tokens, or "target" = the target's final-layer argmax
+    gamma: optional(PositiveFloat, "7 for block 16, 5 for 10, 4 for 8") = None  # decay of slot weights
+    noise_std: NonNegativeFloat = 0.0  # Gaussian noise on the fc inputs (target features) only
+    noise_schedule: choice("constant", "cosine") = "constant"  # cosine decays to 0 over the run
     # ---- optimiser
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    epochs: int = 6
-    max_steps: int | None = None  # overrides epochs: the schedule spans exactly this many steps
-    time_budget_minutes: float | None = None  # stop cleanly (checkpoint + final/) once exceeded
-    schedule_minutes: float | None = None  # warmup + cosine span this much training time (step times summed
-    # over sessions) instead of steps; the run completes when it is
-    # spent (max_steps, if set, still caps it; epochs do not)
+    lr: PositiveFloat = 6e-4
+    min_lr_ratio: UnitInterval = 0.0  # cosine floor as a fraction of lr
+    warmup_ratio: Fraction = 0.04
+    weight_decay: NonNegativeFloat = 0.0
+    adam_betas: AdamBetas = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: NonNegativeFloat = 1.0  # 0 = no clipping
+    epochs: PositiveInt = 6
+    max_steps: optional(PositiveInt, "by epochs") = None  # overrides epochs: the schedule spans this many steps
+    time_budget_minutes: optional(PositiveFloat, "no budget") = None  # stop cleanly (checkpoint + final/)
+    # warmup + cosine span this much training time (step times summed over sessions) instead of steps; the run
+    # completes when it is spent (max_steps, if set, still caps it; epochs do not)
+    schedule_minutes: optional(PositiveFloat, "by steps") = None
     # ---- validation, logging, checkpoints
-    val_fraction: float = 0.0
-    val_samples: int | None = None  # held-out sample count (overrides val_fraction)
-    eval_every: int = 0  # steps between validation passes (0: only at the end)
-    keep_best: bool = False  # also export the drafter of the validation pass with the highest val τ to
-    # OUT/best (needs held-out samples and eval_every; guards long runs on
-    # little data against overfitting: final is still written)
-    save_every: int = 500
-    keep_checkpoints: int = 3  # newest step checkpoints kept (0 keeps all)
-    log_every: int = 1
-    rolling_window: int = 100  # steps in the rolling loss percentiles
-    tensorboard: bool = True
-    progress: bool = True
+    val_fraction: Fraction = 0.0
+    val_samples: optional(NonNegativeInt, "by val_fraction") = None  # held-out sample count
+    eval_every: NonNegativeInt = 0  # steps between validation passes (0: only at the end)
+    # also export the drafter of the validation pass with the highest val τ to OUT/best (needs held-out samples
+    # and eval_every; guards long runs on little data against overfitting: final is still written)
+    keep_best: Bool = False
+    save_every: NonNegativeInt = 500  # 0: only at the end
+    keep_checkpoints: NonNegativeInt = 3  # newest step checkpoints kept (0 keeps all)
+    log_every: PositiveInt = 1
+    rolling_window: PositiveInt = 100  # steps in the rolling loss percentiles
+    tensorboard: Bool = True
+    progress: Bool = True
     # ---- execution
-    seed: int = 0
-    dtype: str = "auto"  # auto: fp32 on CPU, bf16 autocast on CUDA
-    drafter_device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
-    target_device: str = "auto"  # auto: the drafter's device
-    compile: bool = False
-    fsdp: bool = False  # shard the drafter with FSDP2 (distributed runs)
-    num_workers: int = 0  # DataLoader workers for offline features (online needs 0)
-    loss_chunk_size: int | None = None  # blocks per LM-head chunk in the loss (None: automatic)
+    seed: Seed = 0
+    dtype: choice("auto", "fp32", "bf16") = "auto"  # auto: fp32 on CPU, bf16 autocast on CUDA
+    drafter_device: _Device = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
+    target_device: _Device = "auto"  # auto: the drafter's device
+    compile: Bool = False
+    fsdp: Bool = False  # shard the drafter with FSDP2 (distributed runs)
+    num_workers: NonNegativeInt = 0  # DataLoader workers for offline features (online needs 0)
+    loss_chunk_size: optional(PositiveInt, "automatic") = None  # blocks per LM-head chunk in the loss
+    # where each value came from ("run.yaml:7", "override 'lr=3e-4'"); not a training option
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if not f.metadata.get("internal")]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], *, source: str = "config", sources: dict[str, str] | None = None
+    ) -> TrainConfig:
+        """A validated config from a mapping of options; `sources` maps an option (or `drafter.KEY`) to where its
+        value came from, `source` names the rest."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping of training options, got {type(raw).__name__}")
-        valid = cls.field_names()
-        unknown = sorted(set(raw) - set(valid))
-        if unknown:
-            raise ConfigError(f"{source}: unknown training option(s) {unknown}; valid options: {valid}")
-        raw = dict(raw)
-        for name in _FLOAT_FIELDS:  # YAML 1.1 reads `2e-3` (no dot) as a string
-            if isinstance(raw.get(name), str):
-                try:
-                    raw[name] = float(raw[name])
-                except ValueError:
-                    raise ConfigError(f"{source}: {name} must be a number, got {raw[name]!r}") from None
-        cfg = cls(**raw)
+        sources = dict(sources or {})
+        where = _where(sources, source)
+        check_fields(TrainConfig, raw, where, what="training option")
+        cfg = cls(**raw, sources=sources)
         cfg.validate(source=source)
         return cfg
 
@@ -172,85 +173,63 @@ class TrainConfig:
     def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
         """YAML file (optional) + `key=value` overrides (values parsed as YAML; `drafter.KEY=VALUE` sets one)."""
         raw: dict[str, Any] = {}
-        source = "overrides"
+        sources: dict[str, str] = {}
+        source = "command-line options"
         if path is not None:
-            path = Path(path)
+            raw, lines = load_yaml(path)
             source = str(path)
-            if not path.is_file():
-                raise ConfigError(f"{path}: training config not found")
-            try:
-                raw = yaml.safe_load(path.read_text()) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: not valid YAML ({e})") from None
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}: not valid UTF-8 (byte offset {e.start}); expected a YAML file") from None
-            if not isinstance(raw, dict):
-                raise ConfigError(f"{path}: expected a mapping of training options")
-        raw = apply_overrides(raw, overrides)
-        return cls.from_dict(raw, source=source)
+            sources = {".".join(key): f"{path}:{line}" for key, line in lines.items()}
+        raw, override_sources = apply_overrides(raw, overrides)
+        sources.update(override_sources)
+        return cls.from_dict(raw, source=source, sources=sources)
 
     def validate(self, *, source: str = "config") -> None:
-        """Raise ConfigError naming the field and what was expected."""
-        for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"{source}: {name} = {getattr(self, name)!r}; expected one of {list(choices)}")
-        positive = ("max_tokens", "batch_rows", "grad_accum", "max_anchors", "epochs", "log_every", "rolling_window")
-        for name in positive:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{source}: {name} must be a positive integer, got {v!r}")
-        for name in ("save_every", "eval_every", "keep_checkpoints", "num_workers", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{source}: {name} must be an integer ≥ 0, got {v!r}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise ConfigError(f"{source}: max_steps must be a positive integer or null, got {self.max_steps!r}")
-        for name in ("lr", "warmup_ratio", "weight_decay", "grad_clip", "noise_std", "val_fraction", "min_lr_ratio"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{source}: {name} must be a number ≥ 0, got {v!r}")
-        if self.lr <= 0:
-            raise ConfigError(f"{source}: lr must be > 0, got {self.lr}")
+        """Raise ConfigError for a field whose value its type refuses or that breaks a rule between fields:
+        '{where}: {field} = {value}: expected {what}'."""
+        from dflashkit.drafter.defaults import check_overrides
+
+        where = _where(self.sources, source)
+        check_fields(TrainConfig, {n: getattr(self, n) for n in self.field_names()}, where)
+        check_overrides(self.drafter, lambda k: where(f"drafter.{k}"), prefix="drafter.")
         if self.keep_best and not (self.eval_every and (self.val_fraction or self.val_samples)):
-            raise ConfigError(
-                f"{source}: keep_best needs validation passes: set eval_every > 0 and val_samples "
-                f"(or val_fraction) > 0 (got eval_every {self.eval_every}, val_samples "
-                f"{self.val_samples}, val_fraction {self.val_fraction})"
+            raise fail(
+                where("keep_best"),
+                "keep_best",
+                True,
+                f"validation passes with it: eval_every > 0 and val_samples (or val_fraction) > 0; got "
+                f"eval_every {self.eval_every}, val_samples {self.val_samples}, val_fraction "
+                f"{self.val_fraction}",
             )
-        if self.warmup_ratio >= 1 or self.val_fraction >= 1 or self.min_lr_ratio > 1:
-            raise ConfigError(f"{source}: warmup_ratio and val_fraction must be < 1, min_lr_ratio ≤ 1")
-        if (
-            not isinstance(self.topk_ce_weight, (int, float))
-            or isinstance(self.topk_ce_weight, bool)
-            or not 0 <= self.topk_ce_weight <= 1
-        ):
-            raise ConfigError(f"{source}: topk_ce_weight must be a number in [0, 1], got {self.topk_ce_weight!r}")
-        if self.topk is not None and (not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1):
-            raise ConfigError(f"{source}: topk must be a positive integer or null (all captured), got {self.topk!r}")
-        if self.loss != "topk" and (self.topk is not None or self.topk_ce_weight):
-            raise ConfigError(f"{source}: topk / topk_ce_weight only apply to loss: topk (loss is {self.loss!r})")
-        if self.gamma is not None and (not isinstance(self.gamma, (int, float)) or self.gamma <= 0):
-            raise ConfigError(f"{source}: gamma must be > 0 or null, got {self.gamma!r}")
-        for name in ("time_budget_minutes", "schedule_minutes"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ConfigError(f"{source}: {name} must be > 0 or null, got {getattr(self, name)}")
-        if not isinstance(self.drafter, dict):
-            raise ConfigError(f"{source}: drafter must be a mapping of drafter config overrides, got {self.drafter!r}")
-        if not (isinstance(self.adam_betas, (list, tuple)) and len(self.adam_betas) == 2):
-            raise ConfigError(f"{source}: adam_betas must be a list of two numbers, got {self.adam_betas!r}")
+        if self.loss != "topk":
+            for name in ("topk", "topk_ce_weight"):
+                if getattr(self, name):
+                    raise fail(
+                        where(name),
+                        name,
+                        getattr(self, name),
+                        f"unset: it only applies to loss: topk (loss is {self.loss!r})",
+                    )
         if self.features is not None and self.tokens is not None and self.online:
-            raise ConfigError(f"{source}: set either features (offline) or tokens with online: true, not both")
+            raise fail(where("online"), "online", True, "features (offline) or tokens with online: true, not both")
         if self.tokens is not None and self.features is None and not self.online:
-            raise ConfigError(
-                f"{source}: tokens given without features: set online: true to compute target "
-                f"features on the fly, or run `dflashkit capture` and set features"
+            raise fail(
+                where("tokens"),
+                "tokens",
+                self.tokens,
+                "features as well, or online: true to compute target features on the fly (or run "
+                "`dflashkit capture` and set features)",
             )
         if self.online and self.num_workers:
-            raise ConfigError(f"{source}: online features run the target in the main process; set num_workers: 0")
+            raise fail(
+                where("num_workers"),
+                "num_workers",
+                self.num_workers,
+                "0 with online: true (online features run the target in the main process)",
+            )
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {n: v for n, v in asdict(self).items() if n != "sources"}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -289,26 +268,38 @@ class TrainConfig:
         return f" (KL to the target's {k}, renormalised; CE weight {self.topk_ce_weight:g})"
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Apply `key=value` / `drafter.key=value` strings to a raw config dict (values parsed as YAML)."""
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Apply `key=value` / `drafter.key=value` strings to a raw config dict (values parsed as YAML); returns the
+    new dict and where each overridden option came from."""
     out = dict(raw)
-    out["drafter"] = dict(out.get("drafter") or {})
+    drafter = out.get("drafter")
+    if drafter is not None and not isinstance(drafter, dict):
+        drafter = None  # a wrong type stays in `out` for check_fields to name; drafter.KEY adds to a fresh mapping
+    drafter = dict(drafter or {})
+    sources: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value")
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. lr=3e-4 or drafter.block_size=8)")
         key, value = item.split("=", 1)
         key = key.strip()
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+        where = f"override {item!r}"
+        parsed = parse_yaml_value(value, where)
         if key.startswith("drafter."):
-            out["drafter"][key.split(".", 1)[1]] = parsed
+            drafter[key.split(".", 1)[1]] = parsed
+            out["drafter"] = drafter
         else:
             out[key] = parsed
-    if not out["drafter"] and "drafter" not in raw:
-        out.pop("drafter")
-    return out
+            if key == "drafter" and isinstance(parsed, dict):
+                drafter = dict(parsed)
+        sources[key] = where
+    return out, sources
+
+
+def _where(sources: dict[str, str], default: str) -> Callable[[str], str]:
+    """Field name (or drafter.KEY) → where its value came from."""
+    return lambda name: sources.get(name) or sources.get(name.split(".")[0]) or default
 
 
 def check_resume_compatible(saved: dict[str, Any], now: TrainConfig, *, where: str) -> None:

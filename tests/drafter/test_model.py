@@ -158,10 +158,10 @@ def test_geometry_is_the_drafters_own():
     [
         (dict(target_layer_ids=[1, 8]), "out of range"),
         (dict(target_layer_ids=[1, 1, 2]), "duplicates"),
-        (dict(mask_token_id=50), "outside the embedding table"),
+        (dict(mask_token_id=50), r"mask_token_id = 50: expected a row of the embedding table: 0 ≤ id < vocab_size 50"),
         (dict(num_attention_heads=3), "multiple of"),
         (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
-        (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
+        (dict(layer_types=["full_attention"]), "one entry per layer: num_hidden_layers = 2"),
     ],
 )
 def test_bad_config_fields(bad, match):

@@ -113,7 +113,9 @@ def test_without_keep_best_no_best_dir(tmp_path: Path, target: Target, samples) 
 
 @pytest.mark.parametrize("kw", [{"eval_every": 0}, {"val_samples": None}])
 def test_keep_best_without_validation_passes_is_refused(kw, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="keep_best needs validation passes: set eval_every > 0 and val_samples"):
+    with pytest.raises(
+        ConfigError, match=r"test.yaml: keep_best = true: expected validation passes with it: eval_every > 0"
+    ):
         cfg_for(tmp_path, **kw).validate(source="test.yaml")
 
 

@@ -462,12 +462,14 @@ def test_old_manifest_loads_and_topk_without_topk_features_is_a_clear_error(
 
 
 def test_config_fields_validate_and_old_checkpoints_stay_resumable() -> None:
-    assert TrainConfig.from_dict({"loss": "topk", "topk_ce_weight": "5e-1", "topk": 16}).topk_ce_weight == 0.5
-    with pytest.raises(ConfigError, match=r"topk_ce_weight must be a number in \[0, 1\]"):
+    assert TrainConfig.load(None, ["loss=topk", "topk_ce_weight=5e-1", "topk=16"]).topk_ce_weight == 0.5  # YAML 1.2
+    with pytest.raises(ConfigError, match='topk_ce_weight = "5e-1": expected a number from 0 to 1'):  # a string
+        TrainConfig.from_dict({"loss": "topk", "topk_ce_weight": "5e-1"})
+    with pytest.raises(ConfigError, match=r"topk_ce_weight = 1.5: expected a number from 0 to 1"):
         TrainConfig.from_dict({"loss": "topk", "topk_ce_weight": 1.5})
-    with pytest.raises(ConfigError, match="only apply to loss: topk"):
+    with pytest.raises(ConfigError, match="it only applies to loss: topk"):
         TrainConfig.from_dict({"topk_ce_weight": 0.2})
-    with pytest.raises(ConfigError, match="topk must be a positive integer"):
+    with pytest.raises(ConfigError, match="topk = 0: expected an integer ≥ 1, or null"):
         TrainConfig.from_dict({"loss": "topk", "topk": 0})
     now = TrainConfig(loss="ce")
     saved = {k: v for k, v in now.to_dict().items() if k not in ("topk", "topk_ce_weight")}

@@ -1,0 +1,318 @@
+"""The one boundary every value a user gives passes: declared types, checked where the value enters.
+
+Every value from a YAML file, a `key=value` override, a command-line flag or a `config.json` is checked against a
+declared type before anything uses it — type, range (finite, positive, ≥ 2, …), allowed values — and a bad one
+stops with the same one-line message everywhere, naming where it came from, the field, the value and what was
+expected:
+
+    configs/run.yaml:7: lr = nan: expected a finite number > 0
+    override 'drafter.block_size=1': drafter.block_size = 1: expected an integer ≥ 2
+    --max-new-tokens -5: expected an integer ≥ 1
+    ckpt/config.json: block_size = 1: expected an integer ≥ 2
+
+Types are pydantic `Annotated` types (strict: "5" is not an integer, true is not a number, NaN is not finite),
+each carrying an `Expect` phrase for the message; `check_fields(cls, values, where)` validates the fields of a
+dataclass one by one; `flag(T)` makes the same type an argparse `type=`; `load_yaml` reads a YAML mapping with
+line numbers, refusing duplicated keys (PyYAML would keep the last one silently) and reading `2e-3` as a number
+(YAML 1.1 would read it as a string). pydantic is the field's choice for trainer configs (speculators, SpecForge)
+and gives declared constraints with machine-readable errors instead of hand-written checks that drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, TypeAdapter, ValidationError
+
+from dflashkit.errors import ConfigError
+
+
+class Expect:
+    """Metadata of an `Annotated` type: what a valid value is, in words ("an integer ≥ 1")."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"Expect({self.text!r})"
+
+
+# ---------------------------------------------------------------------------------------------- the types
+PositiveInt = Annotated[int, Field(ge=1), Expect("an integer ≥ 1")]
+NonNegativeInt = Annotated[int, Field(ge=0), Expect("an integer ≥ 0")]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Expect("an integer from 0 to 2^63 − 1")]
+BlockSize = Annotated[
+    int, Field(ge=2, le=1024), Expect("an integer from 2 to 1024 (the block: 1 given token + drafts)")
+]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), Expect("a finite number > 0")]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False), Expect("a finite number ≥ 0")]
+Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False), Expect("a number ≥ 0 and < 1")]
+UnitInterval = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), Expect("a number from 0 to 1")]
+Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), Expect("a number > 0 and ≤ 1")]
+AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+AdamBetas = Annotated[
+    list[AdamBeta], Field(min_length=2, max_length=2), Expect("a list of two numbers ≥ 0 and < 1, e.g. [0.9, 0.95]")
+]
+LayerIds = Annotated[
+    list[NonNegativeInt], Field(min_length=1), Expect("a non-empty list of decoder-layer indices (integers ≥ 0)")
+]
+Text = Annotated[str, Field(min_length=1), Expect("a non-empty string")]
+Bool = Annotated[bool, Expect("true or false")]
+
+
+def choice(*values: str) -> Any:
+    """A string from a fixed set."""
+    return Annotated[Literal[values], Expect("one of " + ", ".join(repr(v) for v in values))]
+
+
+def optional(t: Any, meaning: str) -> Any:
+    """`t` or null; `meaning` says what null means ("null = all captured")."""
+    inner = _expect_text(t) or "a value"
+    return Annotated[t | None, Expect(f"{inner}, or null ({meaning})")]
+
+
+# ---------------------------------------------------------------------------------------------- messages
+def show(value: Any) -> str:
+    """A value as a message quotes it: JSON-like, shortened."""
+    try:
+        text = json.dumps(value, allow_nan=True, default=repr)
+    except (TypeError, ValueError):
+        text = repr(value)
+    text = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(text, text)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _expect_text(t: Any) -> str | None:
+    for meta in getattr(t, "__metadata__", ()):
+        if isinstance(meta, Expect):
+            return meta.text
+    return None
+
+
+_GENERIC = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "missing": "a value (required)",
+}
+
+
+def _phrase(error: dict[str, Any], expect: str | None) -> str:
+    """What was expected, for one pydantic error: the field's Expect text, else pydantic's own words."""
+    if error["type"] == "value_error":
+        return str(error.get("ctx", {}).get("error", error["msg"]))
+    if expect:
+        return f"expected {expect}"
+    if error["type"] in _GENERIC:
+        return f"expected {_GENERIC[error['type']]}"
+    return "expected " + re.sub(r"^Input should be ", "", error["msg"])
+
+
+def problem(t: Any, value: Any) -> str | None:
+    """Why `value` is not a valid `t` ("expected an integer ≥ 1"), or None when it is."""
+    try:
+        _adapter(t).validate_python(value, strict=True)
+    except ValidationError as e:
+        return _phrase(e.errors()[0], _expect_text(t))
+    return None
+
+
+@functools.cache
+def _adapter(t: Any) -> TypeAdapter:
+    return TypeAdapter(t)
+
+
+# ---------------------------------------------------------------------------------------------- dataclass fields
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name → declared (Annotated) type of a dataclass."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+Where = Callable[[str], str]
+
+
+def check_fields(cls: type, values: Mapping[str, Any], where: Where, *, prefix: str = "", what: str = "option") -> None:
+    """Raise ConfigError for the first value of `values` (field name → value) that its declared type refuses, or
+    for a name that is not a field of `cls`. `where(name)` says where the value came from ("run.yaml:7")."""
+    types = field_types(cls)
+    unknown = sorted(set(values) - set(types))
+    if unknown:
+        name = unknown[0]
+        raise ConfigError(f"{where(name)}: unknown {what} '{prefix}{name}'; valid: {', '.join(sorted(types))}")
+    for name, value in values.items():
+        why = problem(types[name], value)
+        if why:
+            raise ConfigError(f"{where(name)}: {prefix}{name} = {show(value)}: {why}")
+
+
+def fail(where: str, name: str, value: Any, expected: str) -> ConfigError:
+    """The one-line error for a value that breaks a rule no single type can say (a mutual constraint):
+    `fail("run.yaml:3", "keep_best", True, "eval_every > 0 with it")` → "run.yaml:3: keep_best = true: expected …"."""
+    return ConfigError(f"{where}: {name} = {show(value)}: expected {expected}")
+
+
+# ---------------------------------------------------------------------------------------------- flags
+def flag(t: Any, *, name: str = "") -> Callable[[str], Any]:
+    """An argparse `type=` that parses a command-line string into `t`'s base type and checks it against `t`:
+    `p.add_argument("--max-new-tokens", type=flag(PositiveInt))`."""
+    import argparse
+
+    base = _base_type(t)
+
+    def parse(text: str) -> Any:
+        try:
+            value = _parse_text(text, base)
+        except ValueError:
+            value = text
+        why = problem(t, value)
+        if why:
+            raise argparse.ArgumentTypeError(f"{show(text) if isinstance(value, str) else show(value)}: {why}")
+        return value
+
+    parse.__name__ = name or (_expect_text(t) or "value")
+    return parse
+
+
+def _base_type(t: Any) -> Any:
+    args = typing.get_args(t)
+    inner = args[0] if getattr(t, "__metadata__", None) else t
+    for option in typing.get_args(inner) or (inner,):
+        if option in (int, float, bool, str):
+            return option
+    return str
+
+
+def _parse_text(text: str, base: Any) -> Any:
+    if base is int:
+        return int(text.strip())
+    if base is float:
+        return float(text.strip())
+    if base is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ValueError(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `2e-3` / `1e5` as floats (YAML 1.2; YAML 1.1 needs a dot)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml_value(text: str, where: str) -> Any:
+    """One YAML scalar / flow value (a `key=value` override's value)."""
+    try:
+        return _walk(_Loader(text).get_single_node(), (), {}, where) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not a valid YAML value ({' '.join(str(e).split())[:160]})") from None
+
+
+def load_yaml(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
+    """A YAML file holding a mapping → (the mapping, {key path: line number}). Refuses a file that is missing, not
+    UTF-8, not YAML, not a mapping, or has a key twice in one mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found" + (" (it is a directory)" if path.is_dir() else ""))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte offset {e.start}); expected a YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    lines: dict[tuple[str, ...], int] = {}
+    try:
+        node = _Loader(text).get_single_node()
+        data = _walk(node, (), lines, str(path)) if node is not None else {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{at}: not valid YAML ({' '.join(str(getattr(e, 'problem', e)).split())})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of options (key: value lines), got {type(data).__name__}")
+    return data, lines
+
+
+def _walk(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...], int], source: str) -> Any:
+    """Build Python values from a YAML node tree, recording each key's line and refusing duplicated keys."""
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        first: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = _Loader("").construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)) or key is None:
+                raise ConfigError(f"{source}:{line}: a key must be a plain name, got {show(key)}")
+            if key in first:
+                raise ConfigError(
+                    f"{source}:{line}: key '{'.'.join([*path, str(key)])}' is given twice (first at line "
+                    f"{first[key]}); YAML would silently keep the last one"
+                )
+            first[key] = line
+            lines[(*path, str(key))] = line
+            out[key] = _walk(value_node, (*path, str(key)), lines, source)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_walk(child, (*path, str(i)), lines, source) for i, child in enumerate(node.value)]
+    return _Loader("").construct_object(node, deep=True)
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+__all__ = [
+    "AdamBetas",
+    "BlockSize",
+    "Bool",
+    "Expect",
+    "Fraction",
+    "LayerIds",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "PositiveFloat",
+    "PositiveInt",
+    "Probability",
+    "Seed",
+    "Text",
+    "UnitInterval",
+    "check_fields",
+    "choice",
+    "fail",
+    "field_types",
+    "finite",
+    "flag",
+    "load_yaml",
+    "optional",
+    "parse_yaml_value",
+    "problem",
+    "show",
+]
