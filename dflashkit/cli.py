@@ -4,14 +4,17 @@
     dflashkit init-drafter OUT [--target …] [key=value …]     write a freshly initialised drafter checkpoint
         [--warm-start [--warm-start-layers 28,29] [--warm-start-fc last|mean|random]]  … from the target's layers
 
-User errors (`DFlashError`) print one line and exit 2; no traceback.
+Bad input prints one line and exits 2 (no traceback); a bug prints its traceback and exits 1 (`main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from dflashkit.errors import DFlashError
 
@@ -31,12 +34,22 @@ def command(
     return wrap
 
 
+def device_flag(text: str) -> str:
+    """argparse `type=` of --device: a device this machine has (dflashkit.target.devices)."""
+    from dflashkit.target.devices import device_problem
+
+    why = device_problem(text)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r}: {why}")
+    return text
+
+
 def target_args(p: argparse.ArgumentParser) -> None:
     """The --target/--device/--trust-remote-code options shared by every command that loads a target."""
     p.add_argument(
         "--target", default="default", help="model directory, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)"
     )
-    p.add_argument("--device", default="cpu", help="device for the target (cpu, cuda, cuda:1, …)")
+    p.add_argument("--device", type=device_flag, default="cpu", help="device for the target (cpu, cuda, cuda:1, …)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code from the target's directory")
 
 
@@ -51,11 +64,18 @@ def _load_commands() -> None:
         importlib.import_module(f"dflashkit.commands.{mod}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line error every other bad input gets: `dflashkit generate: error: --max-new-tokens
+    -5: expected an integer ≥ 1 (see dflashkit generate --help)`, exit code 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"^argument (\S+?)(?:/\S+)?: ", r"\1 ", message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     _load_commands()
-    parser = argparse.ArgumentParser(
-        prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters."
-    )
+    parser = _Parser(prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, add_args, help_text) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -79,16 +99,40 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
+EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(build_parser(), argv)
+    """Run one command. Bad input — a `DFlashError`, or a known failure class of a dependency (files, safetensors,
+    memory, devices, distributed environment: `dflashkit.failures`) — prints one line and returns 2; anything else
+    is a bug: its traceback, a request to report it, and 1."""
+    try:
+        args = _parse(build_parser(), argv)
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2, its one line printed): a code, not a raise
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    name = f"dflashkit {args.command}"
     try:
         return int(args.func(args) or 0)
     except DFlashError as e:
-        print(f"dflashkit {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        print(f"{name}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"dflashkit {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        from dflashkit.failures import known_failure
+
+        known = known_failure(e)
+        if known is not None:
+            print(f"{name}: error: {known}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        traceback.print_exc()
+        print(
+            f"{name}: internal error ({type(e).__name__}): this is a bug in dflashkit, not in your input; please "
+            f"report it with the traceback above",
+            file=sys.stderr,
+        )
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -20,45 +20,72 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from dflashkit.io_utils import atomic_write_text
+from dflashkit.validation import (
+    BlockSize,
+    Bool,
+    Expect,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Seed,
+    Text,
+    check_fields,
+)
 
 
 @dataclass
 class QuickstartSettings:
-    out: str = "runs/quickstart"
-    minutes: float = 28.0  # whole pipeline budget (setup excluded): evaluation ends by then
-    regen_minutes: float = 6.0  # target regeneration of training responses
-    train_minutes: float = 9.0  # drafter training
-    eval_minutes: float = 9.0  # evaluation, both datasets (fewer prompts on a slow machine, ≥ 1 each)
-    max_new_tokens_regen: int = 192
-    max_prompt_tokens: int = 384  # longer ShareGPT prompts are skipped (they cost time, teach little)
-    regen_batch: int = 16  # batch 8, 16 or 32: the same tokens/s on this CPU (bench/regen_throughput.py)
+    """Every setting of the quickstart; each field's type is its check (`dflashkit.validation`)."""
+
+    out: Text = "runs/quickstart"
+    minutes: PositiveFloat = 28.0  # whole pipeline budget (setup excluded): evaluation ends by then
+    regen_minutes: NonNegativeFloat = 6.0  # target regeneration of training responses (0: none)
+    train_minutes: PositiveFloat = 9.0  # drafter training
+    eval_minutes: PositiveFloat = 9.0  # evaluation, both datasets (fewer prompts on a slow machine, ≥ 1 each)
+    max_new_tokens_regen: PositiveInt = 192
+    max_prompt_tokens: PositiveInt = 384  # longer ShareGPT prompts are skipped (they cost time, teach little)
+    regen_batch: PositiveInt = 16  # batch 8, 16 or 32: the same tokens/s on this CPU (bench/regen_throughput.py)
     # + this many ShareGPT train conversations with their ORIGINAL reply, teacher-forced (labels: the target's own
     # argmax): ~6× cheaper per token than regeneration (lever table: orig_mix); fewer when regeneration ran slower
     # than on the idle dev machine (capture will be slower too); 0 = regenerated responses only
-    original_text: int = 300
-    eval_prompts: int = 8  # per evaluation dataset (MT-Bench turn 1, HumanEval)
-    eval_max_new_tokens: int = 96
-    methods: str = "ar,chain,ddtree:4,ddtree:8"  # the screen reports the best DDTree budget
-    # Drafter for a 576-wide, 30-layer target on a CPU (see README for the measurements behind them)
-    num_hidden_layers: int = 1  # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
-    block_size: int = 4  # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
-    max_anchors: int = 128  # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
-    draft_vocab: int = 8192  # reduced draft vocabulary (0: the target's full 49152)
-    lr: float = 1.5e-3
-    seed: int = 0
-    # Initialise the drafter from the target's top layers (dflashkit.drafter.warm_start): the drafter takes the target's
-    # layer geometry. Off by default; whether it pays is measured (README, lever table).
-    warm_start: bool = False
-    drafter_extra: dict[str, Any] = field(default_factory=dict)  # more DrafterConfig fields (e.g. num_features)
-    capture_topk: int = 0  # also store the target's top-k log-probs per position (for loss "topk")
-    keep_best: bool = True  # validate every 100 steps and export the best pass (longer --train-minutes
-    # on the same data overfit: README, the curve), not necessarily the last
-    train_overrides: dict[str, Any] = field(default_factory=dict)  # more TrainConfig fields (e.g. loss, labels)
+    original_text: NonNegativeInt = 300
+    eval_prompts: PositiveInt = 8  # per evaluation dataset (MT-Bench turn 1, HumanEval)
+    eval_max_new_tokens: PositiveInt = 96
+    methods: Text = "ar,chain,ddtree:4,ddtree:8"  # the screen reports the best DDTree budget
+    # Drafter for a 576-wide, 30-layer target on a CPU (see docs/benchmarks.md for the measurements behind them)
+    num_hidden_layers: PositiveInt = 1  # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
+    block_size: BlockSize = 4  # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
+    max_anchors: PositiveInt = 128  # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
+    draft_vocab: NonNegativeInt = 8192  # reduced draft vocabulary (0: the target's full 49152)
+    lr: PositiveFloat = 1.5e-3
+    seed: Seed = 0
+    # Initialise the drafter from the target's top layers (dflashkit.drafter.warm_start): the drafter takes the
+    # target's layer geometry. Off by default; whether it pays is measured (docs/benchmarks.md, lever table).
+    warm_start: Bool = False
+    # more DrafterConfig fields (e.g. num_features)
+    drafter_extra: Annotated[dict[str, Any], Expect("a mapping of drafter config fields")] = field(default_factory=dict)
+    capture_topk: NonNegativeInt = 0  # also store the target's top-k log-probs per position (for loss "topk")
+    keep_best: Bool = True  # validate every 100 steps and export the best pass (longer --train-minutes
+    # on the same data overfit: docs/benchmarks.md, the curve), not necessarily the last
+    # more TrainConfig fields (e.g. loss, labels)
+    train_overrides: Annotated[dict[str, Any], Expect("a mapping of training options")] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from dflashkit.drafter.defaults import check_overrides
+        from dflashkit.evaluate.stats import parse_methods
+        from dflashkit.train.config import TrainConfig
+
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        check_fields(QuickstartSettings, values, lambda name: f"quickstart setting {name}", what="quickstart setting")
+        check_overrides(self.drafter_extra, lambda k: f"--drafter {k}")
+        check_fields(TrainConfig, self.train_overrides, lambda k: f"--train {k}", what="training option")
+        parse_methods(self.methods)
 
     def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
         """The DrafterConfig overrides of this run (for `default_drafter_config`). With `warm_start` they include
@@ -394,91 +421,8 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     return state
 
 
-def summary_screen(state: dict[str, Any]) -> str:
-    """The one screen: τ, tokens/s, speedup, greedy equality, where things are."""
-    lines = ["", "dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts (greedy)", ""]
-    head = f"  {'dataset':<10} {'method':<10} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
-    lines.append(head)
-    for dataset, where in state["done"]["eval"].items():
-        doc = json.loads(Path(where["results"]).read_text())
-        ar = doc["ar"]
-        lines.append(f"  {dataset:<10} {'ar':<10} {1.0:>8.2f} {1.0:>8.2f} {ar['tok_s']:>7.1f} {1.0:>7.2f}× {'—':>8}")
-        for methods in doc["results"].values():
-            for method, r in methods.items():
-                lines.append(
-                    f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
-                    f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}"
-                )
-    d = state["done"]
-    best = []
-    for dataset, where in d["eval"].items():
-        doc = json.loads(Path(where["results"]).read_text())
-        trees = {m: r for methods in doc["results"].values() for m, r in methods.items() if m.startswith("ddtree")}
-        if trees:
-            m, r = max(trees.items(), key=lambda kv: kv[1]["tok_s"])
-            best.append(f"{dataset} {m} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
-    lines += [
-        "",
-        f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
-        f"  training data   {_data_line(d['prepare'])}",
-        f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
-        f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
-        *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
-        f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
-        *[f"  note            {n}" for n in shortfall_notes(state)],
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _data_line(prep: dict[str, Any]) -> str:
-    """'224 target-regenerated responses (35,150 supervised tokens) + 300 original ShareGPT replies (...)'."""
-    line = f"{prep['conversations']} target-regenerated responses ({prep['supervised_tokens']:,} supervised tokens)"
-    if prep.get("original_conversations"):
-        line += (
-            f" + {prep['original_conversations']} original ShareGPT replies "
-            f"({prep['original_supervised_tokens']:,}, target labels)"
-        )
-    return line
-
-
-def _chosen_step(train: dict[str, Any]) -> str:
-    """The screen's '; drafter of step N / the last step (best validation τ X)' when keep_best chose one, else ''."""
-    if "best_step" not in train:
-        return ""
-    where = "the last step" if train["best_step"] == train["steps"] else f"step {train['best_step']}"
-    return f"; drafter of {where} (best validation τ {train['best_val_tau']:.2f})"
-
-
 # What the stages get on the idle 2-core dev machine (README): regeneration ≈ 37 responses/min (224 in 6 min),
 # training steps/min by drafter depth (bench/curve.py at 9 min: 1 layer 743 steps, 2 layers 446).
 IDLE_RESPONSES_PER_MIN = 37.0
 IDLE_STEPS_PER_MIN = {1: 80.0, 2: 48.0}  # other depths: no idle figure, so no training note
 SHORTFALL = 0.6  # below this fraction of the idle figure, the screen says so
-
-
-def shortfall_notes(state: dict[str, Any]) -> list[str]:
-    """Lines for the stages that got much less than an idle machine gives them (a busy or slower machine)."""
-    s, d = state.get("settings", {}), state["done"]
-    notes = []
-    want = IDLE_RESPONSES_PER_MIN * s.get("regen_minutes", 0)
-    got = d.get("prepare", {}).get("conversations", 0)
-    if want and got < SHORTFALL * want:
-        notes.append(
-            f"regeneration got {got} responses in {s['regen_minutes']:g} min; an idle 2-core machine gets "
-            f"~{want:.0f} (the machine was busy or slower: less data, lower τ)"
-        )
-    want = IDLE_STEPS_PER_MIN.get(s.get("num_hidden_layers", 1), 0.0) * s.get("train_minutes", 0)
-    got = d.get("train", {}).get("steps", 0)
-    if want and got < SHORTFALL * want:
-        notes.append(
-            f"training got {got} steps in {s['train_minutes']:g} min; an idle 2-core machine gets "
-            f"~{want:.0f} (fewer steps, lower τ; --train-minutes buys more)"
-        )
-    for dataset, where in d.get("eval", {}).items():
-        if where.get("prompts", 0) < where.get("requested", 0):
-            notes.append(
-                f"evaluation of {dataset} finished {where['prompts']} of {where['requested']} prompts "
-                f"within its time box (--eval-minutes; wider confidence intervals)"
-            )
-    return notes

@@ -190,6 +190,46 @@ def flag(t: Any, *, name: str = "") -> Callable[[str], Any]:
     return parse
 
 
+def int_list(
+    item: Any = NonNegativeInt, *, what: str = "comma-separated integers", allow_empty: bool = False
+) -> Callable[[str], list[int]]:
+    """An argparse `type=` for "1,8,14": a list of integers, each checked against `item`."""
+    import argparse
+
+    def parse(text: str) -> list[int]:
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            values = [int(x) for x in parts]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{show(text)}: expected {what}, e.g. 1,8,14") from None
+        if not values and not allow_empty:
+            raise argparse.ArgumentTypeError(f"{show(text)}: expected {what} (at least one)")
+        for v in values:
+            why = problem(item, v)
+            if why:
+                raise argparse.ArgumentTypeError(f"{show(text)}: {v} is not valid: {why}")
+        return values
+
+    parse.__name__ = what
+    return parse
+
+
+def parse_assignments(
+    items: list[str] | tuple[str, ...], *, example: str = "key=value"
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """`key=value` strings → ({key: value parsed as YAML}, {key: "override 'key=value'"})."""
+    out: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. {example})")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        sources[key] = f"override {item!r}"
+        out[key] = parse_yaml_value(value, sources[key])
+    return out, sources
+
+
 def _base_type(t: Any) -> Any:
     args = typing.get_args(t)
     inner = args[0] if getattr(t, "__metadata__", None) else t
@@ -285,6 +325,18 @@ def _walk(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...], i
     return _Loader("").construct_object(node, deep=True)
 
 
+def memory_available() -> int:
+    """Bytes this process could allocate: free RAM, or the largest GPU's memory when CUDA is there."""
+    import psutil
+
+    best = psutil.virtual_memory().available
+    import torch
+
+    if torch.cuda.is_available():
+        best = max(best, *(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
+    return int(best)
+
+
 def finite(x: float) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -310,8 +362,11 @@ __all__ = [
     "field_types",
     "finite",
     "flag",
+    "int_list",
     "load_yaml",
+    "memory_available",
     "optional",
+    "parse_assignments",
     "parse_yaml_value",
     "problem",
     "show",

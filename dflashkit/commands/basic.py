@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dflashkit.cli import command, target_args
+from dflashkit.validation import NonNegativeInt, Seed, flag, int_list
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     p.add_argument("out", help="output checkpoint directory")
     p.add_argument("overrides", nargs="*", help="drafter config overrides, key=value (e.g. num_hidden_layers=3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=flag(Seed), default=0)
     p.add_argument(
         "--warm-start",
         action="store_true",
@@ -36,6 +37,7 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--warm-start-layers",
+        type=int_list(NonNegativeInt, what="comma-separated target layer indices"),
         default=None,
         metavar="I,J,…",
         help="target layers to copy, one per drafter layer (default: those after the deepest captured one)",
@@ -55,15 +57,15 @@ def _init_drafter(args: argparse.Namespace) -> int:
     from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.drafter.defaults import default_drafter_config, parse_overrides
     from dflashkit.drafter.model import DFlashDrafter
-    from dflashkit.drafter.warm_start import describe, parse_layers, warm_start, warm_start_overrides
+    from dflashkit.drafter.warm_start import describe, warm_start, warm_start_overrides
     from dflashkit.errors import ConfigError
     from dflashkit.target.model import Target
 
     if not args.warm_start and (args.warm_start_layers or args.warm_start_fc != "last"):
         raise ConfigError("--warm-start-layers / --warm-start-fc only apply with --warm-start")
+    overrides = parse_overrides(args.overrides)  # checked before the target is loaded
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    overrides = parse_overrides(args.overrides)
-    layers = parse_layers(args.warm_start_layers)
+    layers = args.warm_start_layers
     if args.warm_start:
         overrides = warm_start_overrides(target, overrides, source_layers=layers)
     cfg = default_drafter_config(target, **overrides)

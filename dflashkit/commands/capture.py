@@ -15,7 +15,8 @@ import argparse
 from pathlib import Path
 
 from dflashkit.cli import command, target_args
-from dflashkit.errors import ConfigError
+from dflashkit.output_dir import output_dir
+from dflashkit.validation import NonNegativeInt, PositiveInt, flag, int_list
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -23,25 +24,32 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", required=True, help="tokens.jsonl written by `dflashkit prepare`")
     p.add_argument("--out", required=True, help="output directory (manifest.json + shard-*.safetensors)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--layer-ids", default=None, help="comma-separated 0-based target layer ids, e.g. 1,8,14")
+    which.add_argument(
+        "--layer-ids",
+        type=int_list(what="comma-separated 0-based layer ids"),
+        default=None,
+        help="comma-separated 0-based target layer ids, e.g. 1,8,14",
+    )
     which.add_argument(
         "--drafter-config",
         default=None,
         help="drafter checkpoint directory or config.json whose target_layer_ids to capture",
     )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="storage dtype (default bf16)")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default ≈ 1 GiB of features)")
+    p.add_argument(
+        "--shard-tokens", type=flag(PositiveInt), default=None, help="tokens per shard (default ≈ 1 GiB of features)"
+    )
     p.add_argument(
         "--batch-tokens",
-        type=int,
+        type=flag(NonNegativeInt),
         default=0,
         help="let equal-length samples share a forward of up to N tokens (0 = one per forward)",
     )
-    p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
+    p.add_argument("--limit", type=flag(PositiveInt), default=None, help="capture only the first N samples")
     p.add_argument("--no-target-tokens", action="store_true", help="do not store the target's argmax tokens")
     p.add_argument(
         "--topk",
-        type=int,
+        type=flag(NonNegativeInt),
         default=0,
         metavar="K",
         help="also store the target's top-K log-probs per position (int32 id + float16 log-prob, "
@@ -60,12 +68,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
     if args.layer_ids:
-        try:
-            return [int(x) for x in args.layer_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(
-                f"--layer-ids {args.layer_ids!r}: expected comma-separated integers, e.g. 1,8,14"
-            ) from None
+        return list(args.layer_ids)
     if args.drafter_config:
         from dflashkit.drafter.config import DrafterConfig
         from dflashkit.target.model import check_drafter_fits
@@ -86,10 +89,9 @@ def _capture(args: argparse.Namespace) -> int:
     from dflashkit.features.manifest import format_bytes
     from dflashkit.target.model import Target
 
+    output_dir(args.out, what="--out", create=False)
     samples, _ = read_tokens(args.tokens)
     if args.limit is not None:
-        if args.limit < 1:
-            raise ConfigError(f"--limit must be ≥ 1, got {args.limit}")
         samples = samples[: args.limit]
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     layer_ids = _layer_ids(args, target)

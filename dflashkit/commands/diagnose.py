@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflashkit.cli import command, target_args
+from dflashkit.cli import command, device_flag, target_args
+from dflashkit.validation import PositiveInt, UnitInterval, flag
+
+TARGET_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
 
 def _dump(obj: object) -> str:
@@ -50,7 +53,7 @@ def _diff_args(p: argparse.ArgumentParser) -> None:
         help="the drafters' target (model dir, .gguf or 'default'): lets diff "
         "say whether a drafter copied the target's attention geometry",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_flag, default="cpu")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-weights", action="store_true", help="architecture only, no weight statistics")
     p.add_argument("--json", action="store_true")
@@ -73,10 +76,12 @@ def _diff(args: argparse.Namespace) -> int:
 def _doctor_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory")
-    p.add_argument("--prompts", type=int, default=3, help="prompts for the draft-and-verify run")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompts", type=flag(PositiveInt), default=3, help="prompts for the draft-and-verify run")
+    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=32)
     p.add_argument("--features", default=None, help="a `dflashkit capture` directory the drafter was trained on")
-    p.add_argument("--dtype", default=None, help="target dtype (fp32, bf16, …; default: fp32 on CPU)")
+    p.add_argument(
+        "--dtype", default=None, choices=TARGET_DTYPES, help="target dtype (default: fp32 on CPU, bf16 on CUDA)"
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -111,10 +116,12 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _logs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="training run directories (holding metrics.jsonl) or metrics files")
-    p.add_argument("--acc", type=float, default=0.5, help="accuracy threshold for 'steps to reach' (default 0.5)")
+    p.add_argument(
+        "--acc", type=flag(UnitInterval), default=0.5, help="accuracy threshold for 'steps to reach' (default 0.5)"
+    )
     p.add_argument(
         "--acc-slot",
-        type=int,
+        type=flag(PositiveInt),
         default=None,
         help="use this block slot's accuracy (e.g. 1) instead of the mean over slots 1…bs−1",
     )
@@ -165,12 +172,20 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
         "'default' = the embedded SmolLM2); its tokenizer and, when needed, tables are copied",
     )
     p.add_argument(
-        "--outtype", default="f16", help="--to gguf: drafter matrices as f32, f16, bf16 or q8_0 (default f16)"
+        "--outtype",
+        default="f16",
+        choices=("f32", "f16", "bf16", "q8_0"),
+        help="--to gguf: drafter matrices as f32, f16, bf16 or q8_0 (default f16)",
     )
-    p.add_argument("--dtype", default=None, help="cast floating tensors (bf16, fp16, fp32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"),
+        help="cast floating tensors",
+    )
     p.add_argument(
         "--num-target-layers",
-        type=int,
+        type=flag(PositiveInt),
         default=None,
         help="the target's decoder-layer count (speculators configs do not record it)",
     )

@@ -22,6 +22,17 @@ from typing import Any
 
 from dflashkit.cli import command, target_args
 from dflashkit.errors import ConfigError
+from dflashkit.output_dir import output_dir
+from dflashkit.validation import (
+    BlockSize,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    Probability,
+    Seed,
+    flag,
+    int_list,
+)
 
 
 def _drafter_specs(values: list[str] | None) -> dict[str, str]:
@@ -57,15 +68,6 @@ def _load_drafters(specs: dict[str, str], device: str) -> dict[str, Any]:
     return {name: load_drafter(path, device=device) for name, path in specs.items()}
 
 
-def _ints(text: str | None, flag: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected comma-separated integers") from None
-
-
 def _sampling(args: argparse.Namespace) -> Any:
     from dflashkit.decode.sampling import SamplingParams
 
@@ -76,19 +78,17 @@ def _sampling(args: argparse.Namespace) -> Any:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=flag(NonNegativeFloat), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=flag(Probability), default=1.0)
+    p.add_argument("--top-k", type=flag(NonNegativeInt), default=0, help="0 = no top-k cut")
+
+
+_top_k = flag(NonNegativeInt)
 
 
 def _top_k_value(text: str) -> int | None:
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-    if k < 0:
-        raise argparse.ArgumentTypeError(f"{k}: expected K ≥ 1, or 0 for = the tree budget")
-    return k or None
+    """--tree-top-k: K ≥ 1, or 0 for "= the tree budget" (None)."""
+    return _top_k(text) or None
 
 
 def _tree_top_k_arg(p: argparse.ArgumentParser) -> None:
@@ -114,15 +114,21 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter checkpoint directory (not needed for --method ar)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", help="user message (rendered with the chat template when the target has one)")
-    which.add_argument("--prompt-ids", help="pre-tokenised prompt, comma-separated ids (targets without a tokenizer)")
+    which.add_argument(
+        "--prompt-ids",
+        type=int_list(what="comma-separated token ids"),
+        help="pre-tokenised prompt, comma-separated ids (targets without a tokenizer)",
+    )
     p.add_argument("--method", choices=("chain", "tree", "ar"), default="chain")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
     _sampling_args(p)
-    p.add_argument("--tree-budget", type=int, default=16, help="DDTree node budget B (verify length 1 + B)")
+    p.add_argument(
+        "--tree-budget", type=flag(PositiveInt), default=16, help="DDTree node budget B (verify length 1 + B)"
+    )
     _tree_top_k_arg(p)
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override the drafter's block size")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=flag(Seed), default=0)
 
 
 @command("generate", "generate from one prompt with speculative decoding; print the text and τ", _generate_args)
@@ -141,9 +147,9 @@ def _generate(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter, device=args.device) if args.drafter else None
     tok = target.tokenizer
     if args.prompt_ids is not None:
-        ids = _ints(args.prompt_ids, "--prompt-ids")
-        if not ids or not all(0 <= t < target.vocab_size for t in ids):
-            raise DataError(f"--prompt-ids: expected token ids in [0, {target.vocab_size})")
+        ids = args.prompt_ids
+        if not all(0 <= t < target.vocab_size for t in ids):
+            raise DataError(f"--prompt-ids: expected token ids in [0, {target.vocab_size}) (the target's vocabulary)")
     elif tok is None:
         raise DataError(f"target {target.source} has no tokenizer: pass --prompt-ids instead of --prompt")
     elif getattr(tok, "chat_template", None):
@@ -188,7 +194,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         help="drafter checkpoint, repeatable; NAME= labels it in the results",
     )
     p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--limit", type=flag(PositiveInt), default=None, help="use the first N prompts")
     p.add_argument(
         "--on-error",
         choices=("stop", "skip"),
@@ -196,9 +202,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         help="malformed JSONL lines: stop (default) or skip them (recorded in results.json)",
     )
     p.add_argument("--methods", default="ar,chain,ddtree:8", help="comma-separated: ar, chain, ddtree:B")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
     _sampling_args(p)
-    p.add_argument("--block-size", type=int, default=None, help="override every drafter's block size")
+    p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override every drafter's block size")
     _tree_top_k_arg(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing progress.jsonl")
@@ -206,12 +212,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-baseline", action="store_true", help="also time HF generate as a second AR baseline")
     p.add_argument(
         "--triage-threshold",
-        type=float,
+        type=flag(NonNegativeFloat),
         default=None,
         help="top-2 logit margin below which a greedy divergence is a numerical near-tie",
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=flag(Seed), default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -225,6 +231,7 @@ def _eval(args: argparse.Namespace) -> int:
     from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
+    output_dir(args.out, what="--out", create=False)
     _check_dataset(args.dataset)
     specs = _drafter_specs(args.drafter)
     if any(m.kind != "ar" for m in methods) and not specs:
@@ -271,13 +278,18 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT", help="repeatable")
     p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=flag(PositiveInt), default=None)
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
     p.add_argument("--cache", required=True, help="transcript cache directory (built once, reused)")
-    p.add_argument("--budgets", default="4,8,16", help="DDTree budgets to simulate (empty: chain only)")
+    p.add_argument(
+        "--budgets",
+        type=int_list(PositiveInt, what="comma-separated DDTree budgets ≥ 1", allow_empty=True),
+        default=[4, 8, 16],
+        help="DDTree budgets to simulate (empty: chain only)",
+    )
     p.add_argument("--no-chain", action="store_true", help="simulate trees only")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
+    p.add_argument("--block-size", type=flag(BlockSize), default=None)
     _tree_top_k_arg(p)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--out", required=True)
@@ -299,7 +311,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from dflashkit.io_utils import atomic_write_text
     from dflashkit.target.model import Target, check_drafter_fits
 
-    budgets = _ints(args.budgets, "--budgets") or []
+    budgets = list(args.budgets)
+    output_dir(args.out, what="--out", create=False)
+    output_dir(args.cache, what="--cache", create=False)
     _check_dataset(args.dataset)
     specs = _drafter_specs(args.drafter)
     if not specs:

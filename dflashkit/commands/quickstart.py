@@ -6,12 +6,14 @@ import argparse
 from dataclasses import fields
 
 from dflashkit.cli import command
+from dflashkit.validation import field_types, flag, parse_assignments
 
 
 def _args(p: argparse.ArgumentParser) -> None:
     from dflashkit.quickstart import QuickstartSettings
 
     defaults = QuickstartSettings()
+    types = field_types(QuickstartSettings)
     for f in fields(QuickstartSettings):
         value = getattr(defaults, f.name)
         if f.name == "drafter_extra":  # repeatable KEY=VALUE (DrafterConfig fields)
@@ -42,17 +44,20 @@ def _args(p: argparse.ArgumentParser) -> None:
                 help=f"(default: {value})",
             )
             continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
+        p.add_argument(
+            f"--{f.name.replace('_', '-')}", type=flag(types[f.name]), default=value, help=f"(default: {value})"
+        )
 
 
 @command("quickstart", "the whole job on the embedded default target: data → features → drafter → evaluation", _args)
 def _quickstart(args: argparse.Namespace) -> int:
     from dflashkit.drafter.defaults import parse_overrides
-    from dflashkit.quickstart import QuickstartSettings, run_quickstart, summary_screen
+    from dflashkit.quickstart import QuickstartSettings, run_quickstart
+    from dflashkit.quickstart_screen import summary_screen
 
     values = {f.name: getattr(args, f.name) for f in fields(QuickstartSettings)}
     values["drafter_extra"] = parse_overrides(values["drafter_extra"])
-    values["train_overrides"] = parse_overrides(values["train_overrides"])
+    values["train_overrides"] = parse_assignments(values["train_overrides"], example="loss=ce")[0]
     settings = QuickstartSettings(**values)
     state = run_quickstart(settings)
     print(summary_screen(state))

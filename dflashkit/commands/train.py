@@ -13,7 +13,6 @@ Ctrl-C aborts. A run that completes or uses up its time budget exits 0.
 from __future__ import annotations
 
 import argparse
-import os
 
 from dflashkit.cli import command
 
@@ -30,12 +29,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("train", "train (or resume) a DFlash drafter from captured or online target features", _train_args)
 def _train(args: argparse.Namespace) -> int:
     from dflashkit.train.config import TrainConfig
+    from dflashkit.train.distributed import read_env
     from dflashkit.train.loop import train
 
     no_progress = args.no_progress or "--no-progress" in args.overrides
     overrides = [o for o in args.overrides if o != "--no-progress"] + (["progress=false"] if no_progress else [])
     cfg = TrainConfig.load(None if args.config == "-" else args.config, overrides)
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = read_env()[1] == 0
     if main:
         print(
             f"dflashkit train: {args.config if args.config != '-' else 'command-line options'}\n{cfg.summary()}",

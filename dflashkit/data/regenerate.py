@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from dflashkit.data.conversations import Conversation, encode_prompt, end_of_turn_ids, prompt_messages
 from dflashkit.errors import DataError
+from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target
 
 
@@ -164,76 +165,76 @@ def regenerate(
     if max_new_tokens < 1 or batch_size < 1:
         raise DataError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}: expected positive integers")
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    settings = _settings(target, max_new_tokens, temperature, top_p, chat_template_kwargs)
-    existing = read_regenerated(out_path, repair=True)
-    for k, rec in enumerate(existing, start=1):
-        if rec.get("generation") != settings:
-            raise DataError(
-                f"{out_path}:{k}: written with generation settings {rec.get('generation')}, but this run "
-                f"uses {settings}; use another output directory or delete the file"
-            )
-    done = {str(r["id"]) for r in existing}
-    stats = RegenStats(total=len(conversations))
-    todo: list[tuple[Conversation, list[dict[str, str]], list[int]]] = []
-    ids_seen: set[str] = set()
-    for conv in conversations:
-        if conv.id in ids_seen:
-            raise DataError(f"duplicate conversation id {conv.id!r} ({conv.source}): ids must be unique")
-        ids_seen.add(conv.id)
-        if conv.id in done:
-            stats.already_done += 1
-            continue
-        try:
-            prompt = prompt_messages(conv)
-        except DataError:
-            stats.skipped[conv.id] = "no user message before the first assistant turn"
-            continue
-        ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs)
-        if max_prompt_length is not None and len(ids) >= max_prompt_length:
-            stats.skipped[conv.id] = f"prompt has {len(ids)} tokens ≥ max length {max_prompt_length}"
-            continue
-        todo.append((conv, prompt, ids))
-    todo.sort(key=lambda t: -len(t[2]))  # similar lengths share a batch; longest (largest memory) first
-    stop_ids = end_of_turn_ids(target.tokenizer, getattr(target.model.generation_config, "eos_token_id", None))
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
-    with open(out_path, "a", encoding="utf-8") as f:
-        for batch in _batches(todo, batch_size):
-            results = generate_batch(
-                target,
-                [ids for _, _, ids in batch],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop_ids=stop_ids,
-            )
-            lines = []
-            for (conv, prompt, _), (resp, finished) in zip(batch, results, strict=True):
-                text = target.tokenizer.decode(resp, skip_special_tokens=True)
-                lines.append(
-                    json.dumps(
-                        {
-                            "id": conv.id,
-                            "messages": [*prompt, {"role": "assistant", "content": text}],
-                            "response_token_ids": resp,
-                            "finished": finished,
-                            "generation": settings,
-                        },
-                        ensure_ascii=False,
-                    )
-                    + "\n"
+    with one_writer(out_path.parent, "dflashkit prepare"):
+        settings = _settings(target, max_new_tokens, temperature, top_p, chat_template_kwargs)
+        existing = read_regenerated(out_path, repair=True)
+        for k, rec in enumerate(existing, start=1):
+            if rec.get("generation") != settings:
+                raise DataError(
+                    f"{out_path}:{k}: written with generation settings {rec.get('generation')}, but this run "
+                    f"uses {settings}; use another output directory or delete the file"
                 )
-                stats.generated += 1
-                stats.finished += int(finished)
-                stats.new_tokens += len(resp)
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-            stats.seconds = time.perf_counter() - start
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
-    bar.close()
-    stats.seconds = time.perf_counter() - start
-    return stats
+        done = {str(r["id"]) for r in existing}
+        stats = RegenStats(total=len(conversations))
+        todo: list[tuple[Conversation, list[dict[str, str]], list[int]]] = []
+        ids_seen: set[str] = set()
+        for conv in conversations:
+            if conv.id in ids_seen:
+                raise DataError(f"duplicate conversation id {conv.id!r} ({conv.source}): ids must be unique")
+            ids_seen.add(conv.id)
+            if conv.id in done:
+                stats.already_done += 1
+                continue
+            try:
+                prompt = prompt_messages(conv)
+            except DataError:
+                stats.skipped[conv.id] = "no user message before the first assistant turn"
+                continue
+            ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs)
+            if max_prompt_length is not None and len(ids) >= max_prompt_length:
+                stats.skipped[conv.id] = f"prompt has {len(ids)} tokens ≥ max length {max_prompt_length}"
+                continue
+            todo.append((conv, prompt, ids))
+        todo.sort(key=lambda t: -len(t[2]))  # similar lengths share a batch; longest (largest memory) first
+        stop_ids = end_of_turn_ids(target.tokenizer, getattr(target.model.generation_config, "eos_token_id", None))
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
+        with open(out_path, "a", encoding="utf-8") as f:
+            for batch in _batches(todo, batch_size):
+                results = generate_batch(
+                    target,
+                    [ids for _, _, ids in batch],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    stop_ids=stop_ids,
+                )
+                lines = []
+                for (conv, prompt, _), (resp, finished) in zip(batch, results, strict=True):
+                    text = target.tokenizer.decode(resp, skip_special_tokens=True)
+                    lines.append(
+                        json.dumps(
+                            {
+                                "id": conv.id,
+                                "messages": [*prompt, {"role": "assistant", "content": text}],
+                                "response_token_ids": resp,
+                                "finished": finished,
+                                "generation": settings,
+                            },
+                            ensure_ascii=False,
+                        )
+                        + "\n"
+                    )
+                    stats.generated += 1
+                    stats.finished += int(finished)
+                    stats.new_tokens += len(resp)
+                f.write("".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
+                stats.seconds = time.perf_counter() - start
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+        bar.close()
+        stats.seconds = time.perf_counter() - start
+        return stats

@@ -49,7 +49,8 @@ def read_tokens(path: str | Path, *, on_error: str = "stop") -> tuple[list[Sampl
     `origin`, so later checks (e.g. token ids against the target's vocabulary: `check_token_ids`) can name it."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: file not found (expected tokens.jsonl written by `dflashkit prepare`)")
+        found = "is a directory" if path.is_dir() else "file not found"
+        raise DataError(f"{path}: {found} (expected tokens.jsonl written by `dflashkit prepare`)")
     samples: list[Sample] = []
     problems: list[str] = []
     for line in read_lines(path):

@@ -121,6 +121,7 @@ def generate(
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         block_size=block_size,
+        tree_budget=tree_budget,
         sampling=sampling,
     )
     use_drafter = bs > 1
@@ -208,13 +209,24 @@ def _checked_block_size(
     prompt_len: int,
     max_new_tokens: int,
     block_size: int | None,
+    tree_budget: int,
     sampling: SamplingParams,
 ) -> int:
-    """Refuse impossible arguments before any work; the block size a round drafts (1 = no drafting: plain AR)."""
+    """Refuse impossible arguments before any work (never replace one silently); the block size a round drafts
+    (1 = no drafting: plain AR)."""
     if method not in METHODS:
         raise GenerationError(f"unknown method {method!r}; valid methods: {list(METHODS)}")
     if prompt_len == 0:
         raise GenerationError("empty prompt")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens = {max_new_tokens!r}: expected an integer ≥ 1")
+    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2):
+        raise GenerationError(
+            f"block_size = {block_size!r}: expected an integer ≥ 2 (the given token and at least one draft); "
+            f"method='ar' decodes without a drafter"
+        )
+    if method == "tree" and (not isinstance(tree_budget, int) or isinstance(tree_budget, bool) or tree_budget < 1):
+        raise GenerationError(f"tree_budget = {tree_budget!r}: expected an integer ≥ 1 (DDTree's draft nodes)")
     max_pos = getattr(target.text_config, "max_position_embeddings", None)
     if max_pos is not None and prompt_len + max_new_tokens > max_pos:
         raise GenerationError(
@@ -266,14 +278,17 @@ def _draft(
 def _commit(
     result: GenerationResult, committed: list[int], next_token: int, stops: set[int], max_new_tokens: int
 ) -> bool:
-    """Record a round: its acceptance length and the new tokens (cut at a stop token and at max_new_tokens).
-    Returns whether a stop token ended the generation."""
-    result.acceptance_lengths.append(len(committed))
+    """Record a round: the new tokens (accepted drafts + the target's own next token, cut at a stop token and at
+    max_new_tokens) and its acceptance length L = how many of them the output keeps. The cut matters in the last
+    round only: a draft accepted past a stop token or past max_new_tokens is not output, so it is not counted
+    (simulate counts the same way). Returns whether a stop token ended the generation."""
     new_tokens = [*committed[1:], next_token]
     stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
     if stop_at is not None:
         new_tokens = new_tokens[: stop_at + 1]
-    result.tokens.extend(new_tokens[: max_new_tokens - len(result.tokens)])
+    new_tokens = new_tokens[: max_new_tokens - len(result.tokens)]
+    result.tokens.extend(new_tokens)
+    result.acceptance_lengths.append(len(new_tokens))
     return stop_at is not None
 
 

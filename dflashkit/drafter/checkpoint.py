@@ -42,11 +42,12 @@ def save_drafter(
 ) -> Path:
     """Write config.json and model.safetensors into `out_dir` (created if needed); returns the directory."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {
         k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
         for k, v in drafter_state_dict(drafter).items()
     }
+    check_finite(tensors, f"drafter to save in {out}")
+    out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
     drafter.config.save(out / CONFIG_NAME)
@@ -94,7 +95,8 @@ def _shape_hint(key: str, cfg: DrafterConfig, found: tuple[int, ...]) -> str:
 def check_tensors(
     tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], cfg: DrafterConfig, source: str
 ) -> None:
-    """Strict key and shape check with messages naming every offending key."""
+    """Strict key, shape and dtype check with messages naming every offending key: a float weight stored as
+    integers (or a map stored as floats) would otherwise be cast without a word by `load_state_dict`."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     problems = []
@@ -110,6 +112,22 @@ def check_tensors(
             raise CheckpointError(
                 f"{source}: tensor '{key}' has shape {list(found)}, expected {list(ref.shape)}"
                 + _shape_hint(key, cfg, found)
+            )
+        if tensors[key].is_floating_point() != ref.is_floating_point():
+            kind = "a floating-point tensor" if ref.is_floating_point() else "an integer tensor"
+            raise CheckpointError(
+                f"{source}: tensor '{key}' has dtype {str(tensors[key].dtype).replace('torch.', '')}; expected {kind}"
+            )
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding inf/NaN: such a drafter drafts nothing useful, and nothing of it may be exported."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            n = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(
+                f"{source}: tensor '{key}' holds {n} non-finite (inf/NaN) value(s); expected finite weights "
+                f"(`dflashkit inspect` lists every such tensor; use an earlier checkpoint or retrain)"
             )
 
 
@@ -135,6 +153,7 @@ def load_drafter(
     with torch.device("meta"):
         skeleton = DFlashDrafter(cfg)
     check_tensors(tensors, drafter_state_dict(skeleton), cfg, str(path))
+    check_finite(tensors, str(path))
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(tensors, strict=True)  # rotary buffers are non-persistent: rebuilt, not stored
     return drafter.to(device=device, dtype=dtype)

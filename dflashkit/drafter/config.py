@@ -37,6 +37,7 @@ from dflashkit.validation import (
     check_fields,
     choice,
     fail,
+    memory_available,
     optional,
 )
 
@@ -62,18 +63,6 @@ def parameter_count(cfg: DrafterConfig) -> int:
     extra = h if cfg.learned_mask_embedding else 0
     extra += 2 * (cfg.draft_vocab_size or 0)
     return len(cfg.target_layer_ids) * h * h + 2 * h + cfg.num_hidden_layers * layer + extra
-
-
-def memory_available() -> int:
-    """Bytes this process could allocate: free RAM, or the largest GPU's memory when CUDA is there."""
-    import psutil
-
-    best = psutil.virtual_memory().available
-    import torch
-
-    if torch.cuda.is_available():
-        best = max(best, *(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
-    return int(best)
 
 
 def check_memory(cfg: DrafterConfig, where: str, *, bytes_per_parameter: int = 4, what: str = "its weights") -> None:

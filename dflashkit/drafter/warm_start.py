@@ -64,16 +64,6 @@ def default_source_layers(target_layer_ids: list[int], num_hidden_layers: int, n
     return list(range(start, start + num_hidden_layers))
 
 
-def parse_layers(text: str | None) -> list[int] | None:
-    """`"28,29"` → [28, 29] (the CLI's --warm-start-layers); None or "" → None (the default choice)."""
-    if not text:
-        return None
-    try:
-        return [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise ConfigError(f"--warm-start-layers {text!r}: expected comma-separated layer indices, e.g. 28,29") from None
-
-
 def _check_layers(layers: list[int], target: Any, n: int | None = None) -> list[int]:
     layers = [int(i) for i in layers]
     if n is not None and len(layers) != n:
@@ -448,7 +438,6 @@ __all__ = [
     "FC_MODES",
     "default_source_layers",
     "describe",
-    "parse_layers",
     "target_geometry",
     "warm_start",
     "warm_start_overrides",

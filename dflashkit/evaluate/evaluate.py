@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from dflashkit.evaluate.stats import (
 )
 from dflashkit.evaluate.triage import default_triage_threshold, triage_divergence
 from dflashkit.io_utils import atomic_write_text
+from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target, check_drafter_fits
 from dflashkit.target.products import stock_products
 
@@ -111,31 +113,31 @@ def evaluate(
     t_info = target_info(target)
     key = _settings_key(settings, t_info, drafters)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ppath = out / PROGRESS
-    records = _resumed_records(ppath, key, prompts, resume)
-    todo = [p for p in prompts if p.id not in records]
-    for d in drafters.values():
-        d.eval()
-    if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
-        session.warm_up(todo[0], seed)
-    index = {p.id: i for i, p in enumerate(prompts)}
-    bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not progress or not todo)
-    with open(ppath, "a", encoding="utf-8") as f:
-        for p in bar:
-            s = None if sampling.greedy else seed + index[p.id]
-            rec = {"key": key, "id": p.id, "prompt_sha": prompt_sha(p.ids), "prompt_len": len(p.ids)}
-            rec.update(session.prompt_record(p, s))
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            records[p.id] = rec
-            if deadline is not None and time.monotonic() > deadline:
-                break
-    bar.close()
-    doc = session.results_doc(prompts, records, settings, t_info, dataset, skipped, drafter_sources)
-    atomic_write_text(out / RESULTS, json.dumps(doc, indent=1) + "\n")
-    return doc
+    with one_writer(out, "dflashkit eval"):
+        ppath = out / PROGRESS
+        records = _resumed_records(ppath, key, prompts, resume)
+        todo = [p for p in prompts if p.id not in records]
+        for d in drafters.values():
+            d.eval()
+        if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
+            session.warm_up(todo[0], seed)
+        index = {p.id: i for i, p in enumerate(prompts)}
+        bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not progress or not todo)
+        with open(ppath, "a", encoding="utf-8") as f:
+            for p in bar:
+                s = None if sampling.greedy else seed + index[p.id]
+                rec = {"key": key, "id": p.id, "prompt_sha": prompt_sha(p.ids), "prompt_len": len(p.ids)}
+                rec.update(session.prompt_record(p, s))
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                records[p.id] = rec
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+        bar.close()
+        doc = session.results_doc(prompts, records, settings, t_info, dataset, skipped, drafter_sources)
+        atomic_write_text(out / RESULTS, json.dumps(doc, indent=1) + "\n")
+        return doc
 
 
 @dataclass
@@ -270,7 +272,11 @@ def _check_arguments(session: _Session, prompts: list[Prompt]) -> None:
     if not session.sampling.greedy and any(m.kind == "tree" for m in session.spec):
         raise ConfigError("ddtree methods support greedy decoding only (temperature 0)")
     if session.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={session.max_new_tokens}: expected a positive integer")
+        raise ConfigError(f"max_new_tokens = {session.max_new_tokens}: expected an integer ≥ 1")
+    if session.block_size is not None and session.block_size < 2:
+        raise ConfigError(f"block_size = {session.block_size}: expected an integer ≥ 2 (or None: each drafter's own)")
+    if not math.isfinite(session.threshold) or session.threshold < 0:
+        raise ConfigError(f"triage_threshold = {session.threshold}: expected a finite number ≥ 0")
     if not prompts:
         raise DataError("no prompts to evaluate")
     if len({p.id for p in prompts}) != len(prompts):

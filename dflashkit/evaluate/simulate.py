@@ -14,8 +14,10 @@ transcript's tokens; s advances by L. At temperature 0 it gives the same accepta
 `generate(method="chain"/"tree")`, up to floating-point near-ties between the transcript's one-pass features and
 the loop's incremental ones.
 
-Limits: greedy only. When a transcript ends on a stop token, the target's continuation past it is unknown, so a
-final round that accepts through the stop token stops there (the real loop may count more drafts past it). Hybrid
+A round's L counts what the output keeps (the transcript ends at max_new_tokens or on a stop token, and the real
+loop cuts its last round there too), so both give the same lengths in every round, the last one included.
+
+Limits: greedy only. Hybrid
 targets (Gated DeltaNet layers) are no exception: `decode.generate(method="tree")` verifies the whole tree exactly
 there too (hybrid_tree.py), so the DDTree rows are what the real loop accepts.
 """
@@ -102,6 +104,7 @@ def replay(
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1
             L = acc + 1
+        L = min(L, last - s)  # what the output keeps: the transcript ends at max_new_tokens or a stop token
         lengths.append(L)
         new_ctx, new_pos = feats[:, s : s + L], torch.arange(s, s + L)[None]
         s += L

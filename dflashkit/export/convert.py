@@ -34,7 +34,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dflashkit.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_tensors, drafter_state_dict, read_tensors
+from dflashkit.drafter.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_finite,
+    check_tensors,
+    drafter_state_dict,
+    read_tensors,
+)
 from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.drafter.model import DFlashDrafter
@@ -378,6 +385,7 @@ def load_any(
             tensors["draft_to_target"] = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()
     with torch.device("meta"):
         check_tensors(tensors, drafter_state_dict(DFlashDrafter(cfg)), cfg, str(path))
+    check_finite(tensors, str(path))
     return cfg, tensors, fmt
 
 

@@ -61,6 +61,7 @@ from dflashkit.features.manifest import (
 from dflashkit.features.online import topk_logprobs
 from dflashkit.features.shards import VERIFY_MODES, file_sha256, shard_problem
 from dflashkit.io_utils import atomic_path
+from dflashkit.output_dir import one_writer
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
@@ -221,70 +222,72 @@ def capture(
     layer_ids = [int(i) for i in layer_ids]
     _check_arguments(target, samples, layer_ids, dtype, verify, store_topk)
     out_dir = Path(out_dir)
-    per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk)
-    if shard_max_tokens is None:
-        existing = out_dir / MANIFEST_NAME
-        shard_max_tokens = (
-            Manifest.load(out_dir).shard_max_tokens if existing.is_file() else max(1, DEFAULT_SHARD_BYTES // per_token)
-        )
-    if shard_max_tokens < 1:
-        raise DataError(f"shard_max_tokens must be ≥ 1, got {shard_max_tokens}")
-    fresh = _new_manifest(
-        target,
-        samples,
-        layer_ids=layer_ids,
-        dtype=dtype,
-        store_target_tokens=store_target_tokens,
-        store_topk=store_topk,
-        shard_max_tokens=int(shard_max_tokens),
-        tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
-    )
-    manifest = _resume(out_dir, fresh, log, verify)
-    todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
-    manifest.run_stats = {"tokens": 0, "seconds": 0.0, "shards": 0}
-    if not todo:
-        log(
-            f"capture: {out_dir} is already complete ({manifest.num_samples} samples, {manifest.total_tokens:,} "
-            f"tokens); nothing to do"
-        )
-        return manifest
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
-        stale.unlink()
-    _check_disk(target, manifest, out_dir, todo, per_token, log)
-    manifest.save(out_dir)
-    todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
-    t0 = time.perf_counter()
-    with tqdm(
-        total=manifest.total_tokens,
-        initial=manifest.total_tokens - todo_tokens,
-        unit="tok",
-        unit_scale=True,
-        desc="capture",
-        disable=not progress,
-        dynamic_ncols=True,
-    ) as bar:
-        for j in todo:
-            sh = manifest.shards[j]
-            tensors = _capture_shard(
-                target,
-                samples[sh["first"] : sh["first"] + sh["count"]],
-                sh["first"],
-                layer_ids=layer_ids,
-                store=STORAGE_DTYPES[dtype],
-                store_target_tokens=store_target_tokens,
-                store_topk=store_topk,
-                batch_tokens=batch_tokens,
-                bar=bar,
+    with one_writer(out_dir, "dflashkit capture"):
+        per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk)
+        if shard_max_tokens is None:
+            existing = out_dir / MANIFEST_NAME
+            shard_max_tokens = (
+                Manifest.load(out_dir).shard_max_tokens
+                if existing.is_file()
+                else max(1, DEFAULT_SHARD_BYTES // per_token)
             )
-            _write_shard(out_dir, sh, tensors)
-            manifest.save(out_dir)
-            manifest.run_stats["tokens"] += sh["tokens"]
-            manifest.run_stats["shards"] += 1
-            manifest.run_stats["seconds"] = time.perf_counter() - t0
-            if on_shard is not None:
-                on_shard(j, manifest)
-    return manifest
+        if shard_max_tokens < 1:
+            raise DataError(f"shard_max_tokens must be ≥ 1, got {shard_max_tokens}")
+        fresh = _new_manifest(
+            target,
+            samples,
+            layer_ids=layer_ids,
+            dtype=dtype,
+            store_target_tokens=store_target_tokens,
+            store_topk=store_topk,
+            shard_max_tokens=int(shard_max_tokens),
+            tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
+        )
+        manifest = _resume(out_dir, fresh, log, verify)
+        todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
+        manifest.run_stats = {"tokens": 0, "seconds": 0.0, "shards": 0}
+        if not todo:
+            log(
+                f"capture: {out_dir} is already complete ({manifest.num_samples} samples, {manifest.total_tokens:,} "
+                f"tokens); nothing to do"
+            )
+            return manifest
+        for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
+            stale.unlink()
+        _check_disk(target, manifest, out_dir, todo, per_token, log)
+        manifest.save(out_dir)
+        todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
+        t0 = time.perf_counter()
+        with tqdm(
+            total=manifest.total_tokens,
+            initial=manifest.total_tokens - todo_tokens,
+            unit="tok",
+            unit_scale=True,
+            desc="capture",
+            disable=not progress,
+            dynamic_ncols=True,
+        ) as bar:
+            for j in todo:
+                sh = manifest.shards[j]
+                tensors = _capture_shard(
+                    target,
+                    samples[sh["first"] : sh["first"] + sh["count"]],
+                    sh["first"],
+                    layer_ids=layer_ids,
+                    store=STORAGE_DTYPES[dtype],
+                    store_target_tokens=store_target_tokens,
+                    store_topk=store_topk,
+                    batch_tokens=batch_tokens,
+                    bar=bar,
+                )
+                _write_shard(out_dir, sh, tensors)
+                manifest.save(out_dir)
+                manifest.run_stats["tokens"] += sh["tokens"]
+                manifest.run_stats["shards"] += 1
+                manifest.run_stats["seconds"] = time.perf_counter() - t0
+                if on_shard is not None:
+                    on_shard(j, manifest)
+        return manifest
 
 
 def _check_arguments(

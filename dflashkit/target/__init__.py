@@ -13,4 +13,6 @@ Modules and their public functions:
   products.py   matrix products for a decoding step's few rows on CPU: `linear_few_rows`, `route_linears`,
                 `stock_products()`
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
+  devices.py    `device_problem(spec)`: whether a device string names a device this machine has
+  files.py      `check_model_dir`, `check_gguf`: a target's config.json / GGUF header checked before loading
 """

@@ -26,11 +26,19 @@ DEFAULT_ALIASES = ("default", "smollm2", DEFAULT_TARGET_NAME.lower())
 
 
 def cache_root() -> Path:
-    """Where dflashkit keeps converted models and other large derived files."""
+    """Where dflashkit keeps converted models and other large derived files ($DFLASHKIT_CACHE, else
+    $XDG_CACHE_HOME/dflashkit, else ~/.cache/dflashkit); a variable pointing at a file is an error naming it."""
     if os.environ.get("DFLASHKIT_CACHE"):
-        return Path(os.environ["DFLASHKIT_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dflashkit"
+        root, var = Path(os.environ["DFLASHKIT_CACHE"]).expanduser(), "DFLASHKIT_CACHE"
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root, var = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dflashkit", "XDG_CACHE_HOME"
+    else:
+        root, var = Path.home() / ".cache" / "dflashkit", None
+    for p in (root, *root.parents):
+        if p.exists() and not p.is_dir():
+            where = f"{var}={os.environ[var]}" if var else f"the cache directory {root}"
+            raise TargetError(f"{where}: {p} is a file; expected a directory for dflashkit's cache")
+    return root
 
 
 def default_target_dir() -> Path:

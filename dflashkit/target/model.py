@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import TargetError
+from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.target.products import linear_few_rows, route_linears
 
@@ -134,9 +135,12 @@ class Target:
             if path.is_file():
                 if path.suffix != ".gguf":
                     raise TargetError(f"target file {path} is not a .gguf file; pass a model directory instead")
+                check_gguf(path)
                 path, gguf = path.parent, path.name
             elif not (path / "config.json").is_file():
                 raise TargetError(f"{path}: no config.json (expected a Hugging Face model directory)")
+            else:
+                check_model_dir(path, bytes_per_parameter=torch.empty((), dtype=torch_dtype).element_size())
         kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
         if gguf:
             kwargs["gguf_file"] = gguf

@@ -187,10 +187,15 @@ class TrainConfig:
         """Raise ConfigError for a field whose value its type refuses or that breaks a rule between fields:
         '{where}: {field} = {value}: expected {what}'."""
         from dflashkit.drafter.defaults import check_overrides
+        from dflashkit.target.devices import device_problem
 
         where = _where(self.sources, source)
         check_fields(TrainConfig, {n: getattr(self, n) for n in self.field_names()}, where)
         check_overrides(self.drafter, lambda k: where(f"drafter.{k}"), prefix="drafter.")
+        for name in ("drafter_device", "target_device"):
+            why = device_problem(getattr(self, name), allow_auto=True)
+            if why:
+                raise fail(where(name), name, getattr(self, name), why.removeprefix("expected "))
         if self.keep_best and not (self.eval_every and (self.val_fraction or self.val_samples)):
             raise fail(
                 where("keep_best"),
@@ -226,6 +231,19 @@ class TrainConfig:
                 self.num_workers,
                 "0 with online: true (online features run the target in the main process)",
             )
+
+    def check_inputs(self) -> None:
+        """The files this run reads exist (before its output directory is touched): features, tokens, init_from."""
+        where = _where(self.sources, "config")
+        for name, kind in (("features", "directory"), ("tokens", "file"), ("init_from", "directory")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = Path(value)
+            ok = path.is_dir() if kind == "directory" else path.is_file()
+            if not ok:
+                found = "does not exist" if not path.exists() else f"is a {'file' if path.is_file() else 'directory'}"
+                raise fail(where(name), name, value, f"an existing {kind} ({path} {found})")
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:

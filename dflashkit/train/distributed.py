@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dflashkit.errors import ConfigError
+
 
 @dataclass
 class DistContext:
@@ -23,12 +25,11 @@ class DistContext:
 
     @classmethod
     def from_env(cls, *, use_cuda: bool) -> DistContext:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world, rank, local = read_env()
         if world <= 1:
             return cls()
         import torch.distributed as dist
 
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         here = False
         if not dist.is_initialized():
             if use_cuda:
@@ -64,6 +65,41 @@ class DistContext:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def read_env() -> tuple[int, int, int]:
+    """(world size, rank, local rank) from torchrun's variables; (1, 0, 0) when none is set. A half-set
+    environment (WORLD_SIZE without RANK, a rank past the world, a non-number) is a ConfigError naming the
+    variables, before any process group waits for peers that will never come."""
+    present = {k: os.environ[k] for k in TORCHRUN_VARS if os.environ.get(k, "") != ""}
+    if not present:
+        return 1, 0, 0
+    where = "the torchrun environment (" + ", ".join(f"{k}={v}" for k, v in present.items()) + ")"
+    values = {}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if k in present:
+            try:
+                values[k] = int(present[k])
+            except ValueError:
+                raise ConfigError(f"{where}: {k} = {present[k]!r}: expected an integer") from None
+    world = values.get("WORLD_SIZE", 1)
+    if world < 1:
+        raise ConfigError(f"{where}: WORLD_SIZE = {world}: expected an integer ≥ 1")
+    if world == 1 and values.get("RANK", 0) == 0 and "MASTER_ADDR" not in present:
+        return 1, 0, values.get("LOCAL_RANK", 0)  # a one-process launch (or a leftover LOCAL_RANK): no group
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in present]
+    if missing:
+        raise ConfigError(
+            f"{where}: {', '.join(missing)} not set; expected all of RANK, WORLD_SIZE, MASTER_ADDR "
+            f"and MASTER_PORT (launch with torchrun), or none of them for one process"
+        )
+    rank = values["RANK"]
+    if not 0 <= rank < world:
+        raise ConfigError(f"{where}: RANK = {rank}: expected 0 ≤ RANK < WORLD_SIZE {world}")
+    return world, rank, values.get("LOCAL_RANK", 0)
 
 
 def drop_reducer(module: nn.Module) -> None:

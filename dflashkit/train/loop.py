@@ -1,7 +1,9 @@
 """DFlash drafter training: setup → loop → save, resumable, single process or under torchrun (DDP / FSDP2).
 
     from dflashkit.train.loop import train
-    from dflashkit.train.config import TrainConfig
+    from dflashkit.output_dir import one_writer
+from dflashkit.train.config import TrainConfig
+from dflashkit.train.distributed import read_env
     result = train(TrainConfig.load("configs/smollm2.yaml", ["max_steps=100"]))
     # or: dflashkit train configs/smollm2.yaml max_steps=100
     # or: torchrun --nproc_per_node 2 $(which dflashkit) train configs/smollm2.yaml
@@ -44,11 +46,13 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DFlashError
+from dflashkit.output_dir import one_writer
 from dflashkit.train.config import TrainConfig
+from dflashkit.train.distributed import read_env
 from dflashkit.train.losses import estimated_tau
 from dflashkit.train.run import Run, setup_run
 from dflashkit.train.schedule import cosine_at
-from dflashkit.train.state import checkpoint_name, save_checkpoint, save_final
+from dflashkit.train.state import checkpoint_name, latest_checkpoint, save_checkpoint, save_final
 from dflashkit.train.step import micro_batches, noise_std_at, prepare_inputs, step_loss
 from dflashkit.train.validation import keep_if_best, validate
 
@@ -130,12 +134,16 @@ def train(
     callbacks: called with a `StepEnd` after each step (may call `.request_stop()` or raise).
     loss_hook: `(step, loss) -> loss` applied to each micro-batch loss before backward (tests inject NaN here).
     """
-    run = setup_run(cfg, dataset=dataset, target=target)
-    try:
-        with _stop_handlers():
-            return _loop(run, callbacks, loss_hook)
-    finally:
-        run.close()
+    cfg.validate()  # every value checked before the output directory is touched
+    if dataset is None:
+        cfg.check_inputs()
+    with one_writer(cfg.out, "dflashkit train", enabled=read_env()[1] == 0):  # rank 0 writes, so rank 0 holds it
+        run = setup_run(cfg, dataset=dataset, target=target)
+        try:
+            with _stop_handlers():
+                return _loop(run, callbacks, loss_hook)
+        finally:
+            run.close()
 
 
 def _save(run: Run) -> Path:
@@ -258,6 +266,7 @@ def _train_step(
             group["lr"] = base * mult
     lr = run.optimizer.param_groups[0]["lr"]
     run.optimizer.step()
+    _check_finite_weights(run, params, loss_value, grad_norm)
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     st.step += 1
@@ -287,6 +296,29 @@ def _train_step(
         "step_s": dt,
         **run.rolling.summary("loss"),
     }
+
+
+def _check_finite_weights(run: Run, params: list[Tensor], loss: float, grad_norm: float) -> None:
+    """A finite loss and gradient can still step the weights to inf/NaN (a huge lr, an Adam state gone bad): stop
+    then, on every rank, before anything of this step is saved — the last checkpoint on disk stays the last finite
+    one, and no drafter of NaN tensors is ever exported."""
+    bad = torch.zeros(1, device=run.device)
+    with torch.no_grad():
+        for p in params:
+            local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 shards: this rank's part
+            if not torch.isfinite(local).all():
+                bad.fill_(1)
+                break
+    if not float(run.dist.all_reduce(bad, op="max")):
+        return
+    st = run.state
+    kept = latest_checkpoint(run.out) if run.dist.is_main else None
+    raise TrainingDiverged(
+        f"the drafter's weights became non-finite (inf/NaN) in the update of step {st.step + 1} (loss {loss:.4g}, "
+        f"grad norm {grad_norm:.4g}, lr {run.optimizer.param_groups[0]['lr']:.3g}); nothing of that step is saved"
+        + (f"; the last finite checkpoint is {kept}" if kept else "; no checkpoint was written before it")
+        + ". Lower lr or raise warmup_ratio."
+    )
 
 
 def _stop_agreed(run: Run, t_session: float) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
 import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -28,7 +27,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
-from dflashkit.train.distributed import DistContext, drop_reducer
+from dflashkit.train.distributed import DistContext, drop_reducer, read_env
 from dflashkit.train.losses import decay_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
 from dflashkit.train.packing import (
@@ -206,7 +205,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     from dflashkit.target.model import Target
 
     cfg.validate()
-    device = _resolve_device(cfg.drafter_device, int(os.environ.get("LOCAL_RANK", "0")))
+    device = _resolve_device(cfg.drafter_device, read_env()[2])
     dist = DistContext.from_env(use_cuda=device.type == "cuda")
     if cfg.fsdp and not dist.distributed:
         raise ConfigError(

@@ -254,3 +254,34 @@ def test_zlab_config_without_target_layer_ids_derives_them(tmp_path, tiny_llama_
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="neither 'target_layer_ids' nor 'num_target_layers'"):
         load_drafter(path)
+
+
+def test_non_finite_or_integer_weights_are_never_saved_loaded_or_exported(tmp_path, capsys):
+    """A drafter of inf/NaN weights is never written (save_drafter), loaded for use, or converted; a float weight
+    stored as integers is refused instead of being cast without a word."""
+    from dflashkit.cli import main
+    from helpers.checkpoints import small_config, write_checkpoint
+
+    cfg = small_config()
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        drafter.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"tensor 'layers.0.mlp.up_proj.weight' holds 1 non-finite"):
+        save_drafter(drafter, tmp_path / "nan")
+    assert not (tmp_path / "nan").exists()
+
+    def poison(sd):
+        sd["norm.weight"][3] = float("inf")
+
+    bad = write_checkpoint(tmp_path / "inf", cfg, edit=poison)
+    with pytest.raises(CheckpointError, match=r"inf: tensor 'norm.weight' holds 1 non-finite"):
+        load_drafter(bad)
+    assert main(["convert", str(bad), str(tmp_path / "out")]) == 2
+    assert "holds 1 non-finite" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+    def as_int(sd):
+        sd["fc.weight"] = torch.zeros_like(sd["fc.weight"], dtype=torch.int64)
+
+    ints = write_checkpoint(tmp_path / "int", cfg, edit=as_int)
+    with pytest.raises(CheckpointError, match=r"tensor 'fc.weight' has dtype int64; expected a floating-point tensor"):
+        load_drafter(ints)

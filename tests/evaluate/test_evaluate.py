@@ -431,7 +431,8 @@ def test_quickstart_shortfall_notes():
     """The quickstart's final screen names a stage that got much less than an idle machine gives it."""
     from dataclasses import asdict
 
-    from dflashkit.quickstart import QuickstartSettings, shortfall_notes
+    from dflashkit.quickstart import QuickstartSettings
+    from dflashkit.quickstart_screen import shortfall_notes
 
     s = asdict(QuickstartSettings())
     idle = {

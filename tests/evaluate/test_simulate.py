@@ -187,3 +187,53 @@ def test_simulation_drafts_full_last_blocks_like_the_real_loop(llama, tmp_path):
         assert [n for n, _ in sim_calls] == [n for n, _ in rec.calls] == [bs] * len(rec.calls)
         for (_, a), (_, b) in zip(sim_calls, rec.calls, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_last_round_counts_what_the_output_keeps_in_generate_and_simulate(kind, tiny_target_dirs, tmp_path):
+    """With stop tokens inside the continuation and max_new_tokens cutting a block, every round's L — the last one
+    included — is the same in the real loop and the replay, chain and DDTree, and ΣL + 1 = the tokens output: a
+    draft accepted past a stop token or past max_new_tokens is not counted (it used to be, in the real loop)."""
+    from dflashkit.evaluate.simulate import replay
+    from dflashkit.evaluate.stats import parse_method
+    from helpers.oracles import reference_greedy
+
+    target = Target.load(tiny_target_dirs[kind])
+    prompt = make_prompts(1, seed=1)[0]
+    ref = reference_greedy(target, torch.tensor(prompt.ids), 40)
+    checked = 0
+    for stops in ([], [ref[5]], [ref[2], ref[9]]):
+        for n in (2, 3, 5, 9, 13):
+            cache = build_transcripts(
+                target,
+                [prompt],
+                tmp_path / f"{kind}-{len(stops)}-{n}",
+                max_new_tokens=n,
+                layer_ids=[1, 4, 6],
+                stop_token_ids=stops,
+                progress=False,
+            )
+            for method in ("chain", "ddtree:4", "ddtree:8"):
+                m = parse_method(method)
+                make = lambda: PositionalOracle(drafter_config(), prompt.ids + ref, p_correct=0.9, seed=3).eval()  # noqa: E731
+                real = generate(
+                    target,
+                    prompt.ids,
+                    drafter=make(),
+                    method=m.kind,
+                    max_new_tokens=n,
+                    tree_budget=m.budget or 16,
+                    stop_token_ids=stops,
+                )
+                sim = replay(
+                    make(),
+                    cache.load(0),
+                    embed_weight=target.embed_weight,
+                    lm_head_weight=target.lm_head_weight,
+                    max_new_tokens=n,
+                    method=m,
+                )
+                assert real.acceptance_lengths == sim, (stops, n, method)
+                assert sum(real.acceptance_lengths) + 1 == len(real.tokens), (stops, n, method)
+                checked += 1
+    assert checked == 45

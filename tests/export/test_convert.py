@@ -183,7 +183,7 @@ def test_export_bf16_and_bad_sources(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "o")]) == 2
     assert f"checkpoint {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "o"), "--dtype", "int3"]) == 2
-    assert "unknown dtype 'int3'" in capsys.readouterr().err
+    assert "--dtype invalid choice: 'int3'" in capsys.readouterr().err
     broken = write_checkpoint(tmp_path / "broken", small_config(), edit=lambda sd: sd.pop("norm.weight"))
     assert main(["convert", str(broken), str(tmp_path / "o2")]) == 2
     assert "missing keys ['norm.weight']" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from dflashkit.cli import main
 from dflashkit.data.samples import Sample
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors
 from dflashkit.drafter.defaults import default_drafter_config
@@ -237,6 +238,62 @@ def test_nan_loss_saves_and_stops(tmp_path: Path, target: Target, samples: list[
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step-000002" and str(ckpt) in str(err.value)
     assert all(torch.isfinite(v).all() for v in read_tensors(ckpt).values())
+
+
+def test_weights_gone_non_finite_stop_the_run_and_nothing_of_them_is_saved(
+    tmp_path: Path, target: Target, samples: list[Sample], monkeypatch
+) -> None:
+    """A finite loss and gradient whose update leaves inf/NaN in the weights (here: an optimizer step poisoned at
+    step 4) stops the run naming the step; the last checkpoint stays the last finite one; no final/ is written."""
+    real_step = torch.optim.AdamW.step
+    calls = []
+
+    def poisoned(self, *a, **kw):
+        out = real_step(self, *a, **kw)
+        calls.append(1)
+        if len(calls) == 4:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"non-finite \(inf/NaN\) in the update of step 4") as err:
+        train(cfg_for(tmp_path, save_every=3), dataset=samples, target=target)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.name == "step-000003" and f"the last finite checkpoint is {ckpt}" in str(err.value)
+    assert all(torch.isfinite(v).all() for v in read_tensors(ckpt).values())
+    assert not (tmp_path / "final").exists() and not (tmp_path / "checkpoints" / "step-000004").exists()
+
+
+def test_cli_exits_non_zero_when_training_diverges(tmp_path: Path, tiny_llama_dir: Path, capsys) -> None:
+    tokens = tmp_path / "t.jsonl"
+    tokens.write_text(
+        "".join(
+            json.dumps(
+                {"id": f"s{i}", "input_ids": [3 + i, 4, 5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 1]}
+            )
+            + "\n"
+            for i in range(4)
+        )
+    )
+    rc = main(
+        [
+            "train",
+            "-",
+            f"tokens={tokens}",
+            "online=true",
+            f"target={tiny_llama_dir}",
+            f"out={tmp_path / 'r'}",
+            "lr=1e30",
+            "warmup_ratio=0",
+            "max_steps=4",
+            "grad_clip=0",
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "non-finite" in err, err
+    assert not (tmp_path / "r" / "final").exists()
 
 
 def test_sigint_finishes_step_and_saves(tmp_path: Path, target: Target, samples: list[Sample]) -> None:

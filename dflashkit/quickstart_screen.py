@@ -1,0 +1,96 @@
+"""The quickstart's last screen: τ and speed per dataset and method, the data and training it got, where things are,
+and notes for the stages that got much less than an idle machine gives them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflashkit.quickstart import IDLE_RESPONSES_PER_MIN, IDLE_STEPS_PER_MIN, SHORTFALL
+
+
+def summary_screen(state: dict[str, Any]) -> str:
+    """The one screen: τ, tokens/s, speedup, greedy equality, where things are."""
+    lines = ["", "dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts (greedy)", ""]
+    head = f"  {'dataset':<10} {'method':<10} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
+    lines.append(head)
+    for dataset, where in state["done"]["eval"].items():
+        doc = json.loads(Path(where["results"]).read_text())
+        ar = doc["ar"]
+        lines.append(f"  {dataset:<10} {'ar':<10} {1.0:>8.2f} {1.0:>8.2f} {ar['tok_s']:>7.1f} {1.0:>7.2f}× {'—':>8}")
+        for methods in doc["results"].values():
+            for method, r in methods.items():
+                lines.append(
+                    f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
+                    f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}"
+                )
+    d = state["done"]
+    best = []
+    for dataset, where in d["eval"].items():
+        doc = json.loads(Path(where["results"]).read_text())
+        trees = {m: r for methods in doc["results"].values() for m, r in methods.items() if m.startswith("ddtree")}
+        if trees:
+            m, r = max(trees.items(), key=lambda kv: kv[1]["tok_s"])
+            best.append(f"{dataset} {m} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
+    lines += [
+        "",
+        f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
+        f"  training data   {_data_line(d['prepare'])}",
+        f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
+        f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
+        *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
+        f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
+        *[f"  note            {n}" for n in shortfall_notes(state)],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _data_line(prep: dict[str, Any]) -> str:
+    """'224 target-regenerated responses (35,150 supervised tokens) + 300 original ShareGPT replies (...)'."""
+    line = f"{prep['conversations']} target-regenerated responses ({prep['supervised_tokens']:,} supervised tokens)"
+    if prep.get("original_conversations"):
+        line += (
+            f" + {prep['original_conversations']} original ShareGPT replies "
+            f"({prep['original_supervised_tokens']:,}, target labels)"
+        )
+    return line
+
+
+def _chosen_step(train: dict[str, Any]) -> str:
+    """The screen's '; drafter of step N / the last step (best validation τ X)' when keep_best chose one, else ''."""
+    if "best_step" not in train:
+        return ""
+    where = "the last step" if train["best_step"] == train["steps"] else f"step {train['best_step']}"
+    return f"; drafter of {where} (best validation τ {train['best_val_tau']:.2f})"
+
+
+def shortfall_notes(state: dict[str, Any]) -> list[str]:
+    """Lines for the stages that got much less than an idle machine gives them (a busy or slower machine)."""
+    s, d = state.get("settings", {}), state["done"]
+    notes = []
+    want = IDLE_RESPONSES_PER_MIN * s.get("regen_minutes", 0)
+    got = d.get("prepare", {}).get("conversations", 0)
+    if want and got < SHORTFALL * want:
+        notes.append(
+            f"regeneration got {got} responses in {s['regen_minutes']:g} min; an idle 2-core machine gets "
+            f"~{want:.0f} (the machine was busy or slower: less data, lower τ)"
+        )
+    want = IDLE_STEPS_PER_MIN.get(s.get("num_hidden_layers", 1), 0.0) * s.get("train_minutes", 0)
+    got = d.get("train", {}).get("steps", 0)
+    if want and got < SHORTFALL * want:
+        notes.append(
+            f"training got {got} steps in {s['train_minutes']:g} min; an idle 2-core machine gets "
+            f"~{want:.0f} (fewer steps, lower τ; --train-minutes buys more)"
+        )
+    for dataset, where in d.get("eval", {}).items():
+        if where.get("prompts", 0) < where.get("requested", 0):
+            notes.append(
+                f"evaluation of {dataset} finished {where['prompts']} of {where['requested']} prompts "
+                f"within its time box (--eval-minutes; wider confidence intervals)"
+            )
+    return notes
+
+
+__all__ = ["shortfall_notes", "summary_screen"]

@@ -1,0 +1,39 @@
+"""Devices a user names (`--device`, `drafter_device`, `target_device`): checked before anything is placed there.
+
+    device_problem("cuda:3")   # → "this machine has 1 CUDA device (cuda:0)" or None when it can be used
+
+A device string torch cannot parse, CUDA on a machine without it (torch's own words: "Torch not compiled with CUDA
+enabled", deep inside the first `.to()`), an index past the last GPU, or MPS where there is none: each is one line
+naming the device and what this machine has, before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("cpu", "cuda", "mps")
+
+
+def device_problem(spec: str, *, allow_auto: bool = False) -> str | None:
+    """Why `spec` cannot be used on this machine ("expected …"), or None when it can."""
+    if allow_auto and spec == "auto":
+        return None
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        return "expected a device: cpu, cuda, cuda:N" + (" or auto" if allow_auto else "")
+    if device.type not in KINDS:
+        return f"expected a device of kind {', '.join(KINDS)} (got kind {device.type!r})"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            return f"expected a device this machine has: {why}; use cpu"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f"expected a device this machine has: {count} CUDA device(s), cuda:0 … cuda:{count - 1}"
+    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        return "expected a device this machine has: MPS is not available; use cpu"
+    return None
+
+
+__all__ = ["KINDS", "device_problem"]

@@ -1,0 +1,240 @@
+"""Property: every field of the training, drafter and evaluation configs refuses every value outside its declared
+domain — wrong type, NaN/inf, negative, zero, huge, empty, wrong nesting — through the CLI, with exit code 2, one
+line, no traceback, and nothing written to the output directory.
+
+The values come from one pool of YAML texts; whether a value is in a field's domain is decided by an oracle
+written here by hand for each declared type (not by the types themselves), so a type that accepts too much or a
+check that runs too late shows up as a failing case.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dflashkit.cli import main
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.train.config import TrainConfig
+from dflashkit.validation import (
+    AdamBetas,
+    BlockSize,
+    Bool,
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    Seed,
+    Text,
+    UnitInterval,
+    field_types,
+    parse_yaml_value,
+)
+from helpers.bad_input import _one_line_error
+
+# the pool: (YAML text as a user types it, what it is)
+POOL = [
+    ('"5"', "numeric string"),
+    ('"nope"', "string"),
+    ('""', "empty string"),
+    ("5.5", "fraction"),
+    ("true", "bool"),
+    ("[1]", "list"),
+    ("[]", "empty list"),
+    ("{a: 1}", "mapping"),
+    ("{}", "empty mapping"),
+    ("[[0.9], 0.9]", "nested"),
+    (".nan", "NaN"),
+    (".inf", "inf"),
+    ("-.inf", "-inf"),
+    ("-1", "negative"),
+    ("-0.5", "negative float"),
+    ("0", "zero"),
+    ("1e30", "huge float"),
+    ("10000000000000000000000", "huge int"),
+    ("null", "null"),
+]
+
+
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+ORACLE: dict[object, Callable[[object], bool]] = {  # declared type → does it accept v
+    PositiveInt: lambda v: _int(v) and v >= 1,
+    NonNegativeInt: lambda v: _int(v) and v >= 0,
+    Seed: lambda v: _int(v) and 0 <= v < 2**63,
+    BlockSize: lambda v: _int(v) and 2 <= v <= 1024,
+    PositiveFloat: lambda v: _num(v) and v > 0,
+    NonNegativeFloat: lambda v: _num(v) and v >= 0,
+    Fraction: lambda v: _num(v) and 0 <= v < 1,
+    UnitInterval: lambda v: _num(v) and 0 <= v <= 1,
+    Probability: lambda v: _num(v) and 0 < v <= 1,
+    Bool: lambda v: isinstance(v, bool),
+    Text: lambda v: isinstance(v, str) and v != "",
+    AdamBetas: lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) and 0 <= x < 1 for x in v),
+}
+
+
+def oracle(t: object, name: str = "") -> Callable[[object], bool] | None:
+    """The hand-written acceptance rule of a declared field type (None: no rule here; the field is skipped)."""
+    if name in BY_NAME:
+        return BY_NAME[name]
+    if t in ORACLE:
+        return ORACLE[t]
+    inner = typing.get_args(t)[0] if typing.get_args(t) else None
+    members = typing.get_args(inner) if inner is not None else ()
+    if typing.get_origin(inner) is typing.Literal:  # choice(...)
+        return lambda v: isinstance(v, str) and v in members
+    if type(None) in members:  # optional(X, ...): X's rule, or null
+        base = next((rule for known, rule in ORACLE.items() for m in members if m == known), None)
+        return (lambda v: v is None or base(v)) if base else None
+    return None
+
+
+def _acts() -> set[str]:
+    from transformers.activations import ACT2FN
+
+    return set(ACT2FN)
+
+
+BY_NAME: dict[str, Callable[[object], bool]] = {  # fields whose type is private to their module
+    "hidden_act": lambda v: isinstance(v, str) and v in _acts(),
+    "rms_norm_eps": lambda v: _num(v) and 0 < v < 1,
+    "target_layer_ids": lambda v: (
+        isinstance(v, list) and len(v) > 0 and all(_int(x) and 0 <= x < 8 for x in v) and len(set(v)) == len(v)
+    ),
+    "drafter_device": lambda v: v in ("auto", "cpu"),
+    "target_device": lambda v: v in ("auto", "cpu"),
+}
+
+
+def _cases(cls: type, skip: set[str]) -> list[tuple[str, str, str]]:
+    out = []
+    for name, t in field_types(cls).items():
+        rule = oracle(t, name)
+        if name in skip or rule is None:
+            continue
+        for text, what in POOL:
+            if not rule(parse_yaml_value(text, "pool")):
+                out.append((name, text, what))
+    return out
+
+
+# Fields set by every case below (so a bad value of another field is the only problem) or not simple values.
+TRAIN_SKIP = {"drafter", "features", "tokens", "online", "out", "target"}
+TRAIN_CASES = _cases(TrainConfig, TRAIN_SKIP)
+# The target couples hidden_size, vocab_size and num_target_layers; dicts are checked as mappings elsewhere.
+DRAFTER_SKIP = {"extra", "hidden_size", "vocab_size", "num_target_layers", "layer_types"}
+DRAFTER_CASES = _cases(DrafterConfig, DRAFTER_SKIP)
+
+
+def test_the_pool_reaches_every_declared_field():
+    """Every field of both configs has an oracle (so the property covers it) unless it is skipped on purpose."""
+    for cls, skip in ((TrainConfig, TRAIN_SKIP), (DrafterConfig, DRAFTER_SKIP)):
+        uncovered = [n for n, t in field_types(cls).items() if n not in skip and oracle(t, n) is None]
+        assert not uncovered, f"{cls.__name__}: no oracle for {uncovered}"
+    assert len(TRAIN_CASES) > 400 and len(DRAFTER_CASES) > 150
+
+
+def _assert_refused(capsys, rc: int, out: Path) -> str:
+    line = _one_line_error(capsys, rc)
+    assert not out.exists(), f"{out} was written"
+    return line
+
+
+@pytest.mark.parametrize("name,text,what", TRAIN_CASES, ids=[f"{n}={w}" for n, _, w in TRAIN_CASES])
+def test_every_bad_training_value_is_one_line_and_writes_nothing(name, text, what, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "-", f"out={out}", "features=feats", f"{name}={text}"])
+    line = _assert_refused(capsys, rc, out)
+    assert f"{name} = " in line and "expected" in line, line
+
+
+@pytest.mark.parametrize("name,text,what", DRAFTER_CASES, ids=[f"{n}={w}" for n, _, w in DRAFTER_CASES])
+def test_every_bad_drafter_value_is_refused_by_train_and_init_drafter(
+    name, text, what, tiny_llama_dir, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    rc = main(["train", "-", f"out={out}", "features=feats", f"drafter.{name}={text}"])
+    line = _assert_refused(capsys, rc, out)
+    assert f"drafter.{name} = " in line, line
+    rc = main(["init-drafter", str(out), "--target", str(tiny_llama_dir), f"{name}={text}"])
+    line = _assert_refused(capsys, rc, out)
+    assert f"{name} = " in line, line
+
+
+# Evaluation: every typed flag of `eval` (and generate's own), each given values outside its type.
+EVAL_FLAGS = {  # flag → declared type
+    "--limit": PositiveInt,
+    "--max-new-tokens": PositiveInt,
+    "--temperature": NonNegativeFloat,
+    "--top-p": Probability,
+    "--top-k": NonNegativeInt,
+    "--block-size": BlockSize,
+    "--seed": Seed,
+    "--triage-threshold": NonNegativeFloat,
+}
+FLAG_POOL = ["nan", "inf", "-1", "0", "-0.5", "1.5", "abc", "", "1e30", "99999999999999999999999", "2000"]
+
+
+def _flag_value(text: str, t: object):
+    try:
+        return int(text) if t in (PositiveInt, NonNegativeInt, BlockSize, Seed) else float(text)
+    except ValueError:
+        return text
+
+
+EVAL_CASES = [(f, v) for f, t in EVAL_FLAGS.items() for v in FLAG_POOL if not ORACLE[t](_flag_value(v, t))]
+
+
+@pytest.mark.parametrize("flag,value", EVAL_CASES)
+def test_every_bad_evaluation_flag_is_one_line_and_writes_nothing(flag, value, tmp_path, capsys):
+    out = tmp_path / "eval"
+    rc = main(["eval", "--dataset", "mtbench", "--drafter", "d", "--out", str(out), flag, value])
+    line = _assert_refused(capsys, rc, out)
+    assert line.startswith(f"dflashkit eval: error: {flag} "), line
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-new-tokens", "0"),
+        ("--max-new-tokens", "-5"),
+        ("--tree-budget", "0"),
+        ("--block-size", "1"),
+        ("--block-size", "-3"),
+        ("--prompt-ids", "1,x"),
+        ("--temperature", "nan"),
+        ("--top-p", "0"),
+    ],
+)
+def test_generate_refuses_what_it_used_to_replace_or_ignore(flag, value, capsys):
+    args = ["generate", "--method", "ar"] + (["--prompt", "hi"] if flag != "--prompt-ids" else [])
+    rc = main([*args, flag, value])
+    assert _one_line_error(capsys, rc).startswith(f"dflashkit generate: error: {flag} ")
+
+
+def test_training_yaml_errors_name_the_file_and_line(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"out: {tmp_path / 'run'}\nfeatures: feats\nlr: .nan\n")
+    assert "run.yaml:3: lr = nan: expected a finite number > 0" in _one_line_error(capsys, main(["train", str(cfg)]))
+    cfg.write_text("features: feats\ndrafter:\n  block_size: 1\n")
+    line = _one_line_error(capsys, main(["train", str(cfg)]))
+    assert "run.yaml:3: drafter.block_size = 1: expected an integer from 2 to 1024" in line
+    cfg.write_text("features: feats\nepochs: 2\nepochs: 3\n")
+    assert "run.yaml:3: key 'epochs' is given twice (first at line 2)" in _one_line_error(
+        capsys, main(["train", str(cfg)])
+    )
+    cfg.write_text("features: feats\nmax_steps: '100'\n")
+    assert 'max_steps = "100": expected an integer ≥ 1' in _one_line_error(capsys, main(["train", str(cfg)]))
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,104 @@
+"""The validated boundary itself: declared types refuse what they should (strictly: no numeric strings, no bools as
+numbers, no NaN), messages name the source, field, value and expectation; YAML files keep line numbers, refuse
+duplicated keys and read 2e-3 as a number; command-line flags use the same types and messages."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from dflashkit.errors import ConfigError
+from dflashkit.validation import (
+    AdamBetas,
+    BlockSize,
+    Fraction,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    choice,
+    flag,
+    int_list,
+    load_yaml,
+    optional,
+    parse_yaml_value,
+    problem,
+    show,
+)
+
+
+@pytest.mark.parametrize(
+    "t,good,bad",
+    [
+        (PositiveInt, [1, 7, 10**12], [0, -1, "5", 5.0, True, None, [1], math.nan]),
+        (NonNegativeInt, [0, 3], [-1, "0", False, 0.5]),
+        (BlockSize, [2, 16, 1024], [1, 0, -4, 1025, "16", 16.0]),
+        (PositiveFloat, [1e-6, 3, 2.5], [0, -1e-9, math.nan, math.inf, -math.inf, "1e-3", True]),
+        (Fraction, [0, 0.5, 0.999], [1, 1.5, -0.1, math.nan]),
+        (Probability, [1, 0.3], [0, 1.01, math.nan]),
+        (AdamBetas, [[0.9, 0.95], [0, 0.5]], [[2.0, 0.9], [0.9], [0.9, 0.9, 0.9], 0.9, ["a", 0.9], [[0.9], 0.9]]),
+        (choice("ce", "kl"), ["ce", "kl"], ["CE", "mse", 1, None]),
+        (optional(PositiveInt, "off"), [None, 3], [0, "3", math.nan]),
+    ],
+)
+def test_types_accept_their_domain_and_nothing_else(t, good, bad):
+    for v in good:
+        assert problem(t, v) is None, (v, problem(t, v))
+    for v in bad:
+        assert problem(t, v), v
+
+
+def test_messages_say_what_was_expected():
+    assert problem(PositiveInt, -5) == "expected an integer ≥ 1"
+    assert problem(PositiveFloat, math.nan) == "expected a finite number > 0"
+    assert problem(choice("ce", "kl"), "x") == "expected one of 'ce', 'kl'"
+    assert problem(optional(PositiveInt, "all captured"), 0) == "expected an integer ≥ 1, or null (all captured)"
+    assert show(math.nan) == "nan" and show("5") == '"5"' and show([2.0, 0.9]) == "[2.0, 0.9]"
+
+
+def test_yaml_keeps_lines_refuses_duplicates_and_reads_exponents(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 2e-3\nnoise_std: 1.0e-2\ndrafter:\n  block_size: 8\n  num_hidden_layers: 2\nseed: .nan\n")
+    data, lines = load_yaml(path)
+    assert data["lr"] == 0.002 and isinstance(data["lr"], float) and data["noise_std"] == 0.01
+    assert lines[("lr",)] == 1 and lines[("drafter", "num_hidden_layers")] == 5 and lines[("seed",)] == 6
+    assert math.isnan(data["seed"])
+    path.write_text("lr: 1.0\nepochs: 2\nlr: 3.0\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:3: key 'lr' is given twice \(first at line 1\)"):
+        load_yaml(path)
+    path.write_text("drafter:\n  block_size: 8\n  block_size: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:3: key 'drafter.block_size' is given twice"):
+        load_yaml(path)
+    path.write_bytes(b"lr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not valid UTF-8 \(byte offset 4\)"):
+        load_yaml(path)
+    path.write_text("lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:\d+: not valid YAML"):
+        load_yaml(path)
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping of options"):
+        load_yaml(path)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_yaml(tmp_path / "missing.yaml")
+    assert parse_yaml_value("5e-1", "x") == 0.5 and parse_yaml_value('"5"', "x") == "5"
+
+
+def test_flags_parse_and_check_with_the_same_types():
+    parse = flag(PositiveInt)
+    assert parse("12") == 12
+    for text, why in (("0", "0: expected an integer ≥ 1"), ("-5", "-5: expected an integer ≥ 1"),
+                      ("abc", '"abc": expected an integer ≥ 1'), ("1.5", '"1.5": expected an integer ≥ 1')):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="nan: expected a finite number > 0"):
+        flag(PositiveFloat)("nan")
+    ids = int_list(NonNegativeInt, what="comma-separated layer ids")
+    assert ids("1, 8,14") == [1, 8, 14]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated layer ids"):
+        ids("1,x")
+    with pytest.raises(argparse.ArgumentTypeError, match="-2 is not valid: expected an integer ≥ 0"):
+        ids("1,-2")
+    with pytest.raises(argparse.ArgumentTypeError, match="at least one"):
+        ids(",")
