@@ -88,8 +88,12 @@ def test_yaml_keeps_lines_refuses_duplicates_and_reads_exponents(tmp_path):
 def test_flags_parse_and_check_with_the_same_types():
     parse = flag(PositiveInt)
     assert parse("12") == 12
-    for text, why in (("0", "0: expected an integer ≥ 1"), ("-5", "-5: expected an integer ≥ 1"),
-                      ("abc", '"abc": expected an integer ≥ 1'), ("1.5", '"1.5": expected an integer ≥ 1')):
+    for text, why in (
+        ("0", "0: expected an integer ≥ 1"),
+        ("-5", "-5: expected an integer ≥ 1"),
+        ("abc", '"abc": expected an integer ≥ 1'),
+        ("1.5", '"1.5": expected an integer ≥ 1'),
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse(text)
     with pytest.raises(argparse.ArgumentTypeError, match="nan: expected a finite number > 0"):

@@ -141,9 +141,13 @@ def test_bad_generate_arguments(tiny_llama_dir):
         generate(target, list(range(3, 93)) * 5, method="ar", max_new_tokens=100)
     drafter = DFlashDrafter(drafter_config()).eval()
     # values that used to be replaced or ignored without a word are refused
-    for kw, msg in ((dict(max_new_tokens=0), "max_new_tokens = 0"), (dict(max_new_tokens=-5), "max_new_tokens = -5"),
-                    (dict(block_size=1), "block_size = 1"), (dict(block_size=-2), "block_size = -2"),
-                    (dict(method="tree", tree_budget=0), "tree_budget = 0")):
+    for kw, msg in (
+        (dict(max_new_tokens=0), "max_new_tokens = 0"),
+        (dict(max_new_tokens=-5), "max_new_tokens = -5"),
+        (dict(block_size=1), "block_size = 1"),
+        (dict(block_size=-2), "block_size = -2"),
+        (dict(method="tree", tree_budget=0), "tree_budget = 0"),
+    ):
         with pytest.raises(ValueError, match=msg):
             generate(target, [3, 4], drafter=drafter, **{"method": "chain", **kw})
 
