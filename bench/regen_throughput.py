@@ -8,26 +8,36 @@ on a CPU: the quickstart spends 6 of its minutes there. This runs the same promp
 prompts of at most `--max-prompt-tokens` tokens, as the quickstart picks them; or a pre-tokenised JSONL file)
 through `regenerate.generate_batch` at each batch size, sorted longest-first into batches as `regenerate` does.
 Batch sizes alternate within every repeat (order reversed on odd repeats), so machine drift hits all alike.
-Reported per batch size: generated tokens per second (every response token up to and including the stop token
-or the cap — what becomes supervised data), responses per minute, and the fraction of responses identical to
-those of the first batch size (left padding must not change greedy output beyond float ties). Prints a table,
-then ONE final JSON line: {"batch_sizes": [...], "tok_s": [...], "responses_per_min": [...], "same_as_first": [...],
-"best_batch_size": B, "n_prompts": N, "max_new_tokens": M}.
+With `--products auto,stock,few_rows` each batch size also runs with each way of computing the products: `auto`
+(dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF runs)
+and `few_rows` (weight-stationary everywhere: what dflashkit did on every CPU before it measured). The header names
+the machine (CPU, BLAS, threads).
+Reported per run (products @ batch size): generated tokens per second (every response token up to and including
+the stop token or the cap — what becomes supervised data), responses per minute, and the fraction of responses
+identical to those of the first run (left padding or another product order must not change greedy output beyond
+float ties). Prints a table, then ONE final JSON line: {"runs": ["auto@8", ...], "batch_sizes": [...],
+"products": [...], "tok_s": [...], "responses_per_min": [...], "same_as_first": [...], "best_batch_size": B,
+"best_products": P, "machine": "...", "n_prompts": N, "max_new_tokens": M}; the lists run over `runs`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from dflashkit.data.regenerate import generate_batch
 from dflashkit.evaluate.stats import load_prompts
+from dflashkit.target import products
+from dflashkit.target.machine import machine_line
 from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,9 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--batch-sizes", default="8,16,32", help="comma-separated; the first is the reference output")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--products", default="auto", help="comma-separated: auto, stock, few_rows (compared side by side)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
     args = p.parse_args(argv)
     sizes = positive_ints(args.batch_sizes, "--batch-sizes", "8,16,32")
+    ways = [w.strip() for w in args.products.split(",") if w.strip()]
+    if not ways or any(w not in products.MODES for w in ways):
+        raise SystemExit(
+            f"error: --products {args.products!r}: expected a comma-separated subset of auto,stock,few_rows"
+        )
     if args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
         raise SystemExit("error: --prompts, --repeats and --max-new-tokens must be positive integers")
     if args.threads:
@@ -73,38 +89,58 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --dataset {args.dataset}: no prompt of ≤ {args.max_prompt_tokens} tokens")
     print(
         f"target {target.source}  {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} "
-        f"tokens)  max_new_tokens {args.max_new_tokens}  threads {torch.get_num_threads()}",
+        f"tokens)  max_new_tokens {args.max_new_tokens}\nmachine: {machine_line()}",
         flush=True,
     )
-    seconds = {b: 0.0 for b in sizes}
-    outputs: dict[int, list[list[int]]] = {}
+    runs = [(w, b) for w in ways for b in sizes]  # (products, batch size)
+    seconds = dict.fromkeys(runs, 0.0)
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
     for r in range(args.repeats):
-        for b in sizes if r % 2 == 0 else sizes[::-1]:
-            s, outputs[b] = run_batches(target, prompts, b, args.max_new_tokens)
-            seconds[b] += s
-    tokens = {b: sum(map(len, outputs[b])) * args.repeats for b in sizes}
-    ref = outputs[sizes[0]]
+        for run in runs if r % 2 == 0 else runs[::-1]:
+            with _products(run[0]):
+                s, outputs[run] = run_batches(target, prompts, run[1], args.max_new_tokens)
+            seconds[run] += s
+    tokens = {run: sum(map(len, outputs[run])) * args.repeats for run in runs}
+    ref = outputs[runs[0]]
     doc = {
+        "machine": machine_line(),
         "batch_sizes": sizes,
-        "tok_s": [round(tokens[b] / seconds[b], 2) for b in sizes],
-        "responses_per_min": [round(60 * len(prompts) * args.repeats / seconds[b], 2) for b in sizes],
+        "products": ways,
+        "tok_s": [round(tokens[run] / seconds[run], 2) for run in runs],
+        "responses_per_min": [round(60 * len(prompts) * args.repeats / seconds[run], 2) for run in runs],
         "same_as_first": [
-            round(sum(a == c for a, c in zip(outputs[b], ref, strict=True)) / len(ref), 4) for b in sizes
+            round(sum(a == c for a, c in zip(outputs[run], ref, strict=True)) / len(ref), 4) for run in runs
         ],
+        "runs": [f"{w}@{b}" for w, b in runs],
         "n_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
     }
-    doc["best_batch_size"] = sizes[max(range(len(sizes)), key=lambda i: doc["tok_s"][i])]
-    print(f"{'batch':>6} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'resp/min':>8} {'same':>5}")
-    for i, b in enumerate(sizes):
+    best = max(range(len(runs)), key=lambda i: doc["tok_s"][i])
+    doc["best_batch_size"], doc["best_products"] = runs[best][1], runs[best][0]
+    print(f"{'products':>9} {'batch':>6} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'resp/min':>8} {'same':>5}")
+    for i, (w, b) in enumerate(runs):
         print(
-            f"{b:>6} {seconds[b]:>8.1f} {tokens[b]:>7} {doc['tok_s'][i]:>7.1f} {doc['responses_per_min'][i]:>8.1f} "
-            f"{doc['same_as_first'][i]:>5.2f}"
+            f"{w:>9} {b:>6} {seconds[(w, b)]:>8.1f} {tokens[(w, b)]:>7} {doc['tok_s'][i]:>7.1f} "
+            f"{doc['responses_per_min'][i]:>8.1f} {doc['same_as_first'][i]:>5.2f}"
         )
     print(json.dumps(doc))
     return 0
+
+
+@contextlib.contextmanager
+def _products(way: str) -> Iterator[None]:
+    """Every product of the block computed `way` (DFLASHKIT_PRODUCTS for the process, restored after)."""
+    old = os.environ.get(products.ENV)
+    os.environ[products.ENV] = way
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(products.ENV, None)
+        else:
+            os.environ[products.ENV] = old
 
 
 if __name__ == "__main__":

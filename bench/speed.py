@@ -42,6 +42,8 @@ from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
 from dflashkit.evaluate.stats import Method, Prompt, load_prompts
 from dflashkit.evaluate.triage import triage_divergence
 from dflashkit.quickstart import QuickstartSettings
+from dflashkit.target import products
+from dflashkit.target.machine import machine_line
 from dflashkit.target.model import Target
 from dflashkit.target.products import stock_products
 
@@ -353,6 +355,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         stops=stops,
     )
     print_table(stats)
+    chosen = {str(rows): c for rows, c in products.choices_by_rows().items()}
+    print(f"machine: {machine_line()}")
+    print(
+        "products chosen per width (rows: shapes per path): "
+        + "; ".join(f"{r}: " + ", ".join(f"{k} {v}" for k, v in c.items()) for r, c in chosen.items())
+    )
     doc = summary(
         stats,
         budgets,
@@ -363,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_new_tokens=args.max_new_tokens,
         block_size=drafter.config.block_size,
         threads=torch.get_num_threads(),
+        machine=machine_line(),
+        products_chosen=chosen,
     )
     print(json.dumps(doc))
     return doc

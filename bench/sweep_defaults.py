@@ -121,7 +121,8 @@ def _shared_data(
     if "more_regen_minutes" in plan:  # the quickstart's own prepare stage continues the base run's responses
         t0 = time.monotonic()
         more = replace(s, regen_minutes=float(plan["more_regen_minutes"]), original_text=0)
-        prep = stage_prepare(target, more, d, time.monotonic() + 60 * more.regen_minutes)
+        rates = json.loads((base / "quickstart.json").read_text()).get("rates") or {}
+        prep = stage_prepare(target, more, d, time.monotonic() + 60 * more.regen_minutes, rates)
         info.update({"regen_minutes_added": round((time.monotonic() - t0) / 60, 2), "responses": prep["conversations"]})
         tokens = d / "data" / "tokens.jsonl.regen"
         (d / "data" / "tokens.jsonl").replace(tokens)

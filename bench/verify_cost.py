@@ -1,25 +1,27 @@
 """What one verification pass costs, by the number of tokens verified (the cost model behind block size and budget).
 
     .venv/bin/python bench/verify_cost.py                              # embedded SmolLM2, context 256
-    .venv/bin/python bench/verify_cost.py --tokens 1,2,3,5,9,17 --context 512 --repeats 20 --threads 2
+    .venv/bin/python bench/verify_cost.py --tokens 1,2,4,5,9,17 --context 512 --repeats 20 --threads 2
 
 A speculative round pays one target pass over n = 1 + drafts tokens on top of the cached context; plain decoding
-pays n = 1 per token. For each n this prints the median seconds of (all interleaved, on the same cache, cropped
-back after every pass):
-  forward      the target's decoder layers + final norm + LM head over all n positions (what chain/DDTree verify do)
-  body         the decoder layers only (no LM head)
-  head         final norm + LM head over n rows (forward − body, measured directly)
-and the ratio forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1).
-`stock forward` is the same pass with every product through F.linear (`few_rows.stock_products()`), i.e. without
-the weight-stationary products dflashkit uses for 2–16 rows on CPU — interleaved with the others.
-The last line is JSON: {"context": C, "tokens": [...], "forward_s": [...], "body_s": [...], "head_s": [...],
-"stock_forward_s": [...], "ratio": [...], "stock_ratio": [...]}.
+pays n = 1 per token. For each n this times (all interleaved, on the same cache, cropped back after every pass):
+  forward        the target's decoder layers + final norm + LM head over n positions, with the products dflashkit
+                 uses: each shape the way this machine does it fastest (measured at first use: target/products.py)
+  stock          the same pass with every product through F.linear (how plain PyTorch / HF run it)
+  few_rows       the same pass with every product weight-stationary (DFLASHKIT_PRODUCTS=few_rows)
+  body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
+and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
+the product chosen per width (how many of the pass's weight shapes took each path) and the physical floor: the
+target's weight bytes over this machine's read bandwidth — a pass must read every weight once, so a memory-bound
+pass over n tokens costs at least that, whatever n; `× floor` says how close each path gets.
+The header names the CPU, its BLAS and threads. The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,12 +29,34 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.target import products
 from dflashkit.target.cache import crop
+from dflashkit.target.machine import machine_line, read_bandwidth
 from dflashkit.target.model import Target
-from dflashkit.target.products import stock_products
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints
+
+PATHS = ("forward", "stock", "few_rows")
+
+
+def _mode(path: str):
+    """A context in which every product takes `path` (forward: dflashkit's measured choice)."""
+    if path == "stock":
+        return products.stock_products()
+
+    class _Env:
+        def __enter__(self):
+            self.old = os.environ.get(products.ENV)
+            os.environ[products.ENV] = "few_rows" if path == "few_rows" else "auto"
+
+        def __exit__(self, *exc):
+            if self.old is None:
+                os.environ.pop(products.ENV, None)
+            else:
+                os.environ[products.ENV] = self.old
+
+    return _Env()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,49 +93,80 @@ def main(argv: list[str] | None = None) -> int:
         return t
 
     hidden = torch.randn(1, max(sizes), target.hidden_size, generator=g).to(target.device, target.dtype)
-    kinds = ("forward", "body", "head", "stock_forward")
+    kinds = (*PATHS, "body", "head")
     times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in sizes} for k in kinds}
-    for n in sizes:  # warm-up
-        forward(n, True)
+    for n in sizes:  # warm-up: also makes dflashkit's per-shape choices (timed once, kept)
+        for path in PATHS:
+            with _mode(path):
+                forward(n, True)
     for _ in range(args.repeats):
-        for n in sizes:  # interleaved, so slow phases of the machine hit every size alike
-            times["forward"][n].append(forward(n, True))
+        for n in sizes:  # interleaved, so slow phases of the machine hit every size and path alike
+            for path in PATHS:
+                with _mode(path):
+                    times[path][n].append(forward(n, True))
             times["body"][n].append(forward(n, False))
-            with stock_products():
-                times["stock_forward"][n].append(forward(n, True))
             with torch.no_grad():
                 times["head"][n].append(timed(lambda n=n: target.verifier_logits(hidden[:, :n])))
     med = {k: [statistics.median(v[n]) for n in sizes] for k, v in times.items()}
-    ratio = [f / med["forward"][0] for f in med["forward"]] if sizes[0] == 1 else [None] * len(sizes)
-    stock_ratio = [f / med["stock_forward"][0] for f in med["stock_forward"]] if sizes[0] == 1 else [None] * len(sizes)
-    print(
-        f"target {target.source} ({target.architecture}), context {args.context}, {torch.get_num_threads()} "
-        f"threads, median of {args.repeats}"
-    )
-    print(
-        f"{'tokens':>6} {'forward ms':>11} {'body ms':>8} {'head ms':>8} {'× forward(1)':>13} "
-        f"{'stock ms':>9} {'stock ×(1)':>11}"
-    )
-    for i, n in enumerate(sizes):
-        r = f"{ratio[i]:.2f}" if ratio[i] is not None else "—"
-        sr = f"{stock_ratio[i]:.2f}" if stock_ratio[i] is not None else "—"
-        print(
-            f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f} "
-            f"{r:>13} {1e3 * med['stock_forward'][i]:>9.1f} {sr:>11}"
-        )
+    weight_bytes = sum(t.numel() * t.element_size() for t in target.model.parameters())
+    floor = weight_bytes / read_bandwidth() if target.device.type == "cpu" else None
+    chosen = _chosen_per_width(sizes, target)
+    _print_table(args, target, sizes, med, floor, weight_bytes, chosen)
+    base = {k: med[k][0] for k in PATHS} if sizes[0] == 1 else None
     print(
         json.dumps(
             {
+                "machine": machine_line(),
                 "context": args.context,
                 "tokens": sizes,
                 "threads": torch.get_num_threads(),
                 **{f"{k}_s": [round(x, 5) for x in v] for k, v in med.items()},
-                "ratio": [None if x is None else round(x, 3) for x in ratio],
-                "stock_ratio": [None if x is None else round(x, 3) for x in stock_ratio],
+                "ratio": [round(f / base["forward"], 3) for f in med["forward"]] if base else None,
+                "stock_ratio": [round(f / base["stock"], 3) for f in med["stock"]] if base else None,
+                "floor_s": round(floor, 5) if floor else None,
+                "weight_bytes": weight_bytes,
+                "chosen": chosen,
             }
         )
     )
     return 0
+
+
+def _chosen_per_width(sizes: list[int], target: Target) -> dict[str, str]:
+    """Per verified width n: 'few_rows 5/8' — how many of the target's product shapes at n rows took few_rows."""
+    shapes = {(m.in_features, m.out_features) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
+    choices = products.choices_report()["choices"]
+    out = {}
+    for n in sizes:
+        mine = [
+            v["choice"]
+            for k, v in choices.items()
+            if int(k.split("x")[0]) == n and (int(k.split("x")[1]), int(k.split("x")[2].split(":")[0])) in shapes
+        ]
+        out[str(n)] = f"few_rows {sum(c == 'few_rows' for c in mine)}/{len(mine)}" if mine else "—"
+    return out
+
+
+def _print_table(args, target, sizes, med, floor, weight_bytes, chosen) -> None:
+    print(f"target {target.source} ({target.architecture}), context {args.context}, median of {args.repeats}")
+    print(f"machine: {machine_line()}")
+    if floor:
+        print(
+            f"floor: {weight_bytes / 1e6:.0f} MB of weights at {weight_bytes / floor / 1e9:.1f} GB/s read = "
+            f"{1e3 * floor:.1f} ms per pass"
+        )
+    print(
+        f"{'tokens':>6} {'forward ms':>11} {'× fwd(1)':>9} {'× floor':>8} {'stock ms':>9} {'few_rows ms':>12} "
+        f"{'body ms':>8} {'head ms':>8}  chosen"
+    )
+    for i, n in enumerate(sizes):
+        r = f"{med['forward'][i] / med['forward'][0]:.2f}" if sizes[0] == 1 else "—"
+        fl = f"{med['forward'][i] / floor:.2f}" if floor else "—"
+        print(
+            f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {r:>9} {fl:>8} {1e3 * med['stock'][i]:>9.1f} "
+            f"{1e3 * med['few_rows'][i]:>12.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f}  "
+            f"{chosen[str(n)]}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from dflashkit.io_utils import atomic_write_text
+from dflashkit.output_dir import one_writer
 from dflashkit.validation import (
     BlockSize,
     Bool,
@@ -50,7 +51,7 @@ class QuickstartSettings:
     eval_minutes: PositiveFloat = 9.0  # evaluation, both datasets (fewer prompts on a slow machine, ≥ 1 each)
     max_new_tokens_regen: PositiveInt = 192
     max_prompt_tokens: PositiveInt = 384  # longer ShareGPT prompts are skipped (they cost time, teach little)
-    regen_batch: PositiveInt = 16  # batch 8, 16 or 32: the same tokens/s on this CPU (bench/regen_throughput.py)
+    regen_batch: NonNegativeInt = 0  # 0: measured at the start among 8, 16, 32 (16 unless another is clearly faster)
     # + this many ShareGPT train conversations with their ORIGINAL reply, teacher-forced (labels: the target's own
     # argmax): ~6× cheaper per token than regeneration (lever table: orig_mix); fewer when regeneration ran slower
     # than on the idle dev machine (capture will be slower too); 0 = regenerated responses only
@@ -121,37 +122,69 @@ def _say(msg: str) -> None:
     print(f"[quickstart] {msg}", flush=True)
 
 
-def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float) -> dict[str, Any]:
-    """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise."""
-    from dflashkit.data.conversations import encode_prompt, prompt_messages, write_tokens
+def _train_prompts(target: Any, s: QuickstartSettings, exclude: set[str] = frozenset()):
+    """ShareGPT train conversations (the dataset's order) whose prompt fits `max_prompt_tokens`, with their ids."""
+    from dflashkit.data.conversations import encode_prompt, prompt_messages
     from dflashkit.data.datasets import load_dataset
-    from dflashkit.data.regenerate import read_regenerated, regenerate
     from dflashkit.errors import DataError
 
     convs, _ = load_dataset("sharegpt", None)
+    for c in convs:
+        if c.id in exclude:
+            continue
+        try:
+            ids = encode_prompt(target.tokenizer, prompt_messages(c))
+        except DataError:
+            continue
+        if len(ids) <= s.max_prompt_tokens:
+            yield c, ids
+
+
+def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dict[str, Any]:
+    """This machine's regeneration tokens/s at a few batch sizes (the best becomes the batch size when it beats the
+    default clearly) and its capture tokens/s — measured in a few seconds (quickstart_rates.py)."""
+    from dflashkit.quickstart_rates import measure_rates
+
+    batches = (s.regen_batch,) if s.regen_batch else (8, 16, 32)  # a batch size given is kept (and measured)
+    prompts = []
+    for _, ids in _train_prompts(target, s):
+        prompts.append(ids)
+        if len(prompts) == max(batches):
+            break
+    _say(f"rates: measuring regeneration at batch {', '.join(map(str, batches))} and capture (a few seconds)")
+    default = s.regen_batch or 16
+    return measure_rates(target, prompts, batches=batches, default_batch=default, layer_ids=layer_ids)
+
+
+def stage_prepare(
+    target: Any, s: QuickstartSettings, out: Path, deadline: float, rates: dict[str, Any]
+) -> dict[str, Any]:
+    """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise; add
+    original-text conversations whose capture fits this machine's budget (`rates`)."""
+    from dflashkit.data.conversations import write_tokens
+    from dflashkit.data.regenerate import read_regenerated, regenerate
+
     tok = target.tokenizer
+    batch = int(s.regen_batch or rates.get("regen_batch", 16))
     regen = out / "data" / "regenerated.jsonl"
     regen.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_regenerated(regen, repair=True)} if regen.exists() else set()
-    _say(f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min")
+    _say(
+        f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min "
+        f"(batch {batch})"
+    )
     chunk: list[Any] = []
-    first = True
-    for c in convs:  # the dataset's order (deterministic); prompts that fit the length budget
-        if c.id in done:
-            continue
-        try:
-            if len(encode_prompt(tok, prompt_messages(c))) > s.max_prompt_tokens:
-                continue
-        except DataError:
-            continue
+    first, new_tokens, seconds = True, 0, 0.0
+    for c, _ in _train_prompts(target, s, exclude=done):  # the dataset's order (deterministic)
         chunk.append(c)
-        if len(chunk) < 2 * s.regen_batch:
+        if len(chunk) < 2 * batch:
             continue
         if not first and time.monotonic() >= deadline:
             break
-        regenerate(
-            target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=s.regen_batch, progress=False
+        stats = regenerate(
+            target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=batch, progress=False
         )
+        new_tokens, seconds = new_tokens + stats.new_tokens, seconds + stats.seconds
         done |= {c.id for c in chunk}
         chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
         _say(f"prepare: {len(done)} responses")
@@ -164,14 +197,25 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
         max_length=1024,
         min_supervised=2,
     )
-    result = {"conversations": len(records), "tokens": tokens.total_tokens, "supervised_tokens": tokens.supervised}
-    n_orig = original_text_count(s, len(records))
-    if n_orig:
+    result = {
+        "conversations": len(records),
+        "tokens": tokens.total_tokens,
+        "supervised_tokens": tokens.supervised,
+        "regen_batch": batch,
+        **({"regen_tokens_per_s": round(new_tokens / seconds, 2)} if seconds else {}),
+    }
+    if s.original_text:
         from dflashkit.data.original_text import write_original_text
+        from dflashkit.quickstart_rates import original_token_budget
 
         orig_file = out / "data" / "original.jsonl"
         orig = write_original_text(
-            tok, n_orig, orig_file, exclude={r["id"] for r in records}, max_prompt_tokens=s.max_prompt_tokens
+            tok,
+            s.original_text,
+            orig_file,
+            exclude={r["id"] for r in records},
+            max_prompt_tokens=s.max_prompt_tokens,
+            max_total_tokens=original_token_budget(rates),
         )
         atomic_write_text(tokens_file, tokens_file.read_text() + orig_file.read_text())
         result.update(
@@ -186,14 +230,6 @@ def stage_prepare(target: Any, s: QuickstartSettings, out: Path, deadline: float
             f"({orig.supervised:,} supervised tokens, target labels)"
         )
     return result
-
-
-def original_text_count(s: QuickstartSettings, responses: int) -> int:
-    """How many original-text conversations to add: `s.original_text`, scaled down by how far regeneration fell
-    short of the idle dev machine's rate (the capture of their tokens slows down alike)."""
-    want = IDLE_RESPONSES_PER_MIN * s.regen_minutes
-    scale = min(1.0, responses / want) if want > 0 else 1.0
-    return max(0, round(s.original_text * scale))
 
 
 def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -> dict[str, Any]:
@@ -283,9 +319,22 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
             else {}
         ),
         "seconds_per_step": round(step_seconds(out / "train" / "metrics.jsonl"), 3),
+        **_step_rates(out / "train" / "metrics.jsonl"),
         "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
         "val": result.val_metrics,
     }
+
+
+def _step_rates(metrics_file: Path) -> dict[str, float]:
+    """Steps per minute over the whole training stage and over its first steps (the shortfall note compares them)."""
+    from dflashkit.quickstart_rates import first_steps_rate
+    from dflashkit.train.metrics import read_metrics
+
+    times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
+    first = first_steps_rate(times)
+    if not times or first is None:
+        return {}
+    return {"steps_per_min": round(60 * len(times) / sum(times), 1), "first_steps_per_min": round(first, 1)}
 
 
 def step_seconds(metrics_file: Path) -> float:
@@ -384,16 +433,26 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     from dflashkit.target.model import Target
 
     t0 = time.monotonic()
-    out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = _load_state(out)
-    state["settings"] = asdict(s)
-    _say(f"output directory {out} (re-running continues from what is done)")
-    target = Target.load("default")
-    layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
-    done = state["done"]
+    with one_writer(s.out, "dflashkit quickstart") as out:
+        state = _load_state(out)
+        state["settings"] = asdict(s)
+        _say(f"output directory {out} (re-running continues from what is done)")
+        target = Target.load("default")
+        layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
+        if "rates" not in state:  # this machine's speed, the yardstick of the run's choices and notes
+            state["rates"] = stage_rates(target, s, layer_ids)
+            _save_state(out, state)
+        _say(f"rates: {state['rates']}")
+        _run_stages(target, s, out, state, layer_ids, t0)
+    return state
+
+
+def _run_stages(
+    target: Any, s: QuickstartSettings, out: Path, state: dict[str, Any], layer_ids: list[int], t0: float
+) -> None:
+    done, rates = state["done"], state["rates"]
     if "prepare" not in done:
-        done["prepare"] = stage_prepare(target, s, out, time.monotonic() + 60 * s.regen_minutes)
+        done["prepare"] = stage_prepare(target, s, out, time.monotonic() + 60 * s.regen_minutes, rates)
         _save_state(out, state)
     _say(f"prepare: {done['prepare']}")
     if "capture" not in done:
@@ -418,11 +477,3 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
         _save_state(out, state)
     state["elapsed_minutes_last_run"] = round((time.monotonic() - t0) / 60, 1)
     _save_state(out, state)
-    return state
-
-
-# What the stages get on the idle 2-core dev machine (README): regeneration ≈ 37 responses/min (224 in 6 min),
-# training steps/min by drafter depth (bench/curve.py at 9 min: 1 layer 743 steps, 2 layers 446).
-IDLE_RESPONSES_PER_MIN = 37.0
-IDLE_STEPS_PER_MIN = {1: 80.0, 2: 48.0}  # other depths: no idle figure, so no training note
-SHORTFALL = 0.6  # below this fraction of the idle figure, the screen says so

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflashkit.quickstart import IDLE_RESPONSES_PER_MIN, IDLE_STEPS_PER_MIN, SHORTFALL
+from dflashkit.quickstart_rates import shortfall_notes
 
 
 def summary_screen(state: dict[str, Any]) -> str:
@@ -66,31 +66,4 @@ def _chosen_step(train: dict[str, Any]) -> str:
     return f"; drafter of {where} (best validation τ {train['best_val_tau']:.2f})"
 
 
-def shortfall_notes(state: dict[str, Any]) -> list[str]:
-    """Lines for the stages that got much less than an idle machine gives them (a busy or slower machine)."""
-    s, d = state.get("settings", {}), state["done"]
-    notes = []
-    want = IDLE_RESPONSES_PER_MIN * s.get("regen_minutes", 0)
-    got = d.get("prepare", {}).get("conversations", 0)
-    if want and got < SHORTFALL * want:
-        notes.append(
-            f"regeneration got {got} responses in {s['regen_minutes']:g} min; an idle 2-core machine gets "
-            f"~{want:.0f} (the machine was busy or slower: less data, lower τ)"
-        )
-    want = IDLE_STEPS_PER_MIN.get(s.get("num_hidden_layers", 1), 0.0) * s.get("train_minutes", 0)
-    got = d.get("train", {}).get("steps", 0)
-    if want and got < SHORTFALL * want:
-        notes.append(
-            f"training got {got} steps in {s['train_minutes']:g} min; an idle 2-core machine gets "
-            f"~{want:.0f} (fewer steps, lower τ; --train-minutes buys more)"
-        )
-    for dataset, where in d.get("eval", {}).items():
-        if where.get("prompts", 0) < where.get("requested", 0):
-            notes.append(
-                f"evaluation of {dataset} finished {where['prompts']} of {where['requested']} prompts "
-                f"within its time box (--eval-minutes; wider confidence intervals)"
-            )
-    return notes
-
-
-__all__ = ["shortfall_notes", "summary_screen"]
+__all__ = ["summary_screen"]

@@ -16,6 +16,7 @@ TOP = (
     "commands",
     "quickstart",
     "quickstart_screen",
+    "quickstart_rates",
     "__main__",
     "__init__",
 )  # entry points: may import anything

@@ -61,9 +61,27 @@ def write_original_text(
     exclude: Collection[str],
     max_prompt_tokens: int,
     max_length: int = 1024,
+    max_total_tokens: int | None = None,
 ) -> Any:
-    """Tokenise `original_text_items(...)` into `out_path` (tokens.jsonl format). Returns the TokensReport."""
-    from dflashkit.data.conversations import write_tokens
+    """Tokenise `original_text_items(...)` into `out_path` (tokens.jsonl format). Returns the TokensReport.
+    `max_total_tokens` keeps only the first conversations whose tokens fit that many (a capture-time budget)."""
+    import json
+
+    from dflashkit.data.conversations import TokensReport, write_tokens
+    from dflashkit.io_utils import atomic_write_text
 
     items = original_text_items(tokenizer, n, exclude=exclude, max_prompt_tokens=max_prompt_tokens)
-    return write_tokens(tokenizer, items, out_path, max_length=max_length, min_supervised=2)
+    report = write_tokens(tokenizer, items, out_path, max_length=max_length, min_supervised=2)
+    if max_total_tokens is None or report.total_tokens <= max_total_tokens:
+        return report
+    kept, total, supervised = [], 0, 0
+    for line in Path(out_path).read_text().splitlines():
+        rec = json.loads(line)
+        if total + len(rec["input_ids"]) > max_total_tokens:
+            break
+        kept.append(line)
+        total, supervised = total + len(rec["input_ids"]), supervised + sum(rec["loss_mask"])
+    atomic_write_text(Path(out_path), "".join(x + "\n" for x in kept))
+    return TokensReport(
+        written=len(kept), truncated=report.truncated, total_tokens=total, supervised=supervised, skipped=report.skipped
+    )

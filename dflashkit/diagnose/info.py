@@ -74,6 +74,21 @@ def gather_info(
             "mask": describe_mask(cfg, target.tokenizer),
         },
         "cache": {"root": str(cache_root()), "default_target": str(default_target_dir())},
+        "machine": _machine(),
+    }
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
+    from dflashkit.target.machine import describe_machine
+    from dflashkit.target.products import choices_by_rows, choices_report, mode
+
+    report = choices_report()
+    return {
+        **describe_machine(),
+        "products_mode": mode(),
+        "products_store": report["store"],
+        "products_by_rows": {str(k): v for k, v in choices_by_rows(report).items()},
     }
 
 
@@ -117,8 +132,27 @@ def render_info(info: dict[str, Any]) -> str:
         "Cache",
         f"  root              {c['root']}  (set DFLASHKIT_CACHE to move it)",
         f"  default target    {c['default_target']}",
+        "",
+        *_machine_lines(info["machine"]),
     ]
     return "\n".join(lines)
+
+
+def _machine_lines(m: dict[str, Any]) -> list[str]:
+    flags = f" ({', '.join(m['flags'])})" if m["flags"] else ""
+    rows = m["products_by_rows"]
+    if m["products_mode"] != "auto":
+        chosen = f"{m['products_mode']} everywhere (DFLASHKIT_PRODUCTS)"
+    elif rows:
+        chosen = "; ".join(f"{r} rows: " + ", ".join(f"{k} {n}" for k, n in c.items()) for r, c in rows.items())
+    else:
+        chosen = "none measured yet (each shape is timed at its first use, then kept)"
+    return [
+        "Machine",
+        f"  CPU               {m['cpu']}{flags}, {m['threads']} torch threads",
+        f"  BLAS              {m['blas']} (torch {m['torch']})",
+        f"  decoding products {chosen}",
+    ]
 
 
 __all__ = ["gather_info", "render_info"]

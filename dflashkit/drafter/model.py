@@ -24,7 +24,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.target.products import linear_few_rows, route_linears
+from dflashkit.target.products import linear_product, route_linears
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").
@@ -218,7 +218,7 @@ class DFlashDrafter(nn.Module):
             # Reduced draft vocabulary: draft id i ↔ target id draft_to_target[i]. A buffer so it is saved.
             self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.reset_parameters()
-        route_linears(self.layers)  # a decoding round's few rows: weight-stationary products on CPU (few_rows)
+        route_linears(self.layers)  # a decoding round's few rows: the measured products (products.py)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -270,7 +270,7 @@ class DFlashDrafter(nn.Module):
                     self._reduced_head = cached
             weight = cached[1]
         weight = weight.to(hidden.device) if weight.device != hidden.device else weight
-        return linear_few_rows(hidden.to(weight.dtype), weight)  # a decoding round's few rows: fast path on CPU
+        return linear_product(hidden.to(weight.dtype), weight)  # a round's few rows: the measured product
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids back to target ids (identity without a reduced vocabulary)."""

@@ -10,8 +10,9 @@ Modules and their public functions:
   default.py    `ensure_default_target()`, `cache_root()`, `gguf_path()`
   cache.py      the target's KV cache during verification: `crop`, `keep_positions`, `snapshot` / `restore`
                 (recurrent states of hybrid Gated DeltaNet layers)
-  products.py   matrix products for a decoding step's few rows on CPU: `linear_few_rows`, `route_linears`,
-                `stock_products()`
+  products.py   a decoding step's matrix products, each shape the way this CPU does it fastest (measured):
+                `linear_product`, `route_linears`, `stock_products()`, `choices_report()`
+  machine.py    `describe_machine()` (CPU model, flags, BLAS, threads), `read_bandwidth()`
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
   devices.py    `device_problem(spec)`: whether a device string names a device this machine has
   files.py      `check_model_dir`, `check_gguf`: a target's config.json / GGUF header checked before loading

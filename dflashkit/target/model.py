@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from dflashkit.errors import TargetError
 from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.layer_ids import layer_ids_problem
-from dflashkit.target.products import linear_few_rows, route_linears
+from dflashkit.target.products import linear_product, route_linears
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -101,7 +101,7 @@ class Target:
             raise TargetError(f"{type(model).__name__} has no LM head (expected a causal LM)")
         self.lm_head: nn.Module = head
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
-        route_linears(self.layers)  # verify passes' 2–16 rows: weight-stationary products on CPU (few_rows)
+        route_linears(self.layers)  # decoding steps' few rows: the measured products (products.py)
         cfg = self.text_config
         self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
 
@@ -266,7 +266,7 @@ class Target:
         h = self.final_norm(final_hidden.to(self.device))
         w = getattr(self.lm_head, "weight", None)
         if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and w is not None:
-            return linear_few_rows(h, w, min_rows=1)  # a decoding step's 1–16 rows: weight-stationary on CPU
+            return linear_product(h, w)  # a decoding step's rows: the product this machine does fastest
         return self.lm_head(h)
 
     @torch.no_grad()

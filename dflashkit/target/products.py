@@ -1,37 +1,70 @@
-"""Matrix products for the few rows of a decoding step on CPU (numerically the same products, faster).
+"""Matrix products of a decoding step on CPU, each shape computed the way this machine does fastest — chosen by
+measurement, never by a rule from another CPU.
 
-    logits = linear_few_rows(hidden, weight)      # hidden (..., H), weight (V, H) → (..., V)
-    route_linears(target.layers)                  # every nn.Linear inside: the same, for 2–16 rows
+    logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
+    route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
+    DFLASHKIT_PRODUCTS=auto|stock|few_rows        # the choice: measured (default), or forced
 
-A verify pass multiplies 2–16 rows by every weight matrix of the target (and the drafter by its own). `F.linear(x,
-W)` hands that to the CPU BLAS as x·Wᵀ with M = rows, and for small M > 1 the BLAS takes a path that costs far
-more than streaming W once (bench/verify_cost.py: the LM head of SmolLM2 at 2–4 rows). Computing the same product
-weight-stationary, (W·xᵀ)ᵀ, streams W once. Both are the float32 dot products of each row with each weight row;
-only the summation order inside a dot product may differ (last-bit differences, as between any two batch shapes
-of F.linear). The fast path is taken only where it applies — CPU, 2…`FEW_ROWS` rows, same dtype, no autograd —
-so one-row steps (an AR step, HF `generate` at batch 1), training, capture of long sequences and GPUs run
-F.linear exactly as before. `Target` routes its decoder layers and the drafter its own layers on construction;
-benchmarks time stock baselines (HF `generate`, HF prompt lookup) inside `stock_products()`.
+A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
+every weight matrix. Two ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
+  stock       F.linear(x, W): x·Wᵀ as the BLAS's GEMM/GEMV with M = rows
+  few_rows    (W·xᵀ)ᵀ, weight-stationary: streams W once; one row is multiplied as two (the matrix-vector path of
+              some BLAS builds is slower than a matrix product of two)
+Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
+Xeon with MKL, it was slower than stock at every width. So for each shape (rows × in × out, dtype, threads) the first
+call times both — interleaved, each call with the weights evicted from the CPU caches first, as they are when a
+model streams its layers — and keeps few_rows only when it is faster than stock by more than the timing noise
+(the spread of the stock timings, at least 3 %); otherwise stock. A choice holds for the process and is kept in
+`~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch version and threads, so later runs skip the timing.
+Both compute each output as the same dot product; only the summation order inside it may differ (last-bit
+differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
+part: training, long prefills and GPUs always run F.linear.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import statistics
+import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-FEW_ROWS = 16
+from dflashkit.errors import ConfigError
+from dflashkit.target.machine import last_level_cache_bytes
+
+MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
+MODES = ("auto", "stock", "few_rows")
+ENV = "DFLASHKIT_PRODUCTS"
+MIN_GAIN = 0.03  # few_rows must beat stock by at least this much (and by more than the noise) to be chosen
 _STOCK = [0]  # > 0 inside stock_products()
+
+
+def _stock(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return F.linear(x, w, b)  # (M, out)
+
+
+def _few_rows(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    rows = x.shape[0]
+    cols = x.repeat(2, 1).t() if rows == 1 else x.t()  # (in, max(M, 2))
+    out = torch.mm(w, cols)[:, :rows].t()  # (M, out)
+    return out + b if b is not None else out
+
+
+CANDIDATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {"stock": _stock, "few_rows": _few_rows}
 
 
 @contextlib.contextmanager
 def stock_products() -> Iterator[None]:
-    """Within this block every product goes to F.linear (nestable)."""
+    """Within this block every product goes to F.linear (nestable): how HF and plain PyTorch run."""
     _STOCK[0] += 1
     try:
         yield
@@ -39,37 +72,205 @@ def stock_products() -> Iterator[None]:
         _STOCK[0] -= 1
 
 
-def linear_few_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, min_rows: int = 2) -> Tensor:
-    """x (..., H) @ weight (V, H)ᵀ (+ bias) → (..., V), weight-stationary on CPU for min_rows…FEW_ROWS rows
-    (`min_rows=1`: also one row — dflashkit's verifier head, where it beats the BLAS's vector product 2×)."""
+def mode() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+class Chooser:
+    """The measured choice per shape. `timer(name, fn) -> seconds` and `store` (a JSON file, or None: memory only)
+    are injectable, so the selection logic is tested without timing anything."""
+
+    def __init__(
+        self,
+        *,
+        timer: Callable[[str, Callable[[], object]], float] | None = None,
+        store: Path | None = None,
+        repeats: int = 7,
+    ) -> None:
+        self.timer = timer or _cold_timer
+        self.store = store
+        self.repeats = repeats
+        self.choices: dict[str, dict[str, float | str]] = {}
+        self._loaded = False
+
+    def choose(self, x: Tensor, w: Tensor, b: Tensor | None) -> str:
+        key = shape_key(x.shape[0], w, b)
+        if not self._loaded:
+            self._load()
+        entry = self.choices.get(key)
+        if entry is None:
+            entry = self.measure(x, w, b)
+            self.choices[key] = entry
+            self._save()
+        return str(entry["choice"])
+
+    def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str]:
+        """Time every candidate on these very tensors, cache-cold and interleaved (ABBA …), and pick by `decide`."""
+        times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
+        with torch.no_grad():
+            for fn in CANDIDATES.values():  # warm-up: first calls pay allocations
+                fn(x, w, b)
+            for r in range(self.repeats):
+                order = list(CANDIDATES) if r % 2 == 0 else list(reversed(CANDIDATES))
+                for name in order:
+                    times[name].append(self.timer(name, lambda name=name: CANDIDATES[name](x, w, b)))
+        return decide(times)
+
+    # --------------------------------------------------------------------------------------- the store
+    def _load(self) -> None:
+        self._loaded = True
+        if self.store is None or not self.store.is_file():
+            return
+        try:
+            data = json.loads(self.store.read_text())
+            choices = data.get("choices", {}) if isinstance(data, dict) else {}
+            self.choices.update({k: v for k, v in choices.items() if v.get("choice") in CANDIDATES})
+        except (OSError, ValueError, AttributeError):
+            pass  # a damaged store is re-measured, never trusted
+
+    def _save(self) -> None:
+        if self.store is None:
+            return
+        try:
+            from dflashkit.io_utils import atomic_write_text
+            from dflashkit.target.machine import describe_machine
+
+            doc = {"machine": describe_machine(), "choices": self.choices}
+            atomic_write_text(self.store, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        except OSError:
+            pass  # a read-only cache only costs the timing again next time
+
+
+def decide(times: dict[str, list[float]]) -> dict[str, float | str]:
+    """few_rows when its median is below stock's by more than the noise (stock's interquartile spread relative to
+    its median, at least MIN_GAIN); stock otherwise — never slower than stock beyond the noise."""
+    stock = sorted(times["stock"])
+    med = {name: statistics.median(v) for name, v in times.items()}
+    q1, q3 = stock[len(stock) // 4], stock[(3 * len(stock)) // 4]
+    noise = max(MIN_GAIN, (q3 - q1) / med["stock"]) if med["stock"] > 0 else MIN_GAIN
+    choice = "few_rows" if med["few_rows"] < med["stock"] * (1 - noise) else "stock"
+    return {
+        "choice": choice,
+        "stock_ms": round(1e3 * med["stock"], 4),
+        "few_rows_ms": round(1e3 * med["few_rows"], 4),
+        "noise": round(noise, 4),
+    }
+
+
+def shape_key(rows: int, w: Tensor, b: Tensor | None) -> str:
+    return f"{rows}x{w.shape[1]}x{w.shape[0]}:{str(w.dtype).removeprefix('torch.')}{':b' if b is not None else ''}"
+
+
+_SCRATCH: list[Tensor] = []
+
+
+def _cold_timer(_name: str, fn: Callable[[], object]) -> float:
+    """Seconds of one call with the weights out of the CPU caches, as in a real pass: a model streams each layer's
+    weights from memory, so a product timed on cache-hot weights (a loop over one call) can rank the candidates
+    the other way round. A read-modify-write of twice the last-level cache evicts them first."""
+    if not _SCRATCH:
+        _SCRATCH.append(torch.zeros(max(64 << 20, 2 * last_level_cache_bytes()) // 4))
+    _SCRATCH[0].add_(1.0)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def store_path() -> Path | None:
+    """~/.cache/dflashkit/products/<machine>.json (None when the cache cannot be used)."""
+    from dflashkit.target.default import cache_root
+    from dflashkit.target.machine import describe_machine
+
+    try:
+        root = cache_root()
+    except ConfigError:
+        return None
+    m = describe_machine()
+    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"]])
+    return root / "products" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+
+_CHOOSERS: dict[int, Chooser] = {}  # by thread count: a choice measured at 2 threads says nothing about 1
+
+
+def chooser() -> Chooser:
+    threads = torch.get_num_threads()
+    if threads not in _CHOOSERS:
+        _CHOOSERS[threads] = Chooser(store=store_path())
+    return _CHOOSERS[threads]
+
+
+def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., H) @ weight (V, H)ᵀ (+ bias) → (..., V), the way this machine computes that shape fastest."""
     rows = x.numel() // max(1, x.shape[-1])
     if (
         _STOCK[0]
         or x.device.type != "cpu"
-        or not max(1, min_rows) <= rows <= FEW_ROWS
+        or not 1 <= rows <= MAX_ROWS
         or x.dtype != weight.dtype
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         return F.linear(x, weight, bias)
+    how = mode()
     flat = x.reshape(rows, x.shape[-1])  # (M, H)
-    # one row as a matrix product of two (the BLAS's matrix-vector path is ~2× slower here)
-    cols = flat.repeat(2, 1).t() if rows == 1 else flat.t()  # (H, max(M, 2))
-    out = torch.mm(weight, cols)[:, :rows].t()  # (M, V)
-    if bias is not None:
-        out = out + bias
+    if how == "auto":
+        how = chooser().choose(flat, weight, bias)
+    out = CANDIDATES[how](flat, weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return linear_few_rows(x, self.weight, self.bias)
+    return linear_product(x, self.weight, self.bias)
 
 
 def route_linears(module: nn.Module) -> int:
-    """Send every plain nn.Linear under `module` through `linear_few_rows` (idempotent); returns how many."""
+    """Send every plain nn.Linear under `module` through `linear_product` (idempotent); returns how many."""
     n = 0
     for m in module.modules():
-        if type(m) is nn.Linear and not getattr(m, "_few_rows", False):
+        if type(m) is nn.Linear and not getattr(m, "_routed", False):
             m.forward = types.MethodType(_forward, m)
-            m._few_rows = True
+            m._routed = True
             n += 1
     return n
+
+
+def choices_report() -> dict[str, object]:
+    """What was chosen so far (this process and the store), for `dflashkit info` and the benchmarks."""
+    from dflashkit.target.machine import describe_machine
+
+    c = chooser()
+    if not c._loaded:
+        c._load()
+    return {
+        "machine": describe_machine(),
+        "mode": mode(),
+        "store": str(c.store) if c.store else None,
+        "choices": dict(sorted(c.choices.items())),
+    }
+
+
+def choices_by_rows(report: dict[str, object] | None = None) -> dict[int, dict[str, int]]:
+    """rows → {choice: how many shapes} (a compact view of `choices_report`)."""
+    out: dict[int, dict[str, int]] = {}
+    for key, entry in (report or choices_report())["choices"].items():
+        rows = int(key.split("x", 1)[0])
+        out.setdefault(rows, {}).setdefault(str(entry["choice"]), 0)
+        out[rows][str(entry["choice"])] += 1
+    return dict(sorted(out.items()))
+
+
+__all__ = [
+    "CANDIDATES",
+    "MAX_ROWS",
+    "Chooser",
+    "choices_by_rows",
+    "choices_report",
+    "decide",
+    "linear_product",
+    "mode",
+    "route_linears",
+    "stock_products",
+]

@@ -61,7 +61,20 @@ def test_regen_throughput_tiny(tiny_llama_dir, tmp_path, capsys):
     assert all(t > 0 for t in doc["tok_s"]) and all(r > 0 for r in doc["responses_per_min"])
     assert doc["same_as_first"] == [1.0, 1.0]  # batching (left padding) keeps greedy output
     assert doc["best_batch_size"] in (1, 3)
-    assert any(line.split()[:1] == ["3"] for line in lines[:-1])  # one table row per batch size
+    assert doc["runs"] == ["auto@1", "auto@3"] and doc["best_products"] == "auto"
+    assert any(line.split()[:2] == ["auto", "3"] for line in lines[:-1])  # one table row per run
+
+
+def test_products_side_by_side(tiny_llama_dir, tmp_path, capsys):
+    bench = load_bench()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7])
+    args = ["--target", str(tiny_llama_dir), "--dataset", str(prompts), "--prompts", "3", "--max-new-tokens", "4"]
+    assert bench.main([*args, "--batch-sizes", "2", "--products", "stock,few_rows", "--threads", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["runs"] == ["stock@2", "few_rows@2"] and len(doc["tok_s"]) == 2
+    assert doc["same_as_first"][0] == 1.0 and doc["machine"]
+    with pytest.raises(SystemExit, match="--products"):
+        bench.main([*args, "--products", "fast"])
 
 
 def test_responses_come_back_in_input_order(tiny_llama_dir):

@@ -25,9 +25,11 @@ def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
     assert doc["tokens"] == [1, 3, 5] and doc["context"] == 16
-    for key in ("forward_s", "body_s", "head_s", "stock_forward_s"):
+    for key in ("forward_s", "stock_s", "few_rows_s", "body_s", "head_s"):
         assert len(doc[key]) == 3 and all(t > 0 for t in doc[key])
     assert doc["ratio"][0] == 1.0 and doc["stock_ratio"][0] == 1.0
+    assert doc["floor_s"] > 0 and doc["weight_bytes"] > 0 and doc["machine"]
+    assert set(doc["chosen"]) == {"1", "3", "5"}  # the path chosen per width is reported
     assert any(line.split()[:1] == ["5"] for line in lines)  # one table row per size
 
 

@@ -201,3 +201,22 @@ def test_prepare_errors(tiny_dir, tmp_path, capsys):
     assert "d.jsonl:2" in capsys.readouterr().err
     assert main(["prepare", "--data", "nosuchset", "--out", str(tmp_path / "o")]) == 2
     assert "expected one of sharegpt" in capsys.readouterr().err
+
+
+def test_original_text_keeps_its_order_and_fits_a_token_budget(tmp_path):
+    """ShareGPT conversations with their original reply, as tokens.jsonl lines; a token budget (the capture time the
+    quickstart can afford on this machine) keeps a prefix of them, and the report counts what was kept."""
+    from dflashkit.data.original_text import ID_PREFIX, write_original_text
+    from dflashkit.target.model import Target
+
+    tok = Target.load("default").tokenizer
+    full = write_original_text(tok, 6, tmp_path / "all.jsonl", exclude=set(), max_prompt_tokens=384)
+    rows = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert full.written == len(rows) == 6 and all(r["id"].startswith(ID_PREFIX) for r in rows)
+    budget = len(rows[0]["input_ids"]) + len(rows[1]["input_ids"]) + 1
+    cut = write_original_text(
+        tok, 6, tmp_path / "cut.jsonl", exclude=set(), max_prompt_tokens=384, max_total_tokens=budget
+    )
+    kept = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in kept] == [r["id"] for r in rows[:2]] and cut.written == 2
+    assert cut.total_tokens == budget - 1 and cut.supervised == sum(sum(r["loss_mask"]) for r in kept)

@@ -427,50 +427,46 @@ def test_deadline_time_boxes_and_resumes(llama, tmp_path):
     assert full["dataset"]["n_prompts"] == 3 and "time_boxed" not in full["dataset"]
 
 
-def test_quickstart_shortfall_notes():
-    """The quickstart's final screen names a stage that got much less than an idle machine gives it."""
-    from dataclasses import asdict
+def test_quickstart_shortfall_notes_compare_with_rates_measured_on_this_machine():
+    """The last screen names a stage that got much less than this machine gave when the run started (regeneration)
+    or than its own first steps (training) — no constant from another CPU."""
+    from dflashkit.quickstart_rates import shortfall_notes
 
-    from dflashkit.quickstart import QuickstartSettings
-    from dflashkit.quickstart_screen import shortfall_notes
-
-    s = asdict(QuickstartSettings())
-    idle = {
-        "settings": s,
+    rates = {"regen_tokens_per_s": {"8": 40.0, "16": 50.0}, "regen_batch": 16}
+    steady = {
+        "rates": rates,
         "done": {
-            "prepare": {"conversations": 190},
-            "train": {"steps": 700},
+            "prepare": {"regen_batch": 16, "regen_tokens_per_s": 45.0},
+            "train": {"steps_per_min": 70.0, "first_steps_per_min": 80.0},
             "eval": {"mtbench": {"prompts": 8, "requested": 8}},
         },
     }
-    assert shortfall_notes(idle) == []
+    assert shortfall_notes(steady) == []
     busy = {
-        "settings": s,
+        "rates": rates,
         "done": {
-            "prepare": {"conversations": 32},
-            "train": {"steps": 140},
+            "prepare": {"regen_batch": 16, "regen_tokens_per_s": 20.0},
+            "train": {"steps_per_min": 30.0, "first_steps_per_min": 80.0},
             "eval": {"mtbench": {"prompts": 3, "requested": 8}},
         },
     }
     notes = shortfall_notes(busy)
     assert len(notes) == 3
-    assert "32 responses" in notes[0] and "~222" in notes[0]
-    assert "140 steps" in notes[1] and "~720" in notes[1]
+    assert "20 tok/s" in notes[0] and "50 tok/s when the run started" in notes[0]
+    assert "30 steps/min" in notes[1] and "first steps ran at 80" in notes[1]
     assert "3 of 8 prompts" in notes[2]
-    two = {"settings": {**s, "num_hidden_layers": 2}, "done": {**idle["done"], "train": {"steps": 300}}}
-    assert shortfall_notes(two) == []  # 300 of ~432 idle 2-layer steps: not a shortfall
-    deep = {"settings": {**s, "num_hidden_layers": 5}, "done": {**idle["done"], "train": {"steps": 10}}}
-    assert shortfall_notes(deep) == []  # no idle figure for 5 layers: no claim either way
+    assert shortfall_notes({"done": busy["done"]}) == notes[1:]  # no rates recorded: no regeneration claim
 
 
-def test_quickstart_original_text_scales_with_the_regeneration_rate():
-    """A machine that regenerated half of what the idle dev machine does captures half the original text too."""
-    from dflashkit.quickstart import IDLE_RESPONSES_PER_MIN, QuickstartSettings, original_text_count
+def test_rates_pick_a_batch_size_only_when_it_is_clearly_faster(monkeypatch):
+    from dflashkit import quickstart_rates as qr
 
-    s = QuickstartSettings()
-    idle = round(IDLE_RESPONSES_PER_MIN * s.regen_minutes)
-    assert original_text_count(s, idle) == s.original_text == 300
-    assert original_text_count(s, 2 * idle) == 300  # a faster machine: no more than asked
-    assert original_text_count(s, idle // 2) == pytest.approx(150, abs=1)
-    assert original_text_count(QuickstartSettings(original_text=0), idle) == 0
-    assert original_text_count(QuickstartSettings(regen_minutes=0.0), 4) == 300  # no idle figure: as asked
+    speeds = {8: 40.0, 16: 50.0, 32: 54.0}  # 32 is 8 % faster: within BATCH_GAIN, keep 16
+    monkeypatch.setattr(qr, "_regen_rate", lambda target, prompts, n: speeds.get(len(prompts), 1.0))
+    monkeypatch.setattr(qr, "_capture_rate", lambda target, ids: 900.0)
+    r = qr.measure_rates(None, [[1]] * 32, batches=(8, 16, 32), default_batch=16, layer_ids=[1])
+    assert r["regen_batch"] == 16 and r["regen_tokens_per_s"] == {"8": 40.0, "16": 50.0, "32": 54.0}
+    speeds[32] = 70.0
+    assert qr.measure_rates(None, [[1]] * 32, batches=(8, 16, 32), default_batch=16, layer_ids=[1])["regen_batch"] == 32
+    assert qr.original_token_budget(r) == int(900 * 60 * qr.ORIGINAL_CAPTURE_MINUTES)
+    assert qr.first_steps_rate([9.0] * 5 + [0.5] * 20 + [2.0] * 100) == 120.0 and qr.first_steps_rate([1.0] * 6) is None

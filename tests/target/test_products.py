@@ -1,11 +1,17 @@
-"""The weight-stationary products for decoding's few rows: the same values as F.linear, fallbacks unchanged."""
+"""The products of a decoding step: every candidate equals F.linear within float32 rounding; the choice is made by
+measurement (injected timings here: the faster candidate wins only beyond the noise, stock otherwise), kept for the
+process and on disk, overridden by DFLASHKIT_PRODUCTS; fallbacks run F.linear exactly."""
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflashkit.target.products import FEW_ROWS, linear_few_rows, route_linears
+from dflashkit.errors import ConfigError
+from dflashkit.target import products
+from dflashkit.target.products import CANDIDATES, MAX_ROWS, Chooser, decide, linear_product, route_linears
 
 
 def _bound(x, w):
@@ -13,32 +19,98 @@ def _bound(x, w):
     return x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().t())
 
 
-def test_equals_f_linear_for_every_small_shape():
+@pytest.mark.parametrize("name", list(CANDIDATES))
+def test_every_candidate_equals_f_linear_within_rounding(name):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)
-    for shape in [(2, 64), (3, 64), (1, 2, 64), (1, 5, 64), (2, 8, 64), (16, 64)]:
-        x = torch.randn(*shape, generator=g)
-        got, ref = linear_few_rows(x, w), F.linear(x, w)
-        assert got.shape == ref.shape == (*shape[:-1], 3000)
-        assert ((got - ref).abs() <= _bound(x, w)).all()
-        got_b = linear_few_rows(x, w, b)
-        assert ((got_b - F.linear(x, w, b)).abs() <= _bound(x, w) + 1e-6 * b.abs()).all()
+    for rows in (1, 2, 3, 5, 9, 16, 17, 32, MAX_ROWS):
+        x = torch.randn(rows, 64, generator=g)
+        got = CANDIDATES[name](x, w, None)
+        assert got.shape == (rows, 3000) and ((got - F.linear(x, w)).abs() <= _bound(x, w)).all(), rows
+        got_b = CANDIDATES[name](x, w, b)
+        assert ((got_b - F.linear(x, w, b)).abs() <= _bound(x, w) + 1e-6 * b.abs()).all(), rows
 
 
-def test_one_row_many_rows_and_autograd_run_f_linear_exactly():
+def test_decide_picks_the_faster_only_beyond_the_noise():
+    ms = 1e-3
+    clear = decide({"stock": [10 * ms] * 7, "few_rows": [6 * ms] * 7})
+    assert clear["choice"] == "few_rows" and clear["stock_ms"] == 10.0
+    within = decide({"stock": [10 * ms] * 7, "few_rows": [9.8 * ms] * 7})  # 2 % faster: within MIN_GAIN
+    assert within["choice"] == "stock"
+    slower = decide({"stock": [10 * ms] * 7, "few_rows": [14 * ms] * 7})
+    assert slower["choice"] == "stock"
+    noisy = decide(
+        {
+            "stock": [5 * ms, 8 * ms, 10 * ms, 10 * ms, 12 * ms, 15 * ms, 20 * ms],  # IQR 40 % of median
+            "few_rows": [7.5 * ms] * 7,
+        }
+    )  # 25 % faster, but within the noise
+    assert noisy["choice"] == "stock" and noisy["noise"] > 0.25
+
+
+def _fake_timer(speeds: dict[str, float], calls: list[str]):
+    def timer(name, fn):
+        fn()  # the candidate still runs: a broken candidate would fail here
+        calls.append(name)
+        return speeds[name]
+
+    return timer
+
+
+def test_chooser_measures_once_per_shape_keeps_it_on_disk_and_reloads(tmp_path):
     g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 32, generator=g)
+    x2, x5 = torch.randn(2, 32, generator=g), torch.randn(5, 32, generator=g)
+    calls: list[str] = []
+    store = tmp_path / "products.json"
+    c = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.5}, calls), store=store, repeats=3)
+    assert c.choose(x2, w, None) == "few_rows" and len(calls) == 6  # 3 interleaved rounds × 2 candidates
+    assert calls[:4] == ["stock", "few_rows", "few_rows", "stock"]  # ABBA order
+    assert c.choose(x2, w, None) == "few_rows" and len(calls) == 6  # kept for the process
+    c.timer = _fake_timer({"stock": 0.5, "few_rows": 1.0}, calls)
+    assert c.choose(x5, w, None) == "stock"  # another shape, another measurement
+    saved = json.loads(store.read_text())
+    assert set(saved["choices"]) == {"2x32x300:float32", "5x32x300:float32"} and "cpu" in saved["machine"]
+    again = Chooser(timer=_fake_timer({"stock": 9.0, "few_rows": 0.1}, calls := []), store=store)
+    assert again.choose(x2, w, None) == "few_rows" and again.choose(x5, w, None) == "stock" and calls == []
+    store.write_text("{not json")
+    damaged = Chooser(timer=_fake_timer({"stock": 0.2, "few_rows": 1.0}, calls), store=store)
+    assert damaged.choose(x2, w, None) == "stock" and calls  # re-measured, not trusted
+
+
+def test_the_override_and_the_fallbacks(monkeypatch):
+    g = torch.Generator().manual_seed(2)
     w = torch.randn(500, 32, generator=g)
-    for rows in (1, FEW_ROWS + 1):  # an AR step (HF generate stays stock), a long sequence
-        x = torch.randn(rows, 32, generator=g)
-        assert torch.equal(linear_few_rows(x, w), F.linear(x, w))
-    xg = torch.randn(4, 32, generator=g, requires_grad=True)
-    out = linear_few_rows(xg, w)
-    assert torch.equal(out, F.linear(xg, w)) and out.requires_grad  # training keeps autograd's path
-    out.sum().backward()
-    assert xg.grad is not None
+    x = torch.randn(1, 4, 32, generator=g)
+    monkeypatch.setenv(products.ENV, "stock")
+    assert torch.equal(linear_product(x, w), F.linear(x, w))
+    monkeypatch.setenv(products.ENV, "few_rows")
+    assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x.reshape(4, 32), w, None).reshape(1, 4, 500))
+    monkeypatch.setenv(products.ENV, "fastest")
+    with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS='fastest': expected one of auto, stock, few_rows"):
+        linear_product(x, w)
+    monkeypatch.setenv(products.ENV, "few_rows")
+    long = torch.randn(MAX_ROWS + 1, 32, generator=g)  # a prefill: stock
+    assert torch.equal(linear_product(long, w), F.linear(long, w))
+    with products.stock_products():
+        assert torch.equal(linear_product(x, w), F.linear(x, w))
+    xg = torch.randn(4, 32, generator=g, requires_grad=True)  # training keeps autograd's path
+    out = linear_product(xg, w)
+    assert torch.equal(out, F.linear(xg, w)) and out.requires_grad
     with torch.no_grad(), pytest.raises(RuntimeError):  # dtype mismatch: F.linear's own error
-        linear_few_rows(torch.randn(3, 32, generator=g).double(), w)
-    assert linear_few_rows(torch.zeros(0, 32), w).shape == (0, 500)
+        linear_product(torch.randn(3, 32, generator=g).double(), w)
+    assert linear_product(torch.zeros(0, 32), w).shape == (0, 500)
+
+
+def test_auto_mode_runs_the_chosen_candidate(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 16, generator=g)
+    x = torch.randn(3, 16, generator=g)
+    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.1}, []), store=None, repeats=3)
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
+    assert products.choices_by_rows({"choices": fake.choices}) == {3: {"few_rows": 1}}
 
 
 def test_route_linears_keeps_values_and_is_idempotent():
@@ -62,16 +134,3 @@ def test_target_verifier_logits_match_the_model_head(tiny_llama_dir):
         ref = F.linear(target.final_norm(h), target.lm_head.weight)
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_min_rows_one_takes_the_weight_stationary_path_for_a_single_row():
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(700, 48, generator=g)
-    x = torch.randn(1, 1, 48, generator=g)
-    got = linear_few_rows(x, w, min_rows=1)
-    assert got.shape == (1, 1, 700)
-    assert ((got - F.linear(x, w)).abs() <= _bound(x, w)).all()
-    from dflashkit.target.products import stock_products
-
-    with stock_products():  # inside stock_products(): F.linear exactly
-        assert torch.equal(linear_few_rows(x, w, min_rows=1), F.linear(x, w))
