@@ -1,7 +1,7 @@
 """dflashkit drafters inside llama.cpp: plain decoding vs DFlash vs llama.cpp's own n-gram speculation, Q4_1 and F32
 targets, plus the same drafter in dflashkit's PyTorch loop — side by side in one run (design §4).
 
-    scripts/build_llamacpp.sh                                   # once (~5 min on 2 cores)
+    scripts/build_llamacpp.sh                                   # once (~1 h on 2 cores)
     .venv/bin/python bench/llamacpp.py                          # the drafter `dflashkit quickstart` exported
     .venv/bin/python bench/llamacpp.py --drafter DIR --prompts 4 --n-predict 96 --n-max 3,7,15 --repeats 2
 
@@ -18,8 +18,9 @@ Configurations, interleaved per prompt (their order rotates from prompt to promp
   torch_ar / torch_chain   dflashkit's PyTorch loop (fp32 HF target) with the same drafter
 Also llama-bench's cost of a batch of 4 / 8 / 16 tokens in single-token steps (what a verification costs).
 Per configuration: tok/s (decode only, prompt excluded), speedup vs plain on the same target, τ (committed tokens
-per verification), per-round draft ms and verify ms (decode time − draft time, per round). Prints a table, then
-ONE JSON line.
+per verification), per-round draft ms and verify ms (decode time − draft time, per round). The header and the JSON
+name the machine and the llama.cpp CPU backend variant that ran (the portable build loads one per x86 level).
+Prints a table, then ONE JSON line.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from dflashkit.export import llamacpp
+from dflashkit.target.machine import machine_line
 
 
 def _prompts(tokenizer: Any, n: int) -> list[str]:
@@ -155,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         configs += [("torch_fp32", "torch_ar", None), ("torch_fp32", "torch_chain", None)]
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     # warm-up (page cache, first-load costs): one short run of each llama.cpp configuration kind
+    variants: dict[str, str | None] = {}  # the CPU backend (x86 level) each target's runs loaded
     for t in targets:
-        llamacpp.run_plain(ggufs[t], prompts[0], n_predict=8, threads=args.threads)
+        variants[t] = llamacpp.run_plain(ggufs[t], prompts[0], n_predict=8, threads=args.threads).cpu_variant
         llamacpp.run_speculative(
             ggufs[t],
             prompts[0],
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if clamped:
         print(f"dflash n_max {clamped}: llama.cpp clamps to block_size − 1 = {bs - 1}; not run")
+    print(f"machine: {machine_line()}; llama.cpp CPU variant: {variants}")
     print(f"{'config':28s} {'tok/s':>7s} {'speedup':>8s} {'τ':>5s} {'draft ms/rd':>12s} {'verify ms/rd':>13s}")
     for key, s in summary.items():
         t = key.split("/")[0]
@@ -259,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         "n_predict": args.n_predict,
         "threads": args.threads,
         "dflash_n_max_clamped": clamped,
+        "machine": machine_line(),
+        "llamacpp_cpu_variant": variants,
     }
     for key, s in summary.items():
         t = key.split("/")[0]

@@ -31,6 +31,7 @@ _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _DUR = re.compile(r"statistics\s+(\S+):.*?#gen drafts =\s*(\d+).*?dur\(b,g,a\) =\s*([\d.]+),\s*([\d.]+),\s*([\d.]+) ms")
 _COUNT = re.compile(r"\b(n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
 _EVAL = re.compile(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs")
+_VARIANT = re.compile(r"loaded CPU backend from \S*?ggml-cpu-([A-Za-z0-9_.]+?)\.(?:so|dll|dylib)")
 
 
 class LlamaCppError(DFlashError):
@@ -100,6 +101,11 @@ class SpecRun:
     log: str = ""
 
     @property
+    def cpu_variant(self) -> str | None:
+        """The CPU backend the run loaded (e.g. 'haswell'), from its log; None for a build without variants."""
+        return cpu_variant(self.log)
+
+    @property
     def n_rounds(self) -> int:
         """Verifications: parsed rounds, else committed − accepted (each round commits accepted + 1)."""
         if self.rounds:
@@ -123,6 +129,12 @@ class SpecRun:
         if self.rounds:
             return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
         return self.counts.get("n_predict", 0) / self.n_rounds if self.n_rounds else 0.0
+
+
+def cpu_variant(log: str) -> str | None:
+    """Which of the build's CPU backends (libggml-cpu-<variant>.so, one per x86 level) a run loaded."""
+    found = _VARIANT.findall(log)
+    return found[-1] if found else None
 
 
 def parse_speculative_log(log: str) -> list[Round]:
@@ -232,6 +244,7 @@ __all__ = [
     "Round",
     "SpecRun",
     "built",
+    "cpu_variant",
     "f32_target_gguf",
     "home",
     "parse_speculative_log",

@@ -27,6 +27,7 @@ from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.export import llamacpp
 from dflashkit.export.gguf_export import export_gguf
+from dflashkit.target.machine import machine_line
 
 pytestmark = [
     pytest.mark.llamacpp,
@@ -145,6 +146,20 @@ def test_greedy_output_equals_plain_llamacpp(name, tgt, drafters, ggufs, tmp_pat
         spec = llamacpp.run_speculative(ggufs[tgt], prompt, drafter=gguf_file, n_max=3, n_predict=32)
         assert_same_greedy(spec.text.split(prompt, 1)[-1], plain.text)
         assert "draft-dflash" in spec.log and len(spec.rounds) > 0
+
+
+def test_portable_build_names_the_cpu_variant_it_ran(ggufs, record_property, capsys):
+    """The build carries one CPU backend per x86 level and each run loads the best one this CPU supports; the
+    engine tests record which (and that it is not the AMX variant the build script leaves out)."""
+    shipped = sorted(p.name for p in llamacpp.tool("llama-completion").parent.glob("libggml-cpu-*.so"))
+    assert len(shipped) >= 2 and not any("sapphirerapids" in n for n in shipped), shipped
+    for tgt in ("q4_1", "f32"):
+        run = llamacpp.run_plain(ggufs[tgt], PROMPTS[0], n_predict=4)
+        variant = run.cpu_variant
+        assert variant and f"libggml-cpu-{variant}.so" in shipped, run.log[-2000:]
+        record_property(f"llamacpp_cpu_variant_{tgt}", variant)
+        with capsys.disabled():
+            print(f"\n[llama.cpp] {tgt}: CPU variant {variant} ({machine_line()})")
 
 
 def assert_same_greedy(a: str, b: str) -> None:

@@ -1,0 +1,67 @@
+"""Reading llama.cpp's logs (no build needed): rounds of speculative decoding, the CPU backend variant a run loaded,
+and the portable build script's promises (no native flags, no AMX variant, a smoke check before the stamp)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflashkit.export import llamacpp
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_llamacpp.sh"
+
+LOG = """\
+load_backend: loaded CPU backend from /root/.cache/dflashkit/llama.cpp-11434/bin/libggml-cpu-haswell.so
+draft candidate 0, pos   0:    330
+draft candidate 0, pos   1:   1789
+draft candidate 0, pos   2:     28
+accepted 2/3 draft tokens, the last target token is: (5)
+draft candidate 0, pos   0:     11
+draft candidate 0, pos   1:     12
+accepted 0/2 draft tokens, the last target token is: (13)
+"""
+
+
+def test_rounds_and_committed_ids_are_read_from_the_log():
+    rounds = llamacpp.parse_speculative_log(LOG)
+    assert [(r.draft, r.accepted, r.last) for r in rounds] == [([330, 1789, 28], 2, 5), ([11, 12], 0, 13)]
+    run = llamacpp.SpecRun(text="", rounds=rounds, log=LOG)
+    assert run.generated_ids == [330, 1789, 5, 13] and run.tau == 2.0
+
+
+@pytest.mark.parametrize(
+    ("log", "variant"),
+    [
+        (LOG, "haswell"),
+        ("load_backend: loaded CPU backend from C:\\llama\\ggml-cpu-skylakex.dll\n", "skylakex"),
+        (
+            "load_backend: loaded CPU backend from ./libggml-cpu-x64.so\nload_backend: loaded CPU backend from "
+            "./libggml-cpu-zen4.so\n",
+            "zen4",
+        ),
+        ("system_info: n_threads = 2 | CPU : SSE3 = 1 | AVX2 = 1\n", None),  # a build without variants says nothing
+    ],
+)
+def test_cpu_variant_is_read_from_the_log(log, variant):
+    assert llamacpp.cpu_variant(log) == variant
+    assert llamacpp.SpecRun(text="", log=log).cpu_variant == variant
+
+
+def test_missing_build_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMACPP_HOME", str(tmp_path / "nowhere"))
+    assert not llamacpp.built()
+    with pytest.raises(llamacpp.LlamaCppError, match=r"scripts/build_llamacpp\.sh"):
+        llamacpp.run_plain("model.gguf", "hi")
+
+
+def test_build_script_is_portable_and_smoke_checked():
+    text = SCRIPT.read_text()
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    for flag in ("-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"):
+        assert flag in text
+    assert "-DGGML_NATIVE=ON" not in text
+    assert "/ggml_add_cpu_backend_variant(sapphirerapids/d" in text  # the AMX variant is left out
+    smoke, stamp = text.index("smoke check"), text.rindex('>"$STAMP"')
+    assert smoke < stamp and text.count("llama-completion") >= 2  # Q4_1 and F32 run before the stamp
