@@ -106,7 +106,8 @@ for model in "$Q4" "$F32"; do
     -no-cnv --no-warmup >"$log" 2>&1
   rc=$?
   set -e
-  variant=$(sed -n 's/.*loaded CPU backend from .*libggml-cpu-\([a-z0-9_]*\)\.so.*/\1/p' "$log" | tail -1)
+  variant=$("$PY" -c 'import sys; from dflashkit.export.llamacpp import cpu_variant
+print(cpu_variant(open(sys.argv[1], errors="replace").read()) or "unknown")' "$log" 2>/dev/null || echo unknown)
   if [ "$rc" -ne 0 ]; then
     tail -8 "$log" >&2
     echo "[llama.cpp] smoke check FAILED: llama-completion on $(basename "$model") exited $rc" \

@@ -131,10 +131,39 @@ class SpecRun:
         return self.counts.get("n_predict", 0) / self.n_rounds if self.n_rounds else 0.0
 
 
+_SYSTEM_INFO = re.compile(r"system_info:.*?\bCPU : ([^\n]*)")
+# ggml's x86 variants (ggml/src/CMakeLists.txt), most specific first: the features that set each apart
+_X86_VARIANTS = (
+    ("sapphirerapids", {"AMX_INT8"}),
+    ("zen4", {"AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"}),
+    ("cooperlake", {"AVX512", "AVX512_VNNI", "AVX512_BF16"}),
+    ("icelake", {"AVX512", "AVX512_VBMI", "AVX512_VNNI"}),
+    ("cascadelake", {"AVX512", "AVX512_VNNI"}),
+    ("cannonlake", {"AVX512", "AVX512_VBMI"}),
+    ("skylakex", {"AVX512"}),
+    ("alderlake", {"AVX2", "AVX_VNNI"}),
+    ("haswell", {"AVX2", "BMI2"}),
+    ("piledriver", {"AVX", "F16C", "FMA"}),
+    ("ivybridge", {"AVX", "F16C"}),
+    ("sandybridge", {"AVX"}),
+)
+
+
 def cpu_variant(log: str) -> str | None:
-    """Which of the build's CPU backends (libggml-cpu-<variant>.so, one per x86 level) a run loaded."""
+    """Which of the build's CPU backends (libggml-cpu-<variant>.so, one per x86 level) a run loaded: from the
+    loader's line when the log has it, else from the instruction-set features the run's `system_info` line lists
+    (those of the backend that was loaded). None when neither is in the log."""
     found = _VARIANT.findall(log)
-    return found[-1] if found else None
+    if found:
+        return found[-1]
+    info = _SYSTEM_INFO.findall(log)
+    if not info:
+        return None
+    features = {k.strip() for k, _, v in (f.partition("=") for f in info[-1].split("|")) if v.strip() == "1"}
+    for name, needs in _X86_VARIANTS:
+        if needs <= features:
+            return name
+    return "sse42" if "SSE42" in features else "x64"
 
 
 def parse_speculative_log(log: str) -> list[Round]:

@@ -41,7 +41,18 @@ def test_rounds_and_committed_ids_are_read_from_the_log():
             "./libggml-cpu-zen4.so\n",
             "zen4",
         ),
-        ("system_info: n_threads = 2 | CPU : SSE3 = 1 | AVX2 = 1\n", None),  # a build without variants says nothing
+        # without the loader's line: the features of the loaded backend, as system_info lists them
+        (
+            "0.01 I system_info: n_threads = 2 / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | "
+            "FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |\n",
+            "haswell",
+        ),
+        (
+            "system_info: CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | AVX512_VBMI = 1 | "
+            "AVX512_VNNI = 1 | AVX512_BF16 = 1 | REPACK = 1 |\n",
+            "zen4",
+        ),
+        ("llama_completion: llama backend init\n", None),
     ],
 )
 def test_cpu_variant_is_read_from_the_log(log, variant):
