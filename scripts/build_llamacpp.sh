@@ -3,7 +3,7 @@
 # including its DFlash drafter support), into the user cache. Used by the opt-in engine tests
 # (tests/export/test_llamacpp_engine.py, `pytest -m llamacpp`) and by bench/llamacpp.py.
 #
-#     scripts/build_llamacpp.sh            # ~1 h on 2 cores the first time; a no-op afterwards
+#     scripts/build_llamacpp.sh            # ~35 min on 2 cores the first time; a no-op afterwards
 #     JOBS=4 scripts/build_llamacpp.sh     # more parallel compile jobs
 #     LLAMACPP_HOME=/some/dir scripts/build_llamacpp.sh
 #
