@@ -12,20 +12,12 @@ from typing import Any
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.errors import ConfigError
-from dflashkit.validation import PositiveInt, Where, check_fields, parse_yaml_value, problem, show
+from dflashkit.validation import PositiveInt, Where, check_fields, parse_assignments, problem, show
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """`key=value` strings → dict of checked drafter fields (values parsed as YAML: `target_layer_ids=[1,5,9]`)."""
-    out: dict[str, Any] = {}
-    where: dict[str, str] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value (e.g. num_hidden_layers=3)")
-        key, value = item.split("=", 1)
-        key = key.strip()
-        where[key] = f"override {item!r}"
-        out[key] = parse_yaml_value(value, where[key])
+    out, where = parse_assignments(items, example="num_hidden_layers=3")
     check_overrides(out, lambda k: where.get(k, "drafter overrides"))
     return out
 
