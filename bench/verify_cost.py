@@ -133,17 +133,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _chosen_per_width(sizes: list[int], target: Target) -> dict[str, str]:
-    """Per verified width n: 'few_rows 5/8' — how many of the target's product shapes at n rows took few_rows."""
-    shapes = {(m.in_features, m.out_features) for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
+    """Per verified width n: the choice for the decoder layers (one pass group) and for the LM head."""
     choices = products.choices_report()["choices"]
+    group = next((m._pass_group for m in target.layers.modules() if hasattr(m, "_pass_group")), None)
+    head = target.lm_head.weight
     out = {}
     for n in sizes:
-        mine = [
-            v["choice"]
-            for k, v in choices.items()
-            if int(k.split("x")[0]) == n and (int(k.split("x")[1]), int(k.split("x")[2].split(":")[0])) in shapes
-        ]
-        out[str(n)] = f"few_rows {sum(c == 'few_rows' for c in mine)}/{len(mine)}" if mine else "—"
+        layers = choices.get(group.key(n, head.dtype), {}).get("choice", "—") if group else "—"
+        lm = choices.get(products.shape_key(n, head, None), {}).get("choice", "—")
+        out[str(n)] = f"layers {layers}, head {lm}"
     return out
 
 

@@ -12,11 +12,18 @@ every weight matrix. Two ways to compute the same float32 products, whose speed 
   few_rows    (W·xᵀ)ᵀ, weight-stationary: streams W once; one row is multiplied as two (the matrix-vector path of
               some BLAS builds is slower than a matrix product of two)
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
-Xeon with MKL, it was slower than stock at every width. So for each shape (rows × in × out, dtype, threads) the first
-call times both — interleaved, each call with the weights evicted from the CPU caches first, as they are when a
-model streams its layers — and keeps few_rows only when it is faster than stock by more than the timing noise
-(the spread of the stock timings, at least 3 %); otherwise stock. A choice holds for the process and is kept in
-`~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch version and threads, so later runs skip the timing.
+Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and few_rows
+is kept only when it is faster than stock by more than the timing noise (the spread of the stock timings, at least
+3 %); otherwise stock:
+  a model's layers   (the linears one `route_linears` call routed: a pass group) get one choice per row count,
+                     timed as a pass runs them — every product of the group back to back, so each weight streams
+                     from memory and the CPU's state between products is the pass's own. Timing each shape alone
+                     (cache-cold) ranked them differently from whole passes (few_rows 13 % faster per pass where
+                     the per-shape timings kept stock), so the pass is what is timed.
+  a lone product     (an LM head called directly) gets one per shape (rows × in × out), each call with the
+                     weights evicted from the CPU caches first, as they are in a pass.
+A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
+version and threads, so later runs skip the timing.
 Both compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
@@ -107,16 +114,45 @@ class Chooser:
             self._save()
         return str(entry["choice"])
 
+    def choose_pass(self, group: PassGroup, rows: int, dtype: torch.dtype) -> str:
+        """The choice for every product of `group` at `rows` rows, measured once as a pass of them."""
+        key = group.key(rows, dtype)
+        if not self._loaded:
+            self._load()
+        entry = self.choices.get(key)
+        if entry is None:
+            entry = self.measure_pass(group, rows, dtype)
+            self.choices[key] = entry
+            self._save()
+        return str(entry["choice"])
+
     def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str]:
         """Time every candidate on these very tensors, cache-cold and interleaved (ABBA …), and pick by `decide`."""
+        return self._interleaved(lambda fn: fn(x, w, b))
+
+    def measure_pass(self, group: PassGroup, rows: int, dtype: torch.dtype) -> dict[str, float | str]:
+        """Time every candidate over all of the group's products back to back (rows × in of each, random inputs),
+        interleaved (ABBA …), and pick by `decide`."""
+        g = torch.Generator().manual_seed(0)
+        inputs = {n: torch.randn(rows, n, generator=g).to(dtype) for n in {m.in_features for m in group.linears}}
+
+        def run_all(fn: Callable[[Tensor, Tensor, Tensor | None], Tensor]) -> None:
+            for m in group.linears:
+                fn(inputs[m.in_features], m.weight, m.bias)  # (rows, out)
+
+        return self._interleaved(run_all)
+
+    def _interleaved(
+        self, run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object]
+    ) -> dict[str, float | str]:
         times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
         with torch.no_grad():
             for fn in CANDIDATES.values():  # warm-up: first calls pay allocations
-                fn(x, w, b)
+                run(fn)
             for r in range(self.repeats):
                 order = list(CANDIDATES) if r % 2 == 0 else list(reversed(CANDIDATES))
                 for name in order:
-                    times[name].append(self.timer(name, lambda name=name: CANDIDATES[name](x, w, b)))
+                    times[name].append(self.timer(name, lambda name=name: run(CANDIDATES[name])))
         return decide(times)
 
     # --------------------------------------------------------------------------------------- the store
@@ -158,6 +194,19 @@ def decide(times: dict[str, list[float]]) -> dict[str, float | str]:
         "few_rows_ms": round(1e3 * med["few_rows"], 4),
         "noise": round(noise, 4),
     }
+
+
+class PassGroup:
+    """The linears of one model part (e.g. a target's decoder layers), in the order a pass runs them: they share
+    one measured choice per row count. Its key names the row count and the group's shapes (a digest)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        shapes = [(m.in_features, m.out_features, m.bias is not None) for m in linears]
+        self.signature = f"pass{len(linears)}-{hashlib.sha256(repr(shapes).encode()).hexdigest()[:10]}"
+
+    def key(self, rows: int, dtype: torch.dtype) -> str:
+        return f"{rows}x{self.signature}:{str(dtype).removeprefix('torch.')}"
 
 
 def shape_key(rows: int, w: Tensor, b: Tensor | None) -> str:
@@ -203,8 +252,9 @@ def chooser() -> Chooser:
     return _CHOOSERS[threads]
 
 
-def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., H) @ weight (V, H)ᵀ (+ bias) → (..., V), the way this machine computes that shape fastest."""
+def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group: PassGroup | None = None) -> Tensor:
+    """x (..., H) @ weight (V, H)ᵀ (+ bias) → (..., V), the way this machine computes it fastest: per pass group
+    and row count when the product belongs to one (`route_linears`), else per shape."""
     rows = x.numel() // max(1, x.shape[-1])
     if (
         _STOCK[0]
@@ -217,24 +267,25 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     how = mode()
     flat = x.reshape(rows, x.shape[-1])  # (M, H)
     if how == "auto":
-        how = chooser().choose(flat, weight, bias)
+        how = chooser().choose_pass(group, rows, x.dtype) if group else chooser().choose(flat, weight, bias)
     out = CANDIDATES[how](flat, weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return linear_product(x, self.weight, self.bias)
+    return linear_product(x, self.weight, self.bias, self._pass_group)
 
 
 def route_linears(module: nn.Module) -> int:
-    """Send every plain nn.Linear under `module` through `linear_product` (idempotent); returns how many."""
-    n = 0
-    for m in module.modules():
-        if type(m) is nn.Linear and not getattr(m, "_routed", False):
-            m.forward = types.MethodType(_forward, m)
-            m._routed = True
-            n += 1
-    return n
+    """Send every plain nn.Linear under `module` through `linear_product`, as one pass group (idempotent: linears
+    routed before keep their group); returns how many were routed now."""
+    fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
+    group = PassGroup(fresh)
+    for m in fresh:
+        m.forward = types.MethodType(_forward, m)
+        m._routed = True
+        m._pass_group = group
+    return len(fresh)
 
 
 def choices_report() -> dict[str, object]:
@@ -266,11 +317,13 @@ __all__ = [
     "CANDIDATES",
     "MAX_ROWS",
     "Chooser",
+    "PassGroup",
     "choices_by_rows",
     "choices_report",
     "decide",
     "linear_product",
     "mode",
     "route_linears",
+    "shape_key",
     "stock_products",
 ]

@@ -134,3 +134,58 @@ def test_target_verifier_logits_match_the_model_head(tiny_llama_dir):
         ref = F.linear(target.final_norm(h), target.lm_head.weight)
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_route_linears_makes_one_pass_group_chosen_per_row_count(monkeypatch, tmp_path):
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16, bias=False), nn.Linear(16, 8))
+    head = torch.randn(100, 8)
+    assert route_linears(net) == 3
+    groups = {id(m._pass_group) for m in net if isinstance(m, nn.Linear)}
+    assert len(groups) == 1  # one group: the three linears, in pass order
+    group = net[0]._pass_group
+    assert [m.out_features for m in group.linears] == [48, 16, 8]
+    calls: list[str] = []
+    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, calls), store=tmp_path / "c.json", repeats=3)
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = F.linear(F.linear(F.silu(F.linear(x, net[0].weight, net[0].bias)), net[2].weight), net[3].weight)
+        got = net(x)  # the first call of the group at 2 rows measures it once, for all three linears
+        assert len(calls) == 6
+        net(x)
+        linear_product(got, head)  # a lone product (an LM head): its own per-shape choice
+    assert len(calls) == 12
+    torch.testing.assert_close(got, ref + net[3].bias, rtol=1e-5, atol=1e-6)
+    keys = sorted(fake.choices)
+    assert keys == ["2x8x100:float32", f"2x{group.signature}:float32"], keys
+    assert group.signature.startswith("pass3-")
+    assert products.choices_by_rows({"choices": fake.choices}) == {2: {"few_rows": 2}}
+    saved = json.loads((tmp_path / "c.json").read_text())["choices"]
+    assert saved[f"2x{group.signature}:float32"]["choice"] == "few_rows"
+
+
+def test_a_pass_measurement_runs_every_product_of_the_group_per_candidate():
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    route_linears(net)
+    seen: list[tuple[str, int]] = []
+    real = dict(CANDIDATES)
+
+    def counting(name):
+        def fn(x, w, b):
+            seen.append((name, w.shape[0]))
+            return real[name](x, w, b)
+
+        return fn
+
+    chooser = Chooser(timer=lambda name, fn: (fn(), {"stock": 1.0, "few_rows": 1.0}[name])[1], store=None, repeats=2)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in real:
+            mp.setitem(CANDIDATES, name, counting(name))
+        entry = chooser.measure_pass(net[0]._pass_group, 5, torch.float32)
+    assert entry["choice"] == "stock"  # equal timings: stock
+    # warm-up (each candidate once) + 2 timed rounds, each a whole pass over both linears, in order
+    assert seen[:4] == [("stock", 24), ("stock", 8), ("few_rows", 24), ("few_rows", 8)]
+    assert len(seen) == 2 * 2 + 2 * 2 * 2
