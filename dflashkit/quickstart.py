@@ -8,7 +8,7 @@ Stages (each one skips what is already done in `--out`, so an interrupted run co
   3. capture  — the target's features for the drafter's layers (+ its final-layer argmax), sharded on disk
   4. train    — a drafter, time-boxed: warmup + cosine span the training minutes themselves (checkpoints; resumes)
   5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree
-  6. export   — the drafter in z-lab format (`OUT/drafter`), loadable by vLLM / SGLang DFlash
+  6. export   — the drafter in the serving layout (`OUT/drafter`): vLLM loads it as it is (`serve-check` proves it)
 Then one screen: τ, tokens/s, speedup, greedy equality, and where the report, plots and checkpoint are.
 
 The defaults below were chosen by measurement on the 2-core CPU this project is developed on (README; the sweep
@@ -347,6 +347,17 @@ def step_seconds(metrics_file: Path) -> float:
     return statistics.median(times) if times else 0.0
 
 
+def export_for_serving(target: Any, chosen: str | Path, drafter_dir: Path) -> list[str]:
+    """The drafter in the serving layout vLLM loads as it is (export/serving.py), which dflashkit loads back."""
+    from dflashkit.export.convert import load_any
+    from dflashkit.export.serving import safe_learned_mask_id, write_serving
+
+    cfg, tensors, _ = load_any(chosen)
+    cfg, why = safe_learned_mask_id(cfg, target)
+    notes = [why] if why else []
+    return notes + write_serving(drafter_dir, cfg, tensors, target.lm_head_weight, str(chosen))
+
+
 def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
     """A fresh drafter whose reduced draft vocabulary is the `draft_vocab` most frequent supervised tokens of the
     training data (ids sorted); with `warm_start`, its layers copied from the target's (`dflashkit.drafter.warm_start`).
@@ -468,8 +479,11 @@ def _run_stages(
         if drafter_dir.exists():
             shutil.rmtree(drafter_dir)
         chosen = done["train"].get("best", done["train"]["final"])  # keep_best: the best validation pass
-        shutil.copytree(chosen, drafter_dir)
-        done["export"] = {"dir": str(drafter_dir), "from": chosen}
+        done["export"] = {
+            "dir": str(drafter_dir),
+            "from": chosen,
+            "notes": export_for_serving(target, chosen, drafter_dir),
+        }
         _save_state(out, state)
     if "eval" not in done:
         end = min(time.monotonic() + 60 * s.eval_minutes, t0 + 60 * s.minutes)

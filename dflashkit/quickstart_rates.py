@@ -65,7 +65,8 @@ def measure_rates(
 ) -> dict[str, Any]:
     """The start-of-run measurements (see the module docstring). `prompts` must hold ≥ max(batches) prompts."""
     t0 = time.perf_counter()
-    _regen_rate(target, prompts[:2], 2)  # warm-up: first calls pay allocations (and time the product choices)
+    for b in batches:  # warm-up: first calls at a batch size pay allocations and time its product choice
+        _regen_rate(target, prompts[:b], 2)
     rates = {str(b): round(_regen_rate(target, prompts[:b], CALIBRATION_TOKENS), 2) for b in batches}
     best = max(batches, key=lambda b: rates[str(b)])
     chosen = best if rates[str(best)] > (1 + BATCH_GAIN) * rates[str(default_batch)] else default_batch

@@ -38,7 +38,7 @@ def summary_screen(state: dict[str, Any]) -> str:
         f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
         f"  training data   {_data_line(d['prepare'])}",
         f"  training        {d['train']['steps']} steps ({d['train']['stopped']}){_chosen_step(d['train'])}",
-        f"  drafter         {d['export']['dir']}  (z-lab format: vLLM / SGLang DFlash)",
+        f"  drafter         {d['export']['dir']}  (serving layout: vLLM loads it as it is; check with serve-check)",
         *[f"  report          {w['report']} (+ PNG plots)" for w in d["eval"].values()],
         f"  time            {state.get('elapsed_minutes_last_run')} min (this run)",
         *[f"  note            {n}" for n in shortfall_notes(state)],

@@ -4,7 +4,7 @@
     dflashkit diff A B [--target T] [--json]
     dflashkit doctor --target T --drafter D [--prompts N] [--max-new-tokens N] [--features DIR] [--json]
     dflashkit logs RUN [RUN …] [--acc 0.5] [--acc-slot K] [--out DIR] [--json]
-    dflashkit convert SRC OUT [--to zlab|speculators] [--dtype bf16] [--num-target-layers N]
+    dflashkit convert SRC OUT [--to zlab|speculators|vllm] [--target T] [--dtype bf16] [--num-target-layers N]
     dflashkit convert SRC OUT.gguf --to gguf --target TARGET.gguf [--outtype f32|f16|bf16|q8_0]   # llama.cpp
 
 `doctor` exits 1 when a check FAILs; `inspect` exits 1 when the checkpoint has a FAIL finding.
@@ -160,16 +160,17 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument(
         "--to",
-        choices=("zlab", "speculators", "gguf"),
+        choices=("zlab", "speculators", "vllm", "gguf"),
         default="zlab",
-        help="output format (default zlab: what vLLM method=dflash and SGLang DFLASH load; gguf: a file "
-        "for llama.cpp --spec-type draft-dflash)",
+        help="output format (default zlab: z-lab's layout; vllm: the serving layout vLLM method=dflash loads as it "
+        "is — reduced vocabularies and learned masks included; gguf: a file for llama.cpp --spec-type draft-dflash)",
     )
     p.add_argument(
         "--target",
         default=None,
-        help="--to gguf: the target's GGUF file (the one llama.cpp runs; "
-        "'default' = the embedded SmolLM2); its tokenizer and, when needed, tables are copied",
+        help="--to gguf: the target's GGUF file (the one llama.cpp runs; 'default' = the embedded SmolLM2); its "
+        "tokenizer and, when needed, tables are copied. --to vllm: the HF target (a reduced vocabulary ships its "
+        "LM-head rows; a learned mask gets a mask token id no chat produces)",
     )
     p.add_argument(
         "--outtype",
@@ -193,7 +194,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
 
 @command(
     "convert",
-    "convert drafter checkpoints: speculators → z-lab (vLLM/SGLang), z-lab → speculators, → GGUF (llama.cpp); --dtype",
+    "convert drafter checkpoints: → vLLM's serving layout, z-lab, speculators, GGUF (llama.cpp); --dtype",
     _convert_args,
 )
 def _convert(args: argparse.Namespace) -> int:
@@ -211,5 +212,13 @@ def _convert(args: argparse.Namespace) -> int:
             ).render()
         )
         return 0
-    print(convert(args.src, args.out, to=args.to, dtype=args.dtype, num_target_layers=args.num_target_layers).render())
+    target = None
+    if args.to == "vllm" and args.target is not None:
+        from dflashkit.target.model import Target
+
+        target = Target.load(args.target)
+    report = convert(
+        args.src, args.out, to=args.to, dtype=args.dtype, num_target_layers=args.num_target_layers, target=target
+    )
+    print(report.render())
     return 0

@@ -81,6 +81,36 @@ def _prompts(target: Any, cfg: DrafterConfig, n: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
+def engine_findings(path: Path, verdicts: list[dict[str, str]], target: Any) -> list[Finding]:
+    """One line per serving engine (loads / converts / degrades / refuses / unverified, export/engines.py), and the
+    serving layout's LM-head rows checked against the target's: other rows draft another distribution in vLLM."""
+    status = {"loads": "OK", "unverified": "OK", "converts": "WARN", "degrades": "WARN", "refuses": "WARN"}
+    out = [
+        Finding(status[v["verdict"]], f"engine {v['engine']}", v["verdict"] + (f": {v['why']}" if v["why"] else ""))
+        for v in verdicts
+    ]
+    from dflashkit.drafter.checkpoint import read_tensors
+
+    tensors = read_tensors(path) if verdicts else {}
+    if "lm_head.weight" in tensors and "d2t" in tensors:
+        ids = torch.arange(tensors["d2t"].shape[0]) + tensors["d2t"].long()
+        rows = target.lm_head_weight.detach().cpu().float().index_select(0, ids)
+        shipped = tensors["lm_head.weight"].float()
+        if shipped.shape != rows.shape or not torch.allclose(shipped, rows, rtol=1e-2, atol=1e-3):
+            out.append(
+                Finding(
+                    "FAIL",
+                    "engine head rows",
+                    "lm_head.weight is not this target's LM-head rows of the d2t ids: vLLM would draft from another "
+                    "head than dflashkit",
+                    f"re-export: dflashkit convert {path} OUT --to vllm --target TARGET",
+                )
+            )
+        else:
+            out.append(Finding("OK", "engine head rows", f"lm_head.weight = the target's rows of {len(ids)} draft ids"))
+    return out
+
+
 def run_doctor(
     target: Any,
     drafter: str | Path | DFlashDrafter,
@@ -106,6 +136,7 @@ def run_doctor(
         cfg, fc_features = ins.config, ins.facts.get("fc_features")
         if cfg is None:
             return report
+        report.findings += engine_findings(Path(drafter), ins.facts.get("engines", []), target)
         try:
             if ins.format == "speculators":  # runs as converted; its config does not record the target depth
                 from dflashkit.export.convert import load_any

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflashkit.drafter.checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, drafter_state_dict
+from dflashkit.drafter.checkpoint import CONFIG_NAME, INDEX_NAME, SERVING_ONLY, WEIGHTS_NAME, drafter_state_dict
 from dflashkit.drafter.config import DrafterConfig, stores_target_layer_ids
 from dflashkit.errors import CheckpointError, ConfigError
 
@@ -82,7 +82,7 @@ class CheckpointReport:
         }
 
 
-def _weight_files(path: Path, report: CheckpointReport) -> list[Path]:
+def weight_files(path: Path, report: CheckpointReport) -> list[Path]:
     if (path / WEIGHTS_NAME).is_file():
         return [path / WEIGHTS_NAME]
     if (path / INDEX_NAME).is_file():
@@ -258,7 +258,7 @@ def _facts(report: CheckpointReport) -> None:
     facts["parameters"] = sum(
         math.prod(t["shape"])
         for n, t in report.tensors.items()
-        if n != "draft_to_target" and not t["dtype"].startswith(("I", "U", "BOOL"))
+        if n not in ("draft_to_target", "lm_head.weight") and not t["dtype"].startswith(("I", "U", "BOOL"))
     )
     facts["dtypes"] = sorted({t["dtype"] for t in report.tensors.values()})
     facts["bytes"] = sum(report.files.values())
@@ -300,6 +300,8 @@ def _consistency(report: CheckpointReport) -> None:
         from dflashkit.export.convert import DROPPED_KEYS
 
         unexpected = [k for k in unexpected if k not in DROPPED_KEYS and k != "d2t"]
+    elif cfg.draft_vocab_size is not None:  # the serving layout's vocabulary map and LM-head rows
+        unexpected = [k for k in unexpected if k not in SERVING_ONLY]
     if missing and report.tensors:
         report.add(
             "FAIL",
@@ -404,13 +406,23 @@ def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> Checkp
         )
         return report
     _config(path, report)
-    report.tensors = _read_headers(_weight_files(path, report), report)
+    report.tensors = _read_headers(weight_files(path, report), report)
     if (path / CONFIG_NAME).is_file():
         report.files[CONFIG_NAME] = (path / CONFIG_NAME).stat().st_size
     _facts(report)
     _consistency(report)
     if check_values and report.tensors:
         _finite(path, report)
+    if report.config is not None and report.format != "speculators":
+        from dflashkit.export.engines import engine_verdicts
+
+        verdicts = engine_verdicts(
+            report.config,
+            files={p.name for p in path.iterdir()},
+            keys=set(report.tensors),
+            raw=report.config_raw or {},
+        )
+        report.facts["engines"] = [asdict(v) for v in verdicts]
     return report
 
 
@@ -454,6 +466,9 @@ def render_report(report: CheckpointReport) -> str:
     ]
     if f["extra"]:
         lines.append(f"  recorded          {json.dumps(f['extra'], sort_keys=True)}")
+    for i, v in enumerate(f.get("engines", [])):
+        head = "  engines           " if i == 0 else " " * 20
+        lines.append(head + f"{v['engine']:<11} {v['verdict']}" + (f": {v['why']}" if v["why"] else ""))
     lines += [f"  note: {n}" for n in report.notes]
     problems = [x for x in report.findings if x.status != "OK"]
     lines.append("Findings" if report.findings else "Findings: none")

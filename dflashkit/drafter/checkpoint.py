@@ -4,6 +4,9 @@ Keys have no prefix and hold no embedding table or LM head: `fc.weight`, `hidden
 `layers.N.{input_layernorm,post_attention_layernorm}.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
 `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`, `norm.weight` — plus
 `mask_embedding` when the drafter learns its own mask vector and `draft_to_target` with a reduced draft vocabulary.
+The serving layout (`dflashkit convert … --to vllm`, what vLLM loads) loads as well: its `d2t` offsets become
+`draft_to_target` (target id = draft id + d2t), `t2d` and the `lm_head.weight` copy of the target's rows are left
+out (the drafter reads the target's head), and a `mask_embedding.pt` must agree with the `mask_embedding` tensor.
 Loading is strict: missing or unexpected keys are listed, wrong shapes name the key with expected vs found.
 Writes are atomic (temp file + rename). Weights are read only through safetensors.
 """
@@ -54,7 +57,7 @@ def save_drafter(
     return out
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     if (path / WEIGHTS_NAME).is_file():
         return [path / WEIGHTS_NAME]
     if (path / INDEX_NAME).is_file():
@@ -70,10 +73,57 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no {WEIGHTS_NAME} (or {INDEX_NAME}) found; expected a drafter checkpoint directory")
 
 
+SERVING_ONLY = ("d2t", "t2d", "lm_head.weight")  # tensors of the serving layout that dflashkit derives instead
+MASK_FILE = "mask_embedding.pt"  # vLLM's override file for a learned mask embedding
+
+
+def from_serving_layout(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """The serving layout's tensors as dflashkit's own: `d2t` offsets → absolute `draft_to_target`; `t2d` and the
+    LM-head rows dropped (the drafter takes them from the target). Other layouts pass through unchanged."""
+    if not any(k in tensors for k in SERVING_ONLY):
+        return tensors
+    out = {k: v for k, v in tensors.items() if k not in SERVING_ONLY}
+    d2t = tensors.get("d2t")
+    if d2t is not None and "draft_to_target" not in tensors:
+        if d2t.is_floating_point() or d2t.dim() != 1:
+            raise CheckpointError(f"{source}: tensor 'd2t' must be a 1-D integer tensor of offsets, got {d2t.dtype}")
+        out["draft_to_target"] = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()  # target = draft + d2t
+    head = tensors.get("lm_head.weight")
+    if head is not None and (d2t is not None and head.shape[0] != d2t.shape[0]):
+        raise CheckpointError(
+            f"{source}: lm_head.weight has {head.shape[0]} rows but d2t maps {d2t.shape[0]} draft ids; expected one "
+            f"row per draft id"
+        )
+    return out
+
+
+def check_mask_file(path: Path, tensors: dict[str, torch.Tensor], mask_token_id: int) -> None:
+    """A `mask_embedding.pt` next to the weights is what vLLM feeds at masked slots: it must equal the drafter's
+    own `mask_embedding` (and name the config's mask token), or an engine would run another drafter."""
+    f = path / MASK_FILE
+    if not f.is_file():
+        return
+    try:
+        state = torch.load(f, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises many types for a damaged pickle
+        raise CheckpointError(f"{f}: unreadable ({e}); expected {{'mask_token_id', 'embedding'}} or a tensor") from None
+    vec = state.get("embedding") if isinstance(state, dict) else state
+    if isinstance(state, dict) and state.get("mask_token_id", mask_token_id) != mask_token_id:
+        raise CheckpointError(
+            f"{f}: mask_token_id {state.get('mask_token_id')} ≠ config.json's mask_token_id {mask_token_id}"
+        )
+    own = tensors.get("mask_embedding")
+    if not isinstance(vec, torch.Tensor) or own is None or not torch.equal(vec.reshape(-1).to(own.dtype), own):
+        raise CheckpointError(
+            f"{f}: does not hold this drafter's mask_embedding tensor; vLLM would feed it at masked slots — "
+            f"re-export with `dflashkit convert {path} OUT --to vllm`"
+        )
+
+
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or sharded), on CPU."""
     tensors: dict[str, torch.Tensor] = {}
-    for f in _weight_files(Path(path)):
+    for f in weight_files(Path(path)):
         try:
             with safe_open(str(f), framework="pt") as handle:
                 for key in list(handle.keys()):
@@ -149,7 +199,8 @@ def load_drafter(
     """Load a z-lab-format drafter strictly (ours, z-lab's, or converted)."""
     path = Path(path)
     cfg = load_config(path)
-    tensors = read_tensors(path)
+    tensors = from_serving_layout(read_tensors(path), str(path))
+    check_mask_file(path, tensors, cfg.mask_token_id)
     with torch.device("meta"):
         skeleton = DFlashDrafter(cfg)
     check_tensors(tensors, drafter_state_dict(skeleton), cfg, str(path))
@@ -162,5 +213,5 @@ def load_drafter(
 def describe(path: str | Path) -> dict[str, Any]:
     """Small summary used by `info` and reports: size on disk and parameter count."""
     path = Path(path)
-    files = _weight_files(path)
+    files = weight_files(path)
     return {"path": str(path), "bytes": sum(f.stat().st_size for f in files)}

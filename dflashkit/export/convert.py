@@ -3,6 +3,7 @@
     dflashkit convert SRC OUT                      # speculators or z-lab → z-lab (vLLM method=dflash, SGLang DFLASH)
     dflashkit convert SRC OUT --dtype bf16         # … with floating tensors cast to bf16
     dflashkit convert SRC OUT --to speculators     # z-lab → speculators layout (round trips exactly)
+    dflashkit convert SRC OUT --to vllm --target T # the serving layout vLLM loads as it is (export/serving.py)
     dflashkit convert SRC OUT.gguf --to gguf --target T.gguf   # llama.cpp dflash GGUF (dflashkit/export/gguf_export.py)
 
 What differs between the two formats (vllm-project/speculators `src/speculators/models/dflash/{config,core}.py`,
@@ -38,15 +39,20 @@ from dflashkit.drafter.checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_finite,
+    check_mask_file,
     check_tensors,
     drafter_state_dict,
+    from_serving_layout,
     read_tensors,
 )
 from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
+from dflashkit.export.serving import SERVING_FORMAT, safe_learned_mask_id, write_serving
 from dflashkit.io_utils import atomic_path, atomic_write_text
+
+FORMATS = ("zlab", "speculators", SERVING_FORMAT)
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -379,10 +385,8 @@ def load_any(
         if num_target_layers is not None and num_target_layers != cfg.num_target_layers:
             notes.append(f"num_target_layers {cfg.num_target_layers} → {num_target_layers}")
             cfg = cfg.replace(num_target_layers=num_target_layers)
-        if "d2t" in tensors and "draft_to_target" not in tensors:  # a serving export of a reduced vocabulary
-            d2t = tensors.pop("d2t")
-            tensors.pop("t2d", None)
-            tensors["draft_to_target"] = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()
+        tensors = from_serving_layout(tensors, str(path))  # a serving export (d2t offsets, LM-head rows)
+        check_mask_file(path, tensors, cfg.mask_token_id)
     with torch.device("meta"):
         check_tensors(tensors, drafter_state_dict(DFlashDrafter(cfg)), cfg, str(path))
     check_finite(tensors, str(path))
@@ -396,10 +400,13 @@ def convert(
     to: str = "zlab",
     dtype: str | torch.dtype | None = None,
     num_target_layers: int | None = None,
+    target: Any = None,
 ) -> ConversionReport:
-    """Convert a z-lab or speculators checkpoint to `to` ('zlab' or 'speculators'); returns what was done."""
-    if to not in ("zlab", "speculators"):
-        raise ConfigError(f"unknown output format {to!r}; expected 'zlab' or 'speculators'")
+    """Convert a z-lab, speculators or serving-layout checkpoint to `to` ('zlab', 'speculators' or 'vllm': the
+    serving layout, export/serving.py; `target`, a loaded Target, gives a reduced vocabulary its LM-head rows);
+    returns what was done."""
+    if to not in FORMATS:
+        raise ConfigError(f"unknown output format {to!r}; expected one of {', '.join(FORMATS)}")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -412,6 +419,13 @@ def convert(
     tensors = _cast(tensors, dtype)
     if dtype is not None:
         notes.append(f"floating tensors cast to {str(dtype).replace('torch.', '')}")
+    if to == SERVING_FORMAT:
+        cfg, why = safe_learned_mask_id(cfg, target)
+        notes += [why] if why else []
+        head = target.lm_head_weight.float() if target is not None and cfg.draft_vocab_size is not None else None
+        head = head.to(dtype) if head is not None and dtype is not None else head
+        notes += write_serving(out, cfg, tensors, head, str(src))
+        return ConversionReport(str(src), fmt, str(out), SERVING_FORMAT, notes)
     if to == "speculators":
         _write(out, tensors_to_speculators(tensors, cfg), config_to_speculators(cfg))
         if cfg.learned_mask_embedding:
@@ -423,8 +437,8 @@ def convert(
     if cfg.draft_vocab_size is not None:
         config["draft_vocab_size"] = cfg.draft_vocab_size  # vLLM reads the top-level field
         notes.append(
-            "reduced vocabulary kept as draft_to_target (absolute ids); vLLM expects d2t offsets and an "
-            "lm_head of the draft rows — convert --to speculators for that layout"
+            "reduced vocabulary kept as draft_to_target (absolute ids), which vLLM refuses: convert --to vllm "
+            "--target T writes the d2t offsets and LM-head rows it loads"
         )
     _write(out, tensors, config)
     if cfg.learned_mask_embedding:

@@ -462,9 +462,14 @@ def test_rates_pick_a_batch_size_only_when_it_is_clearly_faster(monkeypatch):
     from dflashkit import quickstart_rates as qr
 
     speeds = {8: 40.0, 16: 50.0, 32: 54.0}  # 32 is 8 % faster: within BATCH_GAIN, keep 16
-    monkeypatch.setattr(qr, "_regen_rate", lambda target, prompts, n: speeds.get(len(prompts), 1.0))
+    calls = []
+    monkeypatch.setattr(
+        qr, "_regen_rate", lambda target, prompts, n: calls.append((len(prompts), n)) or speeds.get(len(prompts), 1.0)
+    )
     monkeypatch.setattr(qr, "_capture_rate", lambda target, ids: 900.0)
     r = qr.measure_rates(None, [[1]] * 32, batches=(8, 16, 32), default_batch=16, layer_ids=[1])
+    # every batch size runs once untimed first (its product choice is timed then, not inside its rate)
+    assert calls[:3] == [(8, 2), (16, 2), (32, 2)] and calls[3:] == [(b, qr.CALIBRATION_TOKENS) for b in (8, 16, 32)]
     assert r["regen_batch"] == 16 and r["regen_tokens_per_s"] == {"8": 40.0, "16": 50.0, "32": 54.0}
     speeds[32] = 70.0
     assert qr.measure_rates(None, [[1]] * 32, batches=(8, 16, 32), default_batch=16, layer_ids=[1])["regen_batch"] == 32

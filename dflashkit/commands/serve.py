@@ -1,0 +1,47 @@
+"""`dflashkit serve-check`: does a serving engine run the drafter dflashkit measured? (export/serve_check.py)
+
+    dflashkit serve-check runs/quickstart/drafter [--target default] [--engine vllm] [--dataset mtbench]
+                          [--prompts 8] [--max-new-tokens 64] [--json]
+
+Exit 0 when every engine agrees with dflashkit exactly (tokens, drafts, accepted per position), 1 on a mismatch,
+2 when an engine's environment is missing (`bash scripts/setup_vllm.sh`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dflashkit.cli import command, target_args
+from dflashkit.validation import PositiveInt, flag
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("drafter", help="drafter directory (the serving layout: `dflashkit convert … --to vllm`)")
+    target_args(p)
+    p.add_argument("--engine", action="append", choices=("vllm",), default=None, help="engine to run (default: vllm)")
+    p.add_argument("--dataset", default="mtbench", help="prompts: a dataset name or JSONL file (default mtbench)")
+    p.add_argument("--prompts", type=flag(PositiveInt), default=8, help="number of prompts (default 8)")
+    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=64, help="tokens per prompt (default 64)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+@command("serve-check", "run a drafter in vLLM and check it accepts exactly what dflashkit measures", _args)
+def _serve_check(args: argparse.Namespace) -> int:
+    from dflashkit.evaluate.stats import load_prompts
+    from dflashkit.export.serve_check import serve_check
+    from dflashkit.target.model import Target
+
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    prompts, _ = load_prompts(target, args.dataset, limit=args.prompts, max_new_tokens=args.max_new_tokens)
+    report = serve_check(
+        target,
+        args.drafter,
+        prompts=[list(p.ids) for p in prompts],
+        max_new_tokens=args.max_new_tokens,
+        engines=args.engine or ["vllm"],
+        progress=not args.quiet,
+    )
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())
+    return 0 if report.agrees else 1

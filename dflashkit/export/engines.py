@@ -1,0 +1,140 @@
+"""Which serving engines can load a drafter directory as it is, and why not — for `inspect` and `doctor`.
+
+    verdicts = engine_verdicts(cfg, files={"config.json", "model.safetensors"}, keys={...}, raw=config_dict)
+    for v in verdicts: print(v.line())         # "vLLM (GPU)  loads" / "vLLM (CPU)  refuses: …" / …
+
+Each verdict is one of:
+  loads         the engine reads the directory and runs this very drafter (what `serve-check` verifies)
+  converts      it runs this drafter after `dflashkit convert` (the command is named)
+  degrades      it loads without an error but runs ANOTHER drafter (e.g. a learned mask replaced by a token row):
+                acceptance falls, output stays identical — the silent failure this report exists for
+  refuses       it cannot run this drafter (the reason is the engine's own limit)
+  unverified    dflashkit does not run this engine (its layout is documented, no run backs it)
+Facts come from the engines' sources (vLLM 0.32 `qwen3_dflash.py`, `config/vllm.py`; llama.cpp `dflash`
+loader through our GGUF export, export/gguf_export.py) and from runs of `serve-check`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflashkit.drafter.checkpoint import MASK_FILE
+from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
+from dflashkit.export.gguf_export import export_problems
+
+VERDICTS = ("loads", "converts", "degrades", "refuses", "unverified")
+TO_VLLM = "dflashkit convert DIR OUT --to vllm --target TARGET"
+
+
+@dataclass
+class EngineVerdict:
+    engine: str
+    verdict: str  # one of VERDICTS
+    why: str = ""
+
+    def line(self) -> str:
+        return f"{self.engine:<13} {self.verdict}" + (f": {self.why}" if self.why else "")
+
+
+def _vllm_layout_problems(cfg: DrafterConfig, files: set[str], keys: set[str], raw: dict[str, Any]) -> list[str]:
+    """What of this directory's layout makes vLLM refuse it (a reduced vocabulary in dflashkit's own layout)."""
+    out = []
+    if cfg.draft_vocab_size is not None:
+        if "draft_to_target" in keys:
+            out.append(
+                "vLLM fails on the draft_to_target tensor ('no module or parameter named draft_to_target'); it "
+                "reads a reduced vocabulary as d2t offsets + lm_head rows"
+            )
+        elif not {"d2t", "lm_head.weight"} <= keys:
+            out.append("a reduced vocabulary needs d2t and lm_head.weight tensors")
+        if raw.get("draft_vocab_size") != cfg.draft_vocab_size:
+            out.append("vLLM reads draft_vocab_size only at the top level of config.json")
+    return out
+
+
+def _vllm_model_problems(cfg: DrafterConfig) -> list[str]:
+    out = []
+    if cfg.hidden_act != "silu":
+        out.append(f"hidden_act {cfg.hidden_act!r}: vLLM's drafter MLP runs silu only")
+    return out
+
+
+def _mixed_layers(cfg: DrafterConfig) -> bool:
+    kinds = set(cfg.layer_types)
+    return SLIDING_ATTENTION in kinds and len(kinds) > 1
+
+
+def engine_verdicts(
+    cfg: DrafterConfig, *, files: set[str], keys: set[str], raw: dict[str, Any] | None = None
+) -> list[EngineVerdict]:
+    """One verdict per engine for a drafter directory holding `files` (names) with tensor `keys` and config
+    `raw` (its config.json as read)."""
+    raw = raw or {}
+    out: list[EngineVerdict] = []
+    layout = _vllm_layout_problems(cfg, files, keys, raw)
+    model = _vllm_model_problems(cfg)
+    mask_degrades = cfg.learned_mask_embedding and MASK_FILE not in files
+    for engine, cpu in (("vLLM (GPU)", False), ("vLLM (CPU)", True)):
+        refuse = list(model)
+        if cpu and _mixed_layers(cfg):
+            refuse.append("vLLM's CPU runner (V1) refuses drafters mixing sliding and full attention layers")
+        if refuse:
+            out.append(EngineVerdict(engine, "refuses", "; ".join(refuse)))
+        elif layout:
+            out.append(EngineVerdict(engine, "converts", "; ".join(layout) + f" — {TO_VLLM}"))
+        elif mask_degrades:
+            out.append(
+                EngineVerdict(
+                    engine,
+                    "degrades",
+                    f"the learned mask embedding is read only from {MASK_FILE}; without it vLLM feeds the "
+                    f"target's row {cfg.mask_token_id} at masked slots — {TO_VLLM}",
+                )
+            )
+        else:
+            out.append(EngineVerdict(engine, "loads"))
+    problems = export_problems(cfg)
+    if problems:
+        out.append(EngineVerdict("llama.cpp", "refuses", "; ".join(problems)))
+    else:
+        out.append(
+            EngineVerdict("llama.cpp", "converts", "dflashkit convert DIR OUT.gguf --to gguf --target TARGET.gguf")
+        )
+    if cfg.draft_vocab_size is not None:
+        out.append(EngineVerdict("z-lab", "refuses", "z-lab's DFlashDraftModel has no reduced draft vocabulary"))
+    elif cfg.learned_mask_embedding:
+        out.append(
+            EngineVerdict("z-lab", "degrades", f"z-lab embeds masked slots with the target's row {cfg.mask_token_id}")
+        )
+    else:
+        out.append(EngineVerdict("z-lab", "unverified", "z-lab's layout; its loader is not run by dflashkit"))
+    out.append(
+        EngineVerdict(
+            "SGLang", "unverified", "SGLang's DFLASH loader reads z-lab's fields; dflashkit does not run SGLang"
+        )
+    )
+    return out
+
+
+def verdicts_for_dir(path: Any) -> list[EngineVerdict]:
+    """Verdicts for a drafter directory on disk (config.json + safetensors headers; nothing is loaded)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from dflashkit.drafter.checkpoint import CONFIG_NAME, load_config, weight_files
+
+    path = Path(path)
+    cfg = load_config(path)
+    keys: set[str] = set()
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            keys.update(handle.keys())
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    files = {p.name for p in path.iterdir()}
+    return engine_verdicts(cfg, files=files, keys=keys, raw=raw)
+
+
+__all__ = ["VERDICTS", "EngineVerdict", "engine_verdicts", "verdicts_for_dir"]

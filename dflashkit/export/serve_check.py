@@ -1,0 +1,286 @@
+"""`dflashkit serve-check`: run a drafter in a real serving engine on the same prompts as dflashkit's own chain
+decoding, and compare token for token and position by position.
+
+    report = serve_check(target, "runs/quickstart/drafter", engines=["vllm"], prompts=prompts, max_new_tokens=64)
+    print(report.render())                     # per engine: tokens identical?, drafts, accepted per position, τ
+
+The most common DFlash complaint is a drafter that looks good in training and accepts almost nothing when served
+(export, mask, layer ids, vocabulary map, chat template, thinking mode). dflashkit measures acceptance exactly, so
+it can check the engine: greedy, EOS ignored, the same prompt token ids on both sides.
+- dflashkit: `decode.generate(method="chain")` per prompt; drafts = rounds, accepted per position j = rounds
+  whose first j + 1 drafts were all accepted.
+- vLLM: `export/vllm_runner.py` in the vLLM environment (`scripts/setup_vllm.sh` → `.venv-vllm`, or
+  DFLASHKIT_VLLM_PYTHON), offline `LLM` with `method: dflash`, `num_speculative_tokens` = block_size − 1, the
+  counts read from vLLM's metrics (`vllm:spec_decode_num_drafts`, `…_num_accepted_tokens_per_pos`) per prompt.
+Counting convention (measured against vLLM 0.32): a round drafts block_size − 1 tokens even where fewer can
+still be kept, and its accepted drafts are counted before the output is cut at max_new_tokens — so dflashkit's
+side decodes a block past max_new_tokens and counts the rounds that start before it, untruncated.
+A mismatch names the first differing prompt, the round (from the tokens, or the first position whose count
+differs) and the likely causes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashkit.errors import DFlashError
+
+ENGINES = ("vllm",)
+VLLM_PYTHON_ENV = "DFLASHKIT_VLLM_PYTHON"
+DRAFTER_CAUSES = (
+    "the engine runs another drafter than dflashkit measured: the mask (mask_token_id, or a learned mask "
+    "without mask_embedding.pt), the layer ids (target_layer_ids off by one), the vocabulary map (d2t offsets "
+    "vs absolute ids, lm_head rows), the block size, or the causal flags — `dflashkit inspect DRAFTER` lists "
+    "what each engine reads"
+)
+TOKEN_CAUSES = (
+    "the engine's greedy output differs from the target's own: a different dtype or kernel numerics (serve-check "
+    "runs fp32), different prompt token ids (chat template, thinking mode, BOS), or a target the engine loads "
+    "differently — verification is lossless, so the drafter cannot change the output"
+)
+
+
+class EngineUnavailable(DFlashError):
+    """The engine's environment is not set up (e.g. no `.venv-vllm`): one line, exit 2."""
+
+
+@dataclass
+class PromptCounts:
+    tokens: list[int]
+    drafts: int
+    accepted: int
+    accepted_per_pos: list[int]
+
+
+@dataclass
+class EngineComparison:
+    engine: str
+    version: str
+    ours: list[PromptCounts]
+    theirs: list[PromptCounts]
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def agrees(self) -> bool:
+        return not self.mismatches
+
+
+def _tau(counts: list[PromptCounts]) -> float:
+    drafts = sum(c.drafts for c in counts)
+    return (sum(c.accepted for c in counts) + drafts) / drafts if drafts else 0.0
+
+
+def _per_pos(counts: list[PromptCounts]) -> list[int]:
+    width = max((len(c.accepted_per_pos) for c in counts), default=0)
+    return [sum(c.accepted_per_pos[j] for c in counts if j < len(c.accepted_per_pos)) for j in range(width)]
+
+
+@dataclass
+class ServeCheckReport:
+    drafter: str
+    target: str
+    prompts: int
+    max_new_tokens: int
+    block_size: int
+    engines: list[EngineComparison]
+
+    @property
+    def agrees(self) -> bool:
+        return all(e.agrees for e in self.engines)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for e, raw in zip(self.engines, d["engines"], strict=True):
+            raw["agrees"] = e.agrees
+            raw["summary"] = {
+                side: {
+                    "drafts": sum(c.drafts for c in counts),
+                    "accepted": sum(c.accepted for c in counts),
+                    "accepted_per_pos": _per_pos(counts),
+                    "tau": round(_tau(counts), 4),
+                }
+                for side, counts in (("dflashkit", e.ours), (e.engine, e.theirs))
+            }
+            for side in ("ours", "theirs"):
+                for c in raw[side]:
+                    c.pop("tokens")
+        d["agrees"] = self.agrees
+        return d
+
+    def render(self) -> str:
+        lines = [
+            f"serve-check {self.drafter} on {self.target}: {self.prompts} prompts × {self.max_new_tokens} tokens, "
+            f"greedy, block {self.block_size}"
+        ]
+        for e in self.engines:
+            lines.append(f"  {'':<11} {'tokens':<10} {'drafts':>7} {'accepted per position':<26} {'τ':>6}")
+            same = all(a.tokens == b.tokens for a, b in zip(e.ours, e.theirs, strict=True))
+            for name, counts in (("dflashkit", e.ours), (f"{e.engine} {e.version}", e.theirs)):
+                lines.append(
+                    f"  {name:<11} {('identical' if same else 'DIFFER'):<10} {sum(c.drafts for c in counts):>7} "
+                    f"{_per_pos(counts)!s:<26} {_tau(counts):>6.3f}"
+                )
+            lines.append(f"  {e.engine}: " + ("agrees with dflashkit exactly" if e.agrees else "MISMATCH"))
+            lines += [f"    {m}" for m in e.mismatches]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- dflashkit's side
+def dflashkit_counts(target: Any, drafter: Any, prompt: list[int], max_new_tokens: int) -> PromptCounts:
+    """Chain decoding with the engines' counting convention (module docstring)."""
+    from dflashkit.decode.generate import generate
+
+    bs = drafter.config.block_size
+    res = generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=max_new_tokens + bs)
+    drafts, accepted, per_pos, done = 0, 0, [0] * (bs - 1), 1  # the first token comes from prefill
+    for length in res.acceptance_lengths:
+        if done >= max_new_tokens:
+            break
+        drafts += 1
+        accepted += length - 1
+        for j in range(length - 1):
+            per_pos[j] += 1
+        done += length
+    return PromptCounts(res.tokens[:max_new_tokens], drafts, accepted, per_pos)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's side
+def vllm_python() -> Path | None:
+    """The vLLM environment's Python: $DFLASHKIT_VLLM_PYTHON, else `.venv-vllm` in the working directory or the
+    project checkout (scripts/setup_vllm.sh makes it); None when there is none."""
+    env = os.environ.get(VLLM_PYTHON_ENV)
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def run_vllm(
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    num_speculative_tokens: int,
+    timeout: float = 1800,
+) -> tuple[str, list[PromptCounts]]:
+    """(vLLM version, counts per prompt) from a vLLM run in its own environment."""
+    python = vllm_python()
+    if python is None:
+        raise EngineUnavailable(
+            f"no vLLM environment: run `bash scripts/setup_vllm.sh` (makes .venv-vllm) or set {VLLM_PYTHON_ENV}"
+        )
+    runner = Path(__file__).with_name("vllm_runner.py")
+    longest = max(len(p) for p in prompts)
+    with tempfile.TemporaryDirectory(prefix="dflashkit-vllm-") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request.write_text(
+            json.dumps(
+                {
+                    "target": str(target_dir),
+                    "drafter": str(Path(drafter_dir).resolve()),
+                    "prompts": prompts,
+                    "max_new_tokens": max_new_tokens,
+                    "num_speculative_tokens": num_speculative_tokens,
+                    "dtype": "float32",
+                    "max_model_len": longest + max_new_tokens + 2 * num_speculative_tokens + 8,
+                }
+            )
+        )
+        try:
+            proc = subprocess.run(
+                [str(python), str(runner), str(request), str(result)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            raise EngineUnavailable(f"vLLM did not finish within {timeout:.0f} s") from None
+        if proc.returncode != 0 or not result.is_file():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise EngineUnavailable(f"vLLM failed (exit {proc.returncode}):\n{tail}")
+        data = json.loads(result.read_text())
+    counts = [PromptCounts(p["tokens"], p["drafts"], p["accepted"], p["accepted_per_pos"]) for p in data["prompts"]]
+    return str(data["vllm"]), counts
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+def compare(ours: list[PromptCounts], theirs: list[PromptCounts], block_size: int) -> list[str]:
+    """Mismatch lines (empty when the engine agrees exactly): the first differing prompt and round, and why."""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a.tokens != b.tokens:
+            k = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y), None)
+            k = min(len(a.tokens), len(b.tokens)) if k is None else k
+            return [
+                f"prompt {i}: token {k} differs (dflashkit {a.tokens[k] if k < len(a.tokens) else None}, engine "
+                f"{b.tokens[k] if k < len(b.tokens) else None})",
+                f"likely: {TOKEN_CAUSES}",
+            ]
+        per_a = a.accepted_per_pos + [0] * (block_size - 1 - len(a.accepted_per_pos))
+        per_b = b.accepted_per_pos + [0] * (block_size - 1 - len(b.accepted_per_pos))
+        if a.drafts != b.drafts or per_a != per_b:
+            j = next((j for j, (x, y) in enumerate(zip(per_a, per_b, strict=True)) if x != y), None)
+            where = f"first at draft position {j}" if j is not None else "in the number of rounds"
+            return [
+                f"prompt {i}: same tokens, different acceptance {where} (dflashkit {a.drafts} drafts, accepted per "
+                f"position {per_a}; engine {b.drafts} drafts, {per_b})",
+                f"likely: {DRAFTER_CAUSES}",
+            ]
+    return []
+
+
+def serve_check(
+    target: Any,
+    drafter_dir: str | Path,
+    *,
+    prompts: list[list[int]],
+    max_new_tokens: int = 64,
+    engines: list[str] | tuple[str, ...] = ENGINES,
+    progress: bool = True,
+) -> ServeCheckReport:
+    """Run `drafter_dir` in each engine and in dflashkit on `prompts` (token ids) and compare."""
+    from tqdm import tqdm
+
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise DFlashError(f"unknown engine(s) {unknown}; expected one of {', '.join(ENGINES)}")
+    drafter = load_drafter(drafter_dir, device=target.device).eval()
+    bs = drafter.config.block_size
+    ours = [
+        dflashkit_counts(target, drafter, p, max_new_tokens)
+        for p in tqdm(prompts, desc="dflashkit chain", disable=not progress, file=sys.stderr)
+    ]
+    out = []
+    for engine in engines:
+        version, theirs = run_vllm(
+            target.source, drafter_dir, prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=bs - 1
+        )
+        out.append(EngineComparison(engine, version, ours, theirs, compare(ours, theirs, bs)))
+    return ServeCheckReport(str(drafter_dir), str(target.source), len(prompts), max_new_tokens, bs, out)
+
+
+__all__ = [
+    "ENGINES",
+    "EngineComparison",
+    "EngineUnavailable",
+    "PromptCounts",
+    "ServeCheckReport",
+    "compare",
+    "dflashkit_counts",
+    "run_vllm",
+    "serve_check",
+    "vllm_python",
+]
