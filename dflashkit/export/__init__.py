@@ -1,11 +1,16 @@
-"""Stage `export`: drafters in the formats serving engines load. Imports: `target`, `drafter`.
+"""Stage `export`: drafters in the formats serving engines load, and checks that the engines run them as dflashkit
+measured. Imports: `target`, `drafter`, `decode`, `evaluate`.
 
-Reads: a drafter checkpoint directory (dflashkit / z-lab, or speculators format). Writes: a z-lab directory
-(vLLM `method: dflash`, SGLang DFLASH), a speculators directory, or a GGUF file for llama.cpp's `dflash`
-architecture; and runs a local llama.cpp build.
+Reads: a drafter checkpoint directory (dflashkit / z-lab, serving layout, or speculators format). Writes: the
+serving layout (what vLLM `method: dflash` loads as it is), a z-lab or speculators directory, or a GGUF file for
+llama.cpp's `dflash` architecture; runs a local llama.cpp build and vLLM (in its own environment).
 
 Modules and their public functions:
-  convert.py      `convert(src, out, to="zlab"|"speculators")`, `load_any(path)`, `detect_format`
+  convert.py      `convert(src, out, to="zlab"|"speculators"|"vllm")`, `load_any(path)`, `detect_format`
+  serving.py      `write_serving`, `serving_config`, `serving_tensors`, `safe_learned_mask_id` (the serving layout)
+  engines.py      `engine_verdicts`, `verdicts_for_dir`: which engine loads a directory, and why not
+  serve_check.py  `serve_check(target, drafter_dir, prompts=…)`: the drafter in vLLM vs dflashkit, per position
+  vllm_runner.py  the script serve_check runs with the vLLM environment's Python (imports nothing of dflashkit)
   gguf_export.py  `export_gguf(ckpt, out, target_gguf=…)`
   llamacpp.py     `built()`, `run_speculative`, `run_plain`, `f32_target_gguf`
 """
