@@ -174,7 +174,7 @@ def stage_prepare(
         f"(batch {batch})"
     )
     chunk: list[Any] = []
-    first, new_tokens, seconds = True, 0, 0.0
+    first, new_tokens, seconds, first_rate = True, 0, 0.0, None
     for c, _ in _train_prompts(target, s, exclude=done):  # the dataset's order (deterministic)
         chunk.append(c)
         if len(chunk) < 2 * batch:
@@ -185,6 +185,7 @@ def stage_prepare(
             target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=batch, progress=False
         )
         new_tokens, seconds = new_tokens + stats.new_tokens, seconds + stats.seconds
+        first_rate = first_rate if first_rate is not None else stats.tokens_per_s  # the yardstick of the note
         done |= {c.id for c in chunk}
         chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
         _say(f"prepare: {len(done)} responses")
@@ -203,6 +204,7 @@ def stage_prepare(
         "supervised_tokens": tokens.supervised,
         "regen_batch": batch,
         **({"regen_tokens_per_s": round(new_tokens / seconds, 2)} if seconds else {}),
+        **({"regen_first_chunk_tokens_per_s": round(first_rate, 2)} if first_rate else {}),
     }
     if s.original_text:
         from dflashkit.data.original_text import write_original_text

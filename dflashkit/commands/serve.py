@@ -1,10 +1,10 @@
 """`dflashkit serve-check`: does a serving engine run the drafter dflashkit measured? (export/serve_check.py)
 
-    dflashkit serve-check runs/quickstart/drafter [--target default] [--engine vllm] [--dataset mtbench]
-                          [--prompts 8] [--max-new-tokens 64] [--json]
+    dflashkit serve-check runs/quickstart/drafter [--target default] [--engine vllm --engine llamacpp]
+                          [--dataset mtbench] [--prompts 8] [--max-new-tokens 64] [--json]
 
 Exit 0 when every engine agrees with dflashkit exactly (tokens, drafts, accepted per position), 1 on a mismatch,
-2 when an engine's environment is missing (`bash scripts/setup_vllm.sh`).
+2 when an engine's environment is missing (`bash scripts/setup_vllm.sh`, `bash scripts/build_llamacpp.sh`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ from dflashkit.validation import PositiveInt, flag
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("drafter", help="drafter directory (the serving layout: `dflashkit convert … --to vllm`)")
     target_args(p)
-    p.add_argument("--engine", action="append", choices=("vllm",), default=None, help="engine to run (default: vllm)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        choices=("vllm", "llamacpp"),
+        default=None,
+        help="engine to run, repeatable (default: vllm)",
+    )
+    p.add_argument(
+        "--target-gguf",
+        default=None,
+        help="llama.cpp: the target as an F32 GGUF (default: the embedded SmolLM2's, made from the shipped file)",
+    )
     p.add_argument("--dataset", default="mtbench", help="prompts: a dataset name or JSONL file (default mtbench)")
     p.add_argument("--prompts", type=flag(PositiveInt), default=8, help="number of prompts (default 8)")
     p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=64, help="tokens per prompt (default 64)")
@@ -27,7 +38,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-@command("serve-check", "run a drafter in vLLM and check it accepts exactly what dflashkit measures", _args)
+@command("serve-check", "run a drafter in vLLM / llama.cpp: does it accept exactly what dflashkit measures?", _args)
 def _serve_check(args: argparse.Namespace) -> int:
     from dflashkit.evaluate.stats import load_prompts
     from dflashkit.export.serve_check import serve_check
@@ -41,6 +52,7 @@ def _serve_check(args: argparse.Namespace) -> int:
         prompts=[list(p.ids) for p in prompts],
         max_new_tokens=args.max_new_tokens,
         engines=args.engine or ["vllm"],
+        target_gguf=args.target_gguf,
         progress=not args.quiet,
     )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())

@@ -9,6 +9,7 @@ The most common DFlash complaint is a drafter that looks good in training and ac
 it can check the engine: greedy, EOS ignored, the same prompt token ids on both sides.
 - dflashkit: `decode.generate(method="chain")` per prompt; drafts = rounds, accepted per position j = rounds
   whose first j + 1 drafts were all accepted.
+- llama.cpp: `export/llamacpp_check.py` — its own loop, compared round by round (see there).
 - vLLM: `export/vllm_runner.py` in the vLLM environment (`scripts/setup_vllm.sh` → `.venv-vllm`, or
   DFLASHKIT_VLLM_PYTHON), offline `LLM` with `method: dflash`, `num_speculative_tokens` = block_size − 1, the
   counts read from vLLM's metrics (`vllm:spec_decode_num_drafts`, `…_num_accepted_tokens_per_pos`) per prompt.
@@ -32,7 +33,7 @@ from typing import Any
 
 from dflashkit.errors import DFlashError
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "llamacpp")
 VLLM_PYTHON_ENV = "DFLASHKIT_VLLM_PYTHON"
 DRAFTER_CAUSES = (
     "the engine runs another drafter than dflashkit measured: the mask (mask_token_id, or a learned mask "
@@ -66,6 +67,7 @@ class EngineComparison:
     ours: list[PromptCounts]
     theirs: list[PromptCounts]
     mismatches: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def agrees(self) -> bool:
@@ -128,7 +130,7 @@ class ServeCheckReport:
                     f"{_per_pos(counts)!s:<26} {_tau(counts):>6.3f}"
                 )
             lines.append(f"  {e.engine}: " + ("agrees with dflashkit exactly" if e.agrees else "MISMATCH"))
-            lines += [f"    {m}" for m in e.mismatches]
+            lines += [f"    {m}" for m in e.mismatches] + [f"    note: {n}" for n in e.notes]
         return "\n".join(lines)
 
 
@@ -246,10 +248,12 @@ def serve_check(
     *,
     prompts: list[list[int]],
     max_new_tokens: int = 64,
-    engines: list[str] | tuple[str, ...] = ENGINES,
+    engines: list[str] | tuple[str, ...] = ("vllm",),
+    target_gguf: str | Path | None = None,
     progress: bool = True,
 ) -> ServeCheckReport:
-    """Run `drafter_dir` in each engine and in dflashkit on `prompts` (token ids) and compare."""
+    """Run `drafter_dir` in each engine and in dflashkit on `prompts` (token ids) and compare; llama.cpp runs
+    `target_gguf` (default: the embedded SmolLM2 as F32)."""
     from tqdm import tqdm
 
     from dflashkit.drafter.checkpoint import load_drafter
@@ -265,11 +269,61 @@ def serve_check(
     ]
     out = []
     for engine in engines:
+        if engine == "llamacpp":
+            out.append(_llamacpp(target, drafter, drafter_dir, prompts, ours, max_new_tokens, target_gguf, progress))
+            continue
         version, theirs = run_vllm(
             target.source, drafter_dir, prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=bs - 1
         )
         out.append(EngineComparison(engine, version, ours, theirs, compare(ours, theirs, bs)))
     return ServeCheckReport(str(drafter_dir), str(target.source), len(prompts), max_new_tokens, bs, out)
+
+
+def _llamacpp(
+    target: Any,
+    drafter: Any,
+    drafter_dir: str | Path,
+    prompts: list[list[int]],
+    chain: list[PromptCounts],
+    max_new_tokens: int,
+    target_gguf: str | Path | None,
+    progress: bool,
+) -> EngineComparison:
+    """llama.cpp round by round (export/llamacpp_check.py): its counts against dflashkit's drafter's on the same
+    rounds, its output against dflashkit's greedy output."""
+    from tqdm import tqdm
+
+    from dflashkit.export import llamacpp
+    from dflashkit.export.gguf_export import export_gguf
+    from dflashkit.export.llamacpp_check import TIE, llamacpp_side
+
+    if not llamacpp.built():
+        raise EngineUnavailable("llama.cpp is not built: run `bash scripts/build_llamacpp.sh`")
+    if target_gguf is None:
+        from dflashkit.target.default import default_target_dir
+
+        if Path(str(target.source)).resolve() != default_target_dir().resolve():
+            raise EngineUnavailable("--target-gguf is needed for llama.cpp: an F32 GGUF of this target")
+        target_gguf = llamacpp.f32_target_gguf()
+    theirs, ours, ties = [], [], 0
+    with tempfile.TemporaryDirectory(prefix="dflashkit-llamacpp-") as tmp:
+        gguf = Path(tmp) / "drafter.gguf"
+        export_gguf(drafter_dir, gguf, target=target_gguf, outtype="f32")
+        for ids, mine in zip(
+            tqdm(prompts, desc="llama.cpp", disable=not progress, file=sys.stderr), chain, strict=True
+        ):
+            t, o, n_ties = llamacpp_side(target, drafter, gguf, target_gguf, ids, max_new_tokens)
+            ties += n_ties
+            theirs.append(PromptCounts(t["tokens"], t["drafts"], sum(t["accepted_per_pos"]), t["accepted_per_pos"]))
+            ours.append(PromptCounts(mine.tokens, o["drafts"], sum(o["accepted_per_pos"]), o["accepted_per_pos"]))
+    notes = [
+        "llama.cpp's rounds differ from dflashkit's (its first block starts at the last prompt token; it drafts no "
+        "more than the output keeps): the dflashkit row is its drafter's acceptance on llama.cpp's rounds"
+    ]
+    if ties:
+        notes.append(f"{ties} draft slot(s) were numerical ties (dflashkit's top-2 logits within {TIE})")
+    bs = drafter.config.block_size
+    return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, compare(ours, theirs, bs), notes)
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.export import llamacpp
 from dflashkit.export.gguf_export import export_gguf
+from dflashkit.export.llamacpp_check import TIE, reference_drafts
 from dflashkit.target.machine import machine_line
 
 pytestmark = [
@@ -40,7 +41,6 @@ PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n",
 ]
 VARIANTS = ("real_row", "learned", "learned_d8192")
-TIE = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -89,32 +89,6 @@ def _gguf(drafters, ggufs, tmp_path_factory, name: str, tgt: str) -> Path:
     out = tmp_path_factory.getbasetemp() / f"{name}.{tgt}.gguf"
     if not out.exists():
         export_gguf(drafters[name], out, target=ggufs[tgt], outtype="f32")
-    return out
-
-
-def reference_drafts(target, drafter, prompt_ids: list[int], run: llamacpp.SpecRun) -> list[tuple[list, list]]:
-    """dflashkit's PyTorch drafts at each of llama.cpp's rounds (same committed prefix, same bonus token):
-    [(drafts, top-1 − top-2 logit margin per slot)]."""
-    cfg = drafter.config
-    seq = prompt_ids + run.generated_ids
-    pos0 = len(prompt_ids) - 1  # llama.cpp's first block starts at the last prompt token
-    out = []
-    with torch.no_grad():
-        for r in run.rounds:
-            feats = target.forward(torch.tensor([seq[:pos0]]), layer_ids=cfg.target_layer_ids, logits=False).features
-            emb = drafter.block_embeddings(torch.tensor([[seq[pos0]]]), target.embed_weight, cfg.block_size)
-            h = drafter(
-                feats,
-                emb,
-                context_positions=torch.arange(pos0)[None],
-                block_positions=torch.arange(pos0, pos0 + cfg.block_size)[None],
-            )
-            logits = drafter.logits(h[0, 1 : 1 + len(r.draft)], target.lm_head_weight)
-            top = logits.topk(2, dim=-1)
-            out.append(
-                (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())
-            )
-            pos0 += r.accepted + 1
     return out
 
 

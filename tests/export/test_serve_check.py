@@ -106,5 +106,52 @@ def test_cli_without_the_engine_is_one_line(tmp_path, tiny_llama_dir, monkeypatc
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt_ids": [5, 9, 2, 41]}\n')
     code = main(["serve-check", str(ckpt), "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--quiet"])
-    err = capsys.readouterr().err
-    assert code == 2 and "no vLLM environment" in err and "Traceback" not in err
+    captured = capsys.readouterr()
+    err = captured.err
+    assert code == 2, (captured.out, err)
+    assert "no vLLM environment" in err and "Traceback" not in err
+
+
+def test_llamacpp_rounds_are_counted_on_both_sides_with_ties_named(monkeypatch):
+    """Two llama.cpp rounds (block 4): drafts [7, 8, 9] with 2 accepted then last 5; drafts [1, 2, 3], none accepted,
+    last 4. dflashkit's drafter drafts [7, 8, 6] (a clear difference at slot 2: not accepted anyway) and [2, 2, 3]
+    where slot 0 is a near tie (margin 0.01 < TIE): counted as a tie, so both sides accept nothing there."""
+    from dflashkit.export import llamacpp, llamacpp_check
+    from dflashkit.export.llamacpp import Round, SpecRun
+
+    run = SpecRun(text="", rounds=[Round([7, 8, 9], 2, 5), Round([1, 2, 3], 0, 4)])
+    monkeypatch.setattr(llamacpp, "run_speculative", lambda *a, **k: run)
+    monkeypatch.setattr(llamacpp_check, "prompt_text", lambda tok, ids: "text")
+    refs = [([7, 8, 6], [1.0, 1.0, 1.0]), ([2, 2, 3], [0.01, 1.0, 1.0])]
+    monkeypatch.setattr(llamacpp_check, "reference_drafts", lambda *a: refs)
+
+    class Cfg:
+        block_size = 4
+
+    class Drafter:
+        config = Cfg()
+
+    class Target:
+        tokenizer = None
+
+    theirs, ours, ties = llamacpp_check.llamacpp_side(Target(), Drafter(), "d.gguf", "t.gguf", [1, 2], 6)
+    assert theirs == {"tokens": [7, 8, 5, 4], "drafts": 2, "accepted_per_pos": [1, 1, 0]}
+    assert ours == {"drafts": 2, "accepted_per_pos": [1, 1, 0]} and ties == 1
+    refs[1] = ([1, 2, 3], [1.0, 1.0, 1.0])  # dflashkit drafts llama.cpp's [1, 2, 3]: still none accepted (truth 4)
+    assert llamacpp_check.llamacpp_side(Target(), Drafter(), "d", "t", [1, 2], 6)[2] == 0
+
+
+def test_llamacpp_prompt_must_survive_decode_and_encode():
+    from dflashkit.errors import DFlashError
+    from dflashkit.export.llamacpp_check import prompt_text
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [int(t) for t in text.split()][:2]}  # loses tokens: another prompt
+
+    assert prompt_text(Tok(), [1, 2]) == "1 2"
+    with pytest.raises(DFlashError, match="re-encode"):
+        prompt_text(Tok(), [1, 2, 3])
