@@ -142,7 +142,8 @@ def _train_prompts(target: Any, s: QuickstartSettings, exclude: set[str] = froze
 
 def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dict[str, Any]:
     """This machine's regeneration tokens/s at a few batch sizes (the best becomes the batch size when it beats the
-    default clearly) and its capture tokens/s — measured in a few seconds (quickstart_rates.py)."""
+    default clearly) and its capture tokens/s — measured in about a minute on 2 cores, product choices included
+    (quickstart_rates.py)."""
     from dflashkit.quickstart_rates import measure_rates
 
     batches = (s.regen_batch,) if s.regen_batch else (8, 16, 32)  # a batch size given is kept (and measured)
@@ -151,7 +152,10 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
         prompts.append(ids)
         if len(prompts) == max(batches):
             break
-    _say(f"rates: measuring regeneration at batch {', '.join(map(str, batches))} and capture (a few seconds)")
+    _say(
+        f"rates: measuring regeneration at batch {', '.join(map(str, batches))} and capture (about a minute; the "
+        f"products are chosen then too)"
+    )
     default = s.regen_batch or 16
     return measure_rates(target, prompts, batches=batches, default_batch=default, layer_ids=layer_ids)
 
@@ -349,17 +353,6 @@ def step_seconds(metrics_file: Path) -> float:
     return statistics.median(times) if times else 0.0
 
 
-def export_for_serving(target: Any, chosen: str | Path, drafter_dir: Path) -> list[str]:
-    """The drafter in the serving layout vLLM loads as it is (export/serving.py), which dflashkit loads back."""
-    from dflashkit.export.convert import load_any
-    from dflashkit.export.serving import safe_learned_mask_id, write_serving
-
-    cfg, tensors, _ = load_any(chosen)
-    cfg, why = safe_learned_mask_id(cfg, target)
-    notes = [why] if why else []
-    return notes + write_serving(drafter_dir, cfg, tensors, target.lm_head_weight, str(chosen))
-
-
 def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
     """A fresh drafter whose reduced draft vocabulary is the `draft_vocab` most frequent supervised tokens of the
     training data (ids sorted); with `warm_start`, its layers copied from the target's (`dflashkit.drafter.warm_start`).
@@ -480,11 +473,13 @@ def _run_stages(
     if "export" not in done:
         if drafter_dir.exists():
             shutil.rmtree(drafter_dir)
+        from dflashkit.export.serving import export_checkpoint
+
         chosen = done["train"].get("best", done["train"]["final"])  # keep_best: the best validation pass
         done["export"] = {
             "dir": str(drafter_dir),
             "from": chosen,
-            "notes": export_for_serving(target, chosen, drafter_dir),
+            "notes": export_checkpoint(target, chosen, drafter_dir),
         }
         _save_state(out, state)
     if "eval" not in done:

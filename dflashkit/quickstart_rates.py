@@ -1,4 +1,4 @@
-"""What this machine does per second, measured when the quickstart starts (a few seconds) — the yardstick for its
+"""What this machine does per second, measured when the quickstart starts (about a minute) — the yardstick for its
 choices and notes instead of constants from one CPU.
 
     rates = measure_rates(target, prompts, batches=(8, 16, 32), layer_ids=[1, 8, 14, 20, 27])

@@ -53,14 +53,14 @@ def _vllm_layout_problems(cfg: DrafterConfig, files: set[str], keys: set[str], r
     return out
 
 
-def _vllm_model_problems(cfg: DrafterConfig) -> list[str]:
+def vllm_model_problems(cfg: DrafterConfig) -> list[str]:
     out = []
     if cfg.hidden_act != "silu":
         out.append(f"hidden_act {cfg.hidden_act!r}: vLLM's drafter MLP runs silu only")
     return out
 
 
-def _mixed_layers(cfg: DrafterConfig) -> bool:
+def mixed_layers(cfg: DrafterConfig) -> bool:
     kinds = set(cfg.layer_types)
     return SLIDING_ATTENTION in kinds and len(kinds) > 1
 
@@ -73,11 +73,11 @@ def engine_verdicts(
     raw = raw or {}
     out: list[EngineVerdict] = []
     layout = _vllm_layout_problems(cfg, files, keys, raw)
-    model = _vllm_model_problems(cfg)
+    model = vllm_model_problems(cfg)
     mask_degrades = cfg.learned_mask_embedding and MASK_FILE not in files
     for engine, cpu in (("vLLM (GPU)", False), ("vLLM (CPU)", True)):
         refuse = list(model)
-        if cpu and _mixed_layers(cfg):
+        if cpu and mixed_layers(cfg):
             refuse.append("vLLM's CPU runner (V1) refuses drafters mixing sliding and full attention layers")
         if refuse:
             out.append(EngineVerdict(engine, "refuses", "; ".join(refuse)))
@@ -137,4 +137,11 @@ def verdicts_for_dir(path: Any) -> list[EngineVerdict]:
     return engine_verdicts(cfg, files=files, keys=keys, raw=raw)
 
 
-__all__ = ["VERDICTS", "EngineVerdict", "engine_verdicts", "verdicts_for_dir"]
+__all__ = [
+    "VERDICTS",
+    "EngineVerdict",
+    "engine_verdicts",
+    "mixed_layers",
+    "verdicts_for_dir",
+    "vllm_model_problems",
+]

@@ -229,8 +229,9 @@ def compare(ours: list[PromptCounts], theirs: list[PromptCounts], block_size: in
                 f"{b.tokens[k] if k < len(b.tokens) else None})",
                 f"likely: {TOKEN_CAUSES}",
             ]
-        per_a = a.accepted_per_pos + [0] * (block_size - 1 - len(a.accepted_per_pos))
-        per_b = b.accepted_per_pos + [0] * (block_size - 1 - len(b.accepted_per_pos))
+        width = max(block_size - 1, len(a.accepted_per_pos), len(b.accepted_per_pos))
+        per_a = a.accepted_per_pos + [0] * (width - len(a.accepted_per_pos))
+        per_b = b.accepted_per_pos + [0] * (width - len(b.accepted_per_pos))
         if a.drafts != b.drafts or per_a != per_b:
             j = next((j for j, (x, y) in enumerate(zip(per_a, per_b, strict=True)) if x != y), None)
             where = f"first at draft position {j}" if j is not None else "in the number of rounds"

@@ -78,7 +78,17 @@ def write_serving(
     """Write the serving layout into `out`; returns notes on what was translated."""
     from safetensors.torch import save_file
 
+    from dflashkit.export.engines import mixed_layers, vllm_model_problems
+
+    problems = vllm_model_problems(cfg)
+    if problems:
+        raise CheckpointError(f"{source}: vLLM cannot run this drafter: " + "; ".join(problems))
     notes: list[str] = []
+    if mixed_layers(cfg):
+        notes.append(
+            "the drafter mixes sliding and full attention layers: vLLM's GPU runner (V2) loads it, its CPU runner "
+            "(V1) refuses it"
+        )
     st = serving_tensors(cfg, tensors, lm_head_weight, source)
     if cfg.draft_vocab_size is not None:
         notes.append(
@@ -127,4 +137,29 @@ def safe_learned_mask_id(cfg: DrafterConfig, target: Any) -> tuple[DrafterConfig
     )
 
 
-__all__ = ["SERVING_FORMAT", "safe_learned_mask_id", "serving_config", "serving_tensors", "write_serving"]
+def export_checkpoint(target: Any, chosen: str | Path, out_dir: Path) -> list[str]:
+    """A trained checkpoint into `out_dir` in the serving layout (what the quickstart exports); a drafter vLLM
+    cannot run (e.g. gelu, asked for explicitly) is copied in dflashkit's own layout instead, with the reason."""
+    import shutil
+
+    from dflashkit.export.convert import load_any
+    from dflashkit.export.engines import vllm_model_problems
+
+    cfg, tensors, _ = load_any(chosen)
+    problems = vllm_model_problems(cfg)
+    if problems:
+        shutil.copytree(chosen, out_dir)
+        return [f"exported in dflashkit's layout: vLLM cannot run this drafter ({'; '.join(problems)})"]
+    cfg, why = safe_learned_mask_id(cfg, target)
+    notes = [why] if why else []
+    return notes + write_serving(out_dir, cfg, tensors, target.lm_head_weight, str(chosen))
+
+
+__all__ = [
+    "SERVING_FORMAT",
+    "export_checkpoint",
+    "safe_learned_mask_id",
+    "serving_config",
+    "serving_tensors",
+    "write_serving",
+]

@@ -10,7 +10,9 @@ A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pas
 every weight matrix. Two ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
   stock       F.linear(x, W): x·Wᵀ as the BLAS's GEMM/GEMV with M = rows
   few_rows    (W·xᵀ)ᵀ, weight-stationary: streams W once; one row is multiplied as two (the matrix-vector path of
-              some BLAS builds is slower than a matrix product of two)
+              some BLAS builds is slower than a matrix product of two); the result is copied row-major, as
+              F.linear returns it — left transposed, it made every later op of a batch-16 decoding step slower
+              (measured: a step 383 ms instead of 220 ms, slower than stock's 274 ms)
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
 Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and few_rows
 is kept only when it is faster than stock by more than the timing noise (the spread of the stock timings, at least
@@ -22,8 +24,9 @@ is kept only when it is faster than stock by more than the timing noise (the spr
                      the per-shape timings kept stock), so the pass is what is timed.
   a lone product     (an LM head called directly) gets one per shape (rows × in × out), each call with the
                      weights evicted from the CPU caches first, as they are in a pass.
-A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
-version and threads, so later runs skip the timing.
+A row count is measured the second time it is met (the first runs stock): a one-off, such as the prefill of a
+short prompt, is never worth seconds of timing. A choice holds for the process and is kept in
+`~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch version and threads, so later runs skip the timing.
 Both compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
@@ -62,7 +65,7 @@ def _stock(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 def _few_rows(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     rows = x.shape[0]
     cols = x.repeat(2, 1).t() if rows == 1 else x.t()  # (in, max(M, 2))
-    out = torch.mm(w, cols)[:, :rows].t()  # (M, out)
+    out = torch.mm(w, cols)[:, :rows].t().contiguous()  # (M, out), row-major as F.linear returns it
     return out + b if b is not None else out
 
 
@@ -101,6 +104,7 @@ class Chooser:
         self.store = store
         self.repeats = repeats
         self.choices: dict[str, dict[str, float | str]] = {}
+        self._seen: set[str] = set()  # keys met once: measured when met again
         self._loaded = False
 
     def choose(self, x: Tensor, w: Tensor, b: Tensor | None) -> str:
@@ -109,22 +113,35 @@ class Chooser:
             self._load()
         entry = self.choices.get(key)
         if entry is None:
+            if self._first_sight(key):
+                return "stock"
             entry = self.measure(x, w, b)
             self.choices[key] = entry
             self._save()
         return str(entry["choice"])
 
-    def choose_pass(self, group: PassGroup, rows: int, dtype: torch.dtype) -> str:
-        """The choice for every product of `group` at `rows` rows, measured once as a pass of them."""
+    def choose_pass(self, group: PassGroup, rows: int, dtype: torch.dtype, *, opens_pass: bool = True) -> str:
+        """The choice for every product of `group` at `rows` rows, measured once as a pass of them. Passes are
+        counted by the group's first linear (`opens_pass`): the others follow what that one decided."""
         key = group.key(rows, dtype)
         if not self._loaded:
             self._load()
         entry = self.choices.get(key)
         if entry is None:
+            if not opens_pass or self._first_sight(key):
+                return "stock"
             entry = self.measure_pass(group, rows, dtype)
             self.choices[key] = entry
             self._save()
         return str(entry["choice"])
+
+    def _first_sight(self, key: str) -> bool:
+        """A row count met for the first time runs stock, unmeasured: a one-off (the prefill of a short prompt) is
+        not worth a measurement of seconds; decoding widths recur at once and are measured the second time."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
     def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str]:
         """Time every candidate on these very tensors, cache-cold and interleaved (ABBA …), and pick by `decide`."""
@@ -267,7 +284,10 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     how = mode()
     flat = x.reshape(rows, x.shape[-1])  # (M, H)
     if how == "auto":
-        how = chooser().choose_pass(group, rows, x.dtype) if group else chooser().choose(flat, weight, bias)
+        if group is not None:
+            how = chooser().choose_pass(group, rows, x.dtype, opens_pass=group.linears[0].weight is weight)
+        else:
+            how = chooser().choose(flat, weight, bias)
     out = CANDIDATES[how](flat, weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
 

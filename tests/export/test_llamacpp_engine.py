@@ -201,3 +201,19 @@ def test_gguf_loads_in_llama_server(drafters, ggufs, tmp_path_factory):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_serve_check_llamacpp_agrees_round_by_round(target, drafters, tmp_path):
+    """`serve-check --engine llamacpp` on the quickstart-shaped drafter (reduced vocabulary, learned mask) exported in
+    the serving layout: llama.cpp's output equals dflashkit's greedy output and its accepted drafts per position
+    equal those of dflashkit's drafter on llama.cpp's own rounds."""
+    from dflashkit.export.convert import convert
+    from dflashkit.export.serve_check import serve_check
+
+    served = tmp_path / "served"
+    convert(drafters["learned_d8192"], served, to="vllm", target=target)
+    ids = [target.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    report = serve_check(target, served, prompts=ids, max_new_tokens=24, engines=["llamacpp"], progress=False)
+    engine = report.engines[0]
+    assert engine.engine == "llama.cpp" and report.agrees, report.render()
+    assert sum(c.drafts for c in engine.theirs) >= 2 * 6

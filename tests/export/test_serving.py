@@ -150,3 +150,17 @@ def test_inspect_and_doctor_read_the_serving_layout(tmp_path, target):
     save_file(tensors, str(tmp_path / "vllm/model.safetensors"))
     doc = run_doctor(target, tmp_path / "vllm", prompts=1, max_new_tokens=6)
     assert any(f.status == "FAIL" and f.check == "engine head rows" for f in doc.findings)
+
+
+def test_what_vllm_cannot_run_is_refused_at_export_and_mixed_layers_get_a_note(tmp_path):
+    gelu = write_checkpoint(tmp_path / "gelu", small_config(hidden_act="gelu", learned_mask_embedding=False))
+    with pytest.raises(CheckpointError, match="vLLM cannot run this drafter: hidden_act 'gelu'"):
+        convert(gelu, tmp_path / "out", to="vllm")
+    mixed_cfg = small_config(
+        learned_mask_embedding=False,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    )
+    report = convert(write_checkpoint(tmp_path / "mixed", mixed_cfg), tmp_path / "mixed_out", to="vllm")
+    assert any("CPU runner" in n for n in report.notes)

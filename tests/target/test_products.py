@@ -21,12 +21,14 @@ def _bound(x, w):
 
 @pytest.mark.parametrize("name", list(CANDIDATES))
 def test_every_candidate_equals_f_linear_within_rounding(name):
+    """…and returns a row-major tensor, as F.linear does (a transposed view slowed every later op)."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(3000, 64, generator=g), torch.randn(3000, generator=g)
     for rows in (1, 2, 3, 5, 9, 16, 17, 32, MAX_ROWS):
         x = torch.randn(rows, 64, generator=g)
         got = CANDIDATES[name](x, w, None)
         assert got.shape == (rows, 3000) and ((got - F.linear(x, w)).abs() <= _bound(x, w)).all(), rows
+        assert got.is_contiguous(), rows
         got_b = CANDIDATES[name](x, w, b)
         assert ((got_b - F.linear(x, w, b)).abs() <= _bound(x, w) + 1e-6 * b.abs()).all(), rows
 
@@ -64,17 +66,20 @@ def test_chooser_measures_once_per_shape_keeps_it_on_disk_and_reloads(tmp_path):
     calls: list[str] = []
     store = tmp_path / "products.json"
     c = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.5}, calls), store=store, repeats=3)
+    assert c.choose(x2, w, None) == "stock" and calls == []  # first sight: stock, unmeasured (a one-off prefill)
     assert c.choose(x2, w, None) == "few_rows" and len(calls) == 6  # 3 interleaved rounds × 2 candidates
     assert calls[:4] == ["stock", "few_rows", "few_rows", "stock"]  # ABBA order
     assert c.choose(x2, w, None) == "few_rows" and len(calls) == 6  # kept for the process
     c.timer = _fake_timer({"stock": 0.5, "few_rows": 1.0}, calls)
-    assert c.choose(x5, w, None) == "stock"  # another shape, another measurement
+    c.choose(x5, w, None)
+    assert c.choose(x5, w, None) == "stock" and len(calls) == 12  # another shape, another measurement
     saved = json.loads(store.read_text())
     assert set(saved["choices"]) == {"2x32x300:float32", "5x32x300:float32"} and "cpu" in saved["machine"]
     again = Chooser(timer=_fake_timer({"stock": 9.0, "few_rows": 0.1}, calls := []), store=store)
     assert again.choose(x2, w, None) == "few_rows" and again.choose(x5, w, None) == "stock" and calls == []
     store.write_text("{not json")
     damaged = Chooser(timer=_fake_timer({"stock": 0.2, "few_rows": 1.0}, calls), store=store)
+    damaged.choose(x2, w, None)
     assert damaged.choose(x2, w, None) == "stock" and calls  # re-measured, not trusted
 
 
@@ -109,6 +114,7 @@ def test_auto_mode_runs_the_chosen_candidate(monkeypatch):
     fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.1}, []), store=None, repeats=3)
     monkeypatch.setattr(products, "chooser", lambda: fake)
     monkeypatch.setenv(products.ENV, "auto")
+    assert torch.equal(linear_product(x, w), F.linear(x, w))  # first sight: stock
     assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
     assert products.choices_by_rows({"choices": fake.choices}) == {3: {"few_rows": 1}}
 
@@ -152,12 +158,16 @@ def test_route_linears_makes_one_pass_group_chosen_per_row_count(monkeypatch, tm
     x = torch.randn(2, 16)
     with torch.no_grad():
         ref = F.linear(F.linear(F.silu(F.linear(x, net[0].weight, net[0].bias)), net[2].weight), net[3].weight)
-        got = net(x)  # the first call of the group at 2 rows measures it once, for all three linears
+        first = net(x)
+        assert calls == []  # first sight of 2 rows: stock, unmeasured
+        got = net(x)  # the second call of the group at 2 rows measures it once, for all three linears
         assert len(calls) == 6
         net(x)
         linear_product(got, head)  # a lone product (an LM head): its own per-shape choice
+        linear_product(got, head)
     assert len(calls) == 12
     torch.testing.assert_close(got, ref + net[3].bias, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first, ref + net[3].bias, rtol=1e-5, atol=1e-6)
     keys = sorted(fake.choices)
     assert keys == ["2x8x100:float32", f"2x{group.signature}:float32"], keys
     assert group.signature.startswith("pass3-")
