@@ -473,7 +473,7 @@ def _run_stages(
     if "export" not in done:
         if drafter_dir.exists():
             shutil.rmtree(drafter_dir)
-        from dflashkit.export.serving import export_checkpoint
+        from dflashkit.export.convert import export_checkpoint
 
         chosen = done["train"].get("best", done["train"]["final"])  # keep_best: the best validation pass
         done["export"] = {

@@ -80,7 +80,7 @@ MASK_FILE = "mask_embedding.pt"  # vLLM's override file for a learned mask embed
 def from_serving_layout(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """The serving layout's tensors as dflashkit's own: `d2t` offsets → absolute `draft_to_target`; `t2d` and the
     LM-head rows dropped (the drafter takes them from the target). Other layouts pass through unchanged."""
-    if not any(k in tensors for k in SERVING_ONLY):
+    if "d2t" not in tensors:  # no vocabulary map: not the serving layout (a stray lm_head stays unexpected)
         return tensors
     out = {k: v for k, v in tensors.items() if k not in SERVING_ONLY}
     d2t = tensors.get("d2t")

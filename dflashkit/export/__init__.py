@@ -6,11 +6,13 @@ serving layout (what vLLM `method: dflash` loads as it is), a z-lab or speculato
 llama.cpp's `dflash` architecture; runs a local llama.cpp build and vLLM (in its own environment).
 
 Modules and their public functions:
-  convert.py      `convert(src, out, to="zlab"|"speculators"|"vllm")`, `load_any(path)`, `detect_format`
-  serving.py      `write_serving`, `serving_config`, `serving_tensors`, `safe_learned_mask_id` (the serving layout)
+  convert.py      `convert(src, out, to="zlab"|"speculators"|"vllm")`, `load_any(path)`, `detect_format`,
+                  `export_checkpoint` (the quickstart's export)
+  serving.py      `write_serving`, `serving_config`, `serving_tensors`, `safe_learned_mask_id`, `vllm_model_problems`
   engines.py      `engine_verdicts`, `verdicts_for_dir`: which engine loads a directory, and why not
   serve_check.py  `serve_check(target, drafter_dir, prompts=…)`: the drafter in vLLM vs dflashkit, per position
   vllm_runner.py  the script serve_check runs with the vLLM environment's Python (imports nothing of dflashkit)
+  llamacpp_check.py  `llamacpp_side`, `reference_drafts`: serve-check's llama.cpp side, round by round
   gguf_export.py  `export_gguf(ckpt, out, target_gguf=…)`
   llamacpp.py     `built()`, `run_speculative`, `run_plain`, `f32_target_gguf`
 """

@@ -49,7 +49,7 @@ from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
-from dflashkit.export.serving import SERVING_FORMAT, safe_learned_mask_id, write_serving
+from dflashkit.export.serving import SERVING_FORMAT, safe_learned_mask_id, vllm_model_problems, write_serving
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
 FORMATS = ("zlab", "speculators", SERVING_FORMAT)
@@ -452,6 +452,21 @@ def convert(
     return ConversionReport(str(src), fmt, str(out), "zlab", notes)
 
 
+def export_checkpoint(target: Any, chosen: str | Path, out_dir: Path) -> list[str]:
+    """A trained checkpoint into `out_dir` in the serving layout (what the quickstart exports); a drafter vLLM
+    cannot run (e.g. gelu, asked for explicitly) is copied in dflashkit's own layout instead, with the reason."""
+    import shutil
+
+    cfg, tensors, _ = load_any(chosen)
+    problems = vllm_model_problems(cfg)
+    if problems:
+        shutil.copytree(chosen, out_dir)
+        return [f"exported in dflashkit's layout: vLLM cannot run this drafter ({'; '.join(problems)})"]
+    cfg, why = safe_learned_mask_id(cfg, target)
+    notes = [why] if why else []
+    return notes + write_serving(out_dir, cfg, tensors, target.lm_head_weight, str(chosen))
+
+
 __all__ = [
     "DROPPED_KEYS",
     "KEY_SUBSTRINGS",
@@ -461,6 +476,7 @@ __all__ = [
     "config_to_speculators",
     "convert",
     "detect_format",
+    "export_checkpoint",
     "load_any",
     "map_key",
     "tensors_from_speculators",

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashkit.drafter.checkpoint import MASK_FILE
-from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
+from dflashkit.drafter.config import DrafterConfig
 from dflashkit.export.gguf_export import export_problems
+from dflashkit.export.serving import mixed_layers, vllm_model_problems
 
 VERDICTS = ("loads", "converts", "degrades", "refuses", "unverified")
 TO_VLLM = "dflashkit convert DIR OUT --to vllm --target TARGET"
@@ -51,18 +52,6 @@ def _vllm_layout_problems(cfg: DrafterConfig, files: set[str], keys: set[str], r
         if raw.get("draft_vocab_size") != cfg.draft_vocab_size:
             out.append("vLLM reads draft_vocab_size only at the top level of config.json")
     return out
-
-
-def vllm_model_problems(cfg: DrafterConfig) -> list[str]:
-    out = []
-    if cfg.hidden_act != "silu":
-        out.append(f"hidden_act {cfg.hidden_act!r}: vLLM's drafter MLP runs silu only")
-    return out
-
-
-def mixed_layers(cfg: DrafterConfig) -> bool:
-    kinds = set(cfg.layer_types)
-    return SLIDING_ATTENTION in kinds and len(kinds) > 1
 
 
 def engine_verdicts(

@@ -23,6 +23,7 @@ import torch
 
 from dflashkit.errors import DFlashError
 from dflashkit.export import llamacpp
+from dflashkit.target.products import stock_products
 
 TIE = 0.02  # |top-1 − top-2| logit margin under which two engines' F32 sums may rank the pair either way
 
@@ -36,7 +37,7 @@ def reference_drafts(
     seq = list(prompt_ids) + run.generated_ids
     pos0 = len(prompt_ids) - 1  # llama.cpp's first block starts at the last prompt token
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), stock_products():  # a reference, not a timed path: no product choices measured for it
         for r in run.rounds:
             feats = target.forward(torch.tensor([seq[:pos0]]), layer_ids=cfg.target_layer_ids, logits=False).features
             emb = drafter.block_embeddings(torch.tensor([[seq[pos0]]]), target.embed_weight, cfg.block_size)

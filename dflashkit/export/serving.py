@@ -30,11 +30,23 @@ from typing import Any
 import torch
 
 from dflashkit.drafter.checkpoint import CONFIG_NAME, MASK_FILE, WEIGHTS_NAME
-from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.errors import CheckpointError
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
 SERVING_FORMAT = "vllm"
+
+
+def vllm_model_problems(cfg: DrafterConfig) -> list[str]:
+    out = []
+    if cfg.hidden_act != "silu":
+        out.append(f"hidden_act {cfg.hidden_act!r}: vLLM's drafter MLP runs silu only")
+    return out
+
+
+def mixed_layers(cfg: DrafterConfig) -> bool:
+    kinds = set(cfg.layer_types)
+    return SLIDING_ATTENTION in kinds and len(kinds) > 1
 
 
 def serving_config(cfg: DrafterConfig) -> dict[str, Any]:
@@ -77,8 +89,6 @@ def write_serving(
 ) -> list[str]:
     """Write the serving layout into `out`; returns notes on what was translated."""
     from safetensors.torch import save_file
-
-    from dflashkit.export.engines import mixed_layers, vllm_model_problems
 
     problems = vllm_model_problems(cfg)
     if problems:
@@ -137,29 +147,12 @@ def safe_learned_mask_id(cfg: DrafterConfig, target: Any) -> tuple[DrafterConfig
     )
 
 
-def export_checkpoint(target: Any, chosen: str | Path, out_dir: Path) -> list[str]:
-    """A trained checkpoint into `out_dir` in the serving layout (what the quickstart exports); a drafter vLLM
-    cannot run (e.g. gelu, asked for explicitly) is copied in dflashkit's own layout instead, with the reason."""
-    import shutil
-
-    from dflashkit.export.convert import load_any
-    from dflashkit.export.engines import vllm_model_problems
-
-    cfg, tensors, _ = load_any(chosen)
-    problems = vllm_model_problems(cfg)
-    if problems:
-        shutil.copytree(chosen, out_dir)
-        return [f"exported in dflashkit's layout: vLLM cannot run this drafter ({'; '.join(problems)})"]
-    cfg, why = safe_learned_mask_id(cfg, target)
-    notes = [why] if why else []
-    return notes + write_serving(out_dir, cfg, tensors, target.lm_head_weight, str(chosen))
-
-
 __all__ = [
     "SERVING_FORMAT",
-    "export_checkpoint",
+    "mixed_layers",
     "safe_learned_mask_id",
     "serving_config",
     "serving_tensors",
+    "vllm_model_problems",
     "write_serving",
 ]
