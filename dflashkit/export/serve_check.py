@@ -323,8 +323,36 @@ def _llamacpp(
     ]
     if ties:
         notes.append(f"{ties} draft slot(s) were numerical ties (dflashkit's top-2 logits within {TIE})")
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        tie = target_tie(target, prompts[i], a.tokens, b.tokens)
+        if tie is not None:  # the target's own near-tie: from there both outputs are right, only rounded differently
+            k, margin = tie
+            notes.append(
+                f"prompt {i}: the outputs part at token {k}, a near-tie of the target itself (top-2 logits "
+                f"{margin:.4f} apart < {TIE}): float rounding, not the drafter; acceptance is compared on llama.cpp's "
+                f"own rounds"
+            )
+            a.tokens = list(b.tokens)
     bs = drafter.config.block_size
     return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, compare(ours, theirs, bs), notes)
+
+
+def target_tie(target: Any, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float] | None:
+    """(k, margin) when the two outputs first differ at token k and the target's top-2 logits there are within TIE
+    (PyTorch, fp32); None when they agree or differ clearly."""
+    import torch
+
+    from dflashkit.export.llamacpp_check import TIE
+    from dflashkit.target.products import stock_products
+
+    k = next((j for j, (x, y) in enumerate(zip(ours, theirs, strict=False)) if x != y), None)
+    if k is None:
+        return None
+    with torch.no_grad(), stock_products():
+        logits = target.forward(torch.tensor([list(prompt) + list(ours[:k])]), layer_ids=[], logits=True).logits
+    top = logits[0, -1].float().topk(2).values
+    margin = float(top[0] - top[1])
+    return (k, margin) if margin < TIE and theirs[k] in logits[0, -1].topk(2).indices.tolist() else None
 
 
 __all__ = [

@@ -155,3 +155,22 @@ def test_llamacpp_prompt_must_survive_decode_and_encode():
     assert prompt_text(Tok(), [1, 2]) == "1 2"
     with pytest.raises(DFlashError, match="re-encode"):
         prompt_text(Tok(), [1, 2, 3])
+
+
+def test_a_target_side_near_tie_is_named_not_counted(target, monkeypatch):
+    """Outputs that part where the target's own top-2 logits are within TIE are float rounding (llama.cpp's F32
+    kernels vs PyTorch), not the drafter; a clear difference is not a tie."""
+    import dflashkit.export.llamacpp_check as lc
+
+    prompt = [5, 9, 2, 41]
+    greedy = generate(target, prompt, method="ar", max_new_tokens=3).tokens
+    with torch.no_grad():
+        logits = target.forward(torch.tensor([prompt]), logits=True).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    margin = float(logits.topk(2).values[0] - logits.topk(2).values[1])
+    theirs = [second, *greedy[1:]]
+    monkeypatch.setattr(lc, "TIE", margin + 1e-3)
+    assert sc.target_tie(target, prompt, greedy, theirs) == (0, pytest.approx(margin, abs=1e-5))
+    monkeypatch.setattr(lc, "TIE", margin / 2)
+    assert sc.target_tie(target, prompt, greedy, theirs) is None  # a clear difference
+    assert sc.target_tie(target, prompt, greedy, list(greedy)) is None  # no difference
