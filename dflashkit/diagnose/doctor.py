@@ -89,14 +89,14 @@ def engine_findings(path: Path, verdicts: list[dict[str, str]], target: Any) -> 
         Finding(status[v["verdict"]], f"engine {v['engine']}", v["verdict"] + (f": {v['why']}" if v["why"] else ""))
         for v in verdicts
     ]
-    from dflashkit.drafter.checkpoint import read_tensors
+    from dflashkit.drafter.checkpoint import from_serving_layout, read_tensors
 
     try:
         tensors = read_tensors(path) if verdicts else {}
     except CheckpointError:  # unreadable weights: the load check below reports them
         tensors = {}
     if "lm_head.weight" in tensors and "d2t" in tensors:
-        ids = torch.arange(tensors["d2t"].shape[0]) + tensors["d2t"].long()
+        ids = from_serving_layout(tensors, str(path))["draft_to_target"]  # absolute target ids of the draft rows
         rows = target.lm_head_weight.detach().cpu().float().index_select(0, ids)
         shipped = tensors["lm_head.weight"].float()
         if shipped.shape != rows.shape or not torch.allclose(shipped, rows, rtol=1e-2, atol=1e-3):

@@ -49,7 +49,13 @@ from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
-from dflashkit.export.serving import SERVING_FORMAT, safe_learned_mask_id, vllm_model_problems, write_serving
+from dflashkit.export.serving import (
+    SERVING_FORMAT,
+    safe_learned_mask_id,
+    vllm_model_problems,
+    write_mask_file,
+    write_serving,
+)
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
 FORMATS = ("zlab", "speculators", SERVING_FORMAT)
@@ -442,8 +448,7 @@ def convert(
         )
     _write(out, tensors, config)
     if cfg.learned_mask_embedding:
-        with atomic_path(out / "mask_embedding.pt") as tmp:
-            torch.save({"mask_token_id": cfg.mask_token_id, "embedding": tensors["mask_embedding"].clone()}, tmp)
+        write_mask_file(out, cfg, tensors)
         notes.append(
             f"learned mask embedding also written to mask_embedding.pt for vLLM (it replaces the "
             f"embedding of token {cfg.mask_token_id} wherever that id appears; SGLang ignores it and "

@@ -38,7 +38,7 @@ class EngineVerdict:
         return f"{self.engine:<13} {self.verdict}" + (f": {self.why}" if self.why else "")
 
 
-def _vllm_layout_problems(cfg: DrafterConfig, files: set[str], keys: set[str], raw: dict[str, Any]) -> list[str]:
+def _vllm_layout_problems(cfg: DrafterConfig, keys: set[str], raw: dict[str, Any]) -> list[str]:
     """What of this directory's layout makes vLLM refuse it (a reduced vocabulary in dflashkit's own layout)."""
     out = []
     if cfg.draft_vocab_size is not None:
@@ -61,7 +61,7 @@ def engine_verdicts(
     `raw` (its config.json as read)."""
     raw = raw or {}
     out: list[EngineVerdict] = []
-    layout = _vllm_layout_problems(cfg, files, keys, raw)
+    layout = _vllm_layout_problems(cfg, keys, raw)
     model = vllm_model_problems(cfg)
     mask_degrades = cfg.learned_mask_embedding and MASK_FILE not in files
     for engine, cpu in (("vLLM (GPU)", False), ("vLLM (CPU)", True)):

@@ -350,9 +350,9 @@ def target_tie(target: Any, prompt: list[int], ours: list[int], theirs: list[int
         return None
     with torch.no_grad(), stock_products():
         logits = target.forward(torch.tensor([list(prompt) + list(ours[:k])]), layer_ids=[], logits=True).logits
-    top = logits[0, -1].float().topk(2).values
-    margin = float(top[0] - top[1])
-    return (k, margin) if margin < TIE and theirs[k] in logits[0, -1].topk(2).indices.tolist() else None
+    top = logits[0, -1].float().topk(2)
+    margin = float(top.values[0] - top.values[1])
+    return (k, margin) if margin < TIE and theirs[k] in top.indices.tolist() else None
 
 
 __all__ = [

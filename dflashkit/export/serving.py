@@ -84,6 +84,12 @@ def serving_tensors(
     return out
 
 
+def write_mask_file(out: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """`mask_embedding.pt` ({mask_token_id, embedding}): where vLLM reads a learned mask embedding from."""
+    with atomic_path(out / MASK_FILE) as tmp:
+        torch.save({"mask_token_id": cfg.mask_token_id, "embedding": tensors["mask_embedding"].clone()}, tmp)
+
+
 def write_serving(
     out: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor], lm_head_weight: torch.Tensor | None, source: str
 ) -> list[str]:
@@ -111,8 +117,7 @@ def write_serving(
     atomic_write_text(out / CONFIG_NAME, json.dumps(serving_config(cfg), indent=2, sort_keys=True) + "\n")
     mask_file = out / MASK_FILE
     if cfg.learned_mask_embedding:
-        with atomic_path(mask_file) as tmp:
-            torch.save({"mask_token_id": cfg.mask_token_id, "embedding": tensors["mask_embedding"].clone()}, tmp)
+        write_mask_file(out, cfg, tensors)
         notes.append(
             f"learned mask embedding written to {MASK_FILE} (vLLM reads it from there only); vLLM feeds it wherever "
             f"token {cfg.mask_token_id} is a drafter input"
@@ -154,5 +159,6 @@ __all__ = [
     "serving_config",
     "serving_tensors",
     "vllm_model_problems",
+    "write_mask_file",
     "write_serving",
 ]
