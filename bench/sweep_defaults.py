@@ -17,8 +17,8 @@ OUT/_data/PLAN and is built once (its capture minutes are reported next to the v
 variant is trained once per seed, in alternating order (seed 0 in table order, seed 1 reversed, ...), so slow drift
 of the machine hits all variants alike; the table gives the mean and the half-range over seeds (the noise a
 difference must beat). All drafters are then scored by one teacher-forced simulation (`dflashkit simulate`: chain
-and DDTree budgets) on held-out MT-Bench turn-1 prompts; the table prints τ next to the training stats of each
-variant.
+and DDTree budgets) on held-out prompts of each `--sim-datasets` entry (MT-Bench turn 1 and HumanEval by default);
+the table prints τ per dataset and method next to the training stats of each variant.
 
 Variants run one after another (the machine must otherwise be idle: budgets are wall-clock) and are resumable: a
 variant whose `OUT/NAME/done.json` (seed 0) or `OUT/NAME-sS/done.json` exists is not trained again. "base" is the
@@ -70,6 +70,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "layers2": {"settings": {"num_hidden_layers": 2}},  # the default before it
     "vocab4096": {"settings": {"draft_vocab": 4096}},
     "train13_eval5": {"train_scale": 13 / 9},  # the budget split: 4 of the 9 evaluation minutes moved to training
+    # D-PACE position weights (issue 23) instead of the exponential decay, same data and budget
+    "dpace": {"train": {"position_weights": "dpace"}},
 }
 _DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen")
 
@@ -298,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--seeds", default="0", help="comma-separated training seeds per variant (e.g. 0,1)")
     p.add_argument("--train-minutes", type=float, default=QuickstartSettings().train_minutes)
-    p.add_argument("--sim-prompts", type=int, default=16, help="held-out MT-Bench turn-1 prompts to simulate")
+    p.add_argument("--sim-prompts", type=int, default=16, help="held-out prompts to simulate per dataset")
+    p.add_argument("--sim-datasets", default="mtbench,humaneval", help="comma-separated held-out datasets")
     p.add_argument("--sim-max-new-tokens", type=int, default=QuickstartSettings().eval_max_new_tokens)
     p.add_argument("--sim-cache", default="runs/sim_cache", help="transcript cache (built once, reused)")
     p.add_argument("--budgets", default="4,8")
@@ -329,43 +332,49 @@ def main(argv: list[str] | None = None) -> int:
         run_variant(target, n, VARIANTS[n], base, out_root, args.train_minutes, sd)
         for n, sd in interleaved(names, seeds or [0])
     ]
-    sim = out_root / "sim"
-    cli(
-        [
-            "simulate",
-            "--dataset",
-            "mtbench",
-            "--limit",
-            str(args.sim_prompts),
-            "--max-new-tokens",
-            str(args.sim_max_new_tokens),
-            "--cache",
-            args.sim_cache,
-            "--budgets",
-            args.budgets,
-            "--out",
-            str(sim),
-            "--quiet",
-            *[a for r in rows for a in ("--drafter", f"{r['name']}={r['drafter']}")],
-        ]
-    )
-    doc = json.loads((sim / "results.json").read_text())
-    methods = ["chain", *[f"ddtree:{b}" for b in args.budgets.split(",") if b]]
-    for r in rows:
-        r.setdefault("variant", r["name"])
-        r["tau"] = {m: doc["results"][r["name"]][m]["tau_macro"] for m in methods}
+    datasets = [d.strip() for d in args.sim_datasets.split(",") if d.strip()]
+    budgets = [b for b in args.budgets.split(",") if b]
+    methods = []
+    for ds in datasets:
+        sim = out_root / ("sim" if ds == "mtbench" else f"sim-{ds}")
+        cli(
+            [
+                "simulate",
+                "--dataset",
+                ds,
+                "--limit",
+                str(args.sim_prompts),
+                "--max-new-tokens",
+                str(args.sim_max_new_tokens),
+                "--cache",
+                args.sim_cache,
+                "--budgets",
+                args.budgets,
+                "--out",
+                str(sim),
+                "--quiet",
+                *[a for r in rows for a in ("--drafter", f"{r['name']}={r['drafter']}")],
+            ]
+        )
+        doc = json.loads((sim / "results.json").read_text())
+        here = [f"{ds} {m}" for m in ("chain", *[f"ddtree:{b}" for b in budgets])]
+        methods += here
+        for r in rows:
+            r.setdefault("variant", r["name"])
+            r.setdefault("tau", {}).update(
+                {col: doc["results"][r["name"]][col.split(" ", 1)[1]]["tau_macro"] for col in here}
+            )
     table = _table(rows, names, methods)
     summary = {
         n: {m: round(statistics.fmean(r["tau"][m] for r in rows if r["variant"] == n), 4) for m in methods}
         for n in names
     }
     (out_root / "sweep.json").write_text(
-        json.dumps({"rows": rows, "summary": summary, "seeds": seeds, "sim": str(sim / "results.json")}, indent=1)
-        + "\n"
+        json.dumps({"rows": rows, "summary": summary, "seeds": seeds, "datasets": datasets}, indent=1) + "\n"
     )
     (out_root / "sweep.md").write_text(
         f"# Quickstart default sweep (τ macro, mean ± half-range over seeds "
-        f"{seeds}, {args.sim_prompts} held-out MT-Bench turn-1 prompts, "
+        f"{seeds}, {args.sim_prompts} held-out prompts of {', '.join(datasets)}, "
         f"teacher-forced)\n\n{table}\n"
     )
     print(table)

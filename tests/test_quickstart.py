@@ -109,11 +109,15 @@ def check_sweep_on(base, tmp_path, capsys):
         str(tmp_path / "sim_cache"),
         "--budgets",
         "4",
+        "--sim-datasets",
+        "mtbench,humaneval",
     ]
     assert sweep.main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary) == {"base", "features3", "regen3_train12"}
-    assert all(set(t) == {"chain", "ddtree:4"} and all(v >= 1.0 for v in t.values()) for t in summary.values())
+    columns = {"mtbench chain", "mtbench ddtree:4", "humaneval chain", "humaneval ddtree:4"}
+    assert all(set(t) == columns and all(v >= 1.0 for v in t.values()) for t in summary.values())
+    assert (out / "sim-humaneval" / "results.json").is_file()
     assert load_drafter(out / "features3" / "train" / "final").config.target_layer_ids == [1, 14, 27]
     assert (out / "features3" / "features").is_symlink()  # read 3 of the 5 captured layers
     half = (out / "regen3_train12" / "data" / "regenerated.jsonl").read_text().splitlines()
@@ -153,7 +157,7 @@ def check_levers_on(base, tmp_path, capsys):
         "--out",
         str(out),
         "--variants",
-        "base,topk32,warm_start,orig_mix,regen10",
+        "base,topk32,warm_start,orig_mix,regen10,dpace",
         "--seeds",
         "0,1",
         "--train-minutes",
@@ -166,15 +170,17 @@ def check_levers_on(base, tmp_path, capsys):
         str(tmp_path / "sim_cache"),
         "--budgets",
         "4",
+        "--sim-datasets",
+        "mtbench",
     ]
     assert sweep.main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(summary) == {"base", "topk32", "warm_start", "orig_mix", "regen10"}
+    assert set(summary) == {"base", "topk32", "warm_start", "orig_mix", "regen10", "dpace"}
     doc = json.loads((out / "sweep.json").read_text())
     assert sorted((r["variant"], r["seed"]) for r in doc["rows"]) == sorted((v, s) for v in summary for s in (0, 1))
     for v in summary:  # the summary is the mean over the seeds
-        taus = [r["tau"]["chain"] for r in doc["rows"] if r["variant"] == v]
-        assert summary[v]["chain"] == pytest.approx(sum(taus) / 2, abs=1e-4)
+        taus = [r["tau"]["mtbench chain"] for r in doc["rows"] if r["variant"] == v]
+        assert summary[v]["mtbench chain"] == pytest.approx(sum(taus) / 2, abs=1e-4)
     topk = out / "topk32" / "features"
     assert topk.resolve() == (out / "topk32-s1" / "features").resolve()  # one capture for both seeds
     sample = CapturedFeatures(topk)[0]
@@ -182,6 +188,8 @@ def check_levers_on(base, tmp_path, capsys):
     latest = out / "topk32" / "train" / (out / "topk32" / "train" / "latest").read_text().strip()
     assert yaml.safe_load((latest / "train_config.yaml").read_text())["loss"] == "topk"  # trained with it
     assert load_drafter(out / "warm_start" / "train" / "final").config.extra["warm_start"]
+    latest = out / "dpace" / "train" / (out / "dpace" / "train" / "latest").read_text().strip()
+    assert yaml.safe_load((latest / "train_config.yaml").read_text())["position_weights"] == "dpace"
     orig = [json.loads(line)["id"] for line in (out / "orig_mix" / "data" / "tokens.jsonl").read_text().splitlines()]
     assert any(i.startswith("orig-") for i in orig) and any(not i.startswith("orig-") for i in orig)
     base_lines = (base / "data" / "regenerated.jsonl").read_text().splitlines()

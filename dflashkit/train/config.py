@@ -61,6 +61,8 @@ RESUME_LOCKED = (
     "labels",
     "loss",
     "gamma",
+    "position_weights",
+    "dpace_alpha",
     "max_anchors",
     "val_fraction",
     "val_samples",
@@ -108,6 +110,10 @@ class TrainConfig:
     topk: optional(PositiveInt, "all captured") = None
     topk_ce_weight: UnitInterval = 0.0  # loss: topk — α in (1 − α)·KL_topk + α·CE(hard label)
     labels: choice("data", "target") = "data"  # "data" tokens, or "target" = the target's final-layer argmax
+    # slot weights: "decay" exp(−(k−1)/γ) (original DFlash) or "dpace" (D-PACE: from the drafter's own confidence,
+    # per block; loss: ce only)
+    position_weights: choice("decay", "dpace") = "decay"
+    dpace_alpha: UnitInterval = 0.5  # position_weights: dpace — floor α in q̃ = (1 − α)·exp(−CE) + α
     gamma: optional(PositiveFloat, "7 for block 16, 5 for 10, 4 for 8") = None  # decay of slot weights
     noise_std: NonNegativeFloat = 0.0  # Gaussian noise on the fc inputs (target features) only
     noise_schedule: choice("constant", "cosine") = "constant"  # cosine decays to 0 over the run
@@ -214,6 +220,26 @@ class TrainConfig:
                         getattr(self, name),
                         f"unset: it only applies to loss: topk (loss is {self.loss!r})",
                     )
+        if self.position_weights == "dpace":
+            if self.loss != "ce":
+                raise fail(
+                    where("position_weights"),
+                    "position_weights",
+                    "dpace",
+                    f"loss: ce — D-PACE weighs each slot by exp(−CE), the drafter's probability of the hard label, "
+                    f"so it needs the cross-entropy loss (loss is {self.loss!r}); use position_weights: decay",
+                )
+            if self.gamma is not None:
+                raise fail(
+                    where("gamma"), "gamma", self.gamma, "unset: D-PACE replaces the decay (position_weights: dpace)"
+                )
+        elif self.dpace_alpha != 0.5:
+            raise fail(
+                where("dpace_alpha"),
+                "dpace_alpha",
+                self.dpace_alpha,
+                "unset: it only applies to position_weights: dpace (position_weights is 'decay')",
+            )
         if self.features is not None and self.tokens is not None and self.online:
             raise fail(where("online"), "online", True, "features (offline) or tokens with online: true, not both")
         if self.tokens is not None and self.features is None and not self.online:
@@ -271,13 +297,18 @@ class TrainConfig:
                 f"{self.grad_accum} accum per rank",
                 f"  target      {self.target}   drafter overrides {self.drafter or '{}'}",
                 f"  objective   {self.loss}{self._topk_summary()} on {self.labels} labels, "
-                f"γ {self.gamma or 'default'}, "
+                f"{self._weights_summary()}, "
                 f"≤ {self.max_anchors} anchors/doc"
                 + (f", fc noise {self.noise_std} ({self.noise_schedule})" if self.noise_std else ""),
                 f"  optimiser   AdamW lr {self.lr}, warmup {self.warmup_ratio}, clip {self.grad_clip}, {stop}{budget}",
                 f"  output      {self.out}  (save every {self.save_every}, eval every {self.eval_every or 'end'})",
             ]
         )
+
+    def _weights_summary(self) -> str:
+        if self.position_weights == "dpace":
+            return f"D-PACE position weights (α {self.dpace_alpha:g})"
+        return f"γ {self.gamma or 'default'}"
 
     def _topk_summary(self) -> str:
         if self.loss != "topk":

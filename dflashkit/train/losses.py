@@ -1,4 +1,4 @@
-"""DFlash block losses: position-decayed cross-entropy (or KL to the target) computed in row chunks.
+"""DFlash block losses: position-weighted cross-entropy (or KL to the target) computed in row chunks.
 
 Block slot k (0..bs−1) predicts the token at anchor + k ("same-position" labels); slot 0 holds the clean anchor
 token and has weight 0. The loss is
@@ -18,6 +18,11 @@ Entries with id −1 or log-prob −inf are dropped before renormalising (e.g. t
 vocabulary); a slot left with no entry falls back to the hard label (α = 1 for that slot). The gradient with
 respect to the logits is softmax − q_mix, q_mix = (1 − α)·q_k + α·onehot(label). A slot is valid when its label
 is not −100.
+
+Position weights: the fixed exponential decay (`decay_weights`, the original DFlash recipe) or D-PACE
+(`dpace_weights`, arXiv 2605.18810; CE only): per block, from the drafter's own detached confidence
+q_j = exp(−CE_j), w_j = Σ_{k≥j} m_k·Π_{i≤k} ((1 − α)·q_i + α) — the slots the drafter is likely to reach weigh
+most. D-PACE's loss is Σ m_j·w_j·CE_j / N with N = Σ m_j, the number of valid draft slots (see `block_loss`).
 
 Memory: the [N·bs, V] logits never exist at once. `block_loss` runs a custom autograd function that, chunk by
 chunk of rows, computes the logits, the loss, the metrics and — when gradients are needed — the gradients with
@@ -73,6 +78,36 @@ def decay_weights(block_size: int, gamma: float | None = None) -> Tensor:
     return w
 
 
+def draft_slot_weights(block_size: int) -> Tensor:
+    """(bs,) float32: 0 for slot 0 (the given anchor), 1 for every draft slot — D-PACE's base weights (m_j)."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be ≥ 2 for a DFlash loss (slot 0 is the anchor), got {block_size}")
+    w = torch.ones(block_size, dtype=torch.float32)
+    w[0] = 0.0
+    return w
+
+
+def dpace_weights(ce: Tensor, valid: Tensor, alpha: float = 0.5) -> Tensor:
+    """D-PACE position weights per block (detached): ce (N, bs) per-slot cross-entropy, valid (N, bs) bool (m_j;
+    slot 0 — the anchor — is never valid) → w (N, bs), 0 where invalid:
+
+        q_j = exp(−CE_j),  q̃_j = (1 − α)·q_j + α where m_j else 1,  C_j = Π_{i≤j} q̃_i,  w_j = Σ_{k≥j} m_k·C_k.
+
+    w_j is the expected number of accepted drafts that slot j's correctness contributes to, as the drafter itself
+    estimates it: a slot after an unlikely one weighs little. α floors q̃ so early training (q ≈ 0 everywhere)
+    still reaches later slots."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in [0, 1], got {alpha}")
+    if ce.shape != valid.shape:
+        raise ValueError(f"ce {tuple(ce.shape)} and valid {tuple(valid.shape)} must have the same shape")
+    m = valid.to(ce.dtype)  # (N, bs)
+    q = torch.exp(-ce.detach())
+    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, 1.0)  # (N, bs)
+    c = torch.cumprod(q_tilde, dim=-1)  # C_j
+    tail = torch.flip(torch.cumsum(torch.flip(m * c, [-1]), dim=-1), [-1])  # Σ_{k≥j} m_k C_k
+    return tail * m
+
+
 def estimated_tau(accuracy: Tensor | Sequence[float]) -> float:
     """Expected accepted length from per-slot accuracy (bs,): 1 + Σ_{k≥1} Π_{j=1..k} acc_j (slot 0 ignored)."""
     acc = torch.as_tensor(accuracy, dtype=torch.float64).flatten()
@@ -96,7 +131,12 @@ class LossOutput:
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):
-    """Σ_i row_w[i] · ℓ_i over flat slots, logits = h @ Wᵀ computed chunk by chunk; also returns argmax ids."""
+    """Σ_i row_w[i] · ℓ_i over flat slots, logits = h @ Wᵀ computed chunk by chunk; also returns argmax ids.
+
+    With `reweight` (D-PACE), row_w only marks the live rows (≠ 0) and the weights come from the per-row losses:
+    w = reweight(ℓ) (detached), total = Σ w_i ℓ_i. The gradient w.r.t. the hidden states is then taken unweighted in
+    the same pass and scaled by w afterwards (exact, since w is a constant of the backward); a trainable head
+    (its gradient sums over rows) needs the weights first, so it gets a loss-only pass before the gradient pass."""
 
     @staticmethod
     def forward(
@@ -112,58 +152,25 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         need_gw: bool,
         soft: tuple[Tensor, Tensor] | None = None,
         alpha: float = 0.0,
+        reweight: Callable[[Tensor], Tensor] | None = None,
     ):
         # hidden: (M, H) with M = N·bs; weight: (V, H); labels, row_w: (M,)
         # soft: sparse target (ids (M, k) long ≥ 0, probs (M, k); rows sum to 1, or to 0: hard label only)
-        m = hidden.shape[0]
-        acc = torch.promote_types(weight.dtype, torch.float32)  # float32 for bf16/fp16, else as given
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        preds = torch.empty(m, dtype=torch.long, device=hidden.device)
-        gh = torch.empty_like(hidden) if need_gh else None
-        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_gw else None
-        step = chunk_rows * bs
-        for start in range(0, m, step):
-            end = min(start + step, m)
-            h = hidden[start:end]  # (m_c, H)
-            z = F.linear(h, weight).to(acc)  # (m_c, V)
-            logp = torch.log_softmax(z, dim=-1)
-            w = row_w[start:end].to(acc)  # (m_c,)
-            live = w != 0
-            if soft is not None:
-                lab = labels[start:end].clamp(min=0)  # (m_c,)
-                ids = soft[0][start:end].to(z.device)  # (m_c, k)
-                q = soft[1][start:end].to(z.device, acc)  # (m_c, k)
-                a = torch.where(q.sum(-1) > 0, alpha, 1.0).to(acc)  # (m_c,) no kept entry → hard label
-                lp = logp.gather(1, ids)  # (m_c, k)
-                kl = torch.where(q > 0, q * (q.log() - lp), 0.0).sum(-1)
-                nll = -logp.gather(1, lab[:, None]).squeeze(1)
-                per = torch.where(live, (1 - a) * kl + a * nll, 0.0)
-            elif target is None:
-                lab = labels[start:end].clamp(min=0)  # (m_c,)
-                nll = -logp.gather(1, lab[:, None]).squeeze(1)
-                per = torch.where(live, nll, 0.0)
-            else:
-                t = target(start // bs, end // bs) if callable(target) else target[start:end]
-                logq = torch.log_softmax(t.reshape(end - start, -1).detach().to(z.device, acc), dim=-1)
-                q = logq.exp()  # (m_c, V)
-                kl = torch.where(q > 0, q * (logq - logp), 0.0).sum(-1)
-                per = torch.where(live, kl, 0.0)
-            total += (per * w).sum()
-            preds[start:end] = z.argmax(-1)
-            if need_gh or need_gw:
-                g = logp.exp()  # softmax (m_c, V)
-                if soft is not None:  # g −= q_mix, one chunk at a time
-                    g.scatter_add_(1, ids, -(1 - a)[:, None] * q)
-                    g[torch.arange(end - start, device=g.device), lab] -= a
-                elif target is None:
-                    g[torch.arange(end - start, device=g.device), lab] -= 1.0
-                else:
-                    g -= q
-                g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
-                if need_gh:
-                    gh[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-                if need_gw:
-                    gw += g.t() @ h.to(acc)
+        run = dict(hidden=hidden, weight=weight, labels=labels, target=target, bs=bs, chunk_rows=chunk_rows)
+        run.update(soft=soft, alpha=alpha)
+        if reweight is None:
+            total, _, preds, gh, gw = _chunked_pass(row_w=row_w, need_gh=need_gh, need_gw=need_gw, **run)
+        elif need_gw:
+            _, per, _, _, _ = _chunked_pass(row_w=row_w, need_gh=False, need_gw=False, **run)
+            w = reweight(per)  # (M,)
+            total, _, preds, gh, gw = _chunked_pass(row_w=w, need_gh=need_gh, need_gw=True, **run)
+        else:
+            live = (row_w != 0).to(row_w.dtype)
+            _, per, preds, gh, gw = _chunked_pass(row_w=live, need_gh=need_gh, need_gw=False, **run)
+            w = reweight(per).to(per.dtype)  # (M,)
+            total = (per * w).sum()
+            if gh is not None:
+                gh.mul_(w[:, None].to(gh.dtype))
         ctx.save_for_backward(gh if need_gh else None, gw if need_gw else None)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(preds)
@@ -174,7 +181,77 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         d_h = gh * grad_total.to(gh.dtype) if gh is not None else None
         d_w = (gw * grad_total).to(ctx.weight_dtype) if gw is not None else None
-        return d_h, d_w, None, None, None, None, None, None, None, None, None
+        return d_h, d_w, None, None, None, None, None, None, None, None, None, None
+
+
+def _chunked_pass(
+    *,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    row_w: Tensor,
+    target: TargetLogits | None,
+    bs: int,
+    chunk_rows: int,
+    need_gh: bool,
+    need_gw: bool,
+    soft: tuple[Tensor, Tensor] | None,
+    alpha: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """One pass over the rows in chunks → (Σ row_w·ℓ, per-row ℓ (M,) (0 where row_w is 0), argmax ids (M,),
+    d/d hidden (M, H) or None, d/d weight (V, H) or None), the gradients of Σ row_w·ℓ."""
+    m = hidden.shape[0]
+    acc = torch.promote_types(weight.dtype, torch.float32)  # float32 for bf16/fp16, else as given
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    per_rows = torch.zeros(m, dtype=acc, device=hidden.device)
+    preds = torch.empty(m, dtype=torch.long, device=hidden.device)
+    gh = torch.empty_like(hidden) if need_gh else None
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_gw else None
+    step = chunk_rows * bs
+    for start in range(0, m, step):
+        end = min(start + step, m)
+        h = hidden[start:end]  # (m_c, H)
+        z = F.linear(h, weight).to(acc)  # (m_c, V)
+        logp = torch.log_softmax(z, dim=-1)
+        w = row_w[start:end].to(acc)  # (m_c,)
+        live = w != 0
+        if soft is not None:
+            lab = labels[start:end].clamp(min=0)  # (m_c,)
+            ids = soft[0][start:end].to(z.device)  # (m_c, k)
+            q = soft[1][start:end].to(z.device, acc)  # (m_c, k)
+            a = torch.where(q.sum(-1) > 0, alpha, 1.0).to(acc)  # (m_c,) no kept entry → hard label
+            lp = logp.gather(1, ids)  # (m_c, k)
+            kl = torch.where(q > 0, q * (q.log() - lp), 0.0).sum(-1)
+            nll = -logp.gather(1, lab[:, None]).squeeze(1)
+            per = torch.where(live, (1 - a) * kl + a * nll, 0.0)
+        elif target is None:
+            lab = labels[start:end].clamp(min=0)  # (m_c,)
+            nll = -logp.gather(1, lab[:, None]).squeeze(1)
+            per = torch.where(live, nll, 0.0)
+        else:
+            t = target(start // bs, end // bs) if callable(target) else target[start:end]
+            logq = torch.log_softmax(t.reshape(end - start, -1).detach().to(z.device, acc), dim=-1)
+            q = logq.exp()  # (m_c, V)
+            kl = torch.where(q > 0, q * (logq - logp), 0.0).sum(-1)
+            per = torch.where(live, kl, 0.0)
+        per_rows[start:end] = per
+        total += (per * w).sum()
+        preds[start:end] = z.argmax(-1)
+        if need_gh or need_gw:
+            g = logp.exp()  # softmax (m_c, V)
+            if soft is not None:  # g −= q_mix, one chunk at a time
+                g.scatter_add_(1, ids, -(1 - a)[:, None] * q)
+                g[torch.arange(end - start, device=g.device), lab] -= a
+            elif target is None:
+                g[torch.arange(end - start, device=g.device), lab] -= 1.0
+            else:
+                g -= q
+            g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
+            if need_gh:
+                gh[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_gw:
+                gw += g.t() @ h.to(acc)
+    return total, per_rows, preds, gh, gw
 
 
 def sparse_topk_target(ids: Tensor, logprobs: Tensor, shape: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
@@ -214,6 +291,8 @@ def block_loss(
     topk_ids: Tensor | None = None,
     topk_logprobs: Tensor | None = None,
     ce_weight: float = 0.0,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> LossOutput:
     """Weighted block loss over drafter outputs.
 
@@ -225,7 +304,12 @@ def block_loss(
         or "topk" ((1 − ce_weight)·KL(renormalised top-k ‖ draft) + ce_weight·CE; `topk_ids` (N, bs, k) long in
         [0, V) or −1 (dropped) and `topk_logprobs` (N, bs, k), −inf where dropped; see the module docstring);
     chunk_size: rows (blocks) per chunk; default keeps a chunk's logits under 2^26 elements;
-    normalizer: divide by this instead of the valid-slot weight sum (e.g. a global sum across ranks).
+    normalizer: divide by this instead of the valid-slot weight sum (e.g. a global sum across ranks);
+    position_weights: "decay" (the fixed `weights`) or "dpace" (kind="ce" only): each valid slot's CE is weighted by
+        `dpace_weights` of its block (α = `dpace_alpha`), computed from this very forward and detached; `weights`
+        then only marks the draft slots (default `draft_slot_weights`: all but slot 0), so the default normaliser
+        N is the number of valid draft slots Σ m_j — known from the labels before the forward, hence one global
+        value across micro-batches and ranks, and a loss scale that does not move with the drafter's confidence.
     """
     if kind not in ("ce", "kl", "topk"):
         raise ValueError(f"kind must be 'ce', 'kl' or 'topk', got {kind!r}")
@@ -237,6 +321,13 @@ def block_loss(
         raise ValueError("topk_ids and topk_logprobs are required for kind='topk' and only allowed with it")
     if not 0.0 <= ce_weight <= 1.0 or (ce_weight and kind != "topk"):
         raise ValueError(f"ce_weight must be in [0, 1] and is only used with kind='topk', got {ce_weight}")
+    if position_weights not in ("decay", "dpace"):
+        raise ValueError(f"position_weights must be 'decay' or 'dpace', got {position_weights!r}")
+    if position_weights == "dpace" and kind != "ce":
+        raise ValueError(
+            f"position_weights='dpace' needs hard-label cross-entropy (kind='ce'), got kind={kind!r}: its weights "
+            f"are built from exp(−CE), the drafter's probability of the label"
+        )
     bs, h_dim = hidden.shape[-2], hidden.shape[-1]
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
@@ -247,7 +338,9 @@ def block_loss(
     flat_lab = labels.reshape(-1).long()  # (M,)
     n = flat_lab.numel() // bs if bs else 0
     acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
-    w = (decay_weights(bs) if weights is None else weights).to(device=hidden.device, dtype=acc)
+    dpace = position_weights == "dpace"
+    base = (draft_slot_weights(bs) if dpace else decay_weights(bs)) if weights is None else weights
+    w = base.to(device=hidden.device, dtype=acc)
     if w.shape != (bs,):
         raise ValueError(f"weights must be ({bs},), got {tuple(w.shape)}")
     valid = (flat_lab != -100).view(n, bs)  # (N, bs)
@@ -286,9 +379,23 @@ def block_loss(
         grad_on and flat_h.requires_grad,
         grad_on and lm_head_weight.requires_grad,
     )
-    loss, preds = (
-        _ChunkedLinearLoss.apply(*args, soft, float(ce_weight)) if soft is not None else _ChunkedLinearLoss.apply(*args)
-    )
+    reweight = None
+    if dpace:
+        scale = norm.clamp_min(torch.finfo(acc).tiny)
+
+        def reweight(per: Tensor) -> Tensor:  # per-row CE of the live rows (M_live,) → their D-PACE weights / N
+            ce = torch.zeros(n * bs, dtype=per.dtype, device=per.device)
+            ce = ce.index_copy(0, live_rows, per) if live_rows is not None else per
+            dw = dpace_weights(ce.view(n, bs), slot_w > 0, dpace_alpha).reshape(-1)  # (M,)
+            dw = dw[live_rows] if live_rows is not None else dw
+            return dw / scale.to(per.dtype)
+
+    if soft is not None:
+        loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight))
+    elif reweight is not None:
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, reweight)
+    else:
+        loss, preds = _ChunkedLinearLoss.apply(*args)
     if live_rows is not None:  # rows the head did not run over: slot 0 is the given anchor (counted as right),
         full = torch.full((n, bs), -1, dtype=torch.long, device=preds.device)  # the others predict nothing
         full[:, 0] = all_labels.view(n, bs)[:, 0]

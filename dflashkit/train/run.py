@@ -28,7 +28,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
 from dflashkit.train.distributed import DistContext, drop_reducer, read_env
-from dflashkit.train.losses import decay_weights
+from dflashkit.train.losses import decay_weights, draft_slot_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
 from dflashkit.train.packing import (
     PackedRows,
@@ -259,7 +259,11 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
         state=state,
         logger=logger,
         rolling=RollingStats(cfg.rolling_window, state.recent_losses),
-        weights=decay_weights(drafter.config.block_size, cfg.gamma).to(device),
+        weights=(
+            draft_slot_weights(drafter.config.block_size)
+            if cfg.position_weights == "dpace"
+            else decay_weights(drafter.config.block_size, cfg.gamma)
+        ).to(device),
         autocast_dtype=torch.bfloat16 if use_bf16 else None,
         info=info,
     )

@@ -147,6 +147,8 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         target_logits=target,
         chunk_size=cfg.loss_chunk_size,
         normalizer=normalizer,
+        position_weights=cfg.position_weights,
+        dpace_alpha=cfg.dpace_alpha,
         **soft,
     )
 
