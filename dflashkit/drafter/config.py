@@ -3,6 +3,9 @@
 `DrafterConfig` is a plain dataclass. It round-trips through z-lab's `config.json` (Qwen3 fields plus
 `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `layer_types`, `sliding_window` and
 `dflash_config: {mask_token_id, target_layer_ids}`), reading `dflash_config` first, then top-level fields.
+A DSpark drafter (`kind: dspark`: the same backbone + a Markov head and a confidence head) is written as DeepSpec
+and llama.cpp read it: `architectures: ["DSparkDraftModel"]`, top-level `markov_rank`, `markov_head_type: vanilla`,
+`enable_confidence_head`, `confidence_head_with_markov: true` and `sample_from_anchor: true` (every slot drafts).
 
 Only `hidden_size` and `vocab_size` couple to the target; heads, kv heads, head_dim and intermediate size are the
 drafter's own and are derived from the hidden size (`default_geometry`), never copied from the target's
@@ -62,6 +65,10 @@ def parameter_count(cfg: DrafterConfig) -> int:
     layer = h * q + 2 * h * kv + q * h + bias + 2 * hd + 3 * h * cfg.intermediate_size + 2 * h
     extra = h if cfg.learned_mask_embedding else 0
     extra += 2 * (cfg.draft_vocab_size or 0)
+    if cfg.kind == "dspark":  # Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)
+        r = cfg.markov_rank
+        extra += cfg.vocab_size * r + r * (cfg.draft_vocab_size or cfg.vocab_size)
+        extra += (h + r + 1) if cfg.confidence_head else 0
     return len(cfg.target_layer_ids) * h * h + 2 * h + cfg.num_hidden_layers * layer + extra
 
 
@@ -175,6 +182,12 @@ class DrafterConfig:
     draft_vocab_size: optional(PositiveInt, "the target's whole vocabulary") = None
     # Fields of the target's chat setup recorded at training time (checked by doctor at evaluation).
     extra: Annotated[dict[str, Any], Expect("a mapping")] = field(default_factory=dict)
+    # "dflash": slot 0 holds the given token, slots 1..bs−1 draft (bs − 1 drafts). "dspark" (DeepSpec's DSpark):
+    # every slot k drafts the token after slot k−1's (bs drafts), corrected left to right by a Markov head of rank
+    # `markov_rank` on the previous token, with a confidence head (`confidence_head`) estimating acceptance.
+    kind: choice("dflash", "dspark") = "dflash"
+    markov_rank: PositiveInt = 256
+    confidence_head: Bool = True
 
     def __post_init__(self) -> None:
         check_fields(DrafterConfig, {"num_hidden_layers": self.num_hidden_layers}, _default_where)
@@ -292,8 +305,20 @@ class DrafterConfig:
             dflash["draft_vocab_size"] = self.draft_vocab_size
         if self.extra:
             dflash["dflashkit"] = self.extra
+        dspark: dict[str, Any] = {}
+        if self.kind == "dspark":
+            dspark = {
+                "markov_rank": self.markov_rank,
+                "markov_head_type": "vanilla",
+                "enable_confidence_head": self.confidence_head,
+                "confidence_head_with_markov": True,
+                "sample_from_anchor": True,
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+            }
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DSparkDraftModel" if self.kind == "dspark" else "DFlashDraftModel"],
+            **dspark,
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -342,6 +367,10 @@ class DrafterConfig:
 
         rope = raw.get("rope_parameters") or {}
         num_layers = int(pick("num_hidden_layers"))
+        archs = raw.get("architectures") or []
+        is_dspark = raw.get("markov_rank") is not None or any("DSpark" in str(a) for a in archs)
+        if is_dspark:
+            _check_dspark_fields(raw, source)
         target_layer_ids = pick("target_layer_ids", None)
         if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
             if pick("num_target_layers", None) is None:
@@ -384,6 +413,9 @@ class DrafterConfig:
                 attention_bias=bool(pick("attention_bias", False)),
                 draft_vocab_size=dflash.get("draft_vocab_size"),
                 extra=dict(dflash.get("dflashkit") or {}),
+                kind="dspark" if is_dspark else "dflash",
+                markov_rank=int(raw.get("markov_rank") or 256),
+                confidence_head=bool(raw.get("enable_confidence_head", True)) if is_dspark else True,
             )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: malformed field value ({e})") from None
@@ -418,6 +450,29 @@ class DrafterConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return DrafterConfig(**values)
+
+
+def _check_dspark_fields(raw: dict[str, Any], source: str) -> None:
+    """A DSpark config dflashkit can run: a vanilla Markov head of rank ≥ 1, every slot drafting, the confidence
+    head (if any) reading [hidden; W1[previous token]] — the layout DeepSpec trains and llama.cpp runs."""
+    if not raw.get("markov_rank"):
+        raise ConfigError(f"{source}: a DSpark drafter needs 'markov_rank' ≥ 1 (the Markov head's rank)")
+    kind = raw.get("markov_head_type", "vanilla")
+    if kind != "vanilla":
+        raise ConfigError(
+            f"{source}: markov_head_type {kind!r} is not supported; dflashkit runs the 'vanilla' Markov head "
+            f"(logits + W2·W1[previous token])"
+        )
+    if raw.get("sample_from_anchor", True) is not True:
+        raise ConfigError(
+            f"{source}: sample_from_anchor false (a bonus-anchor block, EAGLE-3 style) is not supported; dflashkit's "
+            f"DSpark drafts from every slot"
+        )
+    if raw.get("enable_confidence_head") and raw.get("confidence_head_with_markov", True) is not True:
+        raise ConfigError(
+            f"{source}: confidence_head_with_markov false is not supported (the confidence head reads "
+            f"[hidden; W1[previous token]])"
+        )
 
 
 if __name__ == "__main__":

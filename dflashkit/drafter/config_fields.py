@@ -54,6 +54,11 @@ ZLAB_FIELDS: dict[str, tuple[str, bool]] = {
     "layer_types": (STR_LIST, True),
     "rope_parameters": (DICT, True),
     "dflashkit": (DICT, True),
+    "markov_rank": (INT, True),
+    "markov_head_type": (STR, True),
+    "enable_confidence_head": (BOOL, True),
+    "confidence_head_with_markov": (BOOL, True),
+    "sample_from_anchor": (BOOL, True),
 }
 
 

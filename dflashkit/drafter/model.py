@@ -24,6 +24,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead
 from dflashkit.target.products import linear_product, route_linears
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
@@ -217,6 +218,11 @@ class DFlashDrafter(nn.Module):
         if config.draft_vocab_size is not None:
             # Reduced draft vocabulary: draft id i ↔ target id draft_to_target[i]. A buffer so it is saved.
             self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        if config.kind == "dspark":  # every slot drafts; logits corrected by the previous token (dspark_heads.py)
+            out_vocab = config.draft_vocab_size or config.vocab_size
+            self.markov_head = MarkovHead(config.vocab_size, config.markov_rank, out_vocab)
+            if config.confidence_head:
+                self.confidence_head = ConfidenceHead(h, config.markov_rank)
         self.reset_parameters()
         route_linears(self.layers)  # a decoding round's few rows: the measured products (products.py)
 
@@ -231,6 +237,8 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
         if self.config.learned_mask_embedding:
             nn.init.normal_(self.mask_embedding, std=std)
+        if self.config.kind == "dspark":
+            self.markov_head.reset_parameters(std)
 
     @property
     def device(self) -> torch.device:
@@ -271,6 +279,16 @@ class DFlashDrafter(nn.Module):
             weight = cached[1]
         weight = weight.to(hidden.device) if weight.device != hidden.device else weight
         return linear_product(hidden.to(weight.dtype), weight)  # a round's few rows: the measured product
+
+    @property
+    def is_dspark(self) -> bool:
+        """Every slot drafts (slot k: the token after slot k − 1's), with the Markov head's correction."""
+        return self.config.kind == "dspark"
+
+    def first_draft_slot(self) -> int:
+        """The block slot of the first draft: 0 for DSpark (slot 0 drafts the token after the given one), 1 for
+        DFlash (slot 0 holds the given token)."""
+        return 0 if self.is_dspark else 1
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids back to target ids (identity without a reduced vocabulary)."""

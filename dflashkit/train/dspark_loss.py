@@ -1,0 +1,193 @@
+"""The DSpark training loss (DeepSpec's defaults), computed in row chunks so no (rows, V) tensor lives at once.
+
+Block slot k (0..γ−1) of the block at anchor a drafts the token at a + k + 1; its logits are the backbone's plus the
+Markov bias of its previous token (teacher-forced: the anchor's token for slot 0, the label of slot k − 1 after):
+
+    z_k   = h_k·Wᵀ + W2·W1[prev_k]                          (W: the target's LM-head rows of the draft vocabulary)
+    CE_k  = −log softmax(z_k)[label_k]
+    L1_k  = ‖softmax(z_k) − p_target,k‖₁                   (over the target's whole vocabulary; a reduced draft
+                                                             vocabulary has probability 0 outside it)
+    y_k   = clamp(1 − ½·L1_k, 0, 1)   (detached)           the chance a sampled draft is accepted at slot k
+    BCE_k = BCE(sigmoid(conf_k), y_k),  conf_k = w·[h_k ; W1[prev_k]] + b
+    loss  = Σ_k w_k·(0.1·CE_k + 0.9·L1_k + 1.0·BCE_k) / Σ_k w_k,     w_k = exp(−k/4) over valid slots
+
+p_target,k is the target's next-token distribution at index a + k (its logits from the final layer's hidden state
+there). A slot is valid while its label and every earlier one are (a contiguous supervised prefix: teacher
+forcing needs the previous label). CE is skipped (not the other terms) where the label lies outside a reduced
+draft vocabulary. Gradients of the CE and L1 terms are formed chunk by chunk in the forward (softmax − one-hot;
+p ⊙ (s − ⟨p, s⟩) with s = sign(p − p_target)) and only scaled in the backward; the confidence term is ordinary
+autograd over (rows, H + r). The LM head is frozen; W1, W2, the confidence head and the backbone train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflashkit.train.losses import LossOutput
+
+DSPARK_DECAY = 4.0  # DeepSpec's loss_decay_gamma: w_k = exp(−k/4)
+_CHUNK_LOGITS = 1 << 25  # rows × vocabulary per chunk (two float32 (rows, V) tensors live: 256 MiB)
+
+
+@dataclass(frozen=True)
+class DSparkLossWeights:
+    ce: float = 0.1
+    l1: float = 0.9
+    confidence: float = 1.0
+
+
+def dspark_slot_weights(num_slots: int, gamma: float | None = None) -> Tensor:
+    """(γ,) float32: exp(−k/gamma) for k = 0..γ−1 (gamma default 4, DeepSpec's)."""
+    g = DSPARK_DECAY if gamma is None else float(gamma)
+    if num_slots < 1 or g <= 0:
+        raise ValueError(f"need ≥ 1 slot and gamma > 0, got {num_slots} slots, gamma {gamma}")
+    return torch.exp(-torch.arange(num_slots, dtype=torch.float32) / g)
+
+
+class _ChunkedDSparkTerms(torch.autograd.Function):
+    """Σ_i row_w[i]·(a·CE_i + b·L1_i) over live rows, z = h·Wᵀ + e·W2ᵀ chunk by chunk; also returns L1 and argmax."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,  # (M, H)
+        emb: Tensor,  # (M, r) = W1[prev]
+        w2: Tensor,  # (V', r)
+        weight: Tensor,  # (V', H) frozen
+        labels: Tensor,  # (M,) draft ids, −100: no CE
+        row_w: Tensor,  # (M,)
+        target_logits: Callable[[int, int], Tensor],  # rows [r0, r1) → (m, V) target logits
+        d2t: Tensor | None,  # (V',) target id of each draft id
+        ce_w: float,
+        l1_w: float,
+        chunk_rows: int,
+    ):  # type: ignore[override]
+        m = hidden.shape[0]
+        acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        l1_rows = torch.zeros(m, dtype=acc, device=hidden.device)
+        preds = torch.empty(m, dtype=torch.long, device=hidden.device)
+        gh, ge = torch.empty_like(hidden), torch.empty_like(emb)
+        gw2 = torch.zeros(w2.shape, dtype=acc, device=w2.device)
+        for s in range(0, m, chunk_rows):
+            e_ = min(s + chunk_rows, m)
+            h, em = hidden[s:e_].to(acc), emb[s:e_].to(acc)
+            z = h @ weight.to(acc).t() + em @ w2.to(acc).t()  # (m_c, V')
+            logp = torch.log_softmax(z, dim=-1)
+            p = logp.exp()
+            pt_full = torch.softmax(target_logits(s, e_).to(z.device, acc), dim=-1)  # (m_c, V)
+            pt = pt_full if d2t is None else pt_full.index_select(1, d2t)  # (m_c, V')
+            outside = (1 - pt.sum(-1)).clamp_min(0) if d2t is not None else 0.0  # target mass the draft cannot hold
+            diff = p - pt
+            l1 = diff.abs().sum(-1) + outside  # (m_c,)
+            lab = labels[s:e_]
+            has = lab >= 0
+            ce = torch.where(has, -logp.gather(1, lab.clamp(min=0)[:, None]).squeeze(1), 0.0)
+            w = row_w[s:e_].to(acc)
+            total += (w * (ce_w * ce + l1_w * l1)).sum()
+            l1_rows[s:e_] = l1
+            preds[s:e_] = z.argmax(-1)
+            sign = torch.sign(diff)
+            g = l1_w * p * (sign - (p * sign).sum(-1, keepdim=True))  # d L1 / d z
+            g += ce_w * torch.where(has[:, None], p, 0.0)
+            g[torch.arange(e_ - s, device=g.device)[has], lab[has]] -= ce_w
+            g *= w[:, None]
+            gh[s:e_] = (g @ weight.to(acc)).to(hidden.dtype)
+            ge[s:e_] = (g @ w2.to(acc)).to(emb.dtype)
+            gw2 += g.t() @ em
+        ctx.save_for_backward(gh, ge, gw2)
+        ctx.w2_dtype = w2.dtype
+        ctx.mark_non_differentiable(l1_rows, preds)
+        return total, l1_rows, preds
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, _g_l1: Tensor, _g_preds: Tensor):  # type: ignore[override]
+        gh, ge, gw2 = ctx.saved_tensors
+        g = grad_total
+        return gh * g.to(gh.dtype), ge * g.to(ge.dtype), (gw2 * g).to(ctx.w2_dtype), *([None] * 8)
+
+
+def dspark_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    drafter: torch.nn.Module,
+    labels: Tensor,
+    prev_tokens: Tensor,
+    target_logits: Tensor | Callable[[Tensor], Tensor],
+    *,
+    weights: Tensor | None = None,
+    normalizer: Tensor | float | None = None,
+    loss_weights: DSparkLossWeights = DSparkLossWeights(),
+    draft_labels: Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> LossOutput:
+    """The DSpark loss of one batch of blocks (see the module docstring).
+
+    hidden (N, γ, H) final-normed backbone states; lm_head_weight (V', H): the target's head rows of the draft
+    vocabulary (frozen); drafter: holds `markov_head` (and `confidence_head` if it has one) and `to_target_ids`;
+    labels (N, γ) target ids, −100 where invalid (the valid slots must form a prefix of each block); prev_tokens
+    (N, γ) target ids teacher-forced into the Markov head; target_logits: the target's logits at each slot's
+    index, (N, γ, V), or a callable `flat_rows (m,) → (m, V)` over the flattened N·γ slots; weights (γ,) default
+    `dspark_slot_weights`; normalizer: divide by this instead of Σ w over valid slots (a global value across
+    micro-batches and ranks); draft_labels (N, γ): labels as draft ids (−100 outside a reduced vocabulary), default
+    = labels. Returns a LossOutput whose per-slot vectors have γ + 1 entries: entry 0 is the given token (always
+    "right", as DFlash's slot 0), entry k + 1 is slot k — so `estimated_tau` reads them as it reads DFlash's.
+    """
+    n, g, h_dim = hidden.shape
+    if labels.shape != (n, g) or prev_tokens.shape != (n, g):
+        raise ValueError(f"labels {tuple(labels.shape)} and prev_tokens {tuple(prev_tokens.shape)} must be {(n, g)}")
+    valid = labels != -100  # (N, γ)
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError("DSpark labels must be valid on a prefix of each block (teacher forcing reads slot k − 1)")
+    acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
+    w = (dspark_slot_weights(g) if weights is None else weights).to(hidden.device, acc)
+    slot_w = w[None] * valid  # (N, γ)
+    weight_sum = slot_w.sum()
+    norm = weight_sum if normalizer is None else torch.as_tensor(normalizer, dtype=acc, device=hidden.device)
+    row_w = (slot_w / norm.clamp_min(torch.finfo(acc).tiny)).reshape(-1)  # (M,)
+    live = (row_w != 0).nonzero().squeeze(1)  # (M_live,)
+    flat_h = hidden.reshape(-1, h_dim).index_select(0, live)  # (M_live, H)
+    dl = labels if draft_labels is None else draft_labels
+    lab_live = dl.reshape(-1)[live]
+    prev_live = prev_tokens.reshape(-1)[live]
+    markov = drafter.markov_head
+    emb = markov.prev_embeddings(prev_live)  # (M_live, r), differentiable through W1
+    if callable(target_logits):
+        rows_of = lambda r0, r1: target_logits(live[r0:r1])  # noqa: E731
+    else:
+        flat_t = target_logits.reshape(n * g, -1)
+        rows_of = lambda r0, r1: flat_t[live[r0:r1]]  # noqa: E731
+    vocab = lm_head_weight.shape[0]
+    rows = chunk_rows if chunk_rows is not None else max(1, _CHUNK_LOGITS // max(1, vocab))
+    d2t = drafter.draft_to_target.to(hidden.device) if getattr(drafter.config, "draft_vocab_size", None) else None
+    lw = loss_weights
+    total, l1, preds = _ChunkedDSparkTerms.apply(
+        flat_h, emb, markov.markov_w2.weight, lm_head_weight.detach(), lab_live, row_w[live], rows_of, d2t,
+        float(lw.ce), float(lw.l1), rows,
+    )  # fmt: skip
+    conf_head = getattr(drafter, "confidence_head", None)
+    if conf_head is not None and lw.confidence and live.numel():
+        conf = conf_head(flat_h, emb).float()  # (M_live,) logits
+        y = (1 - 0.5 * l1).clamp(0, 1).to(conf.dtype)  # detached: l1 is non-differentiable
+        bce = F.binary_cross_entropy_with_logits(conf, y, reduction="none")
+        total = total + lw.confidence * (row_w[live].to(bce.dtype) * bce).sum()
+    with torch.no_grad():
+        full = torch.full((n * g,), -1, dtype=torch.long, device=hidden.device)
+        full[live] = preds
+        correct = ((full.view(n, g) == dl) & valid & (dl >= 0)).sum(0)  # (γ,)
+        counts = valid.sum(0)  # (γ,)
+        blocks = valid[:, 0].sum().reshape(1)
+        correct = torch.cat([blocks, correct])  # (γ + 1,) the given token first
+        counts = torch.cat([blocks, counts])
+        accuracy = correct.float() / counts.clamp_min(1).float()
+    return LossOutput(
+        loss=total, accuracy=accuracy, valid_counts=counts, correct_counts=correct, weight_sum=weight_sum.detach()
+    )
+
+
+__all__ = ["DSPARK_DECAY", "DSparkLossWeights", "dspark_loss", "dspark_slot_weights"]

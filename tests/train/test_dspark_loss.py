@@ -1,0 +1,157 @@
+"""The DSpark loss against a float64 autograd reference written from DeepSpec's definition (CE + L1 + confidence
+BCE, exp(−k/4) weights over a contiguous prefix, one normaliser Σw): values and gradients of every trainable part
+(backbone states, W1, W2, confidence head), chunked or not, full or reduced draft vocabulary; and the metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss, dspark_slot_weights
+from dflashkit.train.losses import estimated_tau
+
+V, H, R, G = 13, 8, 3, 4
+
+
+def tiny_dspark(draft_vocab: int | None = None, confidence: bool = True) -> DFlashDrafter:
+    cfg = DrafterConfig(
+        hidden_size=H,
+        vocab_size=V,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        block_size=G,
+        kind="dspark",
+        markov_rank=R,
+        confidence_head=confidence,
+        draft_vocab_size=draft_vocab,
+    )
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg).double()
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.normal_(0, 0.5)  # not the zero init: the bias must matter here
+        d.markov_head.markov_w1.weight.normal_(0, 0.5)
+        if draft_vocab:
+            d.draft_to_target.copy_(torch.tensor([0, 2, 3, 5, 8, 9, 12][:draft_vocab]))
+    return d
+
+
+def _problem(seed: int, n: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, G, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (n, G), generator=g)
+    for i, keep in enumerate([4, 4, 2, 0, 3, 1][:n]):  # valid prefixes of different lengths
+        labels[i, keep:] = -100
+    prevs = torch.cat([torch.randint(0, V, (n, 1), generator=g), labels[:, :-1].clamp(min=0)], 1)
+    tlogits = torch.randn(n, G, V, generator=g, dtype=torch.float64) * 2
+    return hidden, head, labels, prevs, tlogits
+
+
+def reference(drafter, hidden, head, labels, prevs, tlogits, draft_labels=None):
+    """The definition, in float64 autograd, over full (N, γ, V) tensors."""
+    m = drafter.markov_head
+    d2t = drafter.draft_to_target if drafter.config.draft_vocab_size else torch.arange(V)
+    w_head = head[d2t]  # (V', H)
+    emb = m.markov_w1(prevs)  # (N, γ, r)
+    z = hidden @ w_head.t() + m.markov_w2(emb)  # (N, γ, V')
+    logp = z.log_softmax(-1)
+    p = logp.exp()
+    pt = tlogits.softmax(-1)
+    l1 = (p - pt[..., d2t]).abs().sum(-1) + (1 - pt[..., d2t].sum(-1))
+    dl = labels if draft_labels is None else draft_labels
+    ce = torch.where(dl >= 0, -logp.gather(-1, dl.clamp(min=0)[..., None]).squeeze(-1), 0.0)
+    valid = labels != -100
+    w = torch.exp(-torch.arange(G, dtype=torch.float64) / 4)[None] * valid
+    total = (w * (0.1 * ce + 0.9 * l1)).sum()
+    if getattr(drafter, "confidence_head", None) is not None:
+        conf = drafter.confidence_head.proj(torch.cat([hidden, emb], -1)).squeeze(-1)
+        y = (1 - 0.5 * l1.detach()).clamp(0, 1)
+        total = total + (w * F.binary_cross_entropy_with_logits(conf, y, reduction="none")).sum()
+    return total / w.sum()
+
+
+def _grads(drafter, h):
+    out = [h.grad, drafter.markov_head.markov_w1.weight.grad, drafter.markov_head.markov_w2.weight.grad]
+    if getattr(drafter, "confidence_head", None) is not None:
+        out += [drafter.confidence_head.proj.weight.grad, drafter.confidence_head.proj.bias.grad]
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5, None])
+@pytest.mark.parametrize("confidence", [True, False])
+def test_loss_and_grads_equal_the_float64_reference(chunk: int | None, confidence: bool) -> None:
+    hidden, head, labels, prevs, tlogits = _problem(1)
+    d_ref, d_got = tiny_dspark(confidence=confidence), tiny_dspark(confidence=confidence)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ref = reference(d_ref, h1, head, labels, prevs, tlogits)
+    ref.backward()
+    out = dspark_loss(h2, head, d_got, labels, prevs, tlogits, chunk_rows=chunk)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref.detach())
+    for a, b in zip(_grads(d_got, h2), _grads(d_ref, h1), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_reduced_draft_vocabulary_and_callable_target() -> None:
+    hidden, head, labels, prevs, tlogits = _problem(2)
+    d_ref, d_got = tiny_dspark(draft_vocab=7), tiny_dspark(draft_vocab=7)
+    t2d = torch.full((V,), -100)
+    t2d[d_got.draft_to_target] = torch.arange(7)
+    draft_labels = torch.where(labels >= 0, t2d[labels.clamp(min=0)], -100)
+    assert (draft_labels[labels >= 0] == -100).any()  # some labels fall outside: CE skipped, L1 and BCE kept
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ref = reference(d_ref, h1, head, labels, prevs, tlogits, draft_labels)
+    ref.backward()
+    seen = []
+
+    def rows(idx: torch.Tensor) -> torch.Tensor:
+        seen.append(idx.numel())
+        return tlogits.reshape(-1, V)[idx]
+
+    out = dspark_loss(
+        h2, head[d_got.draft_to_target], d_got, labels, prevs, rows, draft_labels=draft_labels, chunk_rows=4
+    )
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref.detach())
+    for a, b in zip(_grads(d_got, h2), _grads(d_ref, h1), strict=True):
+        torch.testing.assert_close(a, b)
+    assert sum(seen) == int((labels != -100).sum())  # the target's logits only for supervised slots
+
+
+def test_float32_close_to_float64_and_metrics() -> None:
+    hidden, head, labels, prevs, tlogits = _problem(3)
+    d = tiny_dspark()
+    ref = dspark_loss(hidden, head, d, labels, prevs, tlogits).loss
+    d32 = tiny_dspark().float()
+    out = dspark_loss(hidden.float(), head.float(), d32, labels, prevs, tlogits.float())
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
+    valid = labels != -100
+    assert out.valid_counts.tolist() == [int(valid[:, 0].sum()), *valid.sum(0).tolist()]
+    assert out.correct_counts[0] == out.valid_counts[0] and out.accuracy.shape == (G + 1,)
+    assert out.tau == pytest.approx(estimated_tau(out.accuracy))
+    assert float(out.weight_sum) == pytest.approx(float((dspark_slot_weights(G)[None] * valid).sum()))
+
+
+def test_normaliser_splits_and_bad_labels() -> None:
+    hidden, head, labels, prevs, tlogits = _problem(4)
+    d = tiny_dspark()
+    whole = dspark_loss(hidden, head, d, labels, prevs, tlogits)
+    parts = [
+        dspark_loss(hidden[s], head, d, labels[s], prevs[s], tlogits[s], normalizer=whole.weight_sum)
+        for s in (slice(0, 2), slice(2, 6))
+    ]
+    torch.testing.assert_close(sum(p.loss for p in parts), whole.loss)
+    gappy = labels.clone()
+    gappy[0, 1] = -100  # slot 2 valid after an invalid slot 1: teacher forcing would read a missing label
+    with pytest.raises(ValueError, match="prefix"):
+        dspark_loss(hidden, head, d, gappy, prevs, tlogits)
+    zero = dspark_loss(hidden, head, d, labels, prevs, tlogits, loss_weights=DSparkLossWeights(0.0, 0.0, 0.0))
+    assert float(zero.loss.detach()) == 0.0
