@@ -70,13 +70,13 @@ def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
     if args.layer_ids:
         return list(args.layer_ids)
     if args.drafter_config:
-        from dflashkit.drafter.config import DrafterConfig
+        from dflashkit.drafter.config import DrafterConfig, capture_layer_ids
         from dflashkit.target.model import check_drafter_fits
 
         path = Path(args.drafter_config)
         cfg = DrafterConfig.load(path / "config.json" if path.is_dir() else path)
         check_drafter_fits(cfg, target, source=str(path))
-        return list(cfg.target_layer_ids)
+        return capture_layer_ids(cfg)
     from dflashkit.drafter.defaults import default_drafter_config
 
     return list(default_drafter_config(target).target_layer_ids)

@@ -76,6 +76,9 @@ RESUME_LOCKED = (
     "fsdp",
     "topk",
     "topk_ce_weight",
+    "dspark_ce_weight",
+    "dspark_l1_weight",
+    "dspark_confidence_weight",
 )
 
 DEFAULT_ONLINE_TOPK = 32  # loss: topk with online features and topk: null — entries per position
@@ -114,7 +117,12 @@ class TrainConfig:
     # per block; loss: ce only)
     position_weights: choice("decay", "dpace") = "decay"
     dpace_alpha: UnitInterval = 0.5  # position_weights: dpace — floor α in q̃ = (1 − α)·exp(−CE) + α
-    gamma: optional(PositiveFloat, "7 for block 16, 5 for 10, 4 for 8") = None  # decay of slot weights
+    gamma: optional(PositiveFloat, "7 for block 16, 5 for 10, 4 for 8; DSpark 4") = None  # decay of slot weights
+    # drafter.kind: dspark — the weights of its loss terms (DeepSpec's defaults): CE to the label, L1 distance to
+    # the target's distribution, BCE of the confidence head against the acceptance rate 1 − L1/2
+    dspark_ce_weight: NonNegativeFloat = 0.1
+    dspark_l1_weight: NonNegativeFloat = 0.9
+    dspark_confidence_weight: NonNegativeFloat = 1.0
     noise_std: NonNegativeFloat = 0.0  # Gaussian noise on the fc inputs (target features) only
     noise_schedule: choice("constant", "cosine") = "constant"  # cosine decays to 0 over the run
     # ---- optimiser

@@ -50,7 +50,7 @@ from dflashkit.output_dir import one_writer
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.distributed import read_env
 from dflashkit.train.losses import estimated_tau
-from dflashkit.train.run import Run, setup_run
+from dflashkit.train.run import Run, metric_slots, setup_run
 from dflashkit.train.schedule import cosine_at
 from dflashkit.train.state import checkpoint_name, latest_checkpoint, save_checkpoint, save_final
 from dflashkit.train.step import micro_batches, noise_std_at, prepare_inputs, step_loss
@@ -209,7 +209,7 @@ def _train_step(
 ) -> dict[str, Any]:
     """One optimizer step over `grad_accum` micro-batches on every rank; returns its metrics record."""
     cfg, dist, st = run.cfg, run.dist, run.state
-    bs = run.drafter.config.block_size
+    bs = metric_slots(run.drafter.config)
     t0 = time.monotonic()
     noise = noise_std_at(cfg, st.step, run.total_steps)
     batches = [next(batch_iter) for _ in range(cfg.grad_accum)]

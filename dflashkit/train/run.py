@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.config import DrafterConfig, capture_layer_ids
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
 from dflashkit.train.distributed import DistContext, drop_reducer, read_env
+from dflashkit.train.dspark_loss import dspark_slot_weights
 from dflashkit.train.losses import decay_weights, draft_slot_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
 from dflashkit.train.packing import (
@@ -75,6 +76,8 @@ def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) ->
     from dflashkit.train.config import DEFAULT_ONLINE_TOPK
 
     ids = list(drafter_config.target_layer_ids)
+    if drafter_config.kind == "dspark":  # its loss reads the target's distribution: the final layer's output
+        ids = capture_layer_ids(drafter_config)
     if cfg.features is None and cfg.tokens is None:
         raise ConfigError(
             "no training data: set features (a `dflashkit capture` directory) or tokens "
@@ -219,6 +222,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
         tdev = device if cfg.target_device == "auto" else torch.device(cfg.target_device)
         target = Target.load(cfg.target, device=tdev, trust_remote_code=cfg.trust_remote_code)
     drafter, blob, ckpt = _drafter_to_train(cfg, target, out, dist)
+    check_kind_fits(cfg, drafter.config)
     drafter = drafter.to(device=device, dtype=torch.float32).train()
     source = dataset if dataset is not None else open_feature_source(cfg, target, drafter.config)
     data = _plan_data(cfg, source, dist.world_size)
@@ -239,7 +243,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     }
     if dist.is_main:
         _announce(cfg, info, data, state, ckpt)
-    keep_target = cfg.online or cfg.loss == "kl"
+    keep_target = cfg.online or cfg.loss == "kl" or drafter.config.kind == "dspark"
     return Run(
         cfg=cfg,
         dist=dist,
@@ -259,14 +263,37 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
         state=state,
         logger=logger,
         rolling=RollingStats(cfg.rolling_window, state.recent_losses),
-        weights=(
-            draft_slot_weights(drafter.config.block_size)
-            if cfg.position_weights == "dpace"
-            else decay_weights(drafter.config.block_size, cfg.gamma)
-        ).to(device),
+        weights=slot_weights(cfg, drafter.config).to(device),
         autocast_dtype=torch.bfloat16 if use_bf16 else None,
         info=info,
     )
+
+
+def slot_weights(cfg: Any, drafter_config: DrafterConfig) -> torch.Tensor:
+    """(bs,) the base slot weights of the loss: DSpark's exp(−k/γ) (γ 4), D-PACE's draft-slot marks, or the
+    DFlash decay exp(−(k−1)/γ)."""
+    bs = drafter_config.block_size
+    if drafter_config.kind == "dspark":
+        return dspark_slot_weights(bs, cfg.gamma)
+    return draft_slot_weights(bs) if cfg.position_weights == "dpace" else decay_weights(bs, cfg.gamma)
+
+
+def metric_slots(drafter_config: DrafterConfig) -> int:
+    """Entries of the per-slot metric vectors: the block size, + 1 for DSpark (entry 0: the given token)."""
+    return drafter_config.block_size + (1 if drafter_config.kind == "dspark" else 0)
+
+
+def check_kind_fits(cfg: Any, drafter_config: DrafterConfig) -> None:
+    """Refuse training settings a DSpark drafter cannot take, naming the field and why."""
+    if drafter_config.kind != "dspark":
+        return
+    for name, value, ok, why in (
+        ("loss", cfg.loss, "ce", "a DSpark drafter trains on its own loss (CE + L1 to the target + confidence BCE)"),
+        ("position_weights", cfg.position_weights, "decay", "D-PACE weighs CE alone; DSpark's loss has three terms"),
+        ("fsdp", cfg.fsdp, False, "its Markov and confidence heads run outside the sharded forward"),
+    ):
+        if value != ok:
+            raise ConfigError(f"{name}: {value!r} cannot train a DSpark drafter (drafter.kind: dspark): {why}")
 
 
 def _drafter_to_train(

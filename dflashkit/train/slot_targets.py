@@ -11,6 +11,10 @@ a+k−1 (loss: kl, `kl_target_logits`), the stored top-k log-probs at a+k−1 (l
 a document of a packed row: a slot's target is valid only where its data label is (same document, supervised, in
 range), and index a+k−1 ≥ a then lies in the same document. Slot 0 (the clean anchor, weight 0) has no soft
 target. Used by `dflashkit.train.loop` (which re-exports these names).
+
+DSpark ("next position", `dspark_labels`): slot k drafts the token at a+k+1 — DFlash's label of slot k+1 in a block
+one wider — valid on the contiguous prefix of valid slots (teacher forcing feeds slot k the label of slot k−1);
+the target's distribution for it is its output at index a+k (`dspark_target_index`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.errors import DataError
-from dflashkit.train.blocks import BlockBatch
+from dflashkit.train.blocks import BlockBatch, build_blocks
 from dflashkit.train.packing import RowBatch
 
 
@@ -49,6 +53,28 @@ def block_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> Tensor:
     labels = torch.where(blocks.label_valid & (got >= 0), got, -100)
     labels[:, :, 0] = blocks.labels[:, :, 0]
     return labels
+
+
+def dspark_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> tuple[Tensor, Tensor]:
+    """(labels (B, Nb, γ), prev tokens (B, Nb, γ)) for DSpark blocks of γ slots at `blocks.anchors`: labels are the
+    target ids at a+k+1 ("data") or the target's argmax there ("target"), −100 after the first invalid slot; prev
+    tokens are the anchor's token for slot 0 and slot k−1's label after it (0 where no label: never supervised)."""
+    g = blocks.block_size
+    wide = build_blocks(
+        rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=g + 1, anchors=blocks.anchors.cpu()
+    )
+    nxt = block_labels(wide, rows, mode)[:, :, 1:]  # (B, Nb, γ): DFlash slots 1..γ of the wider block
+    prefix = (nxt != -100).long().cumprod(-1).bool()
+    labels = torch.where(prefix, nxt, -100)
+    prev = torch.cat([wide.first_tokens[:, :, None], labels[:, :, :-1].clamp(min=0)], dim=-1)
+    return labels, prev
+
+
+def dspark_target_index(blocks: BlockBatch) -> Tensor:
+    """(B, Nb, γ) long: the row index a+k whose target output predicts DSpark slot k (clamped into the row)."""
+    t = blocks.context_len
+    k = torch.arange(blocks.block_size, device=blocks.anchors.device)
+    return (blocks.anchors.clamp(min=0)[:, :, None] + k).clamp(max=t - 1)
 
 
 def topk_targets(blocks: BlockBatch, rows: RowBatch, k: int | None = None) -> tuple[Tensor, Tensor]:
@@ -140,4 +166,12 @@ def draft_vocab_topk(drafter: Any, ids: Tensor, vocab: int) -> Tensor:
     return torch.where((ids >= 0) & (mapped >= 0), mapped, -1)
 
 
-__all__ = ["block_labels", "draft_vocab_head", "draft_vocab_topk", "kl_target_logits", "topk_targets"]
+__all__ = [
+    "block_labels",
+    "draft_vocab_head",
+    "draft_vocab_topk",
+    "dspark_labels",
+    "dspark_target_index",
+    "kl_target_logits",
+    "topk_targets",
+]

@@ -19,6 +19,7 @@ from torch import Tensor
 from dflashkit.drafter.model import to_additive
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
 from dflashkit.train.config import TrainConfig
+from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
 from dflashkit.train.losses import LossOutput, block_loss
 from dflashkit.train.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
 from dflashkit.train.run import Run
@@ -26,6 +27,8 @@ from dflashkit.train.slot_targets import (
     block_labels,
     draft_vocab_head,
     draft_vocab_topk,
+    dspark_labels,
+    dspark_target_index,
     kl_target_logits,
     topk_targets,
 )
@@ -35,8 +38,10 @@ from dflashkit.train.slot_targets import (
 class StepInputs:
     features: Tensor  # (B, T, K·H) context features (noise added when on), on the drafter device
     blocks: BlockBatch  # on the drafter device
-    labels: Tensor  # (B, Nb, bs) long, −100 invalid
+    labels: Tensor  # (B, Nb, bs) long, −100 invalid (DSpark: the token after each slot's, on a valid prefix)
     masks: dict[str, Any] | None  # additive attention mask per layer type (None: built when used)
+    prev_tokens: Tensor | None = None  # DSpark: (B, Nb, bs) the previous token each slot's Markov head reads
+    final_hidden: Tensor | None = None  # DSpark: (B, T, H) the target's final-layer output (its distribution)
 
 
 def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> list[Tensor]:
@@ -99,12 +104,24 @@ def prepare_inputs(
         anchors=anchors,
         num_blocks=nb,
     )
-    lab = block_labels(blocks, rows, labels)  # (B, Nb, bs)
+    prev = final = None
+    feats = rows.features.to(device, non_blocking=True)  # (B, T, K·H) (DSpark: + the final layer's H)
+    if getattr(drafter_config, "kind", "dflash") == "dspark":
+        lab, prev = dspark_labels(blocks, rows, labels)  # (B, Nb, bs) each
+        h, width = drafter_config.hidden_size, drafter_config.num_features * drafter_config.hidden_size
+        last = drafter_config.num_target_layers - 1  # the target's final layer: read last, or one of the drafter's
+        j = drafter_config.target_layer_ids.index(last) if last in drafter_config.target_layer_ids else None
+        final = feats[..., width:] if j is None else feats[..., j * h : (j + 1) * h]  # (B, T, H)
+        feats = feats[..., :width]
+        prev = prev.to(device)
+    else:
+        lab = block_labels(blocks, rows, labels)  # (B, Nb, bs)
     blocks = blocks.to(device)
-    feats = rows.features.to(device, non_blocking=True)  # (B, T, K·H)
     feats = fc_noise(feats, rows.doc_ids.to(device), noise_std, seed=seed, epoch=epoch, step=step, row_ids=rows.row_ids)
     masks = attention_masks(drafter_config, blocks, mask_dtype) if build_masks else None
-    return StepInputs(features=feats, blocks=blocks, labels=lab.to(device), masks=masks)
+    return StepInputs(
+        features=feats, blocks=blocks, labels=lab.to(device), masks=masks, prev_tokens=prev, final_hidden=final
+    )
 
 
 def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype) -> dict[str, Any]:
@@ -127,6 +144,8 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             inp.features, inp.blocks.first_tokens, inp.blocks.context_positions, inp.blocks.block_positions, masks
         )  # (B, Nq, H)
     bs = inp.blocks.block_size
+    if inp.prev_tokens is not None:
+        return _dspark_step_loss(run, inp, hidden, normalizer)
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss == "kl" else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     soft: dict[str, Any] = {}
@@ -150,6 +169,34 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         position_weights=cfg.position_weights,
         dpace_alpha=cfg.dpace_alpha,
         **soft,
+    )
+
+
+def _dspark_step_loss(run: Run, inp: StepInputs, hidden: Tensor, normalizer: Tensor | float) -> LossOutput:
+    """The DSpark loss of a step: p_target from the target's final-layer output at each slot's index (its final
+    norm and LM head, computed only for the supervised slots, chunk by chunk)."""
+    cfg, bs = run.cfg, inp.blocks.block_size
+    b, t, h_dim = inp.final_hidden.shape
+    rows_bt = torch.arange(b, device=run.device)[:, None, None] * t + dspark_target_index(inp.blocks)  # (B, Nb, bs)
+    flat_final = inp.final_hidden.reshape(b * t, h_dim)
+    flat_rows = rows_bt.reshape(-1)
+
+    def target_logits(slots: Tensor) -> Tensor:  # flattened slot ids (m,) → the target's logits (m, V)
+        sel = flat_final.index_select(0, flat_rows[slots])  # (m, H)
+        return run.target.verifier_logits(sel[None])[0].float()
+
+    head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
+    return dspark_loss(
+        hidden.reshape(-1, bs, hidden.shape[-1]),
+        head,
+        run.drafter,
+        inp.labels.reshape(-1, bs),
+        inp.prev_tokens.reshape(-1, bs),
+        target_logits,
+        weights=run.weights,
+        normalizer=normalizer,
+        loss_weights=DSparkLossWeights(cfg.dspark_ce_weight, cfg.dspark_l1_weight, cfg.dspark_confidence_weight),
+        draft_labels=draft_labels.reshape(-1, bs),
     )
 
 

@@ -13,7 +13,7 @@ import torch
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.train.losses import estimated_tau
 from dflashkit.train.packing import collate_rows
-from dflashkit.train.run import Run
+from dflashkit.train.run import Run, metric_slots
 from dflashkit.train.state import save_final
 from dflashkit.train.step import prepare_inputs, step_loss
 
@@ -43,7 +43,7 @@ def validate(run: Run) -> dict[str, Any] | None:
         return None
     cfg, dist = run.cfg, run.dist
     run.module.eval()
-    bs = run.drafter.config.block_size
+    bs = metric_slots(run.drafter.config)
     sums = torch.zeros(2 + 2 * bs, dtype=torch.float64, device=run.device)  # Σwℓ, Σw, correct(bs), valid(bs)
     mine = list(range(dist.rank, len(run.val_rows), dist.world_size))
     for k in range(0, len(mine), cfg.batch_rows):

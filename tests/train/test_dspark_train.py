@@ -1,0 +1,140 @@
+"""Training DSpark drafters end to end on the tiny target: the labels and previous tokens of each slot against a
+Python loop, captured features with the target's final layer equal to online ones, training learns (loss falls,
+validation runs) and resumes exactly, and the settings DSpark cannot take are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflashkit.data.samples import Sample
+from dflashkit.drafter.checkpoint import load_drafter, read_tensors
+from dflashkit.drafter.config import capture_layer_ids
+from dflashkit.drafter.defaults import default_drafter_config
+from dflashkit.errors import ConfigError
+from dflashkit.features.capture import capture
+from dflashkit.target.model import Target
+from dflashkit.train.blocks import build_blocks
+from dflashkit.train.config import TrainConfig
+from dflashkit.train.loop import train
+from dflashkit.train.metrics import read_metrics
+from dflashkit.train.packing import collate_rows, pack_row
+from dflashkit.train.slot_targets import dspark_labels
+
+DRAFTER = {"num_hidden_layers": 1, "block_size": 4, "kind": "dspark", "markov_rank": 8}
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir: Path) -> Target:
+    return Target.load(tiny_llama_dir)
+
+
+def make_samples(n: int = 4, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = 18 + 4 * i
+        mask = torch.ones(t, dtype=torch.bool)
+        mask[:4] = False
+        mask[t - 3] = False  # a hole: blocks running over it end their valid prefix there
+        out.append(Sample(f"s{i}", torch.randint(3, 97, (t,), generator=g), mask))
+    return out
+
+
+def test_labels_and_prev_tokens_equal_a_python_loop(target: Target) -> None:
+    samples = make_samples(2)
+    for s in samples:  # packing needs features; the target's argmax: its own labels (labels: target)
+        s.features = torch.zeros(len(s), 1)
+        s.target_tokens = (s.input_ids * 7 + 3) % 97
+    rows = collate_rows([pack_row(samples, 80)], [0])
+    anchors = torch.tensor([[4, 12, 16, 22, 35, 38]])  # inside docs, across a hole, over a document end
+    blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=4, anchors=anchors)
+    labels, prev = dspark_labels(blocks, rows, "data")
+    ids, docs, lm = rows.input_ids[0].tolist(), rows.doc_ids[0].tolist(), rows.loss_mask[0].tolist()
+    for n, a in enumerate(anchors[0].tolist()):
+        expect, ok = [], True
+        for k in range(4):
+            i = a + k + 1
+            ok = ok and i < len(ids) and docs[i] == docs[a] and lm[i]
+            expect.append(ids[i] if ok else -100)
+        assert labels[0, n].tolist() == expect, a
+        assert prev[0, n].tolist() == [ids[a]] + [max(x, 0) for x in expect[:-1]], a
+    target_labels, _ = dspark_labels(blocks, rows, "target")
+    tt = rows.target_tokens[0].tolist()
+    for n, a in enumerate(anchors[0].tolist()):  # the target's argmax at a+k predicts the token at a+k+1
+        want = [tt[a + k] if labels[0, n, k] >= 0 else -100 for k in range(4)]
+        assert target_labels[0, n].tolist() == want, a
+
+
+def cfg_for(out: Path, **kw) -> TrainConfig:
+    base = dict(
+        out=str(out),
+        drafter=dict(DRAFTER),
+        max_tokens=48,
+        max_steps=8,
+        save_every=4,
+        progress=False,
+        tensorboard=False,
+        lr=3e-3,
+        val_samples=1,
+        eval_every=4,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_captured_final_layer_trains_learns_and_resumes_exactly(
+    tmp_path: Path, target: Target, tiny_llama_dir: Path
+) -> None:
+    cfg = default_drafter_config(target, **DRAFTER)
+    layers = capture_layer_ids(cfg)
+    assert layers == [*cfg.target_layer_ids, target.num_layers - 1]
+    feats = tmp_path / "feats"
+    capture(target, make_samples(), feats, layer_ids=layers, dtype="fp32", progress=False, log=None)
+    kw = dict(features=str(feats), target=str(tiny_llama_dir))
+    straight = train(cfg_for(tmp_path / "a", **kw), target=target)
+    assert straight.step == 8 and straight.val_metrics is not None
+    recs = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
+    assert len(recs[0]["accuracy"]) == 5 and recs[0]["accuracy"][0] == 1.0  # the given token + 4 drafting slots
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    drafter = load_drafter(tmp_path / "a" / "final")
+    assert drafter.config.kind == "dspark" and drafter.markov_head.markov_w2.weight.abs().sum() > 0  # W2 learned
+
+    def kill(end) -> None:
+        if end.step == 4:
+            raise RuntimeError("simulated kill")
+
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        train(cfg_for(tmp_path / "b", **kw), target=target, callbacks=[kill])
+    train(cfg_for(tmp_path / "b", **kw), target=target)
+    a, b = read_tensors(tmp_path / "a" / "final"), read_tensors(tmp_path / "b" / "final")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tiny_llama_dir: Path) -> None:
+    import json
+
+    cfg = default_drafter_config(target, **DRAFTER)
+    samples = make_samples(3, seed=1)
+    feats = tmp_path / "feats"
+    capture(target, samples, feats, layer_ids=capture_layer_ids(cfg), dtype="fp32", progress=False, log=None)
+    tokens = tmp_path / "tokens.jsonl"
+    tokens.write_text(
+        "".join(
+            json.dumps({"id": s.id, "input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.int().tolist()}) + "\n"
+            for s in samples
+        )
+    )
+    common = dict(target=str(tiny_llama_dir), val_samples=0, eval_every=0, max_steps=3, save_every=0)
+    off = train(cfg_for(tmp_path / "off", features=str(feats), **common), target=target)
+    on = train(cfg_for(tmp_path / "on", tokens=str(tokens), online=True, **common), target=target)
+    l_off = [r["loss"] for r in read_metrics(tmp_path / "off" / "metrics.jsonl") if r["split"] == "train"]
+    l_on = [r["loss"] for r in read_metrics(tmp_path / "on" / "metrics.jsonl") if r["split"] == "train"]
+    assert off.step == on.step == 3 and l_off == pytest.approx(l_on, rel=1e-4)
+    for bad, field in ((dict(loss="topk"), "loss"), (dict(position_weights="dpace"), "position_weights")):
+        with pytest.raises(ConfigError, match=field):
+            train(cfg_for(tmp_path / f"bad-{field}", features=str(feats), **{**common, **bad}), target=target)
