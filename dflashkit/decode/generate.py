@@ -12,6 +12,9 @@ One round (batch 1):
              (chain) or compacted to the accepted path (tree). Hybrid targets (Gated DeltaNet layers): chain
              verification restores their recurrent states and re-runs only the accepted tokens; tree verification
              gives every node the recurrent state of its own path and commits the accepted node's (hybrid_tree.py).
+DSpark drafters (`drafter.is_dspark`): every slot drafts (bs drafts per round, slot k the token at start+k+1),
+left to right through the Markov head (dspark_draft.py); optionally cut where the confidence head's predicted
+prefix acceptance falls below `confidence_min`.
 The acceptance length L = accepted + 1 counts the bonus token. `method="ar"` (or no drafter) runs plain
 autoregressive decoding through the same loop: verify one token, commit it.
 Decoding policy (block size, tree budget, sampling) is arguments, never model state.
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.decode.dspark_draft import draft_dspark
 from dflashkit.decode.hybrid_tree import resolve_mode, verify_tree
 from dflashkit.decode.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
@@ -101,6 +105,7 @@ def generate(
     seed: int | None = None,
     hybrid_tree: str = "auto",
     check_invariants: bool = False,
+    confidence_min: float | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt_ids` (batch 1). See the module docstring for the loop.
 
@@ -111,6 +116,7 @@ def generate(
     hybrid_tree: how tree verification follows Gated DeltaNet states on hybrid targets, all exact (hybrid_tree.py):
     "scan" (one pass; the recurrence scans every root-to-leaf path), "levels" (one pass; stepped depth by depth),
     "paths" (root-to-leaf paths as batch rows; any recurrent layer), "auto" (scan where the layers allow it).
+    confidence_min: DSpark only — draft only while the confidence head's predicted prefix acceptance is ≥ this.
     """
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
     prompt_len = ids.shape[1]
@@ -123,8 +129,11 @@ def generate(
         block_size=block_size,
         tree_budget=tree_budget,
         sampling=sampling,
+        confidence_min=confidence_min,
     )
     use_drafter = bs > 1
+    dspark = use_drafter and drafter.is_dspark
+    slots = bs if dspark else bs - 1  # drafts a round can propose
     tree_mode = resolve_mode(target, hybrid_tree) if method == "tree" and target.is_hybrid else None
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
     gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
@@ -153,12 +162,26 @@ def generate(
     while len(result.tokens) < max_new_tokens:
         start = prompt_len + len(result.tokens) - 1  # position of the bonus token
         room = max_new_tokens - len(result.tokens)  # tokens we may still add after the bonus
-        n_verify = min(bs - 1, room) if use_drafter else 0  # drafts that can still be committed
+        n_verify = min(slots, room) if use_drafter else 0  # drafts that can still be committed
         drafts = draft_q = draft_logits = None
         if n_verify > 0:
             with clock("draft"):  # always the full block (see the module docstring); only n_verify drafts are used
-                drafts, draft_q, draft_logits = _draft(
-                    target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, sampling, draft_sampling, gen
+                draft = draft_dspark if dspark else _draft
+                extra = {"confidence_min": confidence_min} if dspark else {}
+                drafts, draft_q, draft_logits = draft(
+                    target,
+                    drafter,
+                    dcache,
+                    bonus,
+                    new_ctx,
+                    new_pos,
+                    start,
+                    bs,
+                    n_verify,
+                    sampling,
+                    draft_sampling,
+                    gen,
+                    **extra,
                 )
         if method == "tree" and drafts is not None:
             committed, next_token, feats = _verify_tree(
@@ -192,7 +215,7 @@ def generate(
                     tc.kv_length(cache),
                     start,
                     dcache.length if drafts is not None else None,
-                    bs,
+                    slots + 1,
                     tree_budget if method == "tree" else None,
                 )
         if stopped:
@@ -211,6 +234,7 @@ def _checked_block_size(
     block_size: int | None,
     tree_budget: int,
     sampling: SamplingParams,
+    confidence_min: float | None = None,
 ) -> int:
     """Refuse impossible arguments before any work (never replace one silently); the block size a round drafts
     (1 = no drafting: plain AR)."""
@@ -237,8 +261,19 @@ def _checked_block_size(
         raise GenerationError(f"method {method!r} needs a drafter")
     if method == "tree" and not sampling.greedy:
         raise GenerationError("tree verification supports greedy decoding only (temperature 0)")
+    if confidence_min is not None and not (drafter is not None and drafter.is_dspark and method == "chain"):
+        raise GenerationError("confidence_min needs a DSpark drafter (its confidence head) and method 'chain'")
+    if confidence_min is not None and not 0.0 <= confidence_min <= 1.0:
+        raise GenerationError(f"confidence_min = {confidence_min!r}: expected a probability from 0 to 1")
     if method == "ar":
         return 1
+    if method == "tree" and drafter.is_dspark:
+        raise GenerationError(
+            "method 'tree' with a DSpark drafter is not supported: DDTree builds its tree from per-slot marginals, "
+            "but a DSpark slot's distribution depends on the token drafted before it (use method 'chain')"
+        )
+    if confidence_min is not None and getattr(drafter, "confidence_head", None) is None:
+        raise GenerationError("confidence_min: this DSpark drafter has no confidence head (enable_confidence_head)")
     check_drafter_fits(drafter.config, target)
     bs = block_size or drafter.config.block_size
     return bs if bs >= 2 else 1
@@ -416,9 +451,9 @@ def _verify_tree(
 
 
 def _check(L: int, kv_len: int, start: int, drafter_len: int | None, bs: int, budget: int | None) -> None:
-    """Per-round invariants: 1 ≤ L ≤ 1 + min(B, bs − 1); the target cache holds exactly the committed tokens
-    (everything up to and including the accepted drafts; the new bonus is not in it yet); the drafter cache holds
-    context strictly before the block."""
+    """Per-round invariants (`bs`: 1 + the drafts a round proposes): 1 ≤ L ≤ 1 + min(B, bs − 1); the target cache
+    holds exactly the committed tokens (everything up to and including the accepted drafts; the new bonus is not in
+    it yet); the drafter cache holds context strictly before the block."""
     upper = 1 + min(budget, bs - 1) if budget is not None else bs
     if not 1 <= L <= upper:
         raise AssertionError(f"acceptance length {L} outside [1, {upper}]")

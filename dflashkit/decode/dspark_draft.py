@@ -1,0 +1,74 @@
+"""One DSpark drafting round: the backbone pass over [bonus, MASK × (bs − 1)], then the Markov head left to right.
+
+Every slot drafts: slot k proposes the token at start + k + 1, from the backbone's logits of slot k plus the Markov
+bias of the token before it (the bonus for slot 0, the draft of slot k − 1 after). Drafts are the argmax of those
+corrected logits, or — with draft sampling at temperature > 0 — samples from them; the corrected logits are then the
+draft distribution q_k (conditional on the earlier drafts), which is what the min(1, p/q) rule needs to stay
+lossless. With `confidence_min` the round keeps only the drafts whose predicted prefix acceptance — the product of
+the confidence head's sigmoid over the slots so far (DeepSpec's reading) — is at least that value (possibly none: the
+round then verifies the bonus alone, as an AR step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflashkit.decode.sampling import SamplingParams, probs, sample
+from dflashkit.drafter.model import DFlashDrafter, DrafterCache
+
+
+def draft_dspark(
+    target: object,
+    drafter: DFlashDrafter,
+    dcache: DrafterCache,
+    bonus: int,
+    new_ctx: Tensor,
+    new_pos: Tensor,
+    start: int,
+    bs: int,
+    n_verify: int,
+    sampling: SamplingParams,
+    draft_sampling: bool,
+    gen: torch.Generator | None,
+    confidence_min: float | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(drafts (n,) target ids, q over the target vocabulary (n, V) when drafts are sampled else None, corrected
+    draft logits (n, V')), n ≤ n_verify (fewer when the confidence cut-off stops the round)."""
+    embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, bs)
+    hidden = drafter(
+        new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(start, start + bs)[None], cache=dcache
+    )[0, :n_verify]  # (n, H)
+    base = drafter.logits(hidden, target.lm_head_weight).float()  # (n, V')
+    head = drafter.markov_head
+    conf_head = getattr(drafter, "confidence_head", None) if confidence_min is not None else None
+    sampled = not sampling.greedy and draft_sampling
+    prev, prefix = int(bonus), 1.0
+    drafts, rows, qs = [], [], []
+    for k in range(base.shape[0]):
+        prev_t = torch.tensor([prev])
+        if conf_head is not None:
+            prefix *= float(torch.sigmoid(conf_head(hidden[k : k + 1], head.prev_embeddings(prev_t)).float()))
+            if prefix < confidence_min:
+                break
+        row = base[k] + head.bias(prev_t)[0].float()  # (V',)
+        if sampled:
+            q = probs(row, sampling)
+            pick = int(sample(q, gen))
+            qs.append(q)
+        else:
+            pick = int(row.argmax())
+        rows.append(row)
+        prev = int(drafter.to_target_ids(torch.tensor(pick)))
+        drafts.append(prev)
+    logits = torch.stack(rows) if rows else base[:0]
+    draft_q = None
+    if sampled:
+        draft_q = torch.stack(qs) if qs else base[:0]
+        if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
+            full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
+            draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
+    return torch.tensor(drafts, dtype=torch.long), draft_q, logits
+
+
+__all__ = ["draft_dspark"]
