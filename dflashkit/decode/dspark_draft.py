@@ -7,9 +7,15 @@ draft distribution q_k (conditional on the earlier drafts), which is what the mi
 lossless. With `confidence_min` the round keeps only the drafts whose predicted prefix acceptance — the product of
 the confidence head's sigmoid over the slots so far (DeepSpec's reading) — is at least that value (possibly none: the
 round then verifies the bonus alone, as an AR step).
+
+DDTree over DSpark drafts (`dspark_conditional`): a node's children are ranked by the Markov-corrected distribution
+given the node's own token, so the tree holds the most probable prefixes of the drafter's autoregressive
+distribution (tree.build_tree); verification is the ordinary, exact tree verification.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -33,8 +39,8 @@ def draft_dspark(
     gen: torch.Generator | None,
     confidence_min: float | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """(drafts (n,) target ids, q over the target vocabulary (n, V) when drafts are sampled else None, corrected
-    draft logits (n, V')), n ≤ n_verify (fewer when the confidence cut-off stops the round)."""
+    """(drafts (n,) target ids, q over the target vocabulary (n, V) when drafts are sampled else None, the backbone's
+    logits (n_verify, V') before the Markov correction), n ≤ n_verify (fewer when the confidence cut-off stops)."""
     embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, bs)
     hidden = drafter(
         new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(start, start + bs)[None], cache=dcache
@@ -44,7 +50,7 @@ def draft_dspark(
     conf_head = getattr(drafter, "confidence_head", None) if confidence_min is not None else None
     sampled = not sampling.greedy and draft_sampling
     prev, prefix = int(bonus), 1.0
-    drafts, rows, qs = [], [], []
+    drafts, qs = [], []
     for k in range(base.shape[0]):
         prev_t = torch.tensor([prev])
         if conf_head is not None:
@@ -58,17 +64,27 @@ def draft_dspark(
             qs.append(q)
         else:
             pick = int(row.argmax())
-        rows.append(row)
         prev = int(drafter.to_target_ids(torch.tensor(pick)))
         drafts.append(prev)
-    logits = torch.stack(rows) if rows else base[:0]
     draft_q = None
     if sampled:
         draft_q = torch.stack(qs) if qs else base[:0]
         if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
             full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
             draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
-    return torch.tensor(drafts, dtype=torch.long), draft_q, logits
+    return torch.tensor(drafts, dtype=torch.long), draft_q, base
 
 
-__all__ = ["draft_dspark"]
+def dspark_conditional(base_logits: Tensor, drafter: DFlashDrafter) -> Callable[[int, int, int], Tensor]:
+    """For `build_tree(conditional=…)`: (depth d, parent node, parent token) → log-softmax(base_d + W2·W1[prev]) (V'),
+    prev = the parent's target id (node 0 holds the bonus, a target id; the others hold draft ids)."""
+    head = drafter.markov_head
+
+    def conditional(d: int, parent: int, token: int) -> Tensor:
+        prev = token if parent == 0 else int(drafter.to_target_ids(torch.tensor(token)))
+        return torch.log_softmax(base_logits[d] + head.bias(torch.tensor(prev)).float(), dim=-1)
+
+    return conditional
+
+
+__all__ = ["draft_dspark", "dspark_conditional"]

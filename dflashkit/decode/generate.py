@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.decode.dspark_draft import draft_dspark
+from dflashkit.decode.dspark_draft import draft_dspark, dspark_conditional
 from dflashkit.decode.hybrid_tree import resolve_mode, verify_tree
 from dflashkit.decode.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
@@ -267,11 +267,6 @@ def _checked_block_size(
         raise GenerationError(f"confidence_min = {confidence_min!r}: expected a probability from 0 to 1")
     if method == "ar":
         return 1
-    if method == "tree" and drafter.is_dspark:
-        raise GenerationError(
-            "method 'tree' with a DSpark drafter is not supported: DDTree builds its tree from per-slot marginals, "
-            "but a DSpark slot's distribution depends on the token drafted before it (use method 'chain')"
-        )
     if confidence_min is not None and getattr(drafter, "confidence_head", None) is None:
         raise GenerationError("confidence_min: this DSpark drafter has no confidence head (enable_confidence_head)")
     check_drafter_fits(drafter.config, target)
@@ -415,7 +410,8 @@ def _verify_tree(
     Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
     with clock("tree_build"):
         logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
-        tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine)
+        conditional = dspark_conditional(draft_logits, drafter) if drafter.is_dspark else None
+        tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine, conditional=conditional)
         if drafter.config.draft_vocab_size is not None:
             tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])
     if hybrid_mode is not None:

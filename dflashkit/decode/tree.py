@@ -1,4 +1,5 @@
 """DDTree: draft trees built from a DFlash drafter's per-position marginals, and their verification helpers.
+(DSpark drafters, whose depth-d distribution depends on the token before it, pass `conditional`: see build_tree.)
 
 A DFlash drafter proposes, in one pass, log-distributions q_1 … q_D over the vocabulary for the D positions that
 follow the root (the bonus token, already committed). `build_tree` turns them into a draft tree holding the B
@@ -21,6 +22,7 @@ Pure tensor/Python code: no model code, and every output lives on the device of 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +85,13 @@ def resolve_top_k(top_k: int | None, budget: int) -> int:
 
 
 def build_tree(
-    draft_log_probs: Tensor, root_token: int, *, budget: int, top_k: int | None = None, force_spine: bool = False
+    draft_log_probs: Tensor,
+    root_token: int,
+    *,
+    budget: int,
+    top_k: int | None = None,
+    force_spine: bool = False,
+    conditional: Callable[[int, int, int], Tensor] | None = None,
 ) -> DraftTree:
     """Build the DDTree over `draft_log_probs` (D, V) (log-softmax per depth) below `root_token`.
 
@@ -91,6 +99,12 @@ def build_tree(
     `top_k` None or 0 means min(budget, V), the DDTree reference's choice (the `budget` most probable prefixes
     of all); the tree has 1 + min(budget, #prefixes) nodes. With `force_spine`, the top-1 chain (min(budget, D)
     nodes) is taken first and the rest of the budget is filled best-first. Ties go to the entry pushed first.
+
+    conditional: for drafters whose distribution at depth d depends on the token before it (DSpark's Markov head):
+    `conditional(d, parent_node, parent_token)` → (V,) log-probs of the children of that node (parent_token as
+    stored in the tree: the root token for node 0, an id of `draft_log_probs`' vocabulary below). Each node then
+    ranks its own children; the search is the same (a prefix's probability is the product of its conditionals,
+    each ≤ 1, so the popped set is still the top-B prefixes and prefix-closed). `draft_log_probs` gives D and V.
     """
     if draft_log_probs.dim() != 2:
         raise ValueError(f"draft_log_probs must be (D, V), got shape {tuple(draft_log_probs.shape)}")
@@ -104,9 +118,20 @@ def build_tree(
     if depth_count == 0 or budget == 0 or vocab == 0:
         return _make_tree(tokens, parents, depths, log_probs, ranks, device)
 
-    values, indices = torch.topk(draft_log_probs, k, dim=-1)  # (D, K) each, sorted descending
-    vals: list[list[float]] = values.double().tolist()  # one host transfer; float64 sums on the host
-    toks: list[list[int]] = indices.tolist()
+    shared: tuple[list[list[float]], list[list[int]]] | None = None
+    if conditional is None:
+        values, indices = torch.topk(draft_log_probs, k, dim=-1)  # (D, K) each, sorted descending
+        shared = (values.double().tolist(), indices.tolist())  # one host transfer; float64 sums on the host
+    own: dict[int, tuple[list[float], list[int]]] = {}
+
+    def ranked(d: int, parent: int) -> tuple[list[float], list[int]]:
+        """The sorted top-K (log-probs, tokens) of the children at depth index d of node `parent`."""
+        if shared is not None:
+            return shared[0][d], shared[1][d]
+        if parent not in own:
+            v, i = torch.topk(conditional(d, parent, tokens[parent]).reshape(-1), k)
+            own[parent] = (v.double().tolist(), i.tolist())
+        return own[parent]
 
     # Heap entry: (−cumulative log prob, tie-break counter, depth index d (0-based), rank, parent node index).
     heap: list[tuple[float, int, int, int, int]] = []
@@ -114,14 +139,15 @@ def build_tree(
 
     def push(d: int, rank: int, parent: int) -> None:
         nonlocal counter
-        heapq.heappush(heap, (-(log_probs[parent] + vals[d][rank]), counter, d, rank, parent))
+        heapq.heappush(heap, (-(log_probs[parent] + ranked(d, parent)[0][rank]), counter, d, rank, parent))
         counter += 1
 
     def add(d: int, rank: int, parent: int) -> int:
-        tokens.append(toks[d][rank])
+        vals, toks = ranked(d, parent)
+        tokens.append(toks[rank])
         parents.append(parent)
         depths.append(d + 1)
-        log_probs.append(log_probs[parent] + vals[d][rank])
+        log_probs.append(log_probs[parent] + vals[rank])
         ranks.append(rank)
         return len(tokens) - 1
 

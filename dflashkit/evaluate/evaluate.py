@@ -41,6 +41,7 @@ from dflashkit.evaluate.stats import (
     parse_methods,
     prompt_sha,
     target_info,
+    verify_width,
 )
 from dflashkit.evaluate.triage import default_triage_threshold, triage_divergence
 from dflashkit.io_utils import atomic_write_text
@@ -226,7 +227,7 @@ class _Session:
         ar = ar_stats([r["ar"] for r in chosen], [r["hf"] for r in chosen if "hf" in r])
         results: dict[str, dict[str, Any]] = {}
         for name, d in self.drafters.items():
-            bs = self.block_size or d.config.block_size
+            bs = verify_width(d, self.block_size)
             results[name] = {
                 m.name: method_stats(
                     [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen], m, bs, ar, self.sampling.greedy

@@ -31,10 +31,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.decode.dspark_draft import dspark_conditional
 from dflashkit.decode.tree import build_tree
+from dflashkit.drafter.dspark_heads import markov_chain
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DataError
-from dflashkit.evaluate.stats import Method, acceptance_stats, drafter_info, parse_method, parse_methods
+from dflashkit.evaluate.stats import (
+    Method,
+    acceptance_stats,
+    drafter_info,
+    parse_method,
+    parse_methods,
+    verify_width,
+)
 from dflashkit.evaluate.transcripts import Transcript, TranscriptCache
 
 
@@ -48,8 +57,14 @@ def _tree_length(
     top_k: int | None,
     force_spine: bool,
 ) -> int:
+    conditional = dspark_conditional(draft_logits, drafter) if drafter.is_dspark else None
     tree = build_tree(
-        torch.log_softmax(draft_logits, dim=-1), root, budget=budget, top_k=top_k, force_spine=force_spine
+        torch.log_softmax(draft_logits, dim=-1),
+        root,
+        budget=budget,
+        top_k=top_k,
+        force_spine=force_spine,
+        conditional=conditional,
     )
     if drafter.config.draft_vocab_size is not None:
         tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])
@@ -61,6 +76,10 @@ def _tree_length(
             break
         cur, depth = nxt, depth + 1
     return depth + 1
+
+
+def _argmax(logits: Tensor) -> int:
+    return int(logits.argmax())
 
 
 @torch.no_grad()
@@ -87,19 +106,24 @@ def replay(
     dcache = DrafterCache()
     new_ctx, new_pos = feats[:, :p_len], torch.arange(p_len)[None]
     s = p_len  # position of the bonus token
+    first = drafter.first_draft_slot()  # DSpark: every slot drafts, through its Markov head (as decode.py)
     while s - p_len + 1 < max_new_tokens and s < last:
         room = max_new_tokens - (s - p_len + 1)
-        n_verify = min(bs - 1, room)  # drafts that can still be committed (as decode.py)
+        n_verify = min(bs - first, room)  # drafts that can still be committed (as decode.py)
         embeds = drafter.block_embeddings(torch.tensor([[ids[s]]]), embed_weight, bs)  # always the full block
         hidden = drafter(
             new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(s, s + bs)[None], cache=dcache
         )
-        draft_logits = drafter.logits(hidden[0, 1 : n_verify + 1], lm_head_weight).float()  # (nv, V')
+        draft_logits = drafter.logits(hidden[0, first : first + n_verify], lm_head_weight).float()  # (nv, V')
         truth = ids[s + 1 : s + 1 + n_verify]  # the target's greedy tokens at the used draft slots
         if method.kind == "tree":
             L = _tree_length(draft_logits, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine)
         else:
-            drafts = drafter.to_target_ids(draft_logits.argmax(-1)).tolist()
+            if drafter.is_dspark:
+                to_target = lambda i: int(drafter.to_target_ids(torch.tensor(i)))  # noqa: E731
+                drafts = markov_chain(draft_logits, ids[s], drafter.markov_head, _argmax, to_target)[0]
+            else:
+                drafts = drafter.to_target_ids(draft_logits.argmax(-1)).tolist()
             acc = 0
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1
@@ -175,7 +199,7 @@ def simulate_many(
                 )
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, d in drafters.items():
-        bs = block_size or d.config.block_size
+        bs = verify_width(d, block_size)
         out[name] = {}
         for m in todo:
             lengths = per[name][m.name]

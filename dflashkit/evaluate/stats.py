@@ -242,10 +242,18 @@ def drafter_fingerprint(drafter: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def verify_width(drafter: Any, block_size: int | None = None) -> int:
+    """1 + the drafts a round proposes — what `Method.max_length` takes as the block size: the block size for DFlash
+    (slot 0 holds the given token), one more for DSpark (every slot drafts)."""
+    bs = int(block_size or drafter.config.block_size)
+    return bs + 1 if getattr(drafter.config, "kind", "dflash") == "dspark" else bs
+
+
 def drafter_info(drafter: Any, *, source: str | None = None, block_size: int | None = None) -> dict[str, Any]:
     cfg = drafter.config
     return {
         "source": source,
+        "kind": getattr(cfg, "kind", "dflash"),
         "block_size": int(block_size or cfg.block_size),
         "target_layer_ids": list(cfg.target_layer_ids),
         "num_hidden_layers": cfg.num_hidden_layers,

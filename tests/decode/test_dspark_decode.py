@@ -113,15 +113,27 @@ def test_drafts_are_the_markov_heads_left_to_right_argmax(target: Target, monkey
     monkeypatch.setattr(decode_mod, "draft_dspark", spy)
     generate(target, torch.tensor([3, 4, 5, 6]), drafter=drafter, max_new_tokens=12)
     assert seen
-    for bonus, (drafts, q, logits) in seen:
+    for bonus, (drafts, q, base) in seen:
         assert q is None
         prev = bonus
         for k, d in enumerate(drafts.tolist()):
             bias = drafter.markov_head.bias(torch.tensor(prev)).float()
-            assert int(logits[k].argmax()) == d
-            base = logits[k] - bias  # the backbone's logits: the correction is exactly W2·W1[previous token]
-            assert int((base + bias).argmax()) == d and bias.abs().max() > 0
+            assert int((base[k] + bias).argmax()) == d and bias.abs().max() > 0
             prev = d
+    assert any(int(base[k].argmax()) != d for _, (drafts, _, base) in seen for k, d in enumerate(drafts.tolist()))
+
+
+def test_ddtree_over_dspark_drafts_is_lossless_and_follows_the_markov_head(target: Target) -> None:
+    prompt = torch.tensor([3, 14, 15, 92, 65])
+    ref = reference_greedy(target, prompt, 30)
+    for seed, vocab in ((5, None), (6, 40)):
+        drafter = random_dspark(dspark_config(bs=4, draft_vocab_size=vocab), seed)
+        res = generate(target, prompt, drafter=drafter, method="tree", tree_budget=6, max_new_tokens=30,
+                       check_invariants=True)  # fmt: skip
+        assert res.tokens == ref
+    oracle = OracleDSpark(dspark_config(bs=4), prompt.tolist() + ref, p_correct=1.0).eval()
+    res = generate(target, prompt, drafter=oracle, method="tree", tree_budget=4, max_new_tokens=30)
+    assert res.tokens == ref and max(res.acceptance_lengths) == 5
 
 
 def test_confidence_cut_off_only_shortens_rounds(target: Target) -> None:
@@ -137,8 +149,8 @@ def test_confidence_cut_off_only_shortens_rounds(target: Target) -> None:
     plain = DFlashDrafter(dspark_config(bs=4).replace(kind="dflash")).eval()
     with pytest.raises(GenerationError, match="DSpark"):
         generate(target, prompt, drafter=plain, max_new_tokens=5, confidence_min=0.5)
-    with pytest.raises(GenerationError, match="tree"):
-        generate(target, prompt, drafter=drafter, method="tree", max_new_tokens=5)
+    with pytest.raises(GenerationError, match="chain"):
+        generate(target, prompt, drafter=drafter, method="tree", max_new_tokens=5, confidence_min=0.5)
     headless = random_dspark(dspark_config(bs=4, confidence_head=False))
     with pytest.raises(GenerationError, match="no confidence head"):
         generate(target, prompt, drafter=headless, max_new_tokens=5, confidence_min=0.5)

@@ -342,3 +342,47 @@ def test_every_tree_top_k_default_is_the_budget() -> None:
         assert parser.parse_args([cmd, *rest, "--tree-top-k", "0"]).tree_top_k is None
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--prompt", "x", "--tree-top-k", "-2"])
+
+
+def test_conditional_tree_is_the_top_prefixes_of_an_autoregressive_draft() -> None:
+    """With per-parent distributions (DSpark's Markov head), the tree holds exactly the B most probable prefixes
+    of the autoregressive draft (brute force over every prefix), prefix-closed; with parent-independent
+    conditionals it equals the marginal tree."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    depth, vocab, budget = 3, 4, 9
+    base = torch.randn(depth, vocab, generator=g) * 2
+    bias = torch.randn(vocab + 1, vocab, generator=g) * 2  # row `vocab`: the root's token
+
+    def conditional(d: int, parent: int, token: int) -> torch.Tensor:
+        return torch.log_softmax(base[d] + bias[vocab if parent == 0 else token], -1)
+
+    tree = build_tree(torch.log_softmax(base, -1), 99, budget=budget, conditional=conditional)
+    scores = {}
+    for n in range(1, depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=n):
+            lp, prev = 0.0, None
+            for d, t in enumerate(prefix):
+                lp += float(torch.log_softmax(base[d] + bias[vocab if prev is None else prev], -1)[t])
+                prev = t
+            scores[prefix] = lp
+    best = sorted(scores, key=lambda p: -scores[p])[:budget]
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+
+    def prefix_of(i: int) -> tuple[int, ...]:
+        out = []
+        while i > 0:
+            out.append(toks[i])
+            i = parents[i]
+        return tuple(reversed(out))
+
+    got = [prefix_of(i) for i in range(1, tree.size)]
+    assert set(got) == set(best) and len(got) == budget
+    for i in range(1, tree.size):
+        torch.testing.assert_close(float(tree.log_probs[i]), scores[prefix_of(i)], rtol=1e-5, atol=1e-5)
+    flat = build_tree(torch.log_softmax(base, -1), 99, budget=budget)
+    same = build_tree(
+        torch.log_softmax(base, -1), 99, budget=budget, conditional=lambda d, p, t: torch.log_softmax(base[d], -1)
+    )
+    assert torch.equal(flat.tokens, same.tokens) and torch.equal(flat.parents, same.parents)

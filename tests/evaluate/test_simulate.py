@@ -237,3 +237,56 @@ def test_last_round_counts_what_the_output_keeps_in_generate_and_simulate(kind, 
                 assert sum(real.acceptance_lengths) + 1 == len(real.tokens), (stops, n, method)
                 checked += 1
     assert checked == 45
+
+
+class _PositionalDSpark(DFlashDrafter):
+    """A DSpark drafter whose backbone logits are a noisy oracle that depends only on the drafted position (so the
+    real loop and the replay see the same proposals); its Markov head (random, non-zero) corrects them."""
+
+    def __init__(self, cfg, reference, p_correct, seed=0):
+        super().__init__(cfg)
+        self.reference, self.p_correct, self.seed = reference, p_correct, seed
+
+    def forward(self, *args, block_positions, **kw):
+        self._positions = block_positions[0].tolist()
+        return super().forward(*args, block_positions=block_positions, **kw)
+
+    def logits(self, hidden, lm_head_weight):
+        out = torch.empty(hidden.shape[0], lm_head_weight.shape[0])
+        for k in range(hidden.shape[0]):
+            pos = self._positions[k] + 1
+            g = torch.Generator().manual_seed(self.seed * 1000 + pos)
+            out[k] = torch.randn(out.shape[1], generator=g)
+            true = self.reference[pos] if pos < len(self.reference) else 0
+            if torch.rand(1, generator=g).item() < self.p_correct:
+                out[k, true] = 30.0
+        return out
+
+
+def test_dspark_simulation_equals_real_loop(llama, tmp_path):
+    prompts = make_prompts(2)
+    n_new = 30
+    cache = build_transcripts(
+        llama, prompts, tmp_path / "tr", max_new_tokens=n_new, layer_ids=[1, 4, 6], progress=False
+    )
+    ref = prompts[0].ids + cache.load(0).ids[len(prompts[0].ids) :]
+    cfg = drafter_config(bs=4).replace(kind="dspark", markov_rank=8)
+    torch.manual_seed(0)
+    drafters = {
+        "oracle": _PositionalDSpark(cfg, ref, p_correct=0.8, seed=2).eval(),
+        "random": DFlashDrafter(cfg).eval(),
+    }
+    with torch.no_grad():
+        for d in drafters.values():
+            d.markov_head.markov_w2.weight.normal_(0, 1.0)
+    sims = simulate_many(drafters, cache, tree_budgets=[3], tree_top_k=2, progress=False)
+    for name, d in drafters.items():
+        for method, kw in (("chain", {}), ("ddtree:3", {"tree_budget": 3})):
+            for p in prompts:
+                res = generate(
+                    llama, p.ids, drafter=d, method="tree" if kw else "chain", max_new_tokens=n_new, tree_top_k=2,
+                    check_invariants=True, **kw,
+                )  # fmt: skip
+                assert sims[name][method]["per_prompt"][p.id] == res.acceptance_lengths, (name, method, p.id)
+    chain = sims["oracle"]["chain"]
+    assert chain["max_length"] == 5 and max(chain["per_prompt"]["p0"]) > 2  # bs drafts + bonus, exercised
