@@ -11,7 +11,8 @@ Variants that change the amount of regenerated data rebuild it from the base run
 regeneration order) or extend it by regenerating more (the same prompts order the quickstart uses), then capture
 again. Lever variants may capture the base tokens again with the target's top-k log-probs (`capture_topk`), add the
 ORIGINAL ShareGPT assistant text of further conversations (`original_text`: teacher-forced, the target's own argmax
-as labels; capture is far cheaper than regeneration), change TrainConfig fields (`train`: loss, labels, ...) or
+as labels; capture is far cheaper than regeneration), capture them again with the target's final layer for a DSpark
+drafter (`capture_final`), change TrainConfig fields (`train`: loss, labels, ...) or
 warm-start the drafter from the target's top layers (`settings.warm_start`). Shared data of a plan lives in
 OUT/_data/PLAN and is built once (its capture minutes are reported next to the variant). With `--seeds 0,1` every
 variant is trained once per seed, in alternating order (seed 0 in table order, seed 1 reversed, ...), so slow drift
@@ -72,8 +73,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "train13_eval5": {"train_scale": 13 / 9},  # the budget split: 4 of the 9 evaluation minutes moved to training
     # D-PACE position weights (issue 23) instead of the exponential decay, same data and budget
     "dpace": {"train": {"position_weights": "dpace"}},
+    # a DSpark drafter (issue 23) at the same block size (so 4 drafts a round to DFlash's 3), same data; its loss
+    # needs the target's final layer, captured again with the base tokens
+    "dspark": {"settings": {"drafter_extra": {"kind": "dspark"}}, "capture_final": True},
 }
-_DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen")
+_DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
 
 
 def _say(msg: str) -> None:
@@ -106,7 +110,8 @@ def _shared_data(
     from dflashkit.data.samples import read_tokens
     from dflashkit.features.capture import capture
 
-    plan = {k: spec[k] for k in ("more_regen_minutes", "capture_topk", "original_text", "drop_regen") if k in spec}
+    keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
+    plan = {k: spec[k] for k in keys if k in spec}
     name = (
         "-".join(f"{k}{v}" for k, v in plan.items())
         + "-"
@@ -166,14 +171,15 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
     from dflashkit.data.conversations import write_tokens
     from dflashkit.data.regenerate import read_regenerated
+    from dflashkit.drafter.config import capture_layer_ids
     from dflashkit.drafter.defaults import default_drafter_config
 
-    layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
+    layer_ids = capture_layer_ids(default_drafter_config(target, **s.drafter_overrides(target)))
     if not any(k in spec for k in _DATA_KEYS):
         _link(base / "data", out / "data")
         _link(base / "features", out / "features")
         return {"data": "base"}
-    if any(k in spec for k in ("more_regen_minutes", "capture_topk", "original_text")):
+    if any(k in spec for k in ("more_regen_minutes", "capture_topk", "original_text", "capture_final")):
         shared, info = _shared_data(target, spec, s, base, out.parent, layer_ids)
         _link(shared / "data", out / "data")
         _link(shared / "features", out / "features")

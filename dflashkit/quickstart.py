@@ -435,6 +435,7 @@ def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path,
 
 
 def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
+    from dflashkit.drafter.config import capture_layer_ids
     from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.target.model import Target
 
@@ -444,7 +445,7 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
         state["settings"] = asdict(s)
         _say(f"output directory {out} (re-running continues from what is done)")
         target = Target.load("default")
-        layer_ids = default_drafter_config(target, **s.drafter_overrides(target)).target_layer_ids
+        layer_ids = capture_layer_ids(default_drafter_config(target, **s.drafter_overrides(target)))
         if "rates" not in state:  # this machine's speed, the yardstick of the run's choices and notes
             state["rates"] = stage_rates(target, s, layer_ids)
             _save_state(out, state)

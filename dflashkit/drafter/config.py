@@ -4,7 +4,7 @@
 `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `layer_types`, `sliding_window` and
 `dflash_config: {mask_token_id, target_layer_ids}`), reading `dflash_config` first, then top-level fields.
 A DSpark drafter (`kind: dspark`: the same backbone + a Markov head and a confidence head) is written as DeepSpec
-and llama.cpp read it: `architectures: ["DSparkDraftModel"]`, top-level `markov_rank`, `markov_head_type: vanilla`,
+and llama.cpp read it: `architectures: ["Qwen3DSparkModel"]`, top-level `markov_rank`, `markov_head_type: vanilla`,
 `enable_confidence_head`, `confidence_head_with_markov: true` and `sample_from_anchor: true` (every slot drafts).
 
 Only `hidden_size` and `vocab_size` couple to the target; heads, kv heads, head_dim and intermediate size are the
@@ -317,7 +317,7 @@ class DrafterConfig:
                 "mask_token_id": self.mask_token_id,
             }
         return {
-            "architectures": ["DSparkDraftModel" if self.kind == "dspark" else "DFlashDraftModel"],
+            "architectures": ["Qwen3DSparkModel" if self.kind == "dspark" else "DFlashDraftModel"],
             **dspark,
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
@@ -464,6 +464,12 @@ def capture_layer_ids(cfg: DrafterConfig) -> list[int]:
 def _check_dspark_fields(raw: dict[str, Any], source: str) -> None:
     """A DSpark config dflashkit can run: a vanilla Markov head of rank ≥ 1, every slot drafting, the confidence
     head (if any) reading [hidden; W1[previous token]] — the layout DeepSpec trains and llama.cpp runs."""
+    other = [a for a in raw.get("architectures") or [] if a in ("DSparkDraftModel", "DSparkV41DraftModel")]
+    if other:
+        raise ConfigError(
+            f"{source}: architectures {other} is DeepSeek-V4's DSpark backbone (MLA + MoE stages); dflashkit runs "
+            f"the Qwen3-style DFlash backbone (Qwen3DSparkModel)"
+        )
     if not raw.get("markov_rank"):
         raise ConfigError(f"{source}: a DSpark drafter needs 'markov_rank' ≥ 1 (the Markov head's rank)")
     kind = raw.get("markov_head_type", "vanilla")

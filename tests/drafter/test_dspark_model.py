@@ -38,7 +38,7 @@ def small(**kw) -> DrafterConfig:
 def test_config_json_fields_and_round_trip(tmp_path: Path) -> None:
     cfg = small(draft_vocab_size=20)
     raw = cfg.to_zlab_dict()
-    assert raw["architectures"] == ["DSparkDraftModel"]
+    assert raw["architectures"] == ["Qwen3DSparkModel"]
     assert raw["markov_rank"] == 5 and raw["markov_head_type"] == "vanilla" and raw["sample_from_anchor"] is True
     assert raw["enable_confidence_head"] is True and raw["confidence_head_with_markov"] is True
     assert raw["target_layer_ids"] == [1, 4] and raw["block_size"] == 4
@@ -90,9 +90,10 @@ def test_unsupported_dspark_variants_are_refused() -> None:
         ({"sample_from_anchor": False}, "sample_from_anchor"),
         ({"confidence_head_with_markov": False}, "confidence_head_with_markov"),
         ({"markov_rank": "big"}, "markov_rank"),
+        ({"architectures": ["DSparkDraftModel"]}, "DeepSeek-V4"),
     ):
         with pytest.raises(ConfigError, match=match):
             DrafterConfig.from_zlab_dict({**raw, **change}, source="x/config.json")
     with pytest.raises(ConfigError, match="kind"):
         small(kind="medusa")
-    assert json.loads(json.dumps(raw))["architectures"] == ["DSparkDraftModel"]
+    assert json.loads(json.dumps(raw))["architectures"] == ["Qwen3DSparkModel"]
