@@ -151,6 +151,8 @@ def _geometry_lines(fa: dict[str, Any], fb: dict[str, Any], target: Any) -> list
 def _field_lines(fa: dict[str, Any], fb: dict[str, Any], same: list[str]) -> list[str]:
     out = []
     words = {
+        "kind": "drafter kind (dflash: bs − 1 drafts a round; dspark: bs, with a Markov head)",
+        "dspark": "DSpark heads",
         "hidden_size": "hidden size",
         "vocab_size": "vocabulary",
         "num_target_layers": "target depth",

@@ -246,6 +246,16 @@ def _facts(report: CheckpointReport) -> None:
         facts[name] = src.get(name)
     facts["rope_theta"] = cfg.rope_theta if cfg else (raw or {}).get("rope_theta")
     facts["block_size"] = cfg.block_size if cfg else _raw_field(raw, "block_size")
+    facts["kind"] = cfg.kind if cfg else ("dspark" if (raw or {}).get("markov_rank") else "dflash")
+    w1 = report.tensors.get("markov_head.markov_w1.weight")
+    facts["dspark"] = (
+        {
+            "markov_rank": w1["shape"][1] if w1 else (cfg.markov_rank if cfg else None),
+            "confidence_head": "confidence_head.proj.weight" in report.tensors,
+        }
+        if facts["kind"] == "dspark"
+        else None
+    )
     facts["is_causal"] = cfg.is_causal if cfg else (raw or {}).get("is_causal")
     facts["draft_vocab_size"] = cfg.draft_vocab_size if cfg else _raw_field(raw, "draft_vocab_size")
     learned = "mask_embedding" in report.tensors
@@ -426,6 +436,17 @@ def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> Checkp
     return report
 
 
+def _kind_line(f: dict) -> str:
+    """DSpark's extras on the block-size line: every slot drafts, the Markov head's rank, the confidence head."""
+    if f.get("kind") != "dspark" or not f.get("dspark"):
+        return f" (DFlash: {f['block_size'] - 1} drafts a round)" if isinstance(f["block_size"], int) else ""
+    d = f["dspark"]
+    return (
+        f" (DSpark: {f['block_size']} drafts a round; Markov head rank {d['markov_rank']}, "
+        f"{'a' if d['confidence_head'] else 'no'} confidence head)"
+    )
+
+
 def render_report(report: CheckpointReport) -> str:
     """Human-readable description plus the findings, one line each."""
     f = report.facts
@@ -458,7 +479,7 @@ def render_report(report: CheckpointReport) -> str:
         f"  MLP               {f['intermediate_size']} (tensors: {geo['intermediate']})",
         f"  hidden / vocab    {f['hidden_size']} / {f['vocab_size']}"
         + (f" (draft vocabulary {f['draft_vocab_size']})" if f["draft_vocab_size"] else ""),
-        f"  block size        {f['block_size']}",
+        f"  block size        {f['block_size']}" + _kind_line(f),
         f"  mask token        {mask_txt}",
         f"  rope θ / norm ε   {f['rope_theta']} / {f['rms_norm_eps']}",
         f"  parameters        {f['parameters']:,} ({', '.join(f['dtypes']) or 'no tensors'})",

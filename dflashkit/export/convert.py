@@ -127,7 +127,7 @@ def detect_format(raw: dict[str, Any]) -> str:
         return "unknown"
     if "speculators_model_type" in raw or SPECULATORS_NESTED in raw or SPECULATORS_LAYER_IDS in raw:
         return "speculators"
-    if "dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or []):
+    if "dflash_config" in raw or {"DFlashDraftModel", "Qwen3DSparkModel"} & set(raw.get("architectures") or []):
         return "zlab"
     return "unknown"
 

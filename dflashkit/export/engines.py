@@ -10,8 +10,8 @@ Each verdict is one of:
                 acceptance falls, output stays identical — the silent failure this report exists for
   refuses       it cannot run this drafter (the reason is the engine's own limit)
   unverified    dflashkit does not run this engine (its layout is documented, no run backs it)
-Facts come from the engines' sources (vLLM 0.32 `qwen3_dflash.py`, `config/vllm.py`; llama.cpp `dflash`
-loader through our GGUF export, export/gguf_export.py) and from runs of `serve-check`.
+Facts come from the engines' sources (vLLM 0.32 `qwen3_dflash.py`, `qwen3_dspark.py`, `config/vllm.py`; llama.cpp
+`dflash` loader through our GGUF export, export/gguf_export.py) and from runs of `serve-check`.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def engine_verdicts(
     """One verdict per engine for a drafter directory holding `files` (names) with tensor `keys` and config
     `raw` (its config.json as read)."""
     raw = raw or {}
+    if cfg.kind == "dspark":
+        return _dspark_verdicts(cfg, keys, raw)
     out: list[EngineVerdict] = []
     layout = _vllm_layout_problems(cfg, keys, raw)
     model = vllm_model_problems(cfg)
@@ -103,6 +105,42 @@ def engine_verdicts(
             "SGLang", "unverified", "SGLang's DFLASH loader reads z-lab's fields; dflashkit does not run SGLang"
         )
     )
+    return out
+
+
+def _dspark_verdicts(cfg: DrafterConfig, keys: set[str], raw: dict[str, Any]) -> list[EngineVerdict]:
+    """DSpark drafters: vLLM runs them only in its GPU model runner (`v1/worker/gpu/spec_decode/dspark`,
+    `qwen3_dspark.py`, which drops a learned mask embedding); llama.cpp through `--to gguf` (`draft-dspark`)."""
+    out = [EngineVerdict("vLLM (CPU)", "refuses", "vLLM runs DSpark drafters in its GPU model runner (V2) only")]
+    layout = _vllm_layout_problems(cfg, keys, raw)
+    if vllm_model_problems(cfg):
+        out.append(EngineVerdict("vLLM (GPU)", "refuses", "; ".join(vllm_model_problems(cfg))))
+    elif cfg.learned_mask_embedding:
+        out.append(
+            EngineVerdict(
+                "vLLM (GPU)",
+                "degrades",
+                f"vLLM's Qwen3 DSpark model drops a learned mask embedding (mask_embedding.pt too) and feeds the "
+                f"target's row {cfg.mask_token_id} at masked slots",
+            )
+        )
+    elif layout:
+        out.append(EngineVerdict("vLLM (GPU)", "converts", "; ".join(layout) + f" — {TO_VLLM}"))
+    else:
+        out.append(
+            EngineVerdict(
+                "vLLM (GPU)", "unverified", "Qwen3DSparkModel layout (method 'dspark'); dflashkit runs vLLM on CPU only"
+            )
+        )
+    problems = export_problems(cfg)
+    out.append(
+        EngineVerdict("llama.cpp", "refuses", "; ".join(problems))
+        if problems
+        else EngineVerdict("llama.cpp", "converts", "dflashkit convert DIR OUT.gguf --to gguf --target TARGET.gguf "
+                           "(--spec-type draft-dspark)")
+    )  # fmt: skip
+    out.append(EngineVerdict("z-lab", "refuses", "z-lab's DFlashDraftModel has no Markov or confidence head"))
+    out.append(EngineVerdict("SGLang", "unverified", "dflashkit does not run SGLang"))
     return out
 
 

@@ -25,7 +25,12 @@ What the file holds and why:
   by the learned vector, and then also its own `output` (a drafter with its own table stops borrowing the
   target's head); the cost is two vocabulary × hidden tables in the target's quantisation;
 - reduced draft vocabulary: `d2t` (I64, absolute target ids, as llama.cpp's converter writes it) and `output` =
-  the target LM-head rows of the draft vocabulary (the target's own quantisation).
+  the target LM-head rows of the draft vocabulary (the target's own quantisation);
+- DSpark drafters (`--spec-type draft-dspark`, `--spec-draft-n-max BS`): `markov_w1` (ne {r, V}: W1 over target
+  ids), `markov_w2` (ne {r, V'}: the draft vocabulary), `conf_proj.{weight,bias}` (ne {H + r, 1}) as llama.cpp's
+  converter names DeepSpec's `markov_head.*` / `confidence_head.proj`, with `dflash.sample_from_anchor` = true
+  (every slot drafts; src/models/dflash.cpp `build_dspark_markov_head` chains the argmax left to right) and
+  `dflash.has_confidence_head`.
 """
 
 from __future__ import annotations
@@ -70,7 +75,14 @@ GLOBAL_TENSORS = {
     "fc.weight": "fc.weight",
     "hidden_norm.weight": "enc.output_norm.weight",
     "norm.weight": "output_norm.weight",
+    # DSpark (gguf-py constants.py DSPARK_MARKOV_W1 / _W2 / DSPARK_CONF_PROJ)
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
 }
+SAMPLE_FROM_ANCHOR_KEY = "{arch}.sample_from_anchor"
+HAS_CONFIDENCE_KEY = "{arch}.has_confidence_head"
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -101,6 +113,13 @@ def gguf_tensor_name(key: str) -> str:
 def gguf_target_layers(cfg: DrafterConfig) -> list[int]:
     """llama.cpp's `dflash.target_layers`: the layer whose *input* is dflashkit's output of decoder layer i."""
     return [int(i) + 1 for i in cfg.target_layer_ids]
+
+
+def spec_flags(cfg: DrafterConfig) -> str:
+    """The llama.cpp flags that run this drafter as dflashkit does."""
+    if cfg.kind == "dspark":
+        return f"--spec-type draft-dspark --spec-draft-n-max {cfg.block_size}"
+    return f"--spec-type draft-dflash --spec-draft-n-max {cfg.block_size - 1}"
 
 
 def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None) -> list[str]:
@@ -362,6 +381,9 @@ def _write(
         for k, v, vtype, sub in target.tokenizer_fields:
             w.add_key_value(k, v, vtype, sub_type=sub)
         w.add_uint32(MASK_KEY, cfg.mask_token_id)
+        if cfg.kind == "dspark":
+            w.add_bool(SAMPLE_FROM_ANCHOR_KEY.format(arch=ARCH), True)
+            w.add_bool(HAS_CONFIDENCE_KEY.format(arch=ARCH), bool(cfg.confidence_head))
         # provenance (llama.cpp ignores unknown keys)
         w.add_string("dflashkit.mask", "learned" if cfg.learned_mask_embedding else "token_row")
         w.add_array("dflashkit.target_layer_ids", list(cfg.target_layer_ids))
@@ -398,10 +420,10 @@ def export_gguf(
     )
     notes.append(
         f"tokenizer copied from {tgt.path.name} ({tgt.vocab_size} tokens); mask_token_id "
-        f"{cfg.mask_token_id}; block_size {cfg.block_size}: run with --spec-draft-n-max "
-        f"{cfg.block_size - 1} for dflashkit's drafts"
+        f"{cfg.mask_token_id}; block_size {cfg.block_size}: run with {spec_flags(cfg)} for dflashkit's drafts"
     )
-    _write(out, cfg, tgt, exp, outtype=outtype, name=f"{Path(src).name} DFlash drafter", source_format=fmt)
+    kind = "DSpark" if cfg.kind == "dspark" else "DFlash"
+    _write(out, cfg, tgt, exp, outtype=outtype, name=f"{Path(src).name} {kind} drafter", source_format=fmt)
     notes.append(f"{_mb(os.path.getsize(out))} written, drafter matrices {outtype}")
     return ConversionReport(str(src), fmt, str(out), "gguf", notes)
 
@@ -422,4 +444,5 @@ __all__ = [
     "gguf_tensor_name",
     "read_target_gguf",
     "resolve_target_gguf",
+    "spec_flags",
 ]

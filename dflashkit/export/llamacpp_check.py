@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dflashkit.drafter.dspark_heads import markov_chain
 from dflashkit.errors import DFlashError
 from dflashkit.export import llamacpp
 from dflashkit.target.products import stock_products
@@ -47,13 +48,21 @@ def reference_drafts(
                 context_positions=torch.arange(pos0)[None],
                 block_positions=torch.arange(pos0, pos0 + cfg.block_size)[None],
             )  # (1, block, H)
-            logits = drafter.logits(h[0, 1 : 1 + len(r.draft)], target.lm_head_weight).float()  # (n, V')
+            first = drafter.first_draft_slot()
+            logits = drafter.logits(h[0, first : first + len(r.draft)], target.lm_head_weight).float()  # (n, V')
+            if drafter.is_dspark:  # the Markov head's greedy chain, as llama.cpp's graph runs it
+                to_target = lambda i: int(drafter.to_target_ids(torch.tensor(i)))  # noqa: E731
+                logits = markov_chain(logits, seq[pos0], drafter.markov_head, _argmax, to_target)[1]
             top = logits.topk(2, dim=-1)
             out.append(
                 (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())
             )
             pos0 += r.accepted + 1
     return out
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(logits.argmax())
 
 
 def prompt_text(tokenizer: Any, ids: list[int]) -> str:
@@ -78,17 +87,18 @@ def llamacpp_side(
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """(theirs, ours, ties): llama.cpp's tokens, rounds and accepted per position, and dflashkit's drafter's
     acceptance on the same rounds (module docstring)."""
-    bs = drafter.config.block_size
+    slots = drafter.config.block_size - drafter.first_draft_slot()  # drafts a round proposes
     run = llamacpp.run_speculative(
         target_gguf,
         prompt_text(target.tokenizer, prompt_ids),
         drafter=drafter_gguf,
-        n_max=bs - 1,
+        n_max=slots,
         n_predict=max_new_tokens,
         verbose=True,
+        spec_type="draft-dspark" if drafter.is_dspark else "draft-dflash",
     )
-    theirs = {"tokens": run.generated_ids[:max_new_tokens], "drafts": 0, "accepted_per_pos": [0] * (bs - 1)}
-    ours = {"drafts": 0, "accepted_per_pos": [0] * (bs - 1)}
+    theirs = {"tokens": run.generated_ids[:max_new_tokens], "drafts": 0, "accepted_per_pos": [0] * slots}
+    ours = {"drafts": 0, "accepted_per_pos": [0] * slots}
     ties = 0
     committed = run.generated_ids
     done = 0

@@ -209,3 +209,18 @@ def test_diff_fields_and_weight_statistics(tmp_path):
     assert worst["tensor"] == "layers.0.mlp.down_proj.weight"
     assert worst["cosine"] == pytest.approx(-1.0) and worst["norm_ratio"] == pytest.approx(2.0)
     assert w["identical"] == w["compared"] - 1 and w["only_in_a"] == ["mask_embedding"]
+
+
+def test_inspect_and_diff_know_dspark_drafters(tmp_path, capsys):
+    dspark = write_checkpoint(tmp_path / "s", small_config(kind="dspark", markov_rank=8))
+    plain = write_checkpoint(tmp_path / "p", small_config())
+    assert main(["inspect", str(dspark)]) == 0
+    out = capsys.readouterr().out
+    assert "DSpark: 4 drafts a round; Markov head rank 8, a confidence head" in out
+    engines = {v["engine"]: v["verdict"] for v in inspect_checkpoint(dspark).facts["engines"]}
+    assert engines["vLLM (CPU)"] == "refuses" and engines["z-lab"] == "refuses"
+    assert engines["vLLM (GPU)"] == "degrades"  # a learned mask: vLLM's DSpark model drops it
+    assert engines["llama.cpp"] == "converts"
+    assert "DFlash: 3 drafts a round" in (main(["inspect", str(plain)]) or capsys.readouterr().out)
+    rep = diff_checkpoints(plain, dspark, weights=False)
+    assert any(line.startswith("drafter kind") and "B dspark" in line for line in rep.differences)

@@ -62,9 +62,11 @@ def loader_tensors(
     n_extract: int,
     n_vocab: int,
     n_vocab_draft: int,
+    markov_rank: int | None = None,
 ) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """src/models/dflash.cpp llama_model_dflash::load_arch_tensors: GGUF name → (ne, required), for a plain
-    DFlash drafter (no DSpark / DFlash2 heads). The loader fails on any tensor of the file it did not create."""
+    """src/models/dflash.cpp llama_model_dflash::load_arch_tensors: GGUF name → (ne, required), for a DFlash
+    drafter, or a DSpark one (`markov_rank`: its Markov and confidence heads; no DFlash2 selector). The loader
+    fails on any tensor of the file it did not create."""
     table = {
         "fc.weight": ((n_extract * n_embd, n_embd), True),
         "enc.output_norm.weight": ((n_embd,), True),
@@ -73,6 +75,15 @@ def loader_tensors(
         "output.weight": ((n_embd, n_vocab_draft), False),
         "d2t": ((n_vocab_draft,), False),
     }
+    if markov_rank:  # loaded when markov_w1.weight exists: W1 over the target vocabulary, W2 over the draft one
+        table.update(
+            {
+                "markov_w1.weight": ((markov_rank, n_vocab), True),
+                "markov_w2.weight": ((markov_rank, n_vocab_draft), True),
+                "conf_proj.weight": ((n_embd + markov_rank, 1), False),
+                "conf_proj.bias": ((1,), False),
+            }
+        )
     for i in range(n_layer):
         table.update(
             {
@@ -151,6 +162,7 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
         cfg.num_features,
         n_vocab,
         cfg.draft_vocab_size or n_vocab,
+        cfg.markov_rank if cfg.kind == "dspark" else None,
     )
     unknown = sorted(set(tensors) - set(table))
     assert not unknown, f"tensors the loader would not consume: {unknown}"
@@ -283,3 +295,35 @@ def test_refusals(tmp_path, target_gguf, tiny_llama_dir):
         export_gguf(ok, tmp_path / "x.gguf", target=target_gguf, outtype="q4_k")
     assert not (tmp_path / "x.gguf").exists()  # a refusal writes nothing
     assert main(["convert", str(ok), str(tmp_path / "x.gguf"), "--to", "gguf"]) == 2  # --target is required
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_dspark_heads_and_keys(tmp_path, target_gguf, vocab):
+    """DSpark: the Markov head and confidence head under llama.cpp's names and shapes, sample_from_anchor and
+    has_confidence_head set, weights equal to the checkpoint's; the notes name draft-dspark and n-max = bs."""
+    draft_ids = torch.arange(0, 80, 2)[: vocab or 0]
+    cfg = small_config(
+        learned_mask_embedding=False, mask_token_id=90, kind="dspark", markov_rank=8, draft_vocab_size=vocab
+    )
+
+    def edit(sd):
+        sd["markov_head.markov_w2.weight"].normal_()
+        if vocab:
+            sd["draft_to_target"] = draft_ids
+
+    ckpt = write_checkpoint(tmp_path / "d", cfg, edit=edit)
+    out = tmp_path / "d.gguf"
+    report = export_gguf(ckpt, out, target=target_gguf, outtype="f32")
+    tensors = check_against_loader(out, cfg, outtype="f32")
+    fields, _ = read(out)
+    assert fields["dflash.sample_from_anchor"].contents() is True
+    assert fields["dflash.has_confidence_head"].contents() is True
+    sd = read_tensors(ckpt)
+    for key, name in (
+        ("markov_head.markov_w1.weight", "markov_w1.weight"),
+        ("markov_head.markov_w2.weight", "markov_w2.weight"),
+        ("confidence_head.proj.weight", "conf_proj.weight"),
+        ("confidence_head.proj.bias", "conf_proj.bias"),
+    ):
+        assert np.array_equal(dequant(tensors[name]).reshape(sd[key].shape), sd[key].numpy()), key
+    assert any("draft-dspark --spec-draft-n-max 4" in n for n in report.notes)
