@@ -30,6 +30,7 @@ from dflashkit.validation import (
     PositiveInt,
     Probability,
     Seed,
+    UnitInterval,
     flag,
     int_list,
 )
@@ -127,6 +128,13 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     )
     _tree_top_k_arg(p)
     p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override the drafter's block size")
+    p.add_argument(
+        "--confidence-min",
+        type=flag(UnitInterval),
+        default=None,
+        metavar="P",
+        help="DSpark drafters: draft only while the confidence head's predicted prefix acceptance is ≥ P",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-turn tokens")
     p.add_argument("--seed", type=flag(Seed), default=0)
 
@@ -171,6 +179,7 @@ def _generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             stop_token_ids=_stops(args, target),
             seed=args.seed,
+            confidence_min=args.confidence_min,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -141,7 +141,8 @@ def dflashkit_counts(target: Any, drafter: Any, prompt: list[int], max_new_token
 
     bs = drafter.config.block_size
     res = generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=max_new_tokens + bs)
-    drafts, accepted, per_pos, done = 0, 0, [0] * (bs - 1), 1  # the first token comes from prefill
+    slots = bs - drafter.first_draft_slot()  # drafts a round proposes (DSpark: every slot)
+    drafts, accepted, per_pos, done = 0, 0, [0] * slots, 1  # the first token comes from prefill
     for length in res.acceptance_lengths:
         if done >= max_new_tokens:
             break
@@ -264,6 +265,11 @@ def serve_check(
         raise DFlashError(f"unknown engine(s) {unknown}; expected one of {', '.join(ENGINES)}")
     drafter = load_drafter(drafter_dir, device=target.device).eval()
     bs = drafter.config.block_size
+    if drafter.is_dspark and "vllm" in engines:
+        raise EngineUnavailable(
+            "vLLM runs DSpark drafters only in its GPU model runner (v1/worker/gpu/spec_decode/dspark); the vLLM "
+            "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
+        )
     ours = [
         dflashkit_counts(target, drafter, p, max_new_tokens)
         for p in tqdm(prompts, desc="dflashkit chain", disable=not progress, file=sys.stderr)
@@ -276,8 +282,13 @@ def serve_check(
         version, theirs = run_vllm(
             target.source, drafter_dir, prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=bs - 1
         )
-        out.append(EngineComparison(engine, version, ours, theirs, compare(ours, theirs, bs)))
+        out.append(EngineComparison(engine, version, ours, theirs, compare(ours, theirs, _width(drafter))))
     return ServeCheckReport(str(drafter_dir), str(target.source), len(prompts), max_new_tokens, bs, out)
+
+
+def _width(drafter: Any) -> int:
+    """1 + the drafts a round proposes: the block size for DFlash, one more for DSpark (what `compare` takes)."""
+    return drafter.config.block_size + (1 if drafter.is_dspark else 0)
 
 
 def _llamacpp(
@@ -333,8 +344,7 @@ def _llamacpp(
                 f"own rounds"
             )
             a.tokens = list(b.tokens)
-    bs = drafter.config.block_size
-    return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, compare(ours, theirs, bs), notes)
+    return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, compare(ours, theirs, _width(drafter)), notes)
 
 
 def target_tie(target: Any, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float] | None:

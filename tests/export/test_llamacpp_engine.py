@@ -3,7 +3,8 @@ scripts/build_llamacpp.sh has built llama.cpp into the user cache; `pytest -m ll
 
 For SmolLM2-shaped drafters in the three layouts (mask = a real embedding row; learned mask embedding; learned mask
 + reduced 8192-token vocabulary, the quickstart's drafter), with the embedded SmolLM2 target:
-- the GGUF loads in llama-speculative-simple and llama-server (`--spec-type draft-dflash`);
+- the GGUF loads in llama-speculative-simple and llama-server (`--spec-type draft-dflash`; a DSpark drafter with
+  `draft-dspark`, its Markov head chained left to right in llama.cpp's graph);
 - greedy output with speculation equals plain llama.cpp decoding (Q4_1 target and F32 target);
 - on the F32 target, llama.cpp's top-1 drafts equal dflashkit's PyTorch drafts in every slot of every round
   (slots where PyTorch's own top-2 logits are within 0.02 are numerical ties and are counted, not failed).
@@ -40,7 +41,12 @@ PROMPTS = [
     "<|im_start|>user\nWrite a Python function that reverses a list.<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n",
 ]
-VARIANTS = ("real_row", "learned", "learned_d8192")
+VARIANTS = ("real_row", "learned", "learned_d8192", "dspark_d8192")
+
+
+def spec_args(name: str) -> dict:
+    """llama.cpp's speculative type and draft count for a variant: DSpark drafts every slot of its block of 4."""
+    return {"spec_type": "draft-dspark", "n_max": 4} if name.startswith("dspark") else {"n_max": 3}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +73,8 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     for i, name in enumerate(VARIANTS):
         # 16: <empty_output>, never produced (the default mask row for SmolLM2)
         overrides = {"mask_token_id": 16} if name == "real_row" else {"learned_mask_embedding": True}
+        if name.startswith("dspark"):  # the Markov head (W1, W2 random below) and the confidence head
+            overrides.update(kind="dspark", markov_rank=64)
         if name.endswith("d8192"):
             overrides["draft_vocab_size"] = 8192
         cfg = default_drafter_config(target, num_hidden_layers=2, block_size=4, **overrides)
@@ -98,7 +106,7 @@ def test_drafts_equal_pytorch_on_f32_target(name, target, drafters, ggufs, tmp_p
     gguf_file = _gguf(drafters, ggufs, tmp_path_factory, name, "f32")
     slots = ties = 0
     for prompt in PROMPTS:
-        run = llamacpp.run_speculative(ggufs["f32"], prompt, drafter=gguf_file, n_max=3, n_predict=24)
+        run = llamacpp.run_speculative(ggufs["f32"], prompt, drafter=gguf_file, n_predict=24, **spec_args(name))
         assert len(run.rounds) >= 6, run.log[-2000:]
         ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for r, (ref, margin) in zip(run.rounds, reference_drafts(target, drafter, ids, run), strict=True):
@@ -117,9 +125,9 @@ def test_greedy_output_equals_plain_llamacpp(name, tgt, drafters, ggufs, tmp_pat
     gguf_file = _gguf(drafters, ggufs, tmp_path_factory, name, tgt)
     for prompt in PROMPTS[:1]:
         plain = llamacpp.run_plain(ggufs[tgt], prompt, n_predict=32)
-        spec = llamacpp.run_speculative(ggufs[tgt], prompt, drafter=gguf_file, n_max=3, n_predict=32)
+        spec = llamacpp.run_speculative(ggufs[tgt], prompt, drafter=gguf_file, n_predict=32, **spec_args(name))
         assert_same_greedy(spec.text.split(prompt, 1)[-1], plain.text)
-        assert "draft-dflash" in spec.log and len(spec.rounds) > 0
+        assert spec_args(name).get("spec_type", "draft-dflash") in spec.log and len(spec.rounds) > 0
 
 
 def test_portable_build_names_the_cpu_variant_it_ran(ggufs, record_property, capsys):
@@ -203,7 +211,8 @@ def test_gguf_loads_in_llama_server(drafters, ggufs, tmp_path_factory):
             proc.kill()
 
 
-def test_serve_check_llamacpp_agrees_round_by_round(target, drafters, tmp_path):
+@pytest.mark.parametrize("name", ["learned_d8192", "dspark_d8192"])
+def test_serve_check_llamacpp_agrees_round_by_round(target, drafters, tmp_path, name):
     """`serve-check --engine llamacpp` on the quickstart-shaped drafter (reduced vocabulary, learned mask) exported in
     the serving layout: llama.cpp's output equals dflashkit's greedy output and its accepted drafts per position
     equal those of dflashkit's drafter on llama.cpp's own rounds."""
@@ -211,7 +220,7 @@ def test_serve_check_llamacpp_agrees_round_by_round(target, drafters, tmp_path):
     from dflashkit.export.serve_check import serve_check
 
     served = tmp_path / "served"
-    convert(drafters["learned_d8192"], served, to="vllm", target=target)
+    convert(drafters[name], served, to="vllm", target=target)
     ids = [target.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     report = serve_check(target, served, prompts=ids, max_new_tokens=24, engines=["llamacpp"], progress=False)
     engine = report.engines[0]
