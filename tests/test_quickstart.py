@@ -82,6 +82,29 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     check_curve_on(out, tmp_path, capsys)
 
 
+def test_quickstart_with_a_dspark_drafter(tmp_path, capsys):
+    """`quickstart --drafter kind=dspark`: the final layer is captured for its loss, it trains, exports in the
+    serving layout, and decodes losslessly with chain and DDTree on the held-out prompts."""
+    from dflashkit.cli import main
+    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.features.manifest import Manifest
+
+    out = tmp_path / "qs"
+    args = ["quickstart", "--out", str(out), *TINY, "--drafter", "kind=dspark", "--drafter", "markov_rank=32"]
+    assert main(args) == 0
+    assert "τ macro" in capsys.readouterr().out
+    drafter = load_drafter(out / "drafter")
+    assert drafter.config.kind == "dspark" and drafter.config.markov_rank == 32
+    assert Manifest.load(out / "features").layer_ids[-1] == drafter.config.num_target_layers - 1
+    for dataset in ("mtbench", "humaneval"):
+        doc = json.loads((out / "eval" / dataset / "results.json").read_text())
+        assert doc["drafters"]["quickstart"]["kind"] == "dspark"
+        for method in ("chain", "ddtree:4"):
+            res = doc["results"]["quickstart"][method]
+            assert res["greedy_equal_fraction"] == 1.0, (dataset, method)
+        assert doc["results"]["quickstart"]["chain"]["max_length"] == drafter.config.block_size + 1
+
+
 def check_sweep_on(base, tmp_path, capsys):
     """bench/sweep_defaults.py on the finished run: a settings variant (3 of the 5 captured target layers, read
     from the same capture) and a data variant (half the responses, captured again), scored by one simulation."""

@@ -298,7 +298,10 @@ def label_offset_accuracy(
     max_anchors: int = 8,
     offsets: tuple[int, ...] = (-1, 0, 1),
 ) -> dict[int, list[int]]:
-    """Teacher-forced drafter on a transcript: per offset d, [correct, total] of slot-k predictions vs token a+k+d."""
+    """Teacher-forced drafter on a transcript: per offset d, [correct, total] of slot-k predictions vs token a+k+d.
+
+    DSpark drafters count their slot j (which drafts the token at a+j+1, through the Markov head fed the true
+    previous token) as slot k = j + 1, so a healthy drafter of either kind peaks at d = 0."""
     cfg = drafter.config
     ids = torch.tensor([transcript])
     feats = target.forward(ids, layer_ids=cfg.target_layer_ids, logits=False).features  # (1, T, K·H)
@@ -311,7 +314,12 @@ def label_offset_accuracy(
         hidden = drafter(
             feats[:, :a], embeds, context_positions=torch.arange(a)[None], block_positions=torch.arange(a, a + bs)[None]
         )
-        preds = drafter.to_target_ids(drafter.logits(hidden[0, 1:], target.lm_head_weight).argmax(-1)).tolist()
+        first = drafter.first_draft_slot()
+        logits = drafter.logits(hidden[0, first:], target.lm_head_weight).float()  # (n, V')
+        if drafter.is_dspark:  # teacher-forced Markov correction: slot j reads the true token at a+j
+            prevs = torch.tensor([transcript[min(a + j, t - 1)] for j in range(logits.shape[0])])
+            logits = logits + drafter.markov_head.bias(prevs).float()
+        preds = drafter.to_target_ids(logits.argmax(-1)).tolist()
         for k, p in enumerate(preds, start=1):
             for d in offsets:
                 if 0 <= a + k + d < t:

@@ -258,3 +258,14 @@ def test_unreadable_drafter_is_named(tmp_path, tiny_llama_dir, capsys):
     assert "FAIL files: model.safetensors is not a readable safetensors file" in out
     assert main(["doctor", "--target", str(tiny_llama_dir), "--drafter", str(tmp_path / "missing")]) == 1
     assert f"checkpoint {tmp_path / 'missing'} does not exist" in capsys.readouterr().out
+
+
+def test_doctor_on_a_dspark_drafter(tmp_path, tiny_llama_dir, capsys):
+    """A DSpark drafter (every slot drafts, the next position) passes doctor's checks, decoding included."""
+    path = write_checkpoint(tmp_path / "sp", small_config(kind="dspark", markov_rank=8))
+    code = main(
+        ["doctor", "--target", str(tiny_llama_dir), "--drafter", str(path), "--prompts", "2", "--max-new-tokens", "10"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "draft-and-verify: output equals greedy on 2 prompts" in out and "FAIL label shift" not in out

@@ -138,3 +138,24 @@ def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tin
     for bad, field in ((dict(loss="topk"), "loss"), (dict(position_weights="dpace"), "position_weights")):
         with pytest.raises(ConfigError, match=field):
             train(cfg_for(tmp_path / f"bad-{field}", features=str(feats), **{**common, **bad}), target=target)
+
+
+def test_training_mask_equals_deepspecs_definition() -> None:
+    """DeepSpec's DSpark mask on one unpacked sequence: a block query sees context key j iff j < its anchor and
+    every key of its own block (nothing of other blocks) — dflashkit's DFlash mask, which DSpark shares."""
+    from dflashkit.train.blocks import dense_mask
+
+    t, bs = 20, 4
+    anchors = torch.tensor([[3, 8, 15]])
+    ids = torch.arange(t)[None]
+    blocks = build_blocks(
+        ids, torch.zeros(1, t, dtype=torch.long), torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool),
+        block_size=bs, anchors=anchors,
+    )  # fmt: skip
+    got = dense_mask(blocks)[0, 0]  # (Nq, T + Nq)
+    nq = anchors.shape[1] * bs
+    for q in range(nq):
+        a = int(anchors[0, q // bs])
+        for kv in range(t + nq):
+            want = kv < a if kv < t else (kv - t) // bs == q // bs
+            assert bool(got[q, kv]) == want, (q, kv)
