@@ -76,6 +76,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a DSpark drafter (issue 23) at the same block size (so 4 drafts a round to DFlash's 3), same data; its loss
     # needs the target's final layer, captured again with the base tokens
     "dspark": {"settings": {"drafter_extra": {"kind": "dspark"}}, "capture_final": True},
+    # the same with a Markov head of rank 64: DeepSpec's 256 makes W1 (49152 × r) 2.6× the SmolLM2 drafter's backbone
+    "dspark_r64": {"settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 64}}, "capture_final": True},
 }
 _DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
 

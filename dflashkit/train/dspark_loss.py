@@ -61,7 +61,7 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
         weight: Tensor,  # (V', H) frozen
         labels: Tensor,  # (M,) draft ids, −100: no CE
         row_w: Tensor,  # (M,)
-        target_logits: Callable[[int, int], Tensor],  # rows [r0, r1) → (m, V) target logits
+        target_logits: Callable[[int, int], Tensor | tuple[Tensor, Tensor]],  # rows [r0, r1) → see _target_probs
         d2t: Tensor | None,  # (V',) target id of each draft id
         ce_w: float,
         l1_w: float,
@@ -80,23 +80,22 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
             z = h @ weight.to(acc).t() + em @ w2.to(acc).t()  # (m_c, V')
             logp = torch.log_softmax(z, dim=-1)
             p = logp.exp()
-            pt_full = torch.softmax(target_logits(s, e_).to(z.device, acc), dim=-1)  # (m_c, V)
-            pt = pt_full if d2t is None else pt_full.index_select(1, d2t)  # (m_c, V')
-            outside = (1 - pt.sum(-1)).clamp_min(0) if d2t is not None else 0.0  # target mass the draft cannot hold
+            pt, outside = _target_probs(target_logits(s, e_), d2t, z.device, acc)  # (m_c, V'), (m_c,)
             diff = p - pt
-            l1 = diff.abs().sum(-1) + outside  # (m_c,)
+            l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1) + outside  # (m_c,)
             lab = labels[s:e_]
             has = lab >= 0
-            ce = torch.where(has, -logp.gather(1, lab.clamp(min=0)[:, None]).squeeze(1), 0.0)
+            rows = torch.arange(e_ - s, device=z.device)
+            ce = torch.where(has, -logp[rows, lab.clamp(min=0)], 0.0)
             w = row_w[s:e_].to(acc)
             total += (w * (ce_w * ce + l1_w * l1)).sum()
             l1_rows[s:e_] = l1
             preds[s:e_] = z.argmax(-1)
-            sign = torch.sign(diff)
-            g = l1_w * p * (sign - (p * sign).sum(-1, keepdim=True))  # d L1 / d z
-            g += ce_w * torch.where(has[:, None], p, 0.0)
-            g[torch.arange(e_ - s, device=g.device)[has], lab[has]] -= ce_w
-            g *= w[:, None]
+            # d/dz of w·(a·CE + b·L1) = w·(b·p⊙(s − ⟨p, s⟩) + a·(p − onehot)), s = sign(p − p_target), in place
+            ps = diff.sign_().mul_(p)  # p ⊙ s
+            coef = (ce_w * has.to(acc) - l1_w * ps.sum(-1)) * w  # (m_c,)
+            g = ps.mul_((l1_w * w)[:, None]).addcmul_(p, coef[:, None])
+            g[rows[has], lab[has]] -= ce_w * w[has]
             gh[s:e_] = (g @ weight.to(acc)).to(hidden.dtype)
             ge[s:e_] = (g @ w2.to(acc)).to(emb.dtype)
             gw2 += g.t() @ em
@@ -110,6 +109,24 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
         gh, ge, gw2 = ctx.saved_tensors
         g = grad_total
         return gh * g.to(gh.dtype), ge * g.to(ge.dtype), (gw2 * g).to(ctx.w2_dtype), *([None] * 8)
+
+
+def _target_probs(
+    source: Tensor | tuple[Tensor, Tensor], d2t: Tensor | None, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | float]:
+    """The target's probabilities of the draft vocabulary (m, V') and its mass outside it (m,) (0.0 without a
+    reduced vocabulary). `source`: logits (m, V), or (logits of U distinct positions (U, V), index (m,) of each
+    row's position) — slots of overlapping blocks share positions, so the softmax runs once per position."""
+    logits, inverse = source if isinstance(source, tuple) else (source, None)
+    pt = torch.softmax(logits.to(device, dtype), dim=-1)  # (U, V)
+    if d2t is not None:
+        pt = pt.index_select(1, d2t)  # (U, V')
+    outside = (1 - pt.sum(-1)).clamp_min(0) if d2t is not None else None  # target mass the draft cannot hold
+    if inverse is not None:
+        inverse = inverse.to(device)
+        pt = pt.index_select(0, inverse)
+        outside = outside.index_select(0, inverse) if outside is not None else None
+    return pt, (outside if outside is not None else 0.0)
 
 
 def dspark_loss(
@@ -132,7 +149,8 @@ def dspark_loss(
     vocabulary (frozen); drafter: holds `markov_head` (and `confidence_head` if it has one) and `to_target_ids`;
     labels (N, γ) target ids, −100 where invalid (the valid slots must form a prefix of each block); prev_tokens
     (N, γ) target ids teacher-forced into the Markov head; target_logits: the target's logits at each slot's
-    index, (N, γ, V), or a callable `flat_rows (m,) → (m, V)` over the flattened N·γ slots; weights (γ,) default
+    index, (N, γ, V), or a callable `flat_rows (m,) → (m, V)` over the flattened N·γ slots (or → (logits of the
+    U distinct positions among them (U, V), each row's index into them (m,)), see `_target_probs`); weights (γ,) default
     `dspark_slot_weights`; normalizer: divide by this instead of Σ w over valid slots (a global value across
     micro-batches and ranks); draft_labels (N, γ): labels as draft ids (−100 outside a reduced vocabulary), default
     = labels. Returns a LossOutput whose per-slot vectors have γ + 1 entries: entry 0 is the given token (always

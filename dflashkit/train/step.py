@@ -181,9 +181,11 @@ def _dspark_step_loss(run: Run, inp: StepInputs, hidden: Tensor, normalizer: Ten
     flat_final = inp.final_hidden.reshape(b * t, h_dim)
     flat_rows = rows_bt.reshape(-1)
 
-    def target_logits(slots: Tensor) -> Tensor:  # flattened slot ids (m,) → the target's logits (m, V)
-        sel = flat_final.index_select(0, flat_rows[slots])  # (m, H)
-        return run.target.verifier_logits(sel[None])[0].float()
+    def target_logits(slots: Tensor) -> tuple[Tensor, Tensor]:  # flattened slot ids (m,) → (U, V), (m,)
+        # slots of overlapping blocks share row positions (a+k): the target's head runs once per position
+        positions, inverse = torch.unique(flat_rows[slots], return_inverse=True)
+        sel = flat_final.index_select(0, positions)  # (U, H)
+        return run.target.verifier_logits(sel[None])[0].float(), inverse
 
     head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     return dspark_loss(

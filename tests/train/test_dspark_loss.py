@@ -155,3 +155,31 @@ def test_normaliser_splits_and_bad_labels() -> None:
         dspark_loss(hidden, head, d, gappy, prevs, tlogits)
     zero = dspark_loss(hidden, head, d, labels, prevs, tlogits, loss_weights=DSparkLossWeights(0.0, 0.0, 0.0))
     assert float(zero.loss.detach()) == 0.0
+
+
+def test_target_logits_per_distinct_position_equal_per_slot() -> None:
+    """A callable may return the logits of the distinct positions and each slot's index into them (what training
+    does: overlapping blocks share positions); loss and gradients are unchanged."""
+    hidden, head, labels, prevs, tlogits = _problem(5)
+    n = labels.shape[0]
+    tlogits[1:] = tlogits[0]  # every block reads the same positions
+    flat = tlogits.reshape(-1, V)
+    d1, d2 = tiny_dspark(draft_vocab=7), tiny_dspark(draft_vocab=7)
+    t2d = torch.full((V,), -100)
+    t2d[d1.draft_to_target] = torch.arange(7)
+    dl = torch.where(labels >= 0, t2d[labels.clamp(min=0)], -100)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    per_slot = dspark_loss(h1, head[d1.draft_to_target], d1, labels, prevs, tlogits, draft_labels=dl)
+    per_slot.loss.backward()
+
+    def distinct(idx: torch.Tensor):
+        pos = idx % G  # slot k of every block is position k
+        uniq, inv = torch.unique(pos, return_inverse=True)
+        return flat[uniq], inv
+
+    shared = dspark_loss(h2, head[d2.draft_to_target], d2, labels, prevs, distinct, draft_labels=dl)
+    shared.loss.backward()
+    torch.testing.assert_close(shared.loss, per_slot.loss)
+    for a, b in zip(_grads(d2, h2), _grads(d1, h1), strict=True):
+        torch.testing.assert_close(a, b)
+    assert n > 1
