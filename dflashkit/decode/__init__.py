@@ -10,4 +10,5 @@ Modules and their public functions:
                   `tree_attention_bias`, `chain_tree`
   hybrid_tree.py  `verify_tree`: exact DDTree verification on hybrid (Gated DeltaNet) targets, `resolve_mode`
   sampling.py     `SamplingParams`, `probs`, `accept_argmax_drafts`, `accept_sampled_drafts`
+  dspark_draft.py `draft_dspark` (a DSpark round: backbone + Markov head left to right), `dspark_conditional`
 """

@@ -166,22 +166,10 @@ def generate(
         drafts = draft_q = draft_logits = None
         if n_verify > 0:
             with clock("draft"):  # always the full block (see the module docstring); only n_verify drafts are used
-                draft = draft_dspark if dspark else _draft
-                extra = {"confidence_min": confidence_min} if dspark else {}
-                drafts, draft_q, draft_logits = draft(
-                    target,
-                    drafter,
-                    dcache,
-                    bonus,
-                    new_ctx,
-                    new_pos,
-                    start,
-                    bs,
-                    n_verify,
-                    sampling,
-                    draft_sampling,
-                    gen,
-                    **extra,
+                a = (target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, sampling)
+                a += (draft_sampling, gen)
+                drafts, draft_q, draft_logits = (
+                    draft_dspark(*a, confidence_min=confidence_min) if dspark else _draft(*a)
                 )
         if method == "tree" and drafts is not None:
             committed, next_token, feats = _verify_tree(

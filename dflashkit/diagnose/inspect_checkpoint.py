@@ -438,13 +438,11 @@ def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> Checkp
 
 def _kind_line(f: dict) -> str:
     """DSpark's extras on the block-size line: every slot drafts, the Markov head's rank, the confidence head."""
-    if f.get("kind") != "dspark" or not f.get("dspark"):
-        return f" (DFlash: {f['block_size'] - 1} drafts a round)" if isinstance(f["block_size"], int) else ""
-    d = f["dspark"]
-    return (
-        f" (DSpark: {f['block_size']} drafts a round; Markov head rank {d['markov_rank']}, "
-        f"{'a' if d['confidence_head'] else 'no'} confidence head)"
-    )
+    d, bs = f.get("dspark"), f["block_size"]
+    if f.get("kind") == "dspark" and d:
+        conf = "a" if d["confidence_head"] else "no"
+        return f" (DSpark: {bs} drafts a round; Markov head rank {d['markov_rank']}, {conf} confidence head)"
+    return f" (DFlash: {bs - 1} drafts a round)" if isinstance(bs, int) else ""
 
 
 def render_report(report: CheckpointReport) -> str:

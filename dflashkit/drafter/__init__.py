@@ -3,13 +3,15 @@
 Reads and Writes a z-lab-format checkpoint directory: `config.json` (Qwen3 fields + `architectures:
 ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `layer_types`, `dflash_config: {mask_token_id,
 target_layer_ids, …}`) and `model.safetensors` (keys without prefix: `fc`, `hidden_norm`, `layers.N.…`, `norm`;
-`mask_embedding` and `draft_to_target` when used). No embedding table and no LM head: those are the target's.
+`mask_embedding` and `draft_to_target` when used; DSpark drafters: `architectures: ["Qwen3DSparkModel"]` + their
+`markov_head.*` / `confidence_head.*`). No embedding table and no LM head: those are the target's.
 
 Modules and their public functions:
   config.py         `DrafterConfig` (`for_target`, `to_zlab_dict` / `from_zlab_dict`, `load` / `save`),
                     `default_target_layer_ids`, `default_geometry`
   config_fields.py  types of the config.json fields, checked before any value is used
   model.py          `DFlashDrafter` (forward over [context K/V | block K/V]), `DrafterCache`, `to_additive`
+  dspark_heads.py   `MarkovHead`, `ConfidenceHead`, `markov_chain`: DSpark's heads (`kind: dspark`)
   checkpoint.py     `save_drafter`, `load_drafter`, `read_tensors`, `check_tensors`
   defaults.py       `default_drafter_config(target, **overrides)`, `parse_overrides`, `describe_mask`
   mask_choice.py    `unused_special_token(tokenizer)`: the mask row for targets without a spare row

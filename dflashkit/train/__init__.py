@@ -1,5 +1,5 @@
-"""Stage `train`: DFlash drafter training, one process or torchrun (DDP / FSDP2). Imports: `target`, `drafter`,
-`data`, `features`.
+"""Stage `train`: DFlash and DSpark drafter training, one process or torchrun (DDP / FSDP2). Imports: `target`,
+`drafter`, `data`, `features`.
 
 Reads: a capture directory (offline features) or `tokens.jsonl` with a target (online features), a training YAML
 plus `key=value` overrides. Writes a run directory: `checkpoints/step-N/` (drafter + `train_state.pt` +
@@ -15,8 +15,9 @@ Modules and their public functions:
   schedule.py      `cosine_with_warmup`, `cosine_at`
   packing.py       `plan_rows`, `PackedRows`, `collate_rows`, `step_rows`, `split_indices`
   blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `reference_mask`
-  losses.py        `block_loss`, `decay_weights`, `estimated_tau`
-  slot_targets.py  `block_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
+  losses.py        `block_loss`, `decay_weights`, `dpace_weights`, `estimated_tau`
+  dspark_loss.py   `dspark_loss` (CE + L1 to the target + confidence BCE), `dspark_slot_weights`
+  slot_targets.py  `block_labels`, `dspark_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
   metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`
   distributed.py   `DistContext.from_env()`
 """
