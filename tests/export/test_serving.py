@@ -164,3 +164,26 @@ def test_what_vllm_cannot_run_is_refused_at_export_and_mixed_layers_get_a_note(t
     )
     report = convert(write_checkpoint(tmp_path / "mixed", mixed_cfg), tmp_path / "mixed_out", to="vllm")
     assert any("CPU runner" in n for n in report.notes)
+
+
+def test_dspark_serving_layout_round_trips_and_names_vllms_limits(tmp_path, target):
+    """A DSpark drafter in the serving layout: vLLM's Qwen3DSparkModel fields and head names, d2t + lm_head rows
+    for its reduced vocabulary, an exact round trip; vLLM's CPU build refuses it and a learned mask degrades it."""
+    src = _reduced(tmp_path / "ours", kind="dspark", markov_rank=8)
+    report = convert(src, tmp_path / "vllm", to="vllm", target=target)
+    assert any("GPU model runner only" in n and "ignores a learned mask" in n for n in report.notes)
+    raw = json.loads((tmp_path / "vllm/config.json").read_text())
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["markov_rank"] == 8 and raw["draft_vocab_size"] == 16
+    st = load_file(str(tmp_path / "vllm/model.safetensors"))
+    assert st["markov_head.markov_w2.weight"].shape == (len(KEEP), 8)  # W2 over the draft vocabulary
+    assert st["markov_head.markov_w1.weight"].shape == (97, 8)  # W1 over the target's
+    before, after = load_drafter(src), load_drafter(tmp_path / "vllm")
+    a, b = drafter_state_dict(before), drafter_state_dict(after)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    v = _verdicts(tmp_path / "vllm")
+    assert v["vLLM (CPU)"].verdict == "refuses" and v["vLLM (GPU)"].verdict == "degrades"
+    plain_mask = _reduced(
+        tmp_path / "row", kind="dspark", markov_rank=8, learned_mask_embedding=False, mask_token_id=90
+    )
+    convert(plain_mask, tmp_path / "vllm_row", to="vllm", target=target)
+    assert _verdicts(tmp_path / "vllm_row")["vLLM (GPU)"].verdict == "unverified"
