@@ -130,6 +130,10 @@ def test_llamacpp_rounds_are_counted_on_both_sides_with_ties_named(monkeypatch):
 
     class Drafter:
         config = Cfg()
+        is_dspark = False
+
+        def first_draft_slot(self) -> int:
+            return 1
 
     class Target:
         tokenizer = None
