@@ -24,7 +24,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead
+from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead, markov_chain
 from dflashkit.target.products import linear_product, route_linears
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
@@ -63,6 +63,10 @@ def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
         out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return out.masked_fill(~mask, torch.finfo(dtype).min)
     return mask.to(dtype)
+
+
+def _argmax(logits: Tensor) -> int:
+    return int(logits.argmax())
 
 
 def positional_mask(q_pos: Tensor, k_pos: Tensor, *, causal: bool, window: int | None) -> Tensor | None:
@@ -289,6 +293,12 @@ class DFlashDrafter(nn.Module):
         """The block slot of the first draft: 0 for DSpark (slot 0 drafts the token after the given one), 1 for
         DFlash (slot 0 holds the given token)."""
         return 0 if self.is_dspark else 1
+
+    def greedy_markov(self, base_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
+        """DSpark's greedy chain over a block's backbone logits (n, V'): (drafts as target ids, corrected logits)."""
+        to_target = lambda i: int(self.to_target_ids(torch.tensor(i)))  # noqa: E731
+        drafts, corrected, _ = markov_chain(base_logits, first_prev, self.markov_head, _argmax, to_target)
+        return drafts, corrected
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids back to target ids (identity without a reduced vocabulary)."""

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from dflashkit.decode.dspark_draft import dspark_conditional
 from dflashkit.decode.tree import build_tree
-from dflashkit.drafter.dspark_heads import markov_chain
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DataError
 from dflashkit.evaluate.stats import (
@@ -78,10 +77,6 @@ def _tree_length(
     return depth + 1
 
 
-def _argmax(logits: Tensor) -> int:
-    return int(logits.argmax())
-
-
 @torch.no_grad()
 def replay(
     drafter: DFlashDrafter,
@@ -120,8 +115,7 @@ def replay(
             L = _tree_length(draft_logits, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine)
         else:
             if drafter.is_dspark:
-                to_target = lambda i: int(drafter.to_target_ids(torch.tensor(i)))  # noqa: E731
-                drafts = markov_chain(draft_logits, ids[s], drafter.markov_head, _argmax, to_target)[0]
+                drafts = drafter.greedy_markov(draft_logits, ids[s])[0]
             else:
                 drafts = drafter.to_target_ids(draft_logits.argmax(-1)).tolist()
             acc = 0

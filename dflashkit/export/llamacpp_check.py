@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from dflashkit.drafter.dspark_heads import markov_chain
 from dflashkit.errors import DFlashError
 from dflashkit.export import llamacpp
 from dflashkit.target.products import stock_products
@@ -51,18 +50,13 @@ def reference_drafts(
             first = drafter.first_draft_slot()
             logits = drafter.logits(h[0, first : first + len(r.draft)], target.lm_head_weight).float()  # (n, V')
             if drafter.is_dspark:  # the Markov head's greedy chain, as llama.cpp's graph runs it
-                to_target = lambda i: int(drafter.to_target_ids(torch.tensor(i)))  # noqa: E731
-                logits = markov_chain(logits, seq[pos0], drafter.markov_head, _argmax, to_target)[1]
+                logits = drafter.greedy_markov(logits, seq[pos0])[1]
             top = logits.topk(2, dim=-1)
             out.append(
                 (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())
             )
             pos0 += r.accepted + 1
     return out
-
-
-def _argmax(logits: torch.Tensor) -> int:
-    return int(logits.argmax())
 
 
 def prompt_text(tokenizer: Any, ids: list[int]) -> str:
