@@ -171,8 +171,8 @@ def _shared_data(
 
 def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, out: Path) -> dict[str, Any]:
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
-    from dflashkit.data.conversations import write_tokens
     from dflashkit.data.regenerate import read_regenerated
+    from dflashkit.data.tokens_file import write_tokens
     from dflashkit.drafter.config import capture_layer_ids
     from dflashkit.drafter.defaults import default_drafter_config
 

@@ -165,8 +165,8 @@ def stage_prepare(
 ) -> dict[str, Any]:
     """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise; add
     original-text conversations whose capture fits this machine's budget (`rates`)."""
-    from dflashkit.data.conversations import write_tokens
     from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.data.tokens_file import write_tokens
 
     tok = target.tokenizer
     batch = int(s.regen_batch or rates.get("regen_batch", 16))

@@ -2,7 +2,11 @@
 
     dflashkit prepare --data sharegpt|PATH --out DIR [--limit N] [--max-new-tokens N] [--temperature T]
                       [--batch-size N] [--max-length N] [--no-regenerate] [--on-error stop|skip]
-                      [--thinking on|off] [--target …]
+                      [--turns first|all] [--thinking off|on|keep] [--target …]
+                      [--server URL [--server URL …] [--concurrency N]]
+
+--server regenerates through OpenAI-compatible servers of the target (vLLM, SGLang, llama-server), requests spread
+over them, `--concurrency` conversations in flight; the target's weights are not loaded here (only its tokenizer).
 
 Writes into DIR:
     regenerated.jsonl  the target's responses (dflashkit.data.regenerate; resumable: a rerun continues it)
@@ -21,6 +25,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from dflashkit.cli import command, target_args
+from dflashkit.data.turns import THINKING_MODES, TURN_MODES
 from dflashkit.validation import Expect, NonNegativeFloat, PositiveInt, Probability, Seed, flag
 
 # a training sample needs a prompt token and a supervised one at least
@@ -41,37 +46,79 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
     p.add_argument(
         "--thinking",
-        choices=("on", "off"),
+        choices=THINKING_MODES,
         default=None,
-        help="chat template enable_thinking switch (Qwen3-style templates); default: the template's",
+        help="reasoning models (enable_thinking templates): off; on (reasoning saved apart, not trained); keep "
+        "(reasoning trained); default: the template's own default",
+    )
+    p.add_argument(
+        "--turns",
+        choices=TURN_MODES,
+        default="first",
+        help="regenerate the first assistant turn (default) or every one, the target's earlier replies as context",
+    )
+    p.add_argument(
+        "--server",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible server of the target (repeat for several); default: HF generate in process",
+    )
+    p.add_argument(
+        "--concurrency", type=flag(PositiveInt), default=8, help="conversations in flight over all --server URLs"
     )
     p.add_argument("--seed", type=flag(Seed), default=0, help="sampling seed (temperature > 0)")
 
 
-@command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
-def _prepare(args: argparse.Namespace) -> int:
-    from dflashkit.data.conversations import write_tokens
-    from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
-    from dflashkit.data.regenerate import read_regenerated, regenerate
-    from dflashkit.errors import ConfigError, DataError
-    from dflashkit.io_utils import atomic_write_text
-    from dflashkit.output_dir import one_writer, output_dir
-    from dflashkit.target.model import Target
+def _items(args: argparse.Namespace, records: list[dict[str, Any]], wanted: set[str]) -> list[tuple[str, Any, Any]]:
+    """(id, messages, ids) per regenerated conversation, as `write_tokens` takes them: with --thinking on the
+    answers go through the chat template (the reasoning is not trained), else the ids the target generated."""
+    out = []
+    for r in records:
+        if r["id"] not in wanted:
+            continue
+        ids = None if args.thinking == "on" else r.get("turn_token_ids", r.get("response_token_ids"))
+        out.append((r["id"], r["messages"], ids))
+    return out
 
-    out = output_dir(args.out, what="--out", create=False)
-    conversations, problems = load_dataset(args.data, args.limit, on_error=args.on_error)
-    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+
+def _template_kwargs(args: argparse.Namespace, target: Any) -> dict[str, Any]:
+    from dflashkit.errors import ConfigError, DataError
+
     tok = target.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise DataError(f"target {target.source}: needs a tokenizer with a chat template")
-    kwargs: dict[str, Any] = {}
-    if args.thinking is not None:
-        if not target.chat_template_info()["thinking_switch"]:
-            raise ConfigError(
-                f"--thinking {args.thinking}: the chat template of {target.source} has no enable_thinking switch; "
-                f"expected no --thinking for this target"
-            )
-        kwargs["enable_thinking"] = args.thinking == "on"
+    if args.thinking is None:
+        return {}
+    if not target.chat_template_info()["thinking_switch"]:
+        raise ConfigError(
+            f"--thinking {args.thinking}: the chat template of {target.source} has no enable_thinking switch; "
+            f"expected no --thinking for this target"
+        )
+    return {"enable_thinking": args.thinking != "off"}
+
+
+@command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
+def _prepare(args: argparse.Namespace) -> int:
+    from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
+    from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.data.server_client import ServerPool
+    from dflashkit.data.tokens_file import write_tokens
+    from dflashkit.errors import ConfigError, DataError
+    from dflashkit.io_utils import atomic_write_text
+    from dflashkit.output_dir import one_writer, output_dir
+    from dflashkit.target.model import Target, TargetText
+
+    out = output_dir(args.out, what="--out", create=False)
+    if args.server and args.no_regenerate:
+        raise ConfigError("--server with --no-regenerate: nothing to regenerate; expected one of the two")
+    conversations, problems = load_dataset(args.data, args.limit, on_error=args.on_error)
+    servers = ServerPool(args.server) if args.server else None
+    if servers is not None:  # the server runs the model: only the tokenizer is needed here
+        target: Any = TargetText.load(args.target, trust_remote_code=args.trust_remote_code)
+    else:
+        target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    kwargs = _template_kwargs(args, target)
 
     with one_writer(out, "dflashkit prepare"):
         skipped: dict[str, str] = {}
@@ -91,51 +138,71 @@ def _prepare(args: argparse.Namespace) -> int:
                 chat_template_kwargs=kwargs,
                 seed=args.seed,
                 max_prompt_length=args.max_length,
+                turns=args.turns,
+                thinking=args.thinking,
+                servers=servers,
+                concurrency=args.concurrency,
             )
             regen_stats = stats.to_dict()
             skipped.update(stats.skipped)
-            wanted = {c.id for c in conversations}
-            items = [
-                (r["id"], r["messages"], r.get("response_token_ids"))
-                for r in read_regenerated(regen_path)
-                if r["id"] in wanted
-            ]
+            items = _items(args, read_regenerated(regen_path), {c.id for c in conversations})
 
         tokens = write_tokens(
-            tok, items, out / "tokens.jsonl", max_length=args.max_length, chat_template_kwargs=kwargs, progress=True
+            target.tokenizer,
+            items,
+            out / "tokens.jsonl",
+            max_length=args.max_length,
+            chat_template_kwargs=kwargs,
+            progress=True,
         )
         skipped.update(tokens.skipped)
-        written, truncated = tokens.written, tokens.truncated
-        total_tokens, supervised = tokens.total_tokens, tokens.supervised
-
         report = {
             "data": args.data,
             "conversations_read": len(conversations),
             "malformed": problems,
-            "samples_written": written,
+            "samples_written": tokens.written,
             "skipped": len(skipped),
             "skipped_reasons": skipped,
-            "truncated": truncated,
-            "total_tokens": total_tokens,
-            "supervised_tokens": supervised,
+            "truncated": tokens.truncated,
+            "total_tokens": tokens.total_tokens,
+            "supervised_tokens": tokens.supervised,
             "max_length": args.max_length,
             "target": target.source,
             "chat_template_kwargs": kwargs,
+            "thinking": args.thinking,
+            "turns": "all" if args.no_regenerate else args.turns,
+            "split_turns": tokens.split_turns,
             "regenerated": not args.no_regenerate,
             "regeneration": regen_stats,
             "heldout_policy": HELDOUT_POLICY if str(args.data).startswith("sharegpt") else None,
         }
         atomic_write_text(out / "prepare.json", json.dumps(report, indent=2) + "\n")
-        if not written:
+        if not tokens.written:
             raise DataError(f"no training samples written to {out / 'tokens.jsonl'} (see {out / 'prepare.json'})")
         print(
-            f"prepared {written} samples from {len(conversations)} conversations ({len(problems)} malformed, "
-            f"{len(skipped)} skipped, {truncated} truncated): {total_tokens:,} tokens, {supervised:,} supervised"
+            f"prepared {tokens.written} samples from {len(conversations)} conversations ({len(problems)} malformed, "
+            f"{len(skipped)} skipped, {tokens.truncated} truncated): {tokens.total_tokens:,} tokens, "
+            f"{tokens.supervised:,} supervised"
         )
         if regen_stats:
-            print(
-                f"regenerated {regen_stats['generated']} (+{regen_stats['already_done']} reused), "
-                f"{regen_stats['new_tokens']:,} new tokens at {regen_stats['tokens_per_s']:.1f} tok/s"
-            )
+            _print_regeneration(regen_stats)
         print(f"wrote {out / 'tokens.jsonl'} and {out / 'prepare.json'}")
         return 0
+
+
+def _print_regeneration(r: dict[str, Any]) -> None:
+    print(
+        f"regenerated {r['generated']} conversations, {r['turns']} replies (+{r['already_done']} reused), "
+        f"{r['new_tokens']:,} new tokens at {r['tokens_per_s']:.1f} tok/s"
+    )
+    for s in r["servers"]:
+        print(
+            f"  server {s['url']} ({s['protocol']}, {s['model'] or 'model unnamed'}; tokenizer: "
+            f"{s['tokenizer_check']}): {s['requests']} requests"
+            + (f"; last failure: {s['last_error']}" if s["last_error"] else "")
+        )
+    if r["retokenized"] or r["retokenize_differs"]:
+        print(
+            f"  {r['retokenized']} replies came as text only (re-tokenised); {r['retokenize_differs']} of the others "
+            f"re-tokenise to other ids than the server generated (the server's ids were kept)"
+        )

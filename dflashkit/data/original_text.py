@@ -67,7 +67,7 @@ def write_original_text(
     `max_total_tokens` keeps only the first conversations whose tokens fit that many (a capture-time budget)."""
     import json
 
-    from dflashkit.data.conversations import TokensReport, write_tokens
+    from dflashkit.data.tokens_file import TokensReport, write_tokens
     from dflashkit.io_utils import atomic_write_text
 
     items = original_text_items(tokenizer, n, exclude=exclude, max_prompt_tokens=max_prompt_tokens)

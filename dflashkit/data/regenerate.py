@@ -1,27 +1,40 @@
-"""Regenerate responses with the target: the target writes the first assistant turn of every conversation.
+"""Regenerate responses with the target: the target writes the assistant turns of every conversation.
 
 DFlash drafters learn the target's own distribution, so training responses are the target's (paper §4.2).
-`regenerate` renders each prompt (`dflashkit.data.conversations.prompt_messages`: messages before the first
-assistant turn) with the chat template and `add_generation_prompt=True`, runs HF `generate` on left-padded batches
-of prompts sorted by length (greedy when temperature == 0, else sampling with temperature/top_p and no top-k), and
-stops at the tokenizer's eos / end-of-turn tokens. Output, one JSON line per conversation, flushed per batch:
+`regenerate` renders each prompt with the chat template and `add_generation_prompt=True` (which turns:
+`dflashkit.data.turns` — the first assistant turn, or every one with the target's earlier replies as context) and
+generates the reply, greedy when temperature == 0, else sampling with temperature/top_p and no top-k, stopping at the
+tokenizer's eos / end-of-turn tokens:
+  in process       HF `generate` on left-padded batches of conversations sorted by prompt length;
+  through servers  OpenAI-compatible servers (vLLM, SGLang, llama-server: `dflashkit.data.server_client`), the prompt
+                   sent as token ids, `concurrency` conversations in flight over all servers.
+Output, one JSON line per conversation, each made durable (fsync) before the next is taken:
 
     {"id": ..., "messages": [...prompt..., {"role": "assistant", "content": response}],
-     "response_token_ids": [...generated ids, the stop token included when finished...],
+     "response_token_ids": [...generated ids, the stop token included when finished...],   # --turns first
+     "turn_token_ids": [[...], [...]],                                                       # --turns all
+     "reasoning": ["...", ...],                                                              # --thinking on
      "finished": true|false,      # false: max_new_tokens reached before a stop token
-     "generation": {"max_new_tokens", "temperature", "top_p", "chat_template_kwargs", "target"}}
+     "generation": {"max_new_tokens", "temperature", "top_p", "chat_template_kwargs", "target",
+                    ["turns", "thinking", "generator"]}}
 
 Resumable: ids already in the output file are skipped; a last line cut by a kill (no newline / bad JSON) is
-dropped. Resuming with different generation settings is refused (the file would mix two distributions).
-Sampling is seeded once per call (`seed`), so sampled text after a resume differs from an uninterrupted run.
+dropped. A line is written only when its conversation is complete, by one thread, so kills and restarts neither lose
+nor duplicate one. Resuming with different generation settings (or another generator: in process vs a server's
+model) is refused (the file would mix two distributions). In process, sampling is seeded once per call (`seed`), so
+sampled text after a resume differs from an uninterrupted run; through servers each turn's seed is derived from
+(`seed`, conversation id, turn), so a resumed sampled run asks for the same draws.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+import zlib
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +42,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dflashkit.data.conversations import Conversation, encode_prompt, end_of_turn_ids, prompt_messages
+from dflashkit.data.conversations import Conversation, end_of_turn_ids
+from dflashkit.data.server_client import ServerError, ServerPool
+from dflashkit.data.turns import TurnState
 from dflashkit.errors import DataError
 from dflashkit.output_dir import one_writer
-from dflashkit.target.model import Target
+from dflashkit.target.model import Target, TargetText
 
 
 @dataclass
@@ -42,8 +57,12 @@ class RegenStats:
     generated: int = 0  # written by this call
     finished: int = 0  # of those, ended with a stop token
     skipped: dict[str, str] = field(default_factory=dict)  # id → reason (no user turn, prompt too long)
+    turns: int = 0  # replies written (> generated with --turns all)
     new_tokens: int = 0
     seconds: float = 0.0
+    retokenized: int = 0  # server replies that came as text only (re-tokenised here)
+    retokenize_differs: int = 0  # server replies whose text re-tokenises to other ids than the server generated
+    servers: list[dict[str, Any]] = field(default_factory=list)  # per server: url, protocol, model, requests …
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,15 +100,31 @@ def read_regenerated(path: str | Path, *, repair: bool = False) -> list[dict[str
 
 
 def _settings(
-    target: Target, max_new_tokens: int, temperature: float, top_p: float, chat_template_kwargs: dict[str, Any] | None
+    target: Target | TargetText,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    chat_template_kwargs: dict[str, Any] | None,
+    turns: str = "first",
+    thinking: str | None = None,
+    generator: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """What a regeneration file was written with; a resume must match it. Keys appear only when not the default,
+    so files of earlier versions (first turns, no thinking mode, in process) stay resumable."""
+    out: dict[str, Any] = {
         "max_new_tokens": int(max_new_tokens),
         "temperature": float(temperature),
         "top_p": float(top_p),
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "target": target.source,
     }
+    if turns != "first":
+        out["turns"] = turns
+    if thinking is not None:
+        out["thinking"] = thinking
+    if generator is not None:
+        out["generator"] = generator
+    return out
 
 
 def _batches(items: list[Any], size: int) -> Iterable[list[Any]]:
@@ -145,8 +180,49 @@ def generate_batch(
     return results
 
 
+def _plan(
+    target: Target | TargetText,
+    conversations: list[Conversation],
+    done: set[str],
+    stats: RegenStats,
+    *,
+    turns: str,
+    thinking: str | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    max_prompt_length: int | None,
+) -> list[tuple[TurnState, list[int]]]:
+    """Conversations still to regenerate with their first prompt ids, longest prompt first."""
+    todo: list[tuple[TurnState, list[int]]] = []
+    ids_seen: set[str] = set()
+    for conv in conversations:
+        if conv.id in ids_seen:
+            raise DataError(f"duplicate conversation id {conv.id!r} ({conv.source}): ids must be unique")
+        ids_seen.add(conv.id)
+        if conv.id in done:
+            stats.already_done += 1
+            continue
+        state = TurnState(conv, turns=turns, thinking=thinking)
+        if not state.segments:
+            stats.skipped[conv.id] = "no user message before the first assistant turn"
+            continue
+        prompt = state.next_prompt(target.tokenizer, chat_template_kwargs, max_prompt_length)
+        if prompt is None:
+            stats.skipped[conv.id] = str(state.stopped)
+            continue
+        todo.append((state, prompt))
+    todo.sort(key=lambda t: -len(t[1]))  # similar lengths share a batch; longest (largest memory) first
+    return todo
+
+
+def _write(f: Any, records: list[dict[str, Any]]) -> None:
+    """Append whole lines and make them durable before anything else happens (resume trusts the file)."""
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def regenerate(
-    target: Target,
+    target: Target | TargetText,
     conversations: list[Conversation],
     out_path: str | Path,
     *,
@@ -157,16 +233,36 @@ def regenerate(
     chat_template_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     max_prompt_length: int | None = None,
+    turns: str = "first",
+    thinking: str | None = None,
+    servers: ServerPool | None = None,
+    concurrency: int = 8,
     progress: bool = True,
 ) -> RegenStats:
-    """Write the target's response to the first assistant turn of each conversation to `out_path` (JSONL)."""
+    """Write the target's replies (`turns`: the first assistant turn, or every one) to `out_path` (JSONL).
+
+    In process (HF `generate`, `batch_size` conversations a batch) or, with `servers`, through OpenAI-compatible
+    servers (`concurrency` conversations in flight, spread over the servers: dflashkit.data.server_client).
+    """
     if target.tokenizer is None:
         raise DataError(f"target {target.source}: no tokenizer found (regeneration needs one with a chat template)")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise DataError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}: expected positive integers")
+    if servers is None and isinstance(target, TargetText):
+        raise DataError(f"target {target.source}: regenerating in process needs the model (Target.load), not only text")
+    if max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
+        raise DataError(
+            f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, concurrency={concurrency}: "
+            f"expected positive integers"
+        )
     out_path = Path(out_path)
     with one_writer(out_path.parent, "dflashkit prepare"):
-        settings = _settings(target, max_new_tokens, temperature, top_p, chat_template_kwargs)
+        stats = RegenStats(total=len(conversations))
+        generator = None
+        if servers is not None:
+            stats.servers = servers.connect(target.tokenizer)
+            generator = {"kind": "server", "models": sorted({s["model"] for s in stats.servers if s["model"]})}
+        settings = _settings(
+            target, max_new_tokens, temperature, top_p, chat_template_kwargs, turns, thinking, generator
+        )
         existing = read_regenerated(out_path, repair=True)
         for k, rec in enumerate(existing, start=1):
             if rec.get("generation") != settings:
@@ -174,67 +270,145 @@ def regenerate(
                     f"{out_path}:{k}: written with generation settings {rec.get('generation')}, but this run "
                     f"uses {settings}; use another output directory or delete the file"
                 )
-        done = {str(r["id"]) for r in existing}
-        stats = RegenStats(total=len(conversations))
-        todo: list[tuple[Conversation, list[dict[str, str]], list[int]]] = []
-        ids_seen: set[str] = set()
-        for conv in conversations:
-            if conv.id in ids_seen:
-                raise DataError(f"duplicate conversation id {conv.id!r} ({conv.source}): ids must be unique")
-            ids_seen.add(conv.id)
-            if conv.id in done:
-                stats.already_done += 1
-                continue
-            try:
-                prompt = prompt_messages(conv)
-            except DataError:
-                stats.skipped[conv.id] = "no user message before the first assistant turn"
-                continue
-            ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs)
-            if max_prompt_length is not None and len(ids) >= max_prompt_length:
-                stats.skipped[conv.id] = f"prompt has {len(ids)} tokens ≥ max length {max_prompt_length}"
-                continue
-            todo.append((conv, prompt, ids))
-        todo.sort(key=lambda t: -len(t[2]))  # similar lengths share a batch; longest (largest memory) first
-        stop_ids = end_of_turn_ids(target.tokenizer, getattr(target.model.generation_config, "eos_token_id", None))
-        torch.manual_seed(seed)
+        todo = _plan(
+            target,
+            conversations,
+            {str(r["id"]) for r in existing},
+            stats,
+            turns=turns,
+            thinking=thinking,
+            chat_template_kwargs=chat_template_kwargs,
+            max_prompt_length=max_prompt_length,
+        )
+        eos = target.eos_token_id if isinstance(target, TargetText) else target.model.generation_config.eos_token_id
+        stop_ids = end_of_turn_ids(target.tokenizer, eos)
+        job = _Job(target, settings, stats, stop_ids, chat_template_kwargs, max_prompt_length, seed)
         start = time.perf_counter()
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
         with open(out_path, "a", encoding="utf-8") as f:
-            for batch in _batches(todo, batch_size):
-                results = generate_batch(
-                    target,
-                    [ids for _, _, ids in batch],
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    stop_ids=stop_ids,
-                )
-                lines = []
-                for (conv, prompt, _), (resp, finished) in zip(batch, results, strict=True):
-                    text = target.tokenizer.decode(resp, skip_special_tokens=True)
-                    lines.append(
-                        json.dumps(
-                            {
-                                "id": conv.id,
-                                "messages": [*prompt, {"role": "assistant", "content": text}],
-                                "response_token_ids": resp,
-                                "finished": finished,
-                                "generation": settings,
-                            },
-                            ensure_ascii=False,
-                        )
-                        + "\n"
-                    )
-                    stats.generated += 1
-                    stats.finished += int(finished)
-                    stats.new_tokens += len(resp)
-                f.write("".join(lines))
-                f.flush()
-                os.fsync(f.fileno())
-                stats.seconds = time.perf_counter() - start
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+            if servers is None:
+                _in_process(job, todo, f, bar, batch_size, start)
+            else:
+                _through_servers(job, todo, f, bar, servers, concurrency, start)
         bar.close()
         stats.seconds = time.perf_counter() - start
+        if servers is not None:
+            stats.servers = servers.describe()
         return stats
+
+
+@dataclass
+class _Job:
+    """What every batch / request of one regeneration run needs."""
+
+    target: Target | TargetText
+    settings: dict[str, Any]
+    stats: RegenStats
+    stop_ids: list[int]
+    kwargs: dict[str, Any] | None
+    max_prompt_length: int | None
+    seed: int
+
+    lock: threading.Lock = field(default_factory=threading.Lock)  # stats are counted from worker threads
+
+    def reply(self, state: TurnState, ids: list[int], finished: bool) -> list[int] | None:
+        """Take a reply; the next prompt of the conversation, or None when it is done."""
+        text = self.target.tokenizer.decode(ids, skip_special_tokens=True)
+        state.add_reply(ids, text, finished)
+        with self.lock:
+            self.stats.turns += 1
+            self.stats.new_tokens += len(ids)
+        return state.next_prompt(self.target.tokenizer, self.kwargs, self.max_prompt_length)
+
+    def finish(self, state: TurnState) -> dict[str, Any]:
+        with self.lock:
+            self.stats.generated += 1
+            self.stats.finished += int(state.finished)
+        return state.record(self.settings)
+
+
+def _in_process(job: _Job, todo: list[tuple[TurnState, list[int]]], f: Any, bar: tqdm, size: int, start: float) -> None:
+    """HF `generate` on batches of conversations; every turn of a batch is generated before it is written."""
+    torch.manual_seed(job.seed)
+    temperature, top_p = job.settings["temperature"], job.settings["top_p"]
+    for batch in _batches(todo, size):
+        active = list(batch)
+        while active:
+            results = generate_batch(
+                job.target,
+                [prompt for _, prompt in active],
+                max_new_tokens=job.settings["max_new_tokens"],
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=job.stop_ids,
+            )
+            nxt = [(state, job.reply(state, ids, fin)) for (state, _), (ids, fin) in zip(active, results, strict=True)]
+            active = [(state, prompt) for state, prompt in nxt if prompt is not None]
+        _write(f, [job.finish(state) for state, _ in batch])
+        job.stats.seconds = time.perf_counter() - start
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{job.stats.tokens_per_s:.1f}")
+
+
+def _server_conversation(job: _Job, servers: ServerPool, state: TurnState, prompt: list[int] | None) -> dict:
+    """Every turn of one conversation through the servers, in order (runs on a worker thread)."""
+    tok = job.target.tokenizer
+    turn = 0
+    while prompt is not None:
+        seed = (job.seed * 1_000_003 + zlib.crc32(f"{state.conv.id}/{turn}".encode())) % (1 << 31)
+        c = servers.complete(
+            prompt,
+            max_tokens=job.settings["max_new_tokens"],
+            temperature=job.settings["temperature"],
+            top_p=job.settings["top_p"],
+            seed=seed,
+            stop_ids=job.stop_ids,
+        )
+        ids = c.token_ids
+        again = list(tok(c.text, add_special_tokens=False)["input_ids"])
+        if ids is None:  # text only: re-tokenise, and close the turn as the target would
+            with job.lock:
+                job.stats.retokenized += 1
+            ids = again + ([job.stop_ids[0]] if c.finished else [])
+        else:
+            body = ids[:-1] if ids and ids[-1] in job.stop_ids else ids
+            with job.lock:
+                job.stats.retokenize_differs += int(again != body)
+        if max(ids, default=0) >= len(tok) or min(ids, default=0) < 0:
+            raise ServerError(f"a server returned token id {max(ids)} outside the target's vocabulary ({len(tok)})")
+        prompt = job.reply(state, ids, c.finished)
+        turn += 1
+    return job.finish(state)
+
+
+def _through_servers(
+    job: _Job,
+    todo: list[tuple[TurnState, list[int]]],
+    f: Any,
+    bar: tqdm,
+    servers: ServerPool,
+    concurrency: int,
+    start: float,
+) -> None:
+    """`concurrency` conversations in flight; each line is written by this thread as its conversation completes."""
+    pending = iter(todo)
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen") as pool:
+        running = set()
+        try:
+            while True:
+                while len(running) < concurrency and (nxt := next(pending, None)) is not None:
+                    running.add(pool.submit(_server_conversation, job, servers, *nxt))
+                if not running:
+                    break
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                ok = [fut for fut in finished if fut.exception() is None]
+                _write(f, [fut.result() for fut in ok])  # what succeeded is kept even when a sibling failed
+                for fut in finished:
+                    if fut.exception() is not None:
+                        raise fut.exception()
+                job.stats.seconds = time.perf_counter() - start
+                bar.update(len(finished))
+                bar.set_postfix(tok_s=f"{job.stats.tokens_per_s:.1f}")
+        finally:
+            for fut in running:
+                fut.cancel()

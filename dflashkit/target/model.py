@@ -116,55 +116,15 @@ class Target:
         trust_remote_code: bool = False,
     ) -> Target:
         """Load from a local directory, a .gguf file, or the embedded default (None / "default" / "smollm2")."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from dflashkit.target.default import DEFAULT_ALIASES, ensure_default_target
+        from transformers import AutoModelForCausalLM
 
         device = torch.device(device)
         torch_dtype = _resolve_dtype(dtype, device)
-        if spec is None or str(spec).lower() in DEFAULT_ALIASES:
-            path, gguf = ensure_default_target(), None
-        else:
-            path = Path(spec).expanduser()
-            if not path.exists():
-                raise TargetError(
-                    f"target path {path} does not exist (expected a model directory, a .gguf file, "
-                    f"or 'default' for the embedded SmolLM2-135M-Instruct)"
-                )
-            gguf = None
-            if path.is_file():
-                if path.suffix != ".gguf":
-                    raise TargetError(f"target file {path} is not a .gguf file; pass a model directory instead")
-                check_gguf(path)
-                path, gguf = path.parent, path.name
-            elif not (path / "config.json").is_file():
-                raise TargetError(f"{path}: no config.json (expected a Hugging Face model directory)")
-            else:
-                check_model_dir(path, bytes_per_parameter=torch.empty((), dtype=torch_dtype).element_size())
+        path, gguf = _resolve_path(spec, bytes_per_parameter=torch.empty((), dtype=torch_dtype).element_size())
         kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
         if gguf:
             kwargs["gguf_file"] = gguf
-        tokenizer = None  # loaded first: a broken tokenizer fails before a long model load
-        # Only when tokenizer files exist: otherwise transformers builds an empty stand-in whose length would
-        # make real embedding rows look "spare".
-        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        present = [f for f in tokenizer_files if (Path(path) / f).is_file()]
-        if gguf or present:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            except Exception as e:
-                why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-                if present:  # the directory ships a tokenizer and it is broken: say so instead of going on
-                    raise TargetError(
-                        f"{path}: the tokenizer files {present} exist but cannot be loaded ({why}); "
-                        f"repair or remove them (without a tokenizer, give pre-tokenised "
-                        f"prompts)"
-                    ) from None
-                warnings.warn(
-                    f"{Path(path) / gguf}: no usable tokenizer in the GGUF file ({why}); continuing "
-                    f"without one (pre-tokenised prompts only)",
-                    stacklevel=2,
-                )
+        tokenizer = _load_tokenizer(path, gguf, kwargs)  # first: a broken tokenizer fails before a long model load
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
         except ValueError as first:
@@ -322,9 +282,91 @@ class Target:
         return sum(p.numel() for p in self.model.parameters())
 
     def chat_template_info(self) -> dict[str, Any]:
-        tok = self.tokenizer
-        template = getattr(tok, "chat_template", None) if tok is not None else None
-        return {"present": bool(template), "thinking_switch": bool(template and "enable_thinking" in template)}
+        return chat_template_info(self.tokenizer)
+
+
+def _resolve_path(spec: str | Path | None, *, bytes_per_parameter: int | None) -> tuple[Path, str | None]:
+    """(model directory, GGUF file name or None) of a target spec; the directory checked against the memory its
+    weights need when `bytes_per_parameter` is given."""
+    from dflashkit.target.default import DEFAULT_ALIASES, ensure_default_target
+
+    if spec is None or str(spec).lower() in DEFAULT_ALIASES:
+        return ensure_default_target(), None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise TargetError(
+            f"target path {path} does not exist (expected a model directory, a .gguf file, "
+            f"or 'default' for the embedded SmolLM2-135M-Instruct)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise TargetError(f"target file {path} is not a .gguf file; pass a model directory instead")
+        check_gguf(path)
+        return path.parent, path.name
+    if not (path / "config.json").is_file():
+        raise TargetError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    if bytes_per_parameter is not None:
+        check_model_dir(path, bytes_per_parameter=bytes_per_parameter)
+    return path, None
+
+
+def _load_tokenizer(path: Path, gguf: str | None, kwargs: dict[str, Any]) -> Any:
+    """The target's tokenizer, or None when it ships none. Only when tokenizer files exist: otherwise transformers
+    builds an empty stand-in whose length would make real embedding rows look "spare"."""
+    from transformers import AutoTokenizer
+
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    present = [f for f in tokenizer_files if (Path(path) / f).is_file()]
+    if not (gguf or present):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        if present:  # the directory ships a tokenizer and it is broken: say so instead of going on
+            raise TargetError(
+                f"{path}: the tokenizer files {present} exist but cannot be loaded ({why}); "
+                f"repair or remove them (without a tokenizer, give pre-tokenised prompts)"
+            ) from None
+        warnings.warn(
+            f"{Path(path) / gguf}: no usable tokenizer in the GGUF file ({why}); continuing "
+            f"without one (pre-tokenised prompts only)",
+            stacklevel=3,
+        )
+        return None
+
+
+@dataclass
+class TargetText:
+    """A target's text side without its weights — tokenizer, source, end-of-sequence ids — for work that never runs
+    the model here (regeneration through a server on another machine)."""
+
+    tokenizer: Any
+    source: str
+    eos_token_id: Any = None
+
+    @classmethod
+    def load(cls, spec: str | Path | None = None, *, trust_remote_code: bool = False) -> TargetText:
+        from transformers import GenerationConfig
+
+        path, gguf = _resolve_path(spec, bytes_per_parameter=None)
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+        if gguf:
+            kwargs["gguf_file"] = gguf
+        tokenizer = _load_tokenizer(path, gguf, kwargs)
+        eos = None
+        if (path / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+        return cls(tokenizer, str(path / gguf if gguf else path), eos)
+
+    def chat_template_info(self) -> dict[str, Any]:
+        return chat_template_info(self.tokenizer)
+
+
+def chat_template_info(tok: Any) -> dict[str, Any]:
+    """Whether a tokenizer has a chat template, and whether the template has a thinking switch."""
+    template = getattr(tok, "chat_template", None) if tok is not None else None
+    return {"present": bool(template), "thinking_switch": bool(template and "enable_thinking" in template)}
 
 
 def check_drafter_fits(cfg: Any, target: Target, *, source: str = "drafter") -> None:

@@ -13,42 +13,6 @@ from dflashkit.data.regenerate import generate_batch, read_regenerated, regenera
 from dflashkit.errors import DataError
 from dflashkit.target.model import Target
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A 2-layer hidden-16 Llama with the SmolLM2 vocabulary (~0.8M params). initializer_range 0.5 makes its
-    greedy outputs depend on the context, so a padding bug would change them."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from dflashkit.target.default import ensure_default_target
-
-    tok = AutoTokenizer.from_pretrained(ensure_default_target())
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return Target.load(tiny_dir)
-
-
 QUESTIONS = [
     "Hi",
     "Tell me a long story about dragons, please.",
@@ -207,7 +171,6 @@ def test_original_text_keeps_its_order_and_fits_a_token_budget(tmp_path):
     """ShareGPT conversations with their original reply, as tokens.jsonl lines; a token budget (the capture time the
     quickstart can afford on this machine) keeps a prefix of them, and the report counts what was kept."""
     from dflashkit.data.original_text import ID_PREFIX, write_original_text
-    from dflashkit.target.model import Target
 
     tok = Target.load("default").tokenizer
     full = write_original_text(tok, 6, tmp_path / "all.jsonl", exclude=set(), max_prompt_tokens=384)

@@ -1,0 +1,289 @@
+"""A client for OpenAI-compatible completion servers (vLLM, SGLang, llama.cpp's `llama-server`) that regenerates
+from token ids, spread over several servers, with retries.
+
+    pool = ServerPool(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    pool.connect(tokenizer)                      # which protocol each server speaks; its tokenizer checked
+    c = pool.complete(prompt_ids, max_tokens=256, temperature=0.0, top_p=1.0, seed=0, stop_ids=[2], key=7)
+    c.token_ids, c.text, c.finished               # ids as the server generated them (None: text only)
+
+Protocols, found per server by `connect`:
+  llama.cpp  `GET /props` answers → `POST /completion` with `return_tokens: true` (its OpenAI endpoint returns no
+             ids); the stop token it generated is part of `tokens`.
+  openai     `GET /v1/models` answers → `POST /v1/completions` with the prompt as a token-id list and
+             `return_token_ids: true` (vLLM returns `choices[0].token_ids`; a server that does not returns text only
+             and the caller re-tokenises it), `stop_token_ids` set to the target's end-of-turn ids.
+The prompt always goes as token ids: dflashkit renders the chat template itself, so the prompt the server sees is
+exactly the one capture and training see. `connect` also tokenises a probe text through `POST /tokenize` where a
+server offers it and refuses a server whose ids differ from the target tokenizer's (another model).
+
+Failures: a connection error, a timeout or a 5xx is retried on the next server with exponential backoff (a
+server that failed rests a while); a 4xx is the request's own fault and raises `ServerError` at once, naming the URL,
+the status and the server's message; when no server answers `retries` times in a row, `ServerError` lists each
+URL with its last failure. Uses only the standard library (urllib).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflashkit.errors import DataError
+
+PROBE_TEXT = "Regenerate: the quick brown fox — 12 345 jumps; naïve café ✓ def f(x): return x**2\n"
+
+
+class ServerError(DataError):
+    """A server refused a request, served another model, or no server answered."""
+
+
+class _Retryable(Exception):
+    """A failure worth trying again (connection, timeout, 5xx)."""
+
+
+@dataclass
+class Completion:
+    """One generated response."""
+
+    token_ids: list[int] | None  # the server's ids (incl. the stop token when finished); None: text only
+    text: str
+    finished: bool  # stopped at an end-of-turn token (False: max_tokens reached)
+
+
+@dataclass
+class _Server:
+    url: str
+    protocol: str = ""  # "llama.cpp" | "openai", set by connect
+    model: str = ""  # the served model's name (sent in OpenAI requests)
+    down_until: float = 0.0
+    last_error: str = ""
+    requests: int = 0
+    tokenizer_check: str = ""  # "same ids" | "not offered by the server"
+
+
+def _message(body: bytes) -> str:
+    """The server's own error message out of a JSON or text body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:300]
+    err = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        err = err.get("message") or err.get("detail") or err
+    if isinstance(data, dict) and "detail" in data and not isinstance(err, str):
+        err = data["detail"]
+    return str(err)[:300]
+
+
+@dataclass
+class ServerPool:
+    """Several servers of one target; requests are spread round-robin and fail over to the others."""
+
+    urls: list[str]
+    retries: int = 6  # consecutive failed attempts (over all servers) before giving up
+    backoff_s: float = 0.5  # first wait after a failure; doubles up to max_backoff_s
+    max_backoff_s: float = 20.0
+    timeout_s: float = 600.0  # one request (a long response on a busy server takes minutes)
+    sleep: Callable[[float], None] = time.sleep
+    servers: list[_Server] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ServerError("no server URL given (expected --server http://HOST:PORT)")
+        self.servers = []
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ServerError(f"--server {url}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+            self.servers.append(_Server(url.rstrip("/")))
+        self._lock = threading.Lock()
+        self._next = 0
+
+    # -------------------------------------------------------------------------------------------- HTTP
+    def _http(self, server: _Server, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One request; JSON back. Raises _Retryable (connection, timeout, 5xx) or ServerError (4xx, not JSON)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(server.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            msg = _message(e.read() or b"")
+            if e.code >= 500:
+                raise _Retryable(f"HTTP {e.code}: {msg}") from None
+            raise ServerError(f"{server.url}{path}: HTTP {e.code}: {msg}") from None
+        except (urllib.error.URLError, OSError, TimeoutError) as e:  # refused, reset, DNS, timeout
+            reason = getattr(e, "reason", e)
+            raise _Retryable(f"{type(reason).__name__}: {reason}") from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ServerError(
+                f"{server.url}{path}: expected a JSON answer, got {raw[:200].decode('utf-8', 'replace')!r}"
+            ) from None
+
+    def _pick(self) -> _Server:
+        with self._lock:
+            now = time.monotonic()
+            n = len(self.servers)
+            for k in range(n):
+                s = self.servers[(self._next + k) % n]
+                if s.down_until <= now:
+                    self._next = (self._next + k + 1) % n
+                    return s
+            s = min(self.servers, key=lambda s: s.down_until)  # all resting: the one back soonest
+            self._next = (self.servers.index(s) + 1) % n
+            return s
+
+    def _with_retries(self, what: str, call: Callable[[_Server], Any]) -> Any:
+        wait = self.backoff_s
+        for attempt in range(self.retries + 1):
+            server = self._pick()
+            try:
+                out = call(server)
+                server.requests += 1
+                return out
+            except _Retryable as e:
+                server.last_error = str(e)
+                server.down_until = time.monotonic() + wait
+                if attempt == self.retries:
+                    break
+                self.sleep(wait)
+                wait = min(wait * 2, self.max_backoff_s)
+        failures = "; ".join(f"{s.url} ({s.last_error or 'not tried'})" for s in self.servers)
+        raise ServerError(f"no server answers {what} after {self.retries + 1} attempts: {failures}")
+
+    # -------------------------------------------------------------------------------------------- setup
+    def _detect(self, server: _Server) -> None:
+        """Protocol and model name of one server (raises _Retryable when it does not answer)."""
+        try:
+            props = self._http(server, "GET", "/props")
+            if isinstance(props, dict) and ("default_generation_settings" in props or "total_slots" in props):
+                server.protocol = "llama.cpp"
+                server.model = str(props.get("model_alias") or props.get("model_path") or "")
+                return
+        except ServerError:
+            pass  # no /props: not llama.cpp
+        models = self._http(server, "GET", "/v1/models")
+        ids = (
+            [m.get("id") for m in (models.get("data") or []) if isinstance(m, dict)] if isinstance(models, dict) else []
+        )
+        if not ids:
+            raise ServerError(f"{server.url}/v1/models: expected a list of served models, got {str(models)[:200]}")
+        server.protocol, server.model = "openai", str(ids[0])
+
+    def _check_tokenizer(self, server: _Server, tokenizer: Any) -> None:
+        want = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+        body = {"content": PROBE_TEXT, "prompt": PROBE_TEXT, "add_special": False, "add_special_tokens": False}
+        if server.protocol == "openai":
+            body["model"] = server.model
+        try:
+            got = self._http(server, "POST", "/tokenize", body)
+        except ServerError:
+            server.tokenizer_check = "not offered by the server"
+            return
+        ids = got.get("tokens") if isinstance(got, dict) else None
+        ids = [t["id"] if isinstance(t, dict) else t for t in ids] if isinstance(ids, list) else None
+        if ids is None:
+            server.tokenizer_check = "not offered by the server"
+            return
+        if ids != want:
+            raise ServerError(
+                f"{server.url} serves {server.model or 'a model'} whose tokenizer differs from the target's: "
+                f"{PROBE_TEXT!r} → {ids[:12]}… there, {want[:12]}… here; expected a server of the target model"
+            )
+        server.tokenizer_check = "same ids"
+
+    def connect(self, tokenizer: Any) -> list[dict[str, str]]:
+        """Find each server's protocol and check its tokenizer; servers that do not answer are retried later, but
+        at least one must answer now. Returns one description per server."""
+        for server in self.servers:
+            try:
+                self._detect(server)
+                self._check_tokenizer(server, tokenizer)
+            except _Retryable as e:
+                server.last_error, server.down_until = str(e), time.monotonic() + self.backoff_s
+        if not any(s.protocol for s in self.servers):
+            failures = "; ".join(f"{s.url} ({s.last_error})" for s in self.servers)
+            raise ServerError(f"no server answers: {failures}")
+        return [
+            {"url": s.url, "protocol": s.protocol or "unknown (not answering)", "model": s.model,
+             "tokenizer_check": s.tokenizer_check}
+            for s in self.servers
+        ]  # fmt: skip
+
+    # -------------------------------------------------------------------------------------------- completion
+    def _request(self, server: _Server, prompt: list[int], params: dict[str, Any], stop_ids: list[int]) -> Completion:
+        if not server.protocol:  # did not answer at connect time
+            self._detect(server)
+        temperature = params["temperature"]
+        if server.protocol == "llama.cpp":
+            body = {
+                "prompt": prompt,
+                "n_predict": params["max_tokens"],
+                "temperature": temperature,
+                "top_p": params["top_p"] if temperature > 0 else 1.0,
+                "top_k": 0 if temperature > 0 else 1,
+                "min_p": 0.0,
+                "seed": params["seed"],
+                "return_tokens": True,
+                "stream": False,
+            }
+            out = self._http(server, "POST", "/completion", body)
+            if not isinstance(out, dict) or "content" not in out:
+                raise ServerError(f"{server.url}/completion: expected a completion object, got {str(out)[:200]}")
+            ids = out.get("tokens") or None
+            finished = out.get("stop_type") in ("eos", "word") or (bool(ids) and ids[-1] in stop_ids)
+            return Completion([int(t) for t in ids] if ids else None, str(out["content"]), finished)
+        body = {
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": params["max_tokens"],
+            "temperature": temperature,
+            "top_p": params["top_p"] if temperature > 0 else 1.0,
+            "seed": params["seed"],
+            "stop_token_ids": stop_ids,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        out = self._http(server, "POST", "/v1/completions", body)
+        try:
+            choice = out["choices"][0]
+            text = str(choice.get("text") or "")
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise ServerError(f"{server.url}/v1/completions: expected 'choices', got {str(out)[:200]}") from None
+        ids = choice.get("token_ids") or None
+        return Completion([int(t) for t in ids] if ids else None, text, choice.get("finish_reason") == "stop")
+
+    def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        stop_ids: list[int],
+    ) -> Completion:
+        """Generate one response to `prompt_ids` on some server (retried and failed over as the module says)."""
+        params = {"max_tokens": int(max_tokens), "temperature": float(temperature), "top_p": float(top_p)}
+        params["seed"] = int(seed)
+        return self._with_retries(
+            "a completion request", lambda server: self._request(server, list(prompt_ids), params, stop_ids)
+        )
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per server: URL, protocol, model, tokenizer check, requests served, last failure."""
+        return [
+            {"url": s.url, "protocol": s.protocol, "model": s.model, "tokenizer_check": s.tokenizer_check,
+             "requests": s.requests, "last_error": s.last_error}
+            for s in self.servers
+        ]  # fmt: skip
+
+
+__all__ = ["Completion", "ServerError", "ServerPool"]
