@@ -7,11 +7,16 @@
 
 Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,
 sha256) are kept, the rest (and any damaged one) are captured.
+
+On many GPUs: `torchrun --nproc_per_node N -m dflashkit capture …` (same flags) splits the shards over the ranks, each
+on its own device (cuda:LOCAL_RANK), one manifest for all (dflashkit.features.rank_shards); the files are the same as
+a one-process capture's, and a killed run resumes with any number of ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 from pathlib import Path
 
 from dflashkit.cli import command, target_args
@@ -66,16 +71,23 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
+def _layer_ids(args: argparse.Namespace, target: object, data: dict) -> list[int]:
     if args.layer_ids:
         return list(args.layer_ids)
     if args.drafter_config:
+        from dflashkit.data.thinking import check_same_thinking
         from dflashkit.drafter.config import DrafterConfig, capture_layer_ids
         from dflashkit.target.model import check_drafter_fits
 
         path = Path(args.drafter_config)
         cfg = DrafterConfig.load(path / "config.json" if path.is_dir() else path)
         check_drafter_fits(cfg, target, source=str(path))
+        trained = cfg.extra.get("data") or {}
+        if "thinking" in trained or "thinking" in data:  # a drafter of one thinking mode, tokens of another
+            check_same_thinking(
+                trained.get("thinking"), data.get("thinking"), where=f"capture of {args.tokens} for {path}",
+                flag="prepare --thinking",
+            )  # fmt: skip
         return capture_layer_ids(cfg)
     from dflashkit.drafter.defaults import default_drafter_config
 
@@ -85,16 +97,23 @@ def _layer_ids(args: argparse.Namespace, target: object) -> list[int]:
 @command("capture", "capture the target's hidden-state features of tokens.jsonl into sharded files (resumable)", _args)
 def _capture(args: argparse.Namespace) -> int:
     from dflashkit.data.samples import read_tokens
+    from dflashkit.data.thinking import data_info
     from dflashkit.features.capture import capture
     from dflashkit.features.manifest import format_bytes
+    from dflashkit.target.distributed import DistContext
     from dflashkit.target.model import Target
 
     output_dir(args.out, what="--out", create=False)
     samples, _ = read_tokens(args.tokens)
     if args.limit is not None:
         samples = samples[: args.limit]
-    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    layer_ids = _layer_ids(args, target)
+    device = str(args.device)
+    dist = DistContext.from_env(use_cuda=device.startswith("cuda"), timeout=timedelta(hours=24))
+    if dist.distributed and device.startswith("cuda"):
+        device = f"cuda:{dist.local_rank}"  # one GPU per rank
+    target = Target.load(args.target, device=device, trust_remote_code=args.trust_remote_code)
+    data = data_info(args.tokens)
+    layer_ids = _layer_ids(args, target, data)
     m = capture(
         target,
         samples,
@@ -108,7 +127,12 @@ def _capture(args: argparse.Namespace) -> int:
         tokens_file=args.tokens,
         progress=not args.quiet,
         verify=args.verify,
+        data=data,
+        dist=dist,
     )
+    dist.close()
+    if not dist.is_main:
+        return 0
     run = m.run_stats
     rate = f"{run['tokens'] / run['seconds']:,.0f} tok/s" if run.get("seconds") else "nothing to do"
     topk = f", top-{m.store_topk} log-probs" if m.store_topk else ""

@@ -51,6 +51,31 @@ def _drafter_specs(values: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _thinking_arg(p: argparse.ArgumentParser) -> None:
+    from dflashkit.data.thinking import THINKING_MODES
+
+    p.add_argument(
+        "--thinking",
+        choices=THINKING_MODES,
+        default=None,
+        help="reasoning models: the thinking mode to render prompts in; must be the mode the drafters' data was "
+        "prepared with (default: the template's default)",
+    )
+
+
+def _thinking(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -> dict[str, Any]:
+    """Chat template kwargs of --thinking, after refusing drafters whose data was prepared in another mode."""
+    from dflashkit.data.thinking import check_same_thinking, template_kwargs
+
+    for name, d in drafters.items():
+        if "data" in d.config.extra:  # recorded at training (older checkpoints: unknown, not checked)
+            trained = (d.config.extra.get("data") or {}).get("thinking")
+            check_same_thinking(trained, args.thinking, where=f"drafter {name!r}")
+    if target.tokenizer is None:
+        return {}
+    return template_kwargs(args.thinking, target.tokenizer, target.source)
+
+
 def _check_dataset(name: str) -> None:
     """Refuse an unknown dataset name before loading anything."""
     from dflashkit.data.datasets import DATASETS
@@ -195,6 +220,7 @@ def _generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- eval
 def _eval_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
+    _thinking_arg(p)
     p.add_argument(
         "--drafter",
         action="append",
@@ -248,7 +274,12 @@ def _eval(args: argparse.Namespace) -> int:
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     drafters = _load_drafters(specs, args.device)
     prompts, skipped = load_prompts(
-        target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, on_error=args.on_error
+        target,
+        args.dataset,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        on_error=args.on_error,
+        chat_template_kwargs=_thinking(args, target, drafters),
     )
     doc = evaluate(
         target,
@@ -285,6 +316,7 @@ def _eval(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- simulate
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
+    _thinking_arg(p)
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT", help="repeatable")
     p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
     p.add_argument("--limit", type=flag(PositiveInt), default=None)
@@ -332,7 +364,12 @@ def _simulate(args: argparse.Namespace) -> int:
     for name, d in drafters.items():
         check_drafter_fits(d.config, target, source=f"drafter {name!r}")
     prompts, skipped = load_prompts(
-        target, args.dataset, limit=args.limit, max_new_tokens=args.max_new_tokens, on_error=args.on_error
+        target,
+        args.dataset,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        on_error=args.on_error,
+        chat_template_kwargs=_thinking(args, target, drafters),
     )
     layers = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
     cache = build_transcripts(

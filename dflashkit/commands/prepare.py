@@ -25,7 +25,8 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from dflashkit.cli import command, target_args
-from dflashkit.data.turns import THINKING_MODES, TURN_MODES
+from dflashkit.data.thinking import THINKING_MODES
+from dflashkit.data.turns import TURN_MODES
 from dflashkit.validation import Expect, NonNegativeFloat, PositiveInt, Probability, Seed, flag
 
 # a training sample needs a prompt token and a supervised one at least
@@ -83,19 +84,13 @@ def _items(args: argparse.Namespace, records: list[dict[str, Any]], wanted: set[
 
 
 def _template_kwargs(args: argparse.Namespace, target: Any) -> dict[str, Any]:
-    from dflashkit.errors import ConfigError, DataError
+    from dflashkit.data.thinking import template_kwargs
+    from dflashkit.errors import DataError
 
     tok = target.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise DataError(f"target {target.source}: needs a tokenizer with a chat template")
-    if args.thinking is None:
-        return {}
-    if not target.chat_template_info()["thinking_switch"]:
-        raise ConfigError(
-            f"--thinking {args.thinking}: the chat template of {target.source} has no enable_thinking switch; "
-            f"expected no --thinking for this target"
-        )
-    return {"enable_thinking": args.thinking != "off"}
+    return template_kwargs(args.thinking, tok, target.source)
 
 
 @command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)

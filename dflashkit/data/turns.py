@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit.data.conversations import Conversation, TokenizedSample, _truncate, encode_prompt, prompt_messages
+from dflashkit.data.thinking import THINKING_MODES, split_reasoning
 from dflashkit.errors import DataError
 
 TURN_MODES = ("first", "all")
-THINKING_MODES = ("off", "on", "keep")
-THINK_END = "</think>"
 
 
 def turn_segments(conv: Conversation, turns: str) -> list[list[dict[str, str]]]:
@@ -62,14 +61,6 @@ def turn_segments(conv: Conversation, turns: str) -> list[list[dict[str, str]]]:
     if any(x["role"] == "user" for x in current):
         segments.append(current)
     return segments
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, answer) of a reply: the text before / after the last `</think>` ("" reasoning when none)."""
-    if THINK_END not in text:
-        return "", text
-    head, _, answer = text.rpartition(THINK_END)
-    return head.replace("<think>", "", 1).strip(), answer.lstrip("\n")
 
 
 @dataclass
@@ -165,4 +156,4 @@ def tokenize_turns(
     ]
 
 
-__all__ = ["THINKING_MODES", "TURN_MODES", "TurnState", "split_reasoning", "tokenize_turns", "turn_segments"]
+__all__ = ["TURN_MODES", "TurnState", "tokenize_turns", "turn_segments"]

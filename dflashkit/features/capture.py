@@ -59,9 +59,11 @@ from dflashkit.features.manifest import (
     target_fingerprint,
 )
 from dflashkit.features.online import topk_logprobs
+from dflashkit.features.rank_shards import fold_rank_records, owned_by, record_finished
 from dflashkit.features.shards import VERIFY_MODES, file_sha256, shard_problem
 from dflashkit.io_utils import atomic_path
 from dflashkit.output_dir import one_writer
+from dflashkit.target.distributed import DistContext
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
@@ -100,6 +102,7 @@ def _new_manifest(
     store_topk: int,
     shard_max_tokens: int,
     tokens_file: str | None,
+    data: dict[str, Any] | None = None,
 ) -> Manifest:
     shards = plan_shards([len(s) for s in samples], shard_max_tokens)
     entries: list[dict[str, Any]] = []
@@ -124,6 +127,7 @@ def _new_manifest(
         shards=shards,
         samples=entries,
         store_topk=store_topk,
+        data=dict(data or {}),
     )
 
 
@@ -207,6 +211,8 @@ def capture(
     log: Callable[[str], None] | None = print,
     on_shard: Callable[[int, Manifest], None] | None = None,
     verify: str = "full",
+    data: dict[str, Any] | None = None,
+    dist: DistContext | None = None,
 ) -> Manifest:
     """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
 
@@ -217,12 +223,17 @@ def capture(
     on_shard(shard_index, manifest) is called after each shard is on disk and the manifest updated.
     verify: how a resumed run checks finished shards: "full" (size, header, sha256) or "size" (no full read of
     a very large capture); damaged shards are captured again.
+    data: how the tokens were prepared (`dflashkit.data.thinking.data_info`), recorded for training to carry on.
+    dist: torchrun ranks (`DistContext.from_env`): each captures its share of the shards, rank 0 keeps the one
+    manifest (`dflashkit.features.rank_shards`); every rank returns the complete manifest.
     """
     log = log or (lambda _msg: None)
+    dist = dist or DistContext()
     layer_ids = [int(i) for i in layer_ids]
     _check_arguments(target, samples, layer_ids, dtype, verify, store_topk)
     out_dir = Path(out_dir)
-    with one_writer(out_dir, "dflashkit capture"):
+    main_log = log if dist.is_main else (lambda _msg: None)
+    with one_writer(out_dir, "dflashkit capture", enabled=dist.is_main):
         per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk)
         if shard_max_tokens is None:
             existing = out_dir / MANIFEST_NAME
@@ -242,52 +253,106 @@ def capture(
             store_topk=store_topk,
             shard_max_tokens=int(shard_max_tokens),
             tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
+            data=data,
         )
-        manifest = _resume(out_dir, fresh, log, verify)
-        todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
+        if dist.is_main:
+            manifest = _resume(out_dir, fresh, log, verify)
+            folded = fold_rank_records(out_dir, manifest, verify=verify, log=log)  # of a killed multi-rank run
+            if folded or (dist.distributed and (out_dir / MANIFEST_NAME).is_file()):
+                manifest.save(out_dir)  # the other ranks read what rank 0 found (damaged shards to redo)
+        dist.barrier()  # rank 0 has checked (and maybe repaired) what is on disk
+        if not dist.is_main:
+            manifest = Manifest.load(out_dir) if (out_dir / MANIFEST_NAME).is_file() else fresh
+        mine = [j for j, sh in enumerate(manifest.shards) if not sh["done"] and owned_by(j, dist.rank, dist.world_size)]
+        all_todo = [j for j, sh in enumerate(manifest.shards) if not sh["done"]]
         manifest.run_stats = {"tokens": 0, "seconds": 0.0, "shards": 0}
-        if not todo:
-            log(
+        if not all_todo:
+            main_log(
                 f"capture: {out_dir} is already complete ({manifest.num_samples} samples, {manifest.total_tokens:,} "
                 f"tokens); nothing to do"
             )
             return manifest
-        for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
-            stale.unlink()
-        _check_disk(target, manifest, out_dir, todo, per_token, log)
-        manifest.save(out_dir)
-        todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
-        t0 = time.perf_counter()
-        with tqdm(
-            total=manifest.total_tokens,
-            initial=manifest.total_tokens - todo_tokens,
-            unit="tok",
-            unit_scale=True,
-            desc="capture",
-            disable=not progress,
-            dynamic_ncols=True,
-        ) as bar:
-            for j in todo:
-                sh = manifest.shards[j]
-                tensors = _capture_shard(
-                    target,
-                    samples[sh["first"] : sh["first"] + sh["count"]],
-                    sh["first"],
-                    layer_ids=layer_ids,
-                    store=STORAGE_DTYPES[dtype],
-                    store_target_tokens=store_target_tokens,
-                    store_topk=store_topk,
-                    batch_tokens=batch_tokens,
-                    bar=bar,
-                )
-                _write_shard(out_dir, sh, tensors)
+        if dist.is_main:
+            for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
+                stale.unlink()
+            _check_disk(target, manifest, out_dir, all_todo, per_token, log)
+            manifest.save(out_dir)
+            if dist.distributed:
+                n = dist.world_size
+                log(f"capture: {len(all_todo)} shard(s) over {n} ranks (shard j → rank j mod {n})")
+        dist.barrier()  # the manifest is on disk before any rank writes next to it
+        _capture_shards(
+            target, samples, out_dir, manifest, mine, dist,
+            layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens, store_topk=store_topk,
+            batch_tokens=batch_tokens, progress=progress, on_shard=on_shard,
+        )  # fmt: skip
+        if dist.distributed:
+            dist.barrier()  # every rank's shards and records are on disk
+            if dist.is_main:
+                fold_rank_records(out_dir, manifest, verify="size", log=log)
                 manifest.save(out_dir)
-                manifest.run_stats["tokens"] += sh["tokens"]
-                manifest.run_stats["shards"] += 1
-                manifest.run_stats["seconds"] = time.perf_counter() - t0
-                if on_shard is not None:
-                    on_shard(j, manifest)
+            dist.barrier()
+            if not dist.is_main:
+                stats = manifest.run_stats
+                manifest = Manifest.load(out_dir)
+                manifest.run_stats = stats
         return manifest
+
+
+def _capture_shards(
+    target: Target,
+    samples: Sequence[Sample],
+    out_dir: Path,
+    manifest: Manifest,
+    todo: list[int],
+    dist: DistContext,
+    *,
+    layer_ids: list[int],
+    dtype: str,
+    store_target_tokens: bool,
+    store_topk: int,
+    batch_tokens: int,
+    progress: bool,
+    on_shard: Callable[[int, Manifest], None] | None,
+) -> None:
+    """Capture this rank's shards `todo`; one process saves the manifest after each, a rank its own record."""
+    todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
+    total = todo_tokens if dist.distributed else manifest.total_tokens
+    t0 = time.perf_counter()
+    finished: list[int] = []
+    with tqdm(
+        total=total,
+        initial=total - todo_tokens,
+        unit="tok",
+        unit_scale=True,
+        desc="capture" + (f" (rank {dist.rank}/{dist.world_size})" if dist.distributed else ""),
+        disable=not progress,
+        dynamic_ncols=True,
+    ) as bar:
+        for j in todo:
+            sh = manifest.shards[j]
+            tensors = _capture_shard(
+                target,
+                samples[sh["first"] : sh["first"] + sh["count"]],
+                sh["first"],
+                layer_ids=layer_ids,
+                store=STORAGE_DTYPES[dtype],
+                store_target_tokens=store_target_tokens,
+                store_topk=store_topk,
+                batch_tokens=batch_tokens,
+                bar=bar,
+            )
+            _write_shard(out_dir, sh, tensors)
+            finished.append(j)
+            if dist.distributed:
+                record_finished(out_dir, dist.rank, manifest, finished)
+            else:
+                manifest.save(out_dir)
+            manifest.run_stats["tokens"] += sh["tokens"]
+            manifest.run_stats["shards"] += 1
+            manifest.run_stats["seconds"] = time.perf_counter() - t0
+            if on_shard is not None:
+                on_shard(j, manifest)
 
 
 def _check_arguments(

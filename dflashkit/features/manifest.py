@@ -82,6 +82,7 @@ class Manifest:
     samples: list[dict[str, Any]]
     format_version: int = FORMAT_VERSION
     store_topk: int = 0  # top-k log-probs stored per position (0: none; manifests older than the option)
+    data: dict[str, Any] = field(default_factory=dict)  # how the tokens were prepared (thinking, turns); {} unknown
     run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
 
     @property
@@ -129,6 +130,7 @@ class Manifest:
             "store_topk": self.store_topk,
             "shard_max_tokens": self.shard_max_tokens,
             "tokens_file": self.tokens_file,
+            "data": self.data,
             "samples_sha256": self.samples_sha256,
             "totals": {
                 "samples": self.num_samples,
@@ -183,6 +185,7 @@ class Manifest:
                     )
                 },
                 store_topk=topk,
+                data=dict(raw.get("data") or {}),  # absent in manifests written before it was recorded
             )
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None

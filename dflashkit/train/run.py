@@ -203,6 +203,19 @@ class Run:
         self.dist.close()
 
 
+def _record_data_info(cfg: Any, source: Any, drafter_config: DrafterConfig) -> None:
+    """Carry how the training tokens were prepared (thinking mode, turns, template kwargs) into the drafter's
+    config, so eval, simulate and doctor can refuse or flag another mode (`dflashkit.data.thinking`)."""
+    from dflashkit.data.thinking import data_info
+
+    manifest = getattr(source, "manifest", None)
+    info = dict(manifest.data) if manifest is not None else data_info(cfg.tokens)
+    if info:
+        drafter_config.extra["data"] = info
+        if info.get("chat_template_kwargs"):
+            drafter_config.extra["chat_template_kwargs"] = info["chat_template_kwargs"]
+
+
 def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     """Build a `Run` from a TrainConfig (resuming from `cfg.out/latest` when it exists)."""
     from dflashkit.target.model import Target
@@ -225,6 +238,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     check_kind_fits(cfg, drafter.config)
     drafter = drafter.to(device=device, dtype=torch.float32).train()
     source = dataset if dataset is not None else open_feature_source(cfg, target, drafter.config)
+    _record_data_info(cfg, source, drafter.config)
     data = _plan_data(cfg, source, dist.world_size)
     embed = target.embed_weight.detach().to(device)
     lm_head = embed if target.lm_head_weight is target.embed_weight else target.lm_head_weight.detach().to(device)

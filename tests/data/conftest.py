@@ -1,6 +1,10 @@
-"""Fixtures of the data tests: a tiny random Llama with the SmolLM2 tokenizer (and chat template)."""
+"""Fixtures of the data tests: a tiny random Llama with the SmolLM2 tokenizer (and chat template), and the same
+with a Qwen3-like thinking template."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -41,3 +45,23 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
     return Target.load(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def thinking_dir(tiny_dir, tmp_path_factory):
+    """The tiny target with a Qwen3-like template: an enable_thinking switch, reasoning stripped from history."""
+    path = tmp_path_factory.mktemp("thinking")
+    for f in tiny_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'assistant' %}{{ m.content.split('</think>')[-1].lstrip('\\n') }}"
+        "{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+        "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif -%}"
+        "{%- endif -%}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
