@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dflashkit.data.conversations import end_of_turn_ids
 from dflashkit.data.regenerate import generate_batch
 from dflashkit.evaluate.stats import load_prompts
 from dflashkit.target import products
@@ -60,6 +61,51 @@ def run_batches(
     return time.perf_counter() - t0, responses
 
 
+def run_server(
+    gguf: Path,
+    slots: int,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    threads: int,
+    stop_ids: list[int],
+    tokenizer: object,
+    extra_args: list[str] | None = None,
+) -> tuple[float, list[list[int]]]:
+    """Seconds for a llama-server with `slots` parallel slots to answer all `prompts` (`slots` requests in flight,
+    as `prepare --server URL --concurrency slots` sends them; server start not timed) and the responses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflashkit.data.server_client import ServerPool
+    from dflashkit.export.llama_server import LlamaServer
+
+    ctx = max(map(len, prompts)) + max_new_tokens + 16
+    with LlamaServer(gguf, slots=slots, threads=threads, ctx_per_slot=ctx, extra_args=extra_args) as srv:
+        pool = ServerPool([srv.url])
+        pool.connect(tokenizer)  # the same model, checked
+
+        def one(p: list[int]) -> list[int]:
+            c = pool.complete(p, max_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0, stop_ids=stop_ids)
+            return list(c.token_ids or [])
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=slots) as ex:
+            responses = list(ex.map(one, prompts))
+        return time.perf_counter() - t0, responses
+
+
+def _server_gguf(spec: str) -> Path:
+    from dflashkit.export.llamacpp import built, f32_target_gguf
+    from dflashkit.target.default import gguf_path
+
+    if not built():
+        raise SystemExit("error: --server-slots needs llama.cpp: run scripts/build_llamacpp.sh first")
+    if spec == "f32":
+        return f32_target_gguf()
+    if spec == "q4_1":
+        return gguf_path()
+    return Path(spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="default", help="model directory, .gguf, or 'default' (embedded SmolLM2)")
@@ -71,6 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--products", default="auto", help="comma-separated: auto, stock, few_rows (compared side by side)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
+    p.add_argument(
+        "--server-slots",
+        default="",
+        help="also regenerate through llama-server with each of these parallel-slot counts, e.g. 1,4,8 "
+        "(needs scripts/build_llamacpp.sh); its threads = torch's",
+    )
+    p.add_argument(
+        "--server-gguf",
+        default="f32",
+        help="the GGUF llama-server runs: f32 (the target's F32 conversion, default), q4_1 (the shipped file), "
+        "or a path; comma-separated to compare several",
+    )
+    p.add_argument("--server-args", default="", help="more llama-server arguments, e.g. '-fa on'")
     args = p.parse_args(argv)
     sizes = positive_ints(args.batch_sizes, "--batch-sizes", "8,16,32")
     ways = [w.strip() for w in args.products.split(",") if w.strip()]
@@ -93,12 +152,30 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     runs = [(w, b) for w in ways for b in sizes]  # (products, batch size)
+    slots = positive_ints(args.server_slots, "--server-slots", "1,4,8") if args.server_slots else []
+    ggufs = {g.strip(): _server_gguf(g.strip()) for g in args.server_gguf.split(",") if g.strip()} if slots else {}
+    runs += [(f"server-{g}", n) for g in ggufs for n in slots]  # (llama-server GGUF, parallel slots)
     seconds = dict.fromkeys(runs, 0.0)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
+    stop_ids = end_of_turn_ids(target.tokenizer, target.model.generation_config.eos_token_id)
     for r in range(args.repeats):
         for run in runs if r % 2 == 0 else runs[::-1]:
-            with _products(run[0]):
-                s, outputs[run] = run_batches(target, prompts, run[1], args.max_new_tokens)
+            if run[0].startswith("server-"):
+                threads = torch.get_num_threads()
+                gguf = ggufs[run[0].removeprefix("server-")]
+                s, outputs[run] = run_server(
+                    gguf,
+                    run[1],
+                    prompts,
+                    args.max_new_tokens,
+                    threads,
+                    stop_ids,
+                    target.tokenizer,
+                    args.server_args.split(),
+                )
+            else:
+                with _products(run[0]):
+                    s, outputs[run] = run_batches(target, prompts, run[1], args.max_new_tokens)
             seconds[run] += s
     tokens = {run: sum(map(len, outputs[run])) * args.repeats for run in runs}
     ref = outputs[runs[0]]
@@ -119,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     best = max(range(len(runs)), key=lambda i: doc["tok_s"][i])
     doc["best_batch_size"], doc["best_products"] = runs[best][1], runs[best][0]
-    print(f"{'products':>9} {'batch':>6} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'resp/min':>8} {'same':>5}")
+    print(f"{'products':>12} {'batch':>6} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'resp/min':>8} {'same':>5}")
     for i, (w, b) in enumerate(runs):
         print(
-            f"{w:>9} {b:>6} {seconds[(w, b)]:>8.1f} {tokens[(w, b)]:>7} {doc['tok_s'][i]:>7.1f} "
+            f"{w:>12} {b:>6} {seconds[(w, b)]:>8.1f} {tokens[(w, b)]:>7} {doc['tok_s'][i]:>7.1f} "
             f"{doc['responses_per_min'][i]:>8.1f} {doc['same_as_first'][i]:>5.2f}"
         )
     print(json.dumps(doc))

@@ -78,8 +78,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dspark": {"settings": {"drafter_extra": {"kind": "dspark"}}, "capture_final": True},
     # the same with a Markov head of rank 64: DeepSpec's 256 makes W1 (49152 × r) 2.6× the SmolLM2 drafter's backbone
     "dspark_r64": {"settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 64}}, "capture_final": True},
+    # issue 25: the base run's regeneration minutes spent through llama-server (the quickstart's server route,
+    # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
+    "server_regen": {"server_regen_minutes": 6.0},
+    "server_regen_all": {"server_regen_minutes": 6.0, "regen_turns": "all"},
 }
-_DATA_KEYS = ("fraction", "more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
+_DATA_KEYS = (
+    "fraction",
+    "more_regen_minutes",
+    "capture_topk",
+    "original_text",
+    "drop_regen",
+    "capture_final",
+    "server_regen_minutes",
+)
 
 
 def _say(msg: str) -> None:
@@ -113,7 +125,7 @@ def _shared_data(
     from dflashkit.features.capture import capture
 
     keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
-    plan = {k: spec[k] for k in keys if k in spec}
+    plan = {k: spec[k] for k in (*keys, "server_regen_minutes", "regen_turns") if k in spec}
     name = (
         "-".join(f"{k}{v}" for k, v in plan.items())
         + "-"
@@ -126,7 +138,19 @@ def _shared_data(
     (d / "data").mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {"plan": plan}
     tokens = base / "data" / "tokens.jsonl"
-    shutil.copyfile(base / "data" / "regenerated.jsonl", d / "data" / "regenerated.jsonl")
+    if "server_regen_minutes" not in plan:
+        shutil.copyfile(base / "data" / "regenerated.jsonl", d / "data" / "regenerated.jsonl")
+    else:  # from scratch through llama-server, the quickstart's own prepare stage on its server route
+        t0 = time.monotonic()
+        turns = str(plan.get("regen_turns", "first"))
+        srv = replace(s, regen_minutes=float(plan["server_regen_minutes"]), original_text=0, regen_turns=turns)
+        rates = {"regen_route": "llama-server", "regen_batch": 32}
+        prep = stage_prepare(target, srv, d, time.monotonic() + 60 * srv.regen_minutes, rates)
+        info.update({"regen_minutes": round((time.monotonic() - t0) / 60, 2), "responses": prep["conversations"]})
+        info["regen_tokens_per_s"] = prep.get("regen_tokens_per_s")
+        tokens = d / "data" / "tokens.jsonl.regen"
+        (d / "data" / "tokens.jsonl").replace(tokens)
+        _keep_base_original(tokens, base)
     if "more_regen_minutes" in plan:  # the quickstart's own prepare stage continues the base run's responses
         t0 = time.monotonic()
         more = replace(s, regen_minutes=float(plan["more_regen_minutes"]), original_text=0)
@@ -181,7 +205,8 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         _link(base / "data", out / "data")
         _link(base / "features", out / "features")
         return {"data": "base"}
-    if any(k in spec for k in ("more_regen_minutes", "capture_topk", "original_text", "capture_final")):
+    shared_keys = ("more_regen_minutes", "capture_topk", "original_text", "capture_final", "server_regen_minutes")
+    if any(k in spec for k in shared_keys):
         shared, info = _shared_data(target, spec, s, base, out.parent, layer_ids)
         _link(shared / "data", out / "data")
         _link(shared / "features", out / "features")
@@ -344,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [b for b in args.budgets.split(",") if b]
     methods = []
     for ds in datasets:
-        sim = out_root / ("sim" if ds == "mtbench" else f"sim-{ds}")
+        short = Path(ds).stem if ds.endswith(".jsonl") else ds  # a prompts file: its name
+        sim = out_root / ("sim" if ds == "mtbench" else f"sim-{short}")
         cli(
             [
                 "simulate",
@@ -365,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         doc = json.loads((sim / "results.json").read_text())
-        here = [f"{ds} {m}" for m in ("chain", *[f"ddtree:{b}" for b in budgets])]
+        here = [f"{short} {m}" for m in ("chain", *[f"ddtree:{b}" for b in budgets])]
         methods += here
         for r in rows:
             r.setdefault("variant", r["name"])

@@ -37,6 +37,7 @@ from dflashkit.validation import (
     Seed,
     Text,
     check_fields,
+    choice,
 )
 
 
@@ -52,6 +53,9 @@ class QuickstartSettings:
     max_new_tokens_regen: PositiveInt = 192
     max_prompt_tokens: PositiveInt = 384  # longer ShareGPT prompts are skipped (they cost time, teach little)
     regen_batch: NonNegativeInt = 0  # 0: measured at the start among 8, 16, 32 (16 unless another is clearly faster)
+    # auto: regenerate through llama-server (quickstart_server.py) when llama.cpp is built and it is clearly faster
+    regen_server: choice("auto", "off") = "auto"  # type: ignore[valid-type]
+    regen_turns: choice("first", "all") = "first"  # type: ignore[valid-type]  # all: every assistant turn
     # + this many ShareGPT train conversations with their ORIGINAL reply, teacher-forced (labels: the target's own
     # argmax): ~6× cheaper per token than regeneration (lever table: orig_mix); fewer when regeneration ran slower
     # than on the idle dev machine (capture will be slower too); 0 = regenerated responses only
@@ -142,22 +146,22 @@ def _train_prompts(target: Any, s: QuickstartSettings, exclude: set[str] = froze
 
 def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dict[str, Any]:
     """This machine's regeneration tokens/s at a few batch sizes (the best becomes the batch size when it beats the
-    default clearly) and its capture tokens/s — measured in about a minute on 2 cores, product choices included
-    (quickstart_rates.py)."""
-    from dflashkit.quickstart_rates import measure_rates
+    default clearly), through llama-server when it is built (`regen_server`: the route when clearly faster) and its
+    capture tokens/s — measured in about a minute on 2 cores, product choices included (quickstart_rates.py)."""
+    from dflashkit.quickstart_rates import BATCH_GAIN, measure_rates
+    from dflashkit.quickstart_server import server_built, server_rate
 
     batches = (s.regen_batch,) if s.regen_batch else (8, 16, 32)  # a batch size given is kept (and measured)
-    prompts = []
-    for _, ids in _train_prompts(target, s):
-        prompts.append(ids)
-        if len(prompts) == max(batches):
-            break
-    _say(
-        f"rates: measuring regeneration at batch {', '.join(map(str, batches))} and capture (about a minute; the "
-        f"products are chosen then too)"
-    )
-    default = s.regen_batch or 16
-    return measure_rates(target, prompts, batches=batches, default_batch=default, layer_ids=layer_ids)
+    prompts = [ids for _, (_, ids) in zip(range(max(batches, default=16)), _train_prompts(target, s), strict=False)]
+    server = s.regen_server == "auto" and server_built()
+    _say(f"rates: measuring regeneration at batch {', '.join(map(str, batches))}{' and through llama-server' * server}")
+    rates = measure_rates(target, prompts, batches=batches, default_batch=s.regen_batch or 16, layer_ids=layer_ids)
+    rates["regen_route"] = "in-process"
+    if server:
+        rates["regen_server_tokens_per_s"] = round(server_rate(target, prompts[:16]), 2)
+        if rates["regen_server_tokens_per_s"] > (1 + BATCH_GAIN) * max(rates["regen_tokens_per_s"].values()):
+            rates["regen_route"] = "llama-server"
+    return rates
 
 
 def stage_prepare(
@@ -165,39 +169,29 @@ def stage_prepare(
 ) -> dict[str, Any]:
     """Regenerate responses for ShareGPT train prompts until the regeneration budget is spent; tokenise; add
     original-text conversations whose capture fits this machine's budget (`rates`)."""
-    from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.data.regenerate import read_regenerated
     from dflashkit.data.tokens_file import write_tokens
+    from dflashkit.quickstart_server import SERVER_SLOTS, regen_pool, regenerate_until
 
     tok = target.tokenizer
     batch = int(s.regen_batch or rates.get("regen_batch", 16))
     regen = out / "data" / "regenerated.jsonl"
     regen.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_regenerated(regen, repair=True)} if regen.exists() else set()
-    _say(
-        f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min "
-        f"(batch {batch})"
-    )
-    chunk: list[Any] = []
-    first, new_tokens, seconds, first_rate = True, 0, 0.0, None
-    for c, _ in _train_prompts(target, s, exclude=done):  # the dataset's order (deterministic)
-        chunk.append(c)
-        if len(chunk) < 2 * batch:
-            continue
-        if not first and time.monotonic() >= deadline:
-            break
-        stats = regenerate(
-            target, chunk, regen, max_new_tokens=s.max_new_tokens_regen, batch_size=batch, progress=False
-        )
-        new_tokens, seconds = new_tokens + stats.new_tokens, seconds + stats.seconds
-        first_rate = first_rate if first_rate is not None else stats.tokens_per_s  # the yardstick of the note
-        done |= {c.id for c in chunk}
-        chunk, first = [], False  # at least one chunk always runs, so training never starts from nothing
-        _say(f"prepare: {len(done)} responses")
+    route = rates.get("regen_route", "in-process")
+    how = f"llama-server, {SERVER_SLOTS} slots" if route == "llama-server" else f"batch {batch}"
+    _say(f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min ({how})")
+    with regen_pool(rates) as pool:
+        todo = (c for c, _ in _train_prompts(target, s, exclude=done))  # the dataset's order (deterministic)
+        new_tokens, seconds, first_rate = regenerate_until(
+            target, todo, regen, deadline, done, batch=batch, pool=pool, max_new_tokens=s.max_new_tokens_regen,
+            turns=s.regen_turns, say=_say,
+        )  # fmt: skip
     records = read_regenerated(regen)
     tokens_file = out / "data" / "tokens.jsonl"
     tokens = write_tokens(
         tok,
-        [(r["id"], r["messages"], r["response_token_ids"]) for r in records],
+        [(r["id"], r["messages"], r.get("turn_token_ids", r.get("response_token_ids"))) for r in records],
         tokens_file,
         max_length=1024,
         min_supervised=2,
@@ -207,6 +201,7 @@ def stage_prepare(
         "tokens": tokens.total_tokens,
         "supervised_tokens": tokens.supervised,
         "regen_batch": batch,
+        "regen_route": route,
         **({"regen_tokens_per_s": round(new_tokens / seconds, 2)} if seconds else {}),
         **({"regen_first_chunk_tokens_per_s": round(first_rate, 2)} if first_rate else {}),
     }

@@ -17,6 +17,7 @@ TOP = (
     "quickstart",
     "quickstart_screen",
     "quickstart_rates",
+    "quickstart_server",
     "__main__",
     "__init__",
 )  # entry points: may import anything

@@ -7,10 +7,15 @@ per sample — the unit every later stage reads).
 
 Modules and their public functions:
   conversations.py  `Conversation`, `read_jsonl_conversations`, `prompt_messages`, `encode_prompt`,
-                    `tokenize_for_training`, `write_tokens`, `end_of_turn_ids`, `default_stop_token_ids`
+                    `tokenize_for_training`, `end_of_turn_ids`, `default_stop_token_ids`
   datasets.py       `load_dataset(name_or_path)`, `load_sharegpt`, `load_mtbench`, `load_humaneval`
   jsonl.py          `read_lines(path)`: user JSONL read safely (size cap, UTF-8 checked, line numbers)
   samples.py        `Sample`, `read_tokens(tokens.jsonl)`, `check_token_ids`
-  regenerate.py     `regenerate(target, conversations, out)`, `generate_batch`, `read_regenerated`
+  regenerate.py     `regenerate(target, conversations, out)` (in process or through servers), `generate_batch`,
+                    `read_regenerated`
+  server_client.py  `ServerPool(urls)`: OpenAI-compatible servers (vLLM, SGLang, llama-server) from token ids
+  turns.py          `TurnState`, `turn_segments`, `tokenize_turns`: the first or every assistant turn
+  thinking.py       `template_kwargs`, `split_reasoning`, `data_info`, `check_same_thinking`: thinking modes
+  tokens_file.py    `write_tokens`: tokens.jsonl from conversations and regenerated transcripts
   original_text.py  `write_original_text`: ShareGPT conversations kept with their original reply
 """

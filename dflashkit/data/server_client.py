@@ -165,7 +165,8 @@ class ServerPool:
             props = self._http(server, "GET", "/props")
             if isinstance(props, dict) and ("default_generation_settings" in props or "total_slots" in props):
                 server.protocol = "llama.cpp"
-                server.model = str(props.get("model_alias") or props.get("model_path") or "")
+                name = str(props.get("model_alias") or props.get("model_path") or "")
+                server.model = name.replace("\\", "/").rsplit("/", 1)[-1]  # a file name, not where it is kept
                 return
         except ServerError:
             pass  # no /props: not llama.cpp

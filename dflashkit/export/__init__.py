@@ -15,4 +15,5 @@ Modules and their public functions:
   llamacpp_check.py  `llamacpp_side`, `reference_drafts`: serve-check's llama.cpp side, round by round
   gguf_export.py  `export_gguf(ckpt, out, target_gguf=…)`
   llamacpp.py     `built()`, `run_speculative`, `run_plain`, `f32_target_gguf`
+  llama_server.py `LlamaServer(gguf, slots=…)`: a llama-server on 127.0.0.1 for a block (regeneration, tests)
 """

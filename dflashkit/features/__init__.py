@@ -11,4 +11,5 @@ Modules and their public functions:
   online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
   manifest.py  `Manifest.load(dir)`, `target_fingerprint`, `bytes_per_token`, `plan_shards`, `format_bytes`
   shards.py    `shard_problem(path, entry)`: a shard on disk checked against its manifest entry
+  rank_shards.py  capture over torchrun ranks: `owned_by`, `record_finished`, `fold_rank_records` (one manifest)
 """

@@ -16,4 +16,5 @@ Modules and their public functions:
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
   devices.py    `device_problem(spec)`: whether a device string names a device this machine has
   files.py      `check_model_dir`, `check_gguf`: a target's config.json / GGUF header checked before loading
+  distributed.py `DistContext.from_env()`, `read_env()`: torchrun's ranks and collectives (training, capture)
 """

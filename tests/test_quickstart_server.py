@@ -1,0 +1,64 @@
+"""The quickstart's regeneration route (`--regen-server auto|off`): llama-server only when llama.cpp is built and it
+regenerates clearly faster than in-process `generate` on this machine, decided from measurements (injected here)."""
+
+from __future__ import annotations
+
+import pytest
+
+import dflashkit.quickstart_rates as rates_mod
+import dflashkit.quickstart_server as server_mod
+from dflashkit.quickstart import QuickstartSettings, stage_rates
+
+
+class _Target:
+    tokenizer = None
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """In-process rates of 50 tok/s at the best batch size; the server's rate is set per test."""
+    calls = {"server": 0}
+
+    def fake_measure(target, prompts, *, batches, default_batch, layer_ids):
+        return {"regen_tokens_per_s": {"8": 40.0, "16": 50.0}, "regen_batch": 16, "capture_tokens_per_s": 1.0}
+
+    monkeypatch.setattr(rates_mod, "measure_rates", fake_measure)
+    monkeypatch.setattr("dflashkit.quickstart._train_prompts", lambda target, s: iter([("c", [1, 2, 3])] * 40))
+
+    def with_server(rate: float, built: bool = True):
+        monkeypatch.setattr(server_mod, "server_built", lambda: built)
+
+        def fake_rate(target, prompts):
+            calls["server"] += 1
+            return rate
+
+        monkeypatch.setattr(server_mod, "server_rate", fake_rate)
+        return calls
+
+    return with_server
+
+
+@pytest.mark.parametrize(
+    ("server_rate", "route"), [(120.0, "llama-server"), (54.0, "in-process"), (56.0, "llama-server")]
+)
+def test_the_server_route_needs_a_clear_win(measured, server_rate, route):
+    calls = measured(server_rate)
+    rates = stage_rates(_Target(), QuickstartSettings(regen_server="auto"), [1])
+    assert rates["regen_route"] == route and rates["regen_server_tokens_per_s"] == server_rate
+    assert calls["server"] == 1  # > (1 + BATCH_GAIN) · the best in-process rate (50 tok/s) takes the server
+
+
+def test_off_or_not_built_never_starts_a_server(measured):
+    calls = measured(1000.0)
+    assert stage_rates(_Target(), QuickstartSettings(regen_server="off"), [1])["regen_route"] == "in-process"
+    calls = measured(1000.0, built=False)
+    rates = stage_rates(_Target(), QuickstartSettings(regen_server="auto"), [1])
+    assert rates["regen_route"] == "in-process" and "regen_server_tokens_per_s" not in rates
+    assert calls["server"] == 0
+
+
+def test_regen_server_setting_is_checked():
+    from dflashkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="regen_server"):
+        QuickstartSettings(regen_server="always")
