@@ -9,6 +9,8 @@ from token ids, spread over several servers, with retries.
 Protocols, found per server by `connect`:
   llama.cpp  `GET /props` answers → `POST /completion` with `return_tokens: true` (its OpenAI endpoint returns no
              ids); the stop token it generated is part of `tokens`.
+  sglang     `GET /get_model_info` answers → SGLang's native `POST /generate` with `input_ids` (its answer carries
+             `output_ids`; `meta_info.finish_reason.type` says stop or length);
   openai     `GET /v1/models` answers → `POST /v1/completions` with the prompt as a token-id list and
              `return_token_ids: true` (vLLM returns `choices[0].token_ids`; a server that does not returns text only
              and the caller re-tokenises it), `stop_token_ids` set to the target's end-of-turn ids.
@@ -58,7 +60,7 @@ class Completion:
 @dataclass
 class _Server:
     url: str
-    protocol: str = ""  # "llama.cpp" | "openai", set by connect
+    protocol: str = ""  # "llama.cpp" | "sglang" | "openai", set by connect
     model: str = ""  # the served model's name (sent in OpenAI requests)
     down_until: float = 0.0
     last_error: str = ""
@@ -88,7 +90,7 @@ class ServerPool:
     retries: int = 6  # consecutive failed attempts (over all servers) before giving up
     backoff_s: float = 0.5  # first wait after a failure; doubles up to max_backoff_s
     max_backoff_s: float = 20.0
-    timeout_s: float = 600.0  # one request (a long response on a busy server takes minutes)
+    timeout_s: float = 3600.0  # one request (a long response on a server with hundreds in flight takes minutes)
     sleep: Callable[[float], None] = time.sleep
     servers: list[_Server] = field(init=False)
 
@@ -170,6 +172,14 @@ class ServerPool:
                 return
         except ServerError:
             pass  # no /props: not llama.cpp
+        try:
+            info = self._http(server, "GET", "/get_model_info")
+            if isinstance(info, dict) and "model_path" in info:
+                server.protocol = "sglang"
+                server.model = str(info["model_path"]).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+                return
+        except ServerError:
+            pass  # not SGLang
         models = self._http(server, "GET", "/v1/models")
         ids = (
             [m.get("id") for m in (models.get("data") or []) if isinstance(m, dict)] if isinstance(models, dict) else []
@@ -241,6 +251,8 @@ class ServerPool:
             ids = out.get("tokens") or None
             finished = out.get("stop_type") in ("eos", "word") or (bool(ids) and ids[-1] in stop_ids)
             return Completion([int(t) for t in ids] if ids else None, str(out["content"]), finished)
+        if server.protocol == "sglang":
+            return self._sglang(server, prompt, params, stop_ids)
         body = {
             "model": server.model,
             "prompt": prompt,
@@ -260,6 +272,22 @@ class ServerPool:
             raise ServerError(f"{server.url}/v1/completions: expected 'choices', got {str(out)[:200]}") from None
         ids = choice.get("token_ids") or None
         return Completion([int(t) for t in ids] if ids else None, text, choice.get("finish_reason") == "stop")
+
+    def _sglang(self, server: _Server, prompt: list[int], params: dict[str, Any], stop_ids: list[int]) -> Completion:
+        temperature = params["temperature"]
+        sampling = {
+            "max_new_tokens": params["max_tokens"],
+            "temperature": temperature,
+            "top_p": params["top_p"] if temperature > 0 else 1.0,
+            "stop_token_ids": stop_ids,
+        }
+        out = self._http(server, "POST", "/generate", {"input_ids": prompt, "sampling_params": sampling})
+        if not isinstance(out, dict) or "text" not in out:
+            raise ServerError(f"{server.url}/generate: expected a generation object, got {str(out)[:200]}")
+        ids = out.get("output_ids") or None
+        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+        finished = (reason.get("type") if isinstance(reason, dict) else str(reason)) == "stop"
+        return Completion([int(t) for t in ids] if ids else None, str(out["text"]), finished)
 
     def complete(
         self,

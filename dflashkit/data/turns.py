@@ -13,8 +13,9 @@ Turns (`--turns`):
   all    every run of non-assistant messages that holds a user message gets a reply, in order; the target's own
          earlier replies are the context of the next user turn. Original assistant messages are all replaced (a
          leading assistant message, with no prompt, is dropped). The record keeps `turn_token_ids` (one id list per
-         regenerated turn). A turn that hits the length cap, or whose context would pass the prompt-length limit,
-         ends the conversation there (earlier turns are kept).
+         regenerated turn). A turn whose context would pass the prompt-length limit ends the conversation there
+         (earlier turns are kept); a reply cut at the length cap stays in the history as generated (the record's
+         `finished` is then false) and the next user turn follows it.
 Thinking (`--thinking`, reasoning models with an `enable_thinking` chat template switch):
   off    the template's switch off.
   on     the switch on; the reasoning (the text before `</think>`) is saved in the record's `reasoning` list and left
@@ -75,7 +76,7 @@ class TurnState:
     turn_ids: list[list[int]] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     finished: bool = True
-    stopped: str | None = None  # why the conversation ended before its last segment
+    stopped: str | None = None  # why the conversation ended before its last segment (a context too long)
 
     def __post_init__(self) -> None:
         if self.thinking is not None and self.thinking not in THINKING_MODES:
@@ -106,8 +107,8 @@ class TurnState:
         self.history.append({"role": "assistant", "content": answer})
         self.turn_ids.append([int(t) for t in ids])
         self.reasoning.append(reasoning)
-        if not finished:
-            self.finished, self.stopped = False, "reply reached max_new_tokens"
+        if not finished:  # cut at the length cap: kept as generated, the conversation goes on
+            self.finished = False
 
     def record(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The regenerated.jsonl line of this conversation (call when done and at least one turn was written)."""

@@ -58,7 +58,7 @@ def reference(tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("protocol", ["openai", "llama.cpp"])
+@pytest.mark.parametrize("protocol", ["openai", "llama.cpp", "sglang"])
 @pytest.mark.parametrize("turns", ["first", "all"])
 def test_server_equals_in_process(tiny, tiny_dir, tmp_path, reference, protocol, turns):
     text_only = TargetText.load(tiny_dir)  # the client never loads the weights

@@ -158,3 +158,16 @@ def test_prepare_thinking_modes(thinking_dir, tmp_path, mode):
     # resuming with another thinking mode is refused: the file would mix two distributions
     other = {"off": "keep", "on": "off", "keep": "on"}[mode]
     assert main([*argv, "--turns", "all", "--thinking", other]) == 2
+
+
+def test_a_reply_cut_at_the_cap_does_not_end_the_conversation(tiny, tmp_path):
+    path = tmp_path / "regen.jsonl"
+    regenerate(tiny, CONVS, path, max_new_tokens=2, turns="all", progress=False)
+    for rec in read_regenerated(path):
+        users = sum(m["role"] == "user" for m in rec["messages"])
+        assert len(rec["turn_token_ids"]) == users and all(len(ids) <= 2 for ids in rec["turn_token_ids"])
+    # a context over the prompt limit ends it there, earlier turns kept
+    limit = len(encode_prompt(tiny.tokenizer, CONVS[0].messages[:1])) + 4
+    regenerate(tiny, CONVS[:1], tmp_path / "short.jsonl", max_new_tokens=2, turns="all", max_prompt_length=limit)
+    (rec,) = read_regenerated(tmp_path / "short.jsonl")
+    assert len(rec["turn_token_ids"]) == 1

@@ -1,5 +1,6 @@
 """A small completion server on 127.0.0.1 for the regeneration client's tests: it answers like llama-server
-(`/props`, `/completion`, `/tokenize`) or like vLLM (`/v1/models`, `/v1/completions`, `/tokenize`), generating
+(`/props`, `/completion`, `/tokenize`), like SGLang's native API (`/get_model_info`, `/generate`, `/tokenize`) or
+like vLLM (`/v1/models`, `/v1/completions`, `/tokenize`), generating
 greedily with a real (tiny) HF target, and can be told to fail: HTTP 5xx, a dropped connection, a 4xx, another
 tokenizer, or no token ids in its answers (text only, as some servers do).
 
@@ -24,7 +25,7 @@ class FakeServer:
         self,
         target: Any,
         *,
-        protocol: str = "openai",  # "openai" | "llama.cpp"
+        protocol: str = "openai",  # "openai" | "llama.cpp" | "sglang"
         token_ids: bool = True,  # False: answers carry text only
         failures: list[str] | None = None,  # per completion request, in order: "503", "drop", "400", "ok"
         tokenizer_shift: int = 0,  # /tokenize answers ids + shift: another model's tokenizer
@@ -62,11 +63,17 @@ class FakeServer:
             return generate_batch(self.target, [prompt], max_new_tokens=max_tokens, stop_ids=stops)[0]
 
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        prompt = [int(t) for t in body["prompt"]]
+        prompt = [int(t) for t in body.get("prompt", body.get("input_ids", []))]
         self.prompts.append(prompt)
-        n = body.get("n_predict", body.get("max_tokens"))
+        n = body.get("n_predict", body.get("max_tokens", (body.get("sampling_params") or {}).get("max_new_tokens")))
         ids, finished = self._generate(prompt, int(n))
         text = self.target.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.protocol == "sglang":
+            reason = {"type": "stop", "matched": ids[-1]} if finished else {"type": "length", "length": len(ids)}
+            out: dict[str, Any] = {"text": text, "meta_info": {"finish_reason": reason}}
+            if self.token_ids:
+                out["output_ids"] = ids
+            return out
         if self.protocol == "llama.cpp":
             return {
                 "content": text,
@@ -99,6 +106,8 @@ class FakeServer:
                     return self._send(
                         200, {"default_generation_settings": {}, "total_slots": 4, "model_alias": fake.model}
                     )
+                if self.path == "/get_model_info" and fake.protocol == "sglang":
+                    return self._send(200, {"model_path": f"/models/{fake.model}", "is_generation": True})
                 if self.path == "/v1/models":
                     return self._send(200, {"object": "list", "data": [{"id": fake.model, "object": "model"}]})
                 self._send(404, {"error": {"code": 404, "message": "File Not Found"}})
@@ -109,7 +118,7 @@ class FakeServer:
                     text = body.get("content", body.get("prompt", ""))
                     ids = fake.target.tokenizer(text, add_special_tokens=False)["input_ids"]
                     return self._send(200, {"tokens": [i + fake.tokenizer_shift for i in ids]})
-                want = "/completion" if fake.protocol == "llama.cpp" else "/v1/completions"
+                want = {"llama.cpp": "/completion", "sglang": "/generate"}.get(fake.protocol, "/v1/completions")
                 if self.path != want:
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 with fake._lock:
