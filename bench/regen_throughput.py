@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/regen_throughput.py                                # SmolLM2, ShareGPT prompts
     .venv/bin/python bench/regen_throughput.py --batch-sizes 8,16,32 --prompts 64 --max-new-tokens 192 --repeats 2
+    .venv/bin/python bench/regen_throughput.py --batch-sizes 8,16 --server-slots 1,4,8 --server-gguf f32,q4_1
 
 Regeneration (the target answering the training prompts, `dflashkit.data.regenerate`) is the most expensive data stage
 on a CPU: the quickstart spends 6 of its minutes there. This runs the same prompts (the first N ShareGPT train
@@ -12,6 +13,11 @@ With `--products auto,stock,few_rows` each batch size also runs with each way of
 (dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF runs)
 and `few_rows` (weight-stationary everywhere: what dflashkit did on every CPU before it measured). The header names
 the machine (CPU, BLAS, threads).
+With `--server-slots 1,4,8` the same prompts also go through llama.cpp's `llama-server` (scripts/build_llamacpp.sh)
+with that many parallel slots and as many requests in flight — what `dflashkit prepare --server URL --concurrency N`
+does — on the same number of threads, serving `--server-gguf` (f32: the target's F32 conversion, the exact weights
+of the fp32 target; q4_1: the shipped file); "same" then says how often the server's greedy responses equal the
+fp32 HF target's (the first run, when it is an in-process one). Server start-up is not timed.
 Reported per run (products @ batch size): generated tokens per second (every response token up to and including
 the stop token or the cap — what becomes supervised data), responses per minute, and the fraction of responses
 identical to those of the first run (left padding or another product order must not change greedy output beyond

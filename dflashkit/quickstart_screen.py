@@ -50,6 +50,8 @@ def summary_screen(state: dict[str, Any]) -> str:
 def _data_line(prep: dict[str, Any]) -> str:
     """'224 target-regenerated responses (35,150 supervised tokens) + 300 original ShareGPT replies (...)'."""
     line = f"{prep['conversations']} target-regenerated responses ({prep['supervised_tokens']:,} supervised tokens)"
+    if prep.get("regen_route") == "llama-server":
+        line = line.replace("responses", "responses (llama-server)", 1)
     if prep.get("original_conversations"):
         line += (
             f" + {prep['original_conversations']} original ShareGPT replies "

@@ -29,6 +29,8 @@ TINY = [
     "12",
     "--methods",
     "ar,chain,ddtree:4",
+    "--regen-server",  # the same route on every machine (the server route: tests/data/test_llama_server_regenerate.py)
+    "off",
 ]
 
 

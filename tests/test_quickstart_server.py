@@ -62,3 +62,13 @@ def test_regen_server_setting_is_checked():
 
     with pytest.raises(ConfigError, match="regen_server"):
         QuickstartSettings(regen_server="always")
+
+
+def test_the_screen_names_the_route():
+    from dflashkit.quickstart_screen import _data_line
+
+    prep = {"conversations": 5, "supervised_tokens": 100}
+    assert "(llama-server)" not in _data_line(prep)
+    assert _data_line({**prep, "regen_route": "llama-server"}).startswith(
+        "5 target-regenerated responses (llama-server)"
+    )

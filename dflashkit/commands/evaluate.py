@@ -76,6 +76,20 @@ def _thinking(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -
     return template_kwargs(args.thinking, target.tokenizer, target.source)
 
 
+def _prompts(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
+    """The dataset's prompts for eval / simulate, rendered in the thinking mode the drafters were trained in."""
+    from dflashkit.evaluate.stats import load_prompts
+
+    return load_prompts(
+        target,
+        args.dataset,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        on_error=args.on_error,
+        chat_template_kwargs=_thinking(args, target, drafters),
+    )
+
+
 def _check_dataset(name: str) -> None:
     """Refuse an unknown dataset name before loading anything."""
     from dflashkit.data.datasets import DATASETS
@@ -262,7 +276,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from dflashkit.evaluate.evaluate import evaluate
     from dflashkit.evaluate.report import render, summary_table
-    from dflashkit.evaluate.stats import load_prompts, parse_methods
+    from dflashkit.evaluate.stats import parse_methods
     from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
@@ -273,14 +287,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     drafters = _load_drafters(specs, args.device)
-    prompts, skipped = load_prompts(
-        target,
-        args.dataset,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        on_error=args.on_error,
-        chat_template_kwargs=_thinking(args, target, drafters),
-    )
+    prompts, skipped = _prompts(args, target, drafters)
     doc = evaluate(
         target,
         drafters,
@@ -347,7 +354,6 @@ def _simulate(args: argparse.Namespace) -> int:
 
     from dflashkit.evaluate.report import render, summary_table
     from dflashkit.evaluate.simulate import simulate_many, simulation_results
-    from dflashkit.evaluate.stats import load_prompts
     from dflashkit.evaluate.transcripts import build_transcripts
     from dflashkit.io_utils import atomic_write_text
     from dflashkit.target.model import Target, check_drafter_fits
@@ -363,14 +369,7 @@ def _simulate(args: argparse.Namespace) -> int:
     drafters = _load_drafters(specs, args.device)
     for name, d in drafters.items():
         check_drafter_fits(d.config, target, source=f"drafter {name!r}")
-    prompts, skipped = load_prompts(
-        target,
-        args.dataset,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        on_error=args.on_error,
-        chat_template_kwargs=_thinking(args, target, drafters),
-    )
+    prompts, skipped = _prompts(args, target, drafters)
     layers = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
     cache = build_transcripts(
         target,

@@ -390,25 +390,28 @@ def _through_servers(
     concurrency: int,
     start: float,
 ) -> None:
-    """`concurrency` conversations in flight; each line is written by this thread as its conversation completes."""
+    """`concurrency` conversations in flight; each line is written by this thread as its conversation completes.
+    On an error (or Ctrl-C) the conversations in flight are abandoned, not waited for: they were not written, so
+    a rerun regenerates them."""
     pending = iter(todo)
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen") as pool:
-        running = set()
-        try:
-            while True:
-                while len(running) < concurrency and (nxt := next(pending, None)) is not None:
-                    running.add(pool.submit(_server_conversation, job, servers, *nxt))
-                if not running:
-                    break
-                finished, running = wait(running, return_when=FIRST_COMPLETED)
-                ok = [fut for fut in finished if fut.exception() is None]
-                _write(f, [fut.result() for fut in ok])  # what succeeded is kept even when a sibling failed
-                for fut in finished:
-                    if fut.exception() is not None:
-                        raise fut.exception()
-                job.stats.seconds = time.perf_counter() - start
-                bar.update(len(finished))
-                bar.set_postfix(tok_s=f"{job.stats.tokens_per_s:.1f}")
-        finally:
-            for fut in running:
-                fut.cancel()
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen")
+    running: set[Any] = set()
+    clean = False
+    try:
+        while True:
+            while len(running) < concurrency and (nxt := next(pending, None)) is not None:
+                running.add(pool.submit(_server_conversation, job, servers, *nxt))
+            if not running:
+                break
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            ok = [fut for fut in finished if fut.exception() is None]
+            _write(f, [fut.result() for fut in ok])  # what succeeded is kept even when a sibling failed
+            for fut in finished:
+                if fut.exception() is not None:
+                    raise fut.exception()
+            job.stats.seconds = time.perf_counter() - start
+            bar.update(len(finished))
+            bar.set_postfix(tok_s=f"{job.stats.tokens_per_s:.1f}")
+        clean = True
+    finally:
+        pool.shutdown(wait=clean, cancel_futures=True)
