@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.data.conversations import end_of_turn_ids
+from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.data.regenerate import generate_batch
 from dflashkit.evaluate.stats import load_prompts
 from dflashkit.target import products
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     runs += [(f"server-{g}", n) for g in ggufs for n in slots]  # (llama-server GGUF, parallel slots)
     seconds = dict.fromkeys(runs, 0.0)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
-    stop_ids = end_of_turn_ids(target.tokenizer, target.model.generation_config.eos_token_id)
+    stop_ids = default_stop_token_ids(target)  # the config's eos for a target without tokenizer files
     for r in range(args.repeats):
         for run in runs if r % 2 == 0 else runs[::-1]:
             if run[0].startswith("server-"):
