@@ -212,7 +212,7 @@ class ServerPool:
 
     def connect(self, tokenizer: Any) -> list[dict[str, str]]:
         """Find each server's protocol and check its tokenizer; servers that do not answer are retried later, but
-        at least one must answer now. Returns one description per server."""
+        at least one must answer now. Returns `describe()`."""
         for server in self.servers:
             try:
                 self._detect(server)
@@ -222,11 +222,7 @@ class ServerPool:
         if not any(s.protocol for s in self.servers):
             failures = "; ".join(f"{s.url} ({s.last_error})" for s in self.servers)
             raise ServerError(f"no server answers: {failures}")
-        return [
-            {"url": s.url, "protocol": s.protocol or "unknown (not answering)", "model": s.model,
-             "tokenizer_check": s.tokenizer_check}
-            for s in self.servers
-        ]  # fmt: skip
+        return self.describe()
 
     # -------------------------------------------------------------------------------------------- completion
     def _request(self, server: _Server, prompt: list[int], params: dict[str, Any], stop_ids: list[int]) -> Completion:
