@@ -105,6 +105,7 @@ class Chooser:
         self.repeats = repeats
         self.choices: dict[str, dict[str, float | str]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
+        self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
         self._loaded = False
 
     def choose(self, x: Tensor, w: Tensor, b: Tensor | None) -> str:
@@ -271,25 +272,43 @@ def chooser() -> Chooser:
 
 def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group: PassGroup | None = None) -> Tensor:
     """x (..., H) @ weight (V, H)ᵀ (+ bias) → (..., V), the way this machine computes it fastest: per pass group
-    and row count when the product belongs to one (`route_linears`), else per shape."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if (
-        _STOCK[0]
-        or x.device.type != "cpu"
-        or not 1 <= rows <= MAX_ROWS
-        or x.dtype != weight.dtype
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
+    and row count when the product belongs to one (`route_linears`), else per shape.
+
+    A decoding step runs ~200 of these, so a settled choice (measured, or forced by DFLASHKIT_PRODUCTS) is looked
+    up by (group or weight shape, input shape, dtype, the variable's value) in the thread count's chooser before
+    any other work: the full path costs ~20 µs per call on a 2-core EPYC (~4 ms of a 25 ms SmolLM2 step), the
+    lookup ~1 µs."""
+    if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    how = mode()
-    flat = x.reshape(rows, x.shape[-1])  # (M, H)
-    if how == "auto":
-        if group is not None:
-            how = chooser().choose_pass(group, rows, x.dtype, opens_pass=group.linears[0].weight is weight)
-        else:
-            how = chooser().choose(flat, weight, bias)
-    out = CANDIDATES[how](flat, weight, bias)  # (M, V)
+    c = chooser()
+    memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
+    memo += (os.environ.get(ENV),)
+    how = c.settled.get(memo)
+    if how is None:
+        how, settled = _choose(c, x, weight, bias, group)
+        if settled:
+            c.settled[memo] = how
+    if how == "stock":
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    out = CANDIDATES[how](x.reshape(rows, x.shape[-1]), weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
+
+
+def _choose(c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: PassGroup | None) -> tuple[str, bool]:
+    """(candidate, settled): the candidate for this call, and whether it holds for every later call of the same
+    shape (False: F.linear by fallback, or stock until the row count is measured)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if x.device.type != "cpu" or not 1 <= rows <= MAX_ROWS or x.dtype != weight.dtype:
+        return "stock", False  # GPUs, prefills, mixed dtypes: F.linear, decided per call
+    how = mode()
+    if how != "auto":
+        return how, True
+    if group is not None:
+        how = c.choose_pass(group, rows, x.dtype, opens_pass=group.linears[0].weight is weight)
+        return how, group.key(rows, x.dtype) in c.choices
+    how = c.choose(x.reshape(rows, x.shape[-1]), weight, bias)
+    return how, shape_key(rows, weight, bias) in c.choices
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:

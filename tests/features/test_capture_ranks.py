@@ -4,6 +4,7 @@ killed at a random moment resumes — with 2 ranks or with 1 — to those same f
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 
 from dflashkit.features.manifest import Manifest
 from dflashkit.features.rank_shards import owned_by
-from tests.features.test_capture import dir_bytes, make_samples
+from tests.features.test_capture import make_samples
 
 LENGTHS = [150 + (k * 37) % 100 for k in range(64)]  # ~12.8K tokens: a kill lands mid-run
 
@@ -44,6 +45,28 @@ def setup(tmp_path_factory, tiny_llama_dir):
     return tmp, launcher, args, ref
 
 
+def _differences(out: Path, ref: Path) -> list[str]:
+    """What differs between two capture directories: files present in one only, and for a differing shard the
+    tensors that differ (a readable failure instead of two shards' bytes)."""
+    from safetensors.torch import load_file
+
+    def digests(d: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(d.iterdir())}
+
+    got, want = digests(out), digests(ref)
+    diffs = [f"only in the run: {n}" for n in sorted(set(got) - set(want))]
+    diffs += [f"missing from the run: {n}" for n in sorted(set(want) - set(got))]
+    for name in sorted(n for n in set(got) & set(want) if got[n] != want[n]):
+        if name.endswith(".safetensors"):
+            a, b = load_file(out / name), load_file(ref / name)
+            keys = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not a[k].equal(b[k]))
+            diffs.append(f"{name}: tensors differ: {keys[:8]}")
+        else:
+            run_text, ref_text = (out / name).read_text()[:2000], (ref / name).read_text()[:2000]
+            diffs.append(f"{name}: differs:\n{run_text}\n--- reference:\n{ref_text}")
+    return diffs
+
+
 def _cmd(launcher: Path, args: list[str], out: Path, ranks: int) -> list[str]:
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
     return [*run, str(launcher), *args, "--out", str(out)]
@@ -68,13 +91,23 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie has stopped: it only waits to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _wait_gone(pids: list[int], timeout: float = 60) -> None:
+    """Wait until every killed process has stopped; fail naming any that still runs (it could write on)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
         for p in pids:  # reap zombies of ours; others vanish when their parent (killed) is reaped
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(p, os.WNOHANG)
         time.sleep(0.01)
+    assert not [p for p in pids if _running(p)], "killed processes still run"
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
@@ -86,7 +119,7 @@ def test_two_ranks_write_what_one_process_writes(setup, tmp_path):
     tmp, launcher, args, ref = setup
     out = tmp_path / "two"
     _run(_cmd(launcher, args, out, 2), tmp)
-    assert dir_bytes(out) == dir_bytes(ref)  # manifest and every shard, byte for byte; no rank records left
+    assert _differences(out, ref) == []  # manifest and every shard, byte for byte; no rank records left
     assert not list(out.glob("capture-rank-*")) and not list(out.glob(".*.tmp"))
     assert [owned_by(j, 1, 2) for j in range(4)] == [False, True, False, True]
 
@@ -116,4 +149,4 @@ def test_killed_two_rank_capture_resumes_identically(setup, tmp_path, resume_ran
         from dflashkit.cli import main
 
         assert main([*args, "--out", str(out)]) == 0
-    assert dir_bytes(out) == dir_bytes(ref)
+    assert _differences(out, ref) == []

@@ -199,3 +199,27 @@ def test_a_pass_measurement_runs_every_product_of_the_group_per_candidate():
     # warm-up (each candidate once) + 2 timed rounds, each a whole pass over both linears, in order
     assert seen[:4] == [("stock", 24), ("stock", 8), ("few_rows", 24), ("few_rows", 8)]
     assert len(seen) == 2 * 2 + 2 * 2 * 2
+
+
+def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
+    """A decoding step's ~200 products skip the chooser once a shape's choice is settled (measured or forced);
+    unsettled calls (first sight, fallbacks) ask again, and a changed DFLASHKIT_PRODUCTS takes effect at once."""
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(40, 8, generator=g), torch.randn(2, 8, generator=g)
+    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, []), store=None, repeats=3)
+    asked: list[str] = []
+    choose = fake.choose
+    monkeypatch.setattr(fake, "choose", lambda *a: asked.append("choose") or choose(*a))
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    with torch.no_grad():
+        assert torch.equal(linear_product(x, w), F.linear(x, w))  # first sight: stock, not settled
+        assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))  # measured: settled
+        for _ in range(3):
+            assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
+        assert asked == ["choose", "choose"]
+        monkeypatch.setenv(products.ENV, "stock")
+        assert torch.equal(linear_product(x, w), F.linear(x, w))
+        monkeypatch.setenv(products.ENV, "auto")
+        assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
+    assert asked == ["choose", "choose"]
