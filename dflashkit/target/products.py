@@ -275,14 +275,14 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     and row count when the product belongs to one (`route_linears`), else per shape.
 
     A decoding step runs ~200 of these, so a settled choice (measured, or forced by DFLASHKIT_PRODUCTS) is looked
-    up by (group or weight shape, input shape, dtype, the variable's value) in the thread count's chooser before
-    any other work: the full path costs ~20 µs per call on a 2-core EPYC (~4 ms of a 25 ms SmolLM2 step), the
-    lookup ~1 µs."""
+    up by (group or weight shape, input shape, dtype, CPU or not, the variable's value) in the thread count's
+    chooser before any other work: the full path cost ~20 µs more than F.linear per call on a 2-core EPYC (~4 ms
+    of a ~110 ms SmolLM2 step there), the lookup path ~6 µs (bench/product_overhead.py)."""
     if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     c = chooser()
     memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
-    memo += (os.environ.get(ENV),)
+    memo += (x.is_cpu, os.environ.get(ENV))  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
     how = c.settled.get(memo)
     if how is None:
         how, settled = _choose(c, x, weight, bias, group)
