@@ -3,6 +3,7 @@
     .venv/bin/python bench/speed.py                          # the drafter `dflashkit quickstart` exported
     .venv/bin/python bench/speed.py --drafter DIR --prompts 8 --dataset humaneval --budgets 4,8,16 --threads 2
     .venv/bin/python bench/speed.py --target tiny/ --drafter d/ --dataset prompts.jsonl   # pre-tokenised prompts
+    .venv/bin/python bench/speed.py --drafter none --prompts 12 --repeats 2   # dflashkit AR vs HF generate only
 
 On the same held-out prompts (default: MT-Bench turn 1), greedy, with the target's end-of-turn ids as stops:
   hf_ar             HF `model.generate` (greedy), the reference output and the speed baseline
@@ -14,7 +15,10 @@ Methods are interleaved per prompt (their order rotates from prompt to prompt) s
 hits all of them alike; every method runs once on the first prompt as a warm-up before anything is timed.
 
 Per method: tokens, wall seconds (prefill included), tok/s, speedup vs HF AR, greedy equality of the output vs
-HF AR's (fraction of prompts; a divergence is triaged near_tie / bug as in `evaluate`). For dflashkit methods
+HF AR's (fraction of prompts; a divergence is triaged near_tie / bug as in `evaluate`), and the paired ratio: the
+method's tok/s over HF AR's on the same prompt in the same round, its median and quartiles over all rounds
+(`--repeats R` runs the prompts R times) — a ratio whose quartiles straddle 1.0 is within this machine's noise.
+`--drafter none` times HF AR, dflashkit AR and prompt lookup only (no drafter needed). For dflashkit methods
 also τ (macro: mean of per-prompt τ) and, from `evaluate`'s own aggregation, the predicted speedup
 τ_micro × t_AR_step / t_round (t_AR_step: dflashkit AR's stage time per token, t_round: the method's stage time
 per round, prefill excluded) and efficiency = measured speedup vs dflashkit AR / predicted. Prints a table,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -125,9 +130,11 @@ def run_bench(
     tree_top_k: int | None = None,
     stops: list[int],
     warmup: bool = True,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Every method on every prompt, interleaved; returns per-method statistics (see the module docstring)."""
-    spec = [Method("chain", "chain")] + [Method(f"ddtree:{b}", "tree", b) for b in budgets]
+    """Every method on every prompt (`repeats` times over), interleaved; returns per-method statistics (see the
+    module docstring). Without a drafter only the three autoregressive methods run."""
+    spec = [] if drafter is None else [Method("chain", "chain")] + [Method(f"ddtree:{b}", "tree", b) for b in budgets]
     dk = {m.name: m for m in [Method(DK_AR, "ar"), *spec]}
     names = [HF_AR, DK_AR, PLD] + [m.name for m in spec]
 
@@ -144,7 +151,8 @@ def run_bench(
     raw: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     from tqdm import tqdm
 
-    for i, p in enumerate(tqdm(prompts, desc="prompts (all methods)", unit="prompt", file=sys.stderr)):
+    rounds = [p for _ in range(repeats) for p in prompts]
+    for i, p in enumerate(tqdm(rounds, desc="prompts (all methods)", unit="prompt", file=sys.stderr)):
         order = names[i % len(names) :] + names[: i % len(names)]  # rotate: no method always runs first
         outs = {name: run(name, p, max_new_tokens) for name in order}
         ref = outs[HF_AR][0]
@@ -191,9 +199,10 @@ def run_bench(
         "greedy_equal_fraction": equal(raw[DK_AR]),
         "divergences": divergences(raw[DK_AR]),
     }
-    bs = drafter.config.block_size
     for m in spec:
-        st = method_stats(raw[m.name], m, bs, ar, greedy=True)  # greedy_equal here means "equal to HF AR"
+        st = method_stats(
+            raw[m.name], m, drafter.config.block_size, ar, greedy=True
+        )  # greedy_equal here means "equal to HF AR"
         stats[m.name] = {
             k: st[k]
             for k in (
@@ -213,7 +222,32 @@ def run_bench(
             )
         }
         stats[m.name]["speedup_vs_hf_ar"] = vs_hf(st["tok_s"])
+    for name in names:
+        stats[name]["paired_vs_hf_ar"] = paired_ratios(raw[name], raw[HF_AR])
     return {name: stats[name] for name in names}
+
+
+def paired_ratios(records: list[dict[str, Any]], hf_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The method's tok/s over HF AR's on the same prompt of the same round (run next to each other), summarised
+    over the rounds: a machine's drift between rounds cancels in each ratio, so the quartiles show how far a
+    difference stands from the noise. `above_1`: fraction of rounds the method was the faster."""
+    ratios = sorted(
+        (r["n_tokens"] / r["wall_s"]) / (h["n_tokens"] / h["wall_s"])
+        for r, h in zip(records, hf_records, strict=True)
+        if r["wall_s"] > 0 and h["wall_s"] > 0 and h["n_tokens"] > 0
+    )
+    if not ratios:
+        return {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None, "above_1": None}
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {
+        "n": len(ratios),
+        "median": med,
+        "q1": q1,
+        "q3": q3,
+        "min": ratios[0],
+        "max": ratios[-1],
+        "above_1": sum(x > 1.0 for x in ratios) / len(ratios),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -221,10 +255,16 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _paired(p: dict[str, Any] | None) -> str:
+    if not p or not p["n"]:
+        return "—"
+    return f"{p['median']:.3f} [{p['q1']:.3f}, {p['q3']:.3f}] ({p['n']})"
+
+
 def print_table(stats: dict[str, dict[str, Any]], file: Any = sys.stdout) -> None:
     head = (
         f"{'method':<18}{'tokens':>7}{'wall s':>9}{'tok/s':>8}{'τ macro':>9}{'× HF AR':>9}{'× dk AR':>9}"
-        f"{'predicted':>10}{'effic.':>8}{'= HF AR':>9}"
+        f"{'predicted':>10}{'effic.':>8}{'= HF AR':>9}  {'paired × HF AR: median [q1, q3] (n)'}"
     )
     print(head, file=file)
     print("-" * len(head), file=file)
@@ -233,7 +273,7 @@ def print_table(stats: dict[str, dict[str, Any]], file: Any = sys.stdout) -> Non
             f"{name:<18}{s['tokens']:>7}{s['wall_s']:>9.2f}{_fmt(s['tok_s'], '.1f'):>8}"
             f"{_fmt(s.get('tau_macro')):>9}{_fmt(s['speedup_vs_hf_ar']):>9}{_fmt(s.get('speedup_vs_ar')):>9}"
             f"{_fmt(s.get('predicted_speedup')):>10}{_fmt(s.get('efficiency')):>8}"
-            f"{_fmt(s['greedy_equal_fraction']):>9}",
+            f"{_fmt(s['greedy_equal_fraction']):>9}  {_paired(s.get('paired_vs_hf_ar'))}",
             file=file,
         )
     for name, s in stats.items():
@@ -252,6 +292,21 @@ def print_table(stats: dict[str, dict[str, Any]], file: Any = sys.stdout) -> Non
 
 
 def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any) -> dict[str, Any]:
+    ar_only = {
+        "bench": "speed",
+        **context,
+        "hf_ar_tok_s": stats[HF_AR]["tok_s"],
+        "dflashkit_ar_tok_s": stats[DK_AR]["tok_s"],
+        "prompt_lookup_tok_s": stats[PLD]["tok_s"],
+        "speedup_dflashkit_ar_vs_hf_ar": stats[DK_AR]["speedup_vs_hf_ar"],
+        "speedup_prompt_lookup_vs_hf_ar": stats[PLD]["speedup_vs_hf_ar"],
+        "paired_vs_hf_ar": {name: st["paired_vs_hf_ar"] for name, st in stats.items() if name != HF_AR},
+        "hf_ar_equals_dflashkit_ar_fraction": stats[DK_AR]["greedy_equal_fraction"],
+        "greedy_equal_fraction_prompt_lookup": stats[PLD]["greedy_equal_fraction"],
+        "divergence_bugs": sum(d["verdict"] == "bug" for s in stats.values() for d in s["divergences"]),
+    }
+    if "chain" not in stats:  # no drafter: the autoregressive rows only
+        return ar_only
     trees = {b: stats[f"ddtree:{b}"] for b in budgets}
     best = max(budgets, key=lambda b: trees[b]["tok_s"] or 0.0)
     chain, tree = stats["chain"], trees[best]
@@ -259,8 +314,7 @@ def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any
     best_method = max(speculative, key=lambda n: speculative[n]["tok_s"] or 0.0)
     ar_step = stats[DK_AR]["t_step_s"]
     return {
-        "bench": "speed",
-        **context,
+        **ar_only,
         # one chain round (draft + verify + commit) in AR steps, measured in the same run: break-even needs τ above it
         "round_cost_vs_ar": chain["round_s"] / ar_step if chain.get("round_s") and ar_step else None,
         "best_method": best_method,
@@ -268,24 +322,16 @@ def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any
         "tau_chain_macro": chain["tau_macro"],
         "tau_ddtree_best": tree["tau_macro"],
         "ddtree_best_budget": best,
-        "hf_ar_tok_s": stats[HF_AR]["tok_s"],
-        "dflashkit_ar_tok_s": stats[DK_AR]["tok_s"],
-        "prompt_lookup_tok_s": stats[PLD]["tok_s"],
         "chain_tok_s": chain["tok_s"],
         "ddtree_tok_s": tree["tok_s"],
         "speedup_chain_vs_hf_ar": chain["speedup_vs_hf_ar"],
         "speedup_ddtree_vs_hf_ar": tree["speedup_vs_hf_ar"],
-        "speedup_prompt_lookup_vs_hf_ar": stats[PLD]["speedup_vs_hf_ar"],
-        "speedup_dflashkit_ar_vs_hf_ar": stats[DK_AR]["speedup_vs_hf_ar"],
         "speedup_chain_vs_dflashkit_ar": chain["speedup_vs_ar"],
         "predicted_speedup_chain": chain["predicted_speedup"],
         "efficiency": chain["efficiency"],
         "efficiency_ddtree_best": tree["efficiency"],
         "greedy_equal_fraction": chain["greedy_equal_fraction"],
         "greedy_equal_fraction_ddtree_best": tree["greedy_equal_fraction"],
-        "greedy_equal_fraction_prompt_lookup": stats[PLD]["greedy_equal_fraction"],
-        "hf_ar_equals_dflashkit_ar_fraction": stats[DK_AR]["greedy_equal_fraction"],
-        "divergence_bugs": sum(d["verdict"] == "bug" for s in stats.values() for d in s["divergences"]),
         "ddtree": {
             str(b): {
                 k: t[k]
@@ -307,12 +353,19 @@ def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", default=None, help=f"drafter directory (default: {default_drafter_dir()})")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help=f"drafter directory (default: {default_drafter_dir()}); 'none' times the autoregressive methods only",
+    )
     p.add_argument("--target", default="default", help="target model directory, .gguf, or 'default'")
     p.add_argument(
         "--dataset", default="mtbench", help="mtbench (turn 1) | humaneval | a chat JSONL | a JSONL of {id, prompt_ids}"
     )
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="rounds over the prompts (more rounds: tighter paired quartiles)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budgets", default="4,8,16", help="DDTree budgets (comma-separated); the best is reported")
     p.add_argument(
@@ -323,10 +376,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
 
     budgets = positive_ints(args.budgets, "--budgets", "4,8,16", unique_sorted=True)
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        raise SystemExit("error: --prompts and --max-new-tokens must be positive")
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.repeats < 1:
+        raise SystemExit("error: --prompts, --repeats and --max-new-tokens must be positive")
+    no_drafter = args.drafter is not None and args.drafter.strip().lower() == "none"
     drafter_dir = Path(args.drafter) if args.drafter else default_drafter_dir()
-    if not (drafter_dir / "config.json").is_file():
+    if not no_drafter and not (drafter_dir / "config.json").is_file():
         hint = (
             "run `dflashkit quickstart` first (it exports its drafter there) or pass --drafter DIR"
             if args.drafter is None
@@ -337,12 +391,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
 
     target = Target.load(args.target, device=args.device)
-    drafter = load_drafter(drafter_dir, device=args.device).eval()
+    drafter = None if no_drafter else load_drafter(drafter_dir, device=args.device).eval()
+    block_size = None if drafter is None else drafter.config.block_size
     prompts, skipped = load_prompts(target, args.dataset, limit=args.prompts, max_new_tokens=args.max_new_tokens)
     stops = sorted({int(t) for t in default_stop_token_ids(target)})
     print(
-        f"target {target.source}  drafter {drafter_dir} (block size {drafter.config.block_size})  "
-        f"dataset {args.dataset}: {len(prompts)} prompts ({len(skipped)} skipped)  max_new_tokens "
+        f"target {target.source}  drafter {'none' if no_drafter else drafter_dir} (block size {block_size})  "
+        f"dataset {args.dataset}: {len(prompts)} prompts ({len(skipped)} skipped) × {args.repeats}  max_new_tokens "
         f"{args.max_new_tokens}  threads {torch.get_num_threads()}  stops {stops}"
     )
     stats = run_bench(
@@ -353,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         budgets=budgets,
         tree_top_k=args.tree_top_k,
         stops=stops,
+        repeats=args.repeats,
     )
     print_table(stats)
     chosen = {str(rows): c for rows, c in products.choices_by_rows().items()}
@@ -365,11 +421,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         stats,
         budgets,
         target=str(target.source),
-        drafter=str(drafter_dir),
+        drafter="none" if no_drafter else str(drafter_dir),
         dataset=str(args.dataset),
         n_prompts=len(prompts),
+        repeats=args.repeats,
         max_new_tokens=args.max_new_tokens,
-        block_size=drafter.config.block_size,
+        block_size=block_size,
         threads=torch.get_num_threads(),
         machine=machine_line(),
         products_chosen=chosen,

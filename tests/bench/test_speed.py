@@ -85,6 +85,8 @@ def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
             str(prompts),
             "--prompts",
             "2",
+            "--repeats",
+            "2",
             "--max-new-tokens",
             "12",
             "--budgets",
@@ -98,6 +100,11 @@ def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
     assert last == json.loads(json.dumps(doc))
     assert all(k in last for k in REQUIRED), [k for k in REQUIRED if k not in last]
     assert last["n_prompts"] == 2 and last["threads"] == 1 and last["ddtree_best_budget"] in (2, 4)
+    assert last["repeats"] == 2
+    # one paired ratio per prompt and round, for every method but the baseline itself
+    assert set(last["paired_vs_hf_ar"]) == {"dflashkit_ar", "hf_prompt_lookup", "chain", "ddtree:2", "ddtree:4"}
+    for p in last["paired_vs_hf_ar"].values():
+        assert p["n"] == 4 and 0 < p["min"] <= p["q1"] <= p["median"] <= p["q3"] <= p["max"], p
     assert set(last["ddtree"]) == {"2", "4"}
     # greedy: every dflashkit method reproduces HF generate exactly (and HF AR agrees with dflashkit AR)
     assert last["greedy_equal_fraction"] == 1.0 and last["hf_ar_equals_dflashkit_ar_fraction"] == 1.0
@@ -124,3 +131,31 @@ def test_missing_drafter_tells_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no runs/quickstart/drafter here
     with pytest.raises(SystemExit, match="quickstart"):
         bench.main([])
+
+
+def test_without_a_drafter_only_the_autoregressive_methods_run(tiny_llama_dir, tmp_path, capsys):
+    bench = load_bench()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
+    argv = ["--target", str(tiny_llama_dir), "--drafter", "none", "--dataset", str(prompts), "--prompts", "2"]
+    doc = bench.main([*argv, "--max-new-tokens", "8", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert doc["drafter"] == "none" and "tau_chain_macro" not in doc
+    assert set(doc["paired_vs_hf_ar"]) == {"dflashkit_ar", "hf_prompt_lookup"}
+    assert doc["hf_ar_equals_dflashkit_ar_fraction"] == 1.0 and doc["speedup_dflashkit_ar_vs_hf_ar"] > 0
+    assert "chain" not in out and "dflashkit_ar" in out
+
+
+def test_paired_ratios_against_a_hand_computed_summary():
+    bench = load_bench()
+
+    def rec(tokens: int, wall: float) -> dict:
+        return {"n_tokens": tokens, "wall_s": wall}
+
+    hf = [rec(10, 1.0), rec(10, 2.0), rec(10, 1.0), rec(10, 1.0), rec(10, 1.0)]
+    method = [rec(10, 0.5), rec(10, 2.0), rec(10, 1.25), rec(10, 1.0), rec(20, 1.0)]
+    p = bench.paired_ratios(method, hf)  # ratios 2.0, 1.0, 0.8, 1.0, 2.0 → sorted 0.8, 1, 1, 2, 2
+    assert p["n"] == 5 and p["min"] == 0.8 and p["max"] == 2.0 and p["median"] == 1.0
+    assert p["q1"] == 1.0 and p["q3"] == 2.0 and p["above_1"] == 0.4
+    one = bench.paired_ratios([rec(12, 1.0)], [rec(10, 1.0)])
+    assert one["median"] == one["q1"] == one["q3"] == 1.2 and one["n"] == 1
+    assert bench.paired_ratios([], [])["median"] is None
