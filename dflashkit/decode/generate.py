@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DFlashError
 from dflashkit.target import cache as tc
 from dflashkit.target.model import Target, check_drafter_fits
+from dflashkit.target.products import stock_products
 
 METHODS = ("ar", "chain", "tree")
 
@@ -142,7 +143,8 @@ def generate(
     stops = set(int(t) for t in stop_token_ids)
 
     cache = target.new_cache()
-    with clock("prefill"):
+    # The prompt's width is a one-off: stock products, never a measured choice (whose timing would land here)
+    with clock("prefill"), stock_products():
         out = target.forward(
             ids,
             layer_ids=layer_ids,
@@ -165,7 +167,8 @@ def generate(
         n_verify = min(slots, room) if use_drafter else 0  # drafts that can still be committed
         drafts = draft_q = draft_logits = None
         if n_verify > 0:
-            with clock("draft"):  # always the full block (see the module docstring); only n_verify drafts are used
+            one_off = stock_products() if dcache.length == 0 else nullcontext()  # first round: the prompt's width
+            with clock("draft"), one_off:  # always the full block (see the module docstring); only n_verify are used
                 a = (target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, sampling)
                 a += (draft_sampling, gen)
                 drafts, draft_q, draft_logits = (

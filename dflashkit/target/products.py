@@ -24,9 +24,12 @@ is kept only when it is faster than stock by more than the timing noise (the spr
                      the per-shape timings kept stock), so the pass is what is timed.
   a lone product     (an LM head called directly) gets one per shape (rows × in × out), each call with the
                      weights evicted from the CPU caches first, as they are in a pass.
-A row count is measured the second time it is met (the first runs stock): a one-off, such as the prefill of a
-short prompt, is never worth seconds of timing. A choice holds for the process and is kept in
-`~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch version and threads, so later runs skip the timing.
+A row count is measured the second time it is met (the first runs stock): a one-off is never worth seconds of
+timing. A prompt's width is a one-off even when the same prompt comes back (a benchmark's repeat), so `generate`
+runs the prefill and the first draft round inside `stock_products()` — measured at the prompt's width, the timing
+landed in the middle of a timed decode (bench/speed.py: dflashkit AR 0.92× HF before, see docs/benchmarks.md).
+A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
+version and threads, so later runs skip the timing.
 Both compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.

@@ -328,3 +328,29 @@ def test_greedy_exact_with_odd_max_new_tokens(tiny_target_dirs, kind, monkeypatc
                 for depth, L in zip(depths, res.acceptance_lengths, strict=True):
                     assert depth == min(bs - 1, n_new - committed)
                     committed += L
+
+
+def test_the_prompts_width_is_never_measured(tiny_llama_dir, monkeypatch):
+    """The prefill and the first draft round run at the prompt's width, a one-off per prompt: they take stock
+    products and never a measured choice, so no timing of the product candidates lands inside a decode of the
+    same prompt run twice (a benchmark's repeat). Decoding widths (1 row, a block) are still measured."""
+    from dflashkit.target import products
+
+    measured: list[int] = []
+    chooser = products.Chooser(timer=lambda name, fn: (fn(), 1.0)[1], store=None, repeats=1)
+    real_pass = chooser.measure_pass
+    monkeypatch.setattr(chooser, "measure_pass", lambda g, rows, dt: measured.append(rows) or real_pass(g, rows, dt))
+    real_one = chooser.measure
+    monkeypatch.setattr(chooser, "measure", lambda x, w, b: measured.append(x.shape[0]) or real_one(x, w, b))
+    monkeypatch.setattr(products, "chooser", lambda: chooser)
+    monkeypatch.setenv(products.ENV, "auto")
+    target = Target.load(tiny_llama_dir)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config()).eval()
+    prompt = torch.tensor([3, 14, 15, 92, 65, 35, 8, 9, 10, 11, 12])  # 11 tokens: no decoding width has 11 rows
+    ref = reference_greedy(target, prompt, 12)
+    for _ in range(3):
+        assert generate(target, prompt, method="ar", max_new_tokens=12).tokens == ref
+        assert generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=12).tokens == ref
+    assert measured and len(prompt) not in measured and len(prompt) + 6 not in measured, measured
+    assert 1 in measured  # the AR step's width is measured as before
