@@ -33,6 +33,17 @@ TINY_CONFIG = dict(
 torch.set_num_threads(1)
 
 
+def _no_products_store() -> None:
+    """Product choices measured in this test process (tiny shapes, timings on a busy machine) stay in memory:
+    the user's store (~/.cache/dflashkit/products) keeps only what real runs measured."""
+    from dflashkit.target import products
+
+    products.store_path = lambda: None
+
+
+_no_products_store()
+
+
 def _tiny_config(kind: str):
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
