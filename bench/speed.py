@@ -200,9 +200,8 @@ def run_bench(
         "divergences": divergences(raw[DK_AR]),
     }
     for m in spec:
-        st = method_stats(
-            raw[m.name], m, drafter.config.block_size, ar, greedy=True
-        )  # greedy_equal here means "equal to HF AR"
+        # greedy_equal here means "equal to HF AR"
+        st = method_stats(raw[m.name], m, drafter.config.block_size, ar, greedy=True)
         stats[m.name] = {
             k: st[k]
             for k in (
