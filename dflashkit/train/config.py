@@ -132,6 +132,9 @@ class TrainConfig:
     weight_decay: NonNegativeFloat = 0.0
     adam_betas: AdamBetas = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: NonNegativeFloat = 1.0  # 0 = no clipping
+    # AdamW's implementation: "auto" times fused and foreach on this machine at the start of a run (kept on resume;
+    # `dflashkit.train.optimizer_choice`), or one of them / "default" (torch's own pick) named
+    optimizer_impl: choice("auto", "fused", "foreach", "default") = "auto"
     epochs: PositiveInt = 6
     max_steps: optional(PositiveInt, "by epochs") = None  # overrides epochs: the schedule spans this many steps
     time_budget_minutes: optional(PositiveFloat, "no budget") = None  # stop cleanly (checkpoint + final/)
@@ -247,6 +250,13 @@ class TrainConfig:
                 "dpace_alpha",
                 self.dpace_alpha,
                 "unset: it only applies to position_weights: dpace (position_weights is 'decay')",
+            )
+        if self.fsdp and self.optimizer_impl == "fused":
+            raise fail(
+                where("optimizer_impl"),
+                "optimizer_impl",
+                "fused",
+                "auto, foreach or default with fsdp: true (the sharded drafter steps with the multi-tensor AdamW)",
             )
         if self.features is not None and self.tokens is not None and self.online:
             raise fail(where("online"), "online", True, "features (offline) or tokens with online: true, not both")

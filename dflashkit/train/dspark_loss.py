@@ -61,7 +61,7 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
         weight: Tensor,  # (V', H) frozen
         labels: Tensor,  # (M,) draft ids, −100: no CE
         row_w: Tensor,  # (M,)
-        target_logits: Callable[[int, int], Tensor | tuple[Tensor, Tensor]],  # rows [r0, r1) → see _target_probs
+        target_logits: Callable[[int, int], Tensor | tuple[Tensor, ...]],  # rows [r0, r1) → see _target_probs
         d2t: Tensor | None,  # (V',) target id of each draft id
         ce_w: float,
         l1_w: float,
@@ -112,16 +112,23 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
 
 
 def _target_probs(
-    source: Tensor | tuple[Tensor, Tensor], d2t: Tensor | None, device: torch.device, dtype: torch.dtype
+    source: Tensor | tuple[Tensor, ...], d2t: Tensor | None, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor | float]:
     """The target's probabilities of the draft vocabulary (m, V') and its mass outside it (m,) (0.0 without a
-    reduced vocabulary). `source`: logits (m, V), or (logits of U distinct positions (U, V), index (m,) of each
-    row's position) — slots of overlapping blocks share positions, so the softmax runs once per position."""
-    logits, inverse = source if isinstance(source, tuple) else (source, None)
-    pt = torch.softmax(logits.to(device, dtype), dim=-1)  # (U, V)
-    if d2t is not None:
-        pt = pt.index_select(1, d2t)  # (U, V')
-    outside = (1 - pt.sum(-1)).clamp_min(0) if d2t is not None else None  # target mass the draft cannot hold
+    reduced vocabulary). `source`: logits (m, V); or (logits of U distinct positions (U, V), index (m,) of each
+    row's position) — slots of overlapping blocks share positions, so the softmax runs once per position; or
+    (logits of the draft ids only (U, V'), the log-sum-exp over the whole vocabulary (U,), index (m,)) — then
+    p = exp(z − lse) without any full-vocabulary product (`dflashkit.train.target_lse`)."""
+    if isinstance(source, tuple) and len(source) == 3:
+        z, lse, inverse = source
+        pt = torch.exp(z.to(device, dtype) - lse.to(device, dtype)[:, None])  # (U, V')
+        outside = (1 - pt.sum(-1)).clamp_min(0) if d2t is not None else None
+    else:
+        logits, inverse = source if isinstance(source, tuple) else (source, None)
+        pt = torch.softmax(logits.to(device, dtype), dim=-1)  # (U, V)
+        if d2t is not None:
+            pt = pt.index_select(1, d2t)  # (U, V')
+        outside = (1 - pt.sum(-1)).clamp_min(0) if d2t is not None else None  # target mass the draft cannot hold
     if inverse is not None:
         inverse = inverse.to(device)
         pt = pt.index_select(0, inverse)
@@ -150,7 +157,8 @@ def dspark_loss(
     labels (N, γ) target ids, −100 where invalid (the valid slots must form a prefix of each block); prev_tokens
     (N, γ) target ids teacher-forced into the Markov head; target_logits: the target's logits at each slot's
     index, (N, γ, V), or a callable `flat_rows (m,) → (m, V)` over the flattened N·γ slots (or → (logits of the
-    U distinct positions among them (U, V), each row's index into them (m,)), see `_target_probs`); weights (γ,) default
+    U distinct positions among them (U, V), each row's index into them (m,)), or → (their draft-id logits (U, V'),
+    log-sum-exp over V (U,), index (m,)), see `_target_probs`); weights (γ,) default
     `dspark_slot_weights`; normalizer: divide by this instead of Σ w over valid slots (a global value across
     micro-batches and ranks); draft_labels (N, γ): labels as draft ids (−100 outside a reduced vocabulary), default
     = labels. Returns a LossOutput whose per-slot vectors have γ + 1 entries: entry 0 is the given token (always

@@ -15,12 +15,13 @@ import contextlib
 import gc
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashkit.drafter.config import DrafterConfig, capture_layer_ids
@@ -31,6 +32,7 @@ from dflashkit.train.distributed import DistContext, drop_reducer, read_env
 from dflashkit.train.dspark_loss import dspark_slot_weights
 from dflashkit.train.losses import decay_weights, draft_slot_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
+from dflashkit.train.optimizer_choice import choose_adamw_impl, make_adamw
 from dflashkit.train.packing import (
     PackedRows,
     plan_rows,
@@ -41,6 +43,7 @@ from dflashkit.train.packing import (
 )
 from dflashkit.train.schedule import cosine_with_warmup
 from dflashkit.train.state import TrainState, latest_checkpoint, load_checkpoint_state, load_saved_config, restore_rng
+from dflashkit.train.target_lse import RowLogSumExp
 
 
 class DrafterStep(nn.Module):
@@ -139,6 +142,7 @@ class Run:
     autocast_dtype: torch.dtype | None
     info: dict[str, Any] = field(default_factory=dict)
     stop_reason: str | None = None
+    target_lse: RowLogSumExp = field(default_factory=RowLogSumExp)  # DSpark: the target's log-sum-exp per row
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -243,7 +247,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     embed = target.embed_weight.detach().to(device)
     lm_head = embed if target.lm_head_weight is target.embed_weight else target.lm_head_weight.detach().to(device)
     core, module = _wrap(cfg, drafter, embed, dist, device)
-    optimizer, scheduler, state = _optimizer(cfg, drafter, core, data.total, blob, dist.world_size)
+    optimizer, scheduler, state = _optimizer(cfg, drafter, core, data.total, blob, dist.world_size, dist.all_reduce)
     logger = MetricsLogger(
         out, enabled=dist.is_main, tensorboard=cfg.tensorboard, resume_step=state.step if blob is not None else None
     )
@@ -418,17 +422,26 @@ def _wrap(
 
 
 def _optimizer(
-    cfg: Any, drafter: DFlashDrafter, core: nn.Module, total: int, blob: dict[str, Any] | None, world_size: int
+    cfg: Any,
+    drafter: DFlashDrafter,
+    core: nn.Module,
+    total: int,
+    blob: dict[str, Any] | None,
+    world_size: int,
+    all_reduce: Callable[[Tensor], Tensor],
 ) -> tuple[torch.optim.Optimizer, Any, TrainState]:
     """AdamW + warmup/cosine LambdaLR, and the training state — restored from `blob` when resuming."""
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+    state = TrainState(world_size=world_size) if blob is None else TrainState(**blob["state"])
+    impl = _adamw_impl(cfg, drafter, state, fresh=blob is None, all_reduce=all_reduce)
+    state.optimizer_impl = impl
+    optimizer = make_adamw(
+        drafter.parameters(), impl, lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
     )
     warmup = max(1, math.ceil(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
     lr_fn = cosine_with_warmup(total, warmup, cfg.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_fn)
     if blob is None:
-        return optimizer, scheduler, TrainState(world_size=world_size)
+        return optimizer, scheduler, state
     if cfg.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -443,7 +456,29 @@ def _optimizer(
     for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base * lr_fn(scheduler.last_epoch)
     restore_rng(blob["rng"])
-    return optimizer, scheduler, TrainState(**blob["state"])
+    return optimizer, scheduler, state
+
+
+def _adamw_impl(
+    cfg: Any, drafter: DFlashDrafter, state: TrainState, *, fresh: bool, all_reduce: Callable[[Tensor], Tensor]
+) -> str:
+    """AdamW's implementation for this run: a named one; on resume under `auto` the run's own; else measured
+    (`choose_adamw_impl`; FSDP's sharded parameters: foreach)."""
+    if cfg.optimizer_impl != "auto":
+        return cfg.optimizer_impl
+    if not fresh:
+        return state.optimizer_impl
+    if cfg.fsdp:
+        return "foreach"
+    impl, timings = choose_adamw_impl(list(drafter.parameters()), all_reduce=all_reduce)
+    if timings:
+        print(
+            "[dflashkit train] AdamW: "
+            + ", ".join(f"{k} {v:.1f} ms/step" for k, v in timings.items())
+            + f" on this machine → {impl}",
+            flush=True,
+        )
+    return impl
 
 
 def _announce(cfg: Any, info: dict[str, Any], data: _DataPlan, state: TrainState, ckpt: Path | None) -> None:

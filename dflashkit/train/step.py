@@ -32,6 +32,7 @@ from dflashkit.train.slot_targets import (
     kl_target_logits,
     topk_targets,
 )
+from dflashkit.train.target_lse import plain_linear_head
 
 
 @dataclass
@@ -145,7 +146,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         )  # (B, Nq, H)
     bs = inp.blocks.block_size
     if inp.prev_tokens is not None:
-        return _dspark_step_loss(run, inp, hidden, normalizer)
+        return _dspark_step_loss(run, inp, rows, hidden, normalizer)
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss == "kl" else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     soft: dict[str, Any] = {}
@@ -172,22 +173,34 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     )
 
 
-def _dspark_step_loss(run: Run, inp: StepInputs, hidden: Tensor, normalizer: Tensor | float) -> LossOutput:
+def _dspark_step_loss(
+    run: Run, inp: StepInputs, rows: RowBatch, hidden: Tensor, normalizer: Tensor | float
+) -> LossOutput:
     """The DSpark loss of a step: p_target from the target's final-layer output at each slot's index (its final
-    norm and LM head, computed only for the supervised slots, chunk by chunk)."""
+    norm and LM head, computed only for the supervised slots, chunk by chunk). With a reduced draft vocabulary
+    (and a plain linear head) only the draft ids' logits are formed; the log-sum-exp over the whole vocabulary
+    comes from the run's per-row cache (`dflashkit.train.target_lse`)."""
     cfg, bs = run.cfg, inp.blocks.block_size
     b, t, h_dim = inp.final_hidden.shape
     rows_bt = torch.arange(b, device=run.device)[:, None, None] * t + dspark_target_index(inp.blocks)  # (B, Nb, bs)
     flat_final = inp.final_hidden.reshape(b * t, h_dim)
     flat_rows = rows_bt.reshape(-1)
+    head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
+    reduced = run.drafter.config.draft_vocab_size is not None and plain_linear_head(run.target)
+    flat_lse = None
+    if reduced:
+        lse = run.target_lse.rows(run.target, inp.final_hidden, rows.input_ids, rows.doc_ids)  # (B, T)
+        flat_lse = lse.reshape(b * t)
 
-    def target_logits(slots: Tensor) -> tuple[Tensor, Tensor]:  # flattened slot ids (m,) → (U, V), (m,)
+    def target_logits(slots: Tensor) -> tuple[Tensor, ...]:  # flattened slot ids (m,) → see dspark_loss
         # slots of overlapping blocks share row positions (a+k): the target's head runs once per position
         positions, inverse = torch.unique(flat_rows[slots], return_inverse=True)
         sel = flat_final.index_select(0, positions)  # (U, H)
-        return run.target.verifier_logits(sel[None])[0].float(), inverse
+        if flat_lse is None:
+            return run.target.verifier_logits(sel[None])[0].float(), inverse  # (U, V)
+        normed = run.target.final_norm(sel.to(run.target.device)).to(head.device).float()  # (U, H)
+        return normed @ head.float().t(), flat_lse.index_select(0, positions), inverse  # (U, V'), (U,)
 
-    head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     return dspark_loss(
         hidden.reshape(-1, bs, hidden.shape[-1]),
         head,

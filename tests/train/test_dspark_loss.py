@@ -183,3 +183,29 @@ def test_target_logits_per_distinct_position_equal_per_slot() -> None:
     for a, b in zip(_grads(d2, h2), _grads(d1, h1), strict=True):
         torch.testing.assert_close(a, b)
     assert n > 1
+
+
+def test_draft_id_logits_with_the_log_sum_exp_equal_the_full_softmax() -> None:
+    """The source training uses with a reduced vocabulary (`dflashkit.train.target_lse`): the target's logits of
+    the draft ids and its log-sum-exp over the whole vocabulary give the same loss and gradients as its full
+    logits (p = exp(z − lse) on the draft ids, the rest of the mass outside)."""
+    hidden, head, labels, prevs, tlogits = _problem(6)
+    flat = tlogits.reshape(-1, V)
+    d1, d2 = tiny_dspark(draft_vocab=7), tiny_dspark(draft_vocab=7)
+    d2t = d1.draft_to_target
+    t2d = torch.full((V,), -100)
+    t2d[d2t] = torch.arange(7)
+    dl = torch.where(labels >= 0, t2d[labels.clamp(min=0)], -100)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    full = dspark_loss(h1, head[d2t], d1, labels, prevs, tlogits, draft_labels=dl)
+    full.loss.backward()
+
+    def draft_ids_and_lse(idx: torch.Tensor):
+        uniq, inv = torch.unique(idx, return_inverse=True)
+        return flat[uniq][:, d2t], torch.logsumexp(flat[uniq], dim=-1), inv
+
+    got = dspark_loss(h2, head[d2t], d2, labels, prevs, draft_ids_and_lse, draft_labels=dl, chunk_rows=5)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, full.loss)
+    for a, b in zip(_grads(d2, h2), _grads(d1, h1), strict=True):
+        torch.testing.assert_close(a, b)

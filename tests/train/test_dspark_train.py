@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from dflashkit.data.samples import Sample
-from dflashkit.drafter.checkpoint import load_drafter, read_tensors
+from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
 from dflashkit.drafter.config import capture_layer_ids
 from dflashkit.drafter.defaults import default_drafter_config
+from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
 from dflashkit.features.capture import capture
 from dflashkit.target.model import Target
@@ -113,6 +114,32 @@ def test_captured_final_layer_trains_learns_and_resumes_exactly(
     a, b = read_tensors(tmp_path / "a" / "final"), read_tensors(tmp_path / "b" / "final")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
+    tmp_path: Path, target: Target, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a draft vocabulary the target's distribution comes from its draft-id logits and a per-row log-sum-exp
+    (computed once per row over the whole run): the losses equal those of its full logits."""
+    cfg = default_drafter_config(target, **DRAFTER, draft_vocab_size=40)
+    torch.manual_seed(0)
+    init = DFlashDrafter(cfg)
+    init.draft_to_target.copy_(torch.randperm(target.vocab_size)[:40].sort().values)
+    save_drafter(init, tmp_path / "init")
+    feats = tmp_path / "feats"
+    capture(target, make_samples(), feats, layer_ids=capture_layer_ids(cfg), dtype="fp32", progress=False, log=None)
+    kw = dict(features=str(feats), target=str(tiny_llama_dir), init_from=str(tmp_path / "init"), max_steps=9)
+    runs = []
+    cached = train(cfg_for(tmp_path / "a", **kw), target=target, callbacks=[lambda end: runs.append(end.run)])
+    rows = len(runs[-1].rows) + len(runs[-1].val_rows or [])
+    assert cached.step == 9 > 2 * len(runs[-1].rows)  # more than two epochs: every row met again
+    assert runs[-1].target_lse.computed == rows == len(runs[-1].target_lse)
+    monkeypatch.setattr("dflashkit.train.step.plain_linear_head", lambda t: False)  # the full-vocabulary path
+    train(cfg_for(tmp_path / "b", **kw), target=target)
+    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab")
+    assert [r["split"] for r in a] == [r["split"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-5)
 
 
 def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tiny_llama_dir: Path) -> None:
