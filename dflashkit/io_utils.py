@@ -1,5 +1,6 @@
 """Small file helpers: atomic writes (temp file + rename) so a kill never leaves a half-written file; clear
-messages for failed writes (a full disk); removal of temp leftovers (`.NAME.tmp-PID`) of dead processes."""
+messages for failed writes (a full disk); removal of temp leftovers (`.NAME.tmp-PID`) of dead processes, and of
+the temp files an interrupted atomic write leaves in a directory its caller has locked."""
 
 from __future__ import annotations
 
@@ -78,6 +79,24 @@ def remove_stale_temps(directory: str | Path, log: Callable[[str], None] | None 
         if log is not None:
             log(f"removed {p} (left by an interrupted write of process {m.group(3)}, no longer running)")
     return removed
+
+
+_ATOMIC_TEMP = re.compile(r"^\..+\.tmp$")  # atomic_path's own: .shard-00001.safetensors.k3j2.tmp
+_RUST_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")  # safetensors' save_file writes through Rust's tempfile: .tmpuanqnK
+
+
+def remove_interrupted_writes(directory: str | Path) -> list[Path]:
+    """Delete the temp files a killed atomic write leaves in `directory`: atomic_path's `.NAME.XXXX.tmp`, and the
+    `.tmpXXXXXX` safetensors' `save_file` creates next to its destination before renaming it. Such names carry no
+    pid, so call this only while holding the directory's lock with no writer of your own running."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    stale = [p for p in sorted(directory.iterdir()) if _ATOMIC_TEMP.match(p.name) or _RUST_TEMP.match(p.name)]
+    for p in stale:
+        if p.is_file() or p.is_symlink():
+            p.unlink(missing_ok=True)
+    return [p for p in stale if not p.exists()]
 
 
 def write_failure(path: str | Path, error: BaseException) -> str:

@@ -61,7 +61,7 @@ from dflashkit.features.manifest import (
 from dflashkit.features.online import topk_logprobs
 from dflashkit.features.rank_shards import fold_rank_records, owned_by, record_finished
 from dflashkit.features.shards import VERIFY_MODES, file_sha256, shard_problem
-from dflashkit.io_utils import atomic_path
+from dflashkit.io_utils import atomic_path, remove_interrupted_writes
 from dflashkit.output_dir import one_writer
 from dflashkit.target.distributed import DistContext
 
@@ -273,8 +273,7 @@ def capture(
             )
             return manifest
         if dist.is_main:
-            for stale in out_dir.glob(".*.tmp"):  # temp files of a run killed mid-write
-                stale.unlink()
+            remove_interrupted_writes(out_dir)  # temp files of a run killed mid-write (we hold the lock)
             _check_disk(target, manifest, out_dir, all_todo, per_token, log)
             manifest.save(out_dir)
             if dist.distributed:

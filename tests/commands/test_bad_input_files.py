@@ -225,6 +225,20 @@ def test_stale_temps_of_dead_processes_go_and_an_interrupted_replacement_is_undo
     )
 
 
+def test_interrupted_writes_in_a_locked_directory_go(tmp_path):
+    """A SIGKILL during a shard write leaves atomic_path's temp and the `.tmpXXXXXX` safetensors' save_file
+    (Rust's tempfile crate) creates beside it (seen in a killed two-rank capture); both go, nothing else does."""
+    from dflashkit.io_utils import remove_interrupted_writes
+
+    for name in [".shard-00003.safetensors.k3j2x1.tmp", ".tmpuanqnK", "shard-00000.safetensors", ".tmp", ".tmpdir"]:
+        (tmp_path / name).write_text("x")
+    (tmp_path / "manifest.json").write_text("{}")
+    removed = remove_interrupted_writes(tmp_path)
+    assert sorted(p.name for p in removed) == [".shard-00003.safetensors.k3j2x1.tmp", ".tmpuanqnK"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp", ".tmpdir", "manifest.json", "shard-00000.safetensors"]
+    assert remove_interrupted_writes(tmp_path / "absent") == []
+
+
 def test_write_failure_words():
     from dflashkit.io_utils import write_failure
 

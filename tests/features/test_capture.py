@@ -127,7 +127,8 @@ def test_resume_after_kill_is_identical(llama, tmp_path):
         quiet(llama, samples, dir_, dtype="bf16", shard_max_tokens=15, on_shard=kill)
     assert not Manifest.load(dir_).complete and (dir_ / "shard-00000.safetensors").is_file()
     assert not (dir_ / "shard-00001.safetensors").exists()
-    (dir_ / ".shard-00001.safetensors.abc.tmp").write_bytes(b"half")  # what a SIGKILL mid-write leaves
+    (dir_ / ".shard-00001.safetensors.abc.tmp").write_bytes(b"half")  # what a SIGKILL mid-write leaves:
+    (dir_ / ".tmpuanqnK").write_bytes(b"half")  # ... ours, and safetensors' own (Rust's tempfile) next to it
     with pytest.raises(DataError, match=r"incomplete: 5 of 7 samples \(3 of 4 shards\).*dflashkit capture"):
         CapturedFeatures(dir_)
     first_mtime = (dir_ / "shard-00000.safetensors").stat().st_mtime_ns
