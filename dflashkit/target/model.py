@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from dflashkit.errors import TargetError
 from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.layer_ids import layer_ids_problem
-from dflashkit.target.products import linear_product, route_linears
+from dflashkit.target.products import linear_product, route_linears, stock_products
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -248,10 +248,13 @@ class Target:
 
         `logits_to_keep=n` computes verifier logits for the last n positions only (0 = all): a long prefill
         then costs one LM-head row instead of T.
+
+        Without a cache the pass is a one-off over whole sequences (capture, features, checks), not a decoding
+        step: it takes stock products, so a short sample met twice is never timed as a decoding width.
         """
         layer_ids = [int(i) for i in layer_ids]
         self.check_layer_ids(layer_ids)
-        with self._hooks(layer_ids) as captured:
+        with stock_products() if cache is None else nullcontext(), self._hooks(layer_ids) as captured:
             out = self.text_model(
                 input_ids=input_ids.to(self.device),
                 position_ids=None if position_ids is None else position_ids.to(self.device),
@@ -266,10 +269,12 @@ class Target:
             if feature_device is not None or feature_dtype is not None:
                 features = features.to(device=feature_device or features.device, dtype=feature_dtype or features.dtype)
         head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
+        with stock_products() if cache is None else nullcontext():
+            logits_out = self.verifier_logits(head_in) if logits else None
         return TargetOutput(
             features=features,
             final_hidden=final_hidden,
-            logits=self.verifier_logits(head_in) if logits else None,
+            logits=logits_out,
             cache=getattr(out, "cache", None),
         )
 

@@ -28,6 +28,8 @@ A row count is measured the second time it is met (the first runs stock): a one-
 timing. A prompt's width is a one-off even when the same prompt comes back (a benchmark's repeat), so `generate`
 runs the prefill and the first draft round inside `stock_products()` — measured at the prompt's width, the timing
 landed in the middle of a timed decode (bench/speed.py: dflashkit AR 0.92× HF before, see docs/benchmarks.md).
+Likewise `Target.forward` without a cache (capture, online features, checks: whole sequences, once) takes stock
+products — the quickstart's capture met two samples of 42 and two of 57 tokens and timed those widths.
 A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
 version and threads, so later runs skip the timing.
 Both compute each output as the same dot product; only the summation order inside it may differ (last-bit

@@ -142,6 +142,30 @@ def test_target_verifier_logits_match_the_model_head(tiny_llama_dir):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_pass_without_a_cache_is_never_measured(tiny_llama_dir, monkeypatch, tmp_path):
+    """A forward without a cache (capture, features, checks) is a one-off over whole sequences: two samples of the
+    same short length (the quickstart's capture met 42 and 57 tokens twice and timed them as decoding widths)
+    take stock products; a decoding step with a cache is still measured at its second sight."""
+    from dflashkit.target.model import Target
+
+    calls: list[str] = []
+    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, calls), store=tmp_path / "c.json", repeats=1)
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    target = Target.load(str(tiny_llama_dir))
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 8]])  # 7 rows, within MAX_ROWS
+    with torch.no_grad():
+        first = target.forward(ids, layer_ids=[1]).logits
+        for _ in range(3):
+            assert torch.equal(target.forward(ids, layer_ids=[1]).logits, first)
+        assert calls == [] and fake.choices == {}
+        cache = target.new_cache()
+        target.forward(ids[:, :3], cache=cache, use_cache=True)
+        for t in range(3, 6):  # one-row decoding steps with the cache: the second one is measured
+            target.forward(ids[:, t : t + 1], cache=cache, use_cache=True)
+    assert calls and all(k.startswith("1x") for k in fake.choices), sorted(fake.choices)
+
+
 def test_route_linears_makes_one_pass_group_chosen_per_row_count(monkeypatch, tmp_path):
     torch.manual_seed(4)
     net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16, bias=False), nn.Linear(16, 8))
