@@ -3,24 +3,15 @@ line is the JSON summary (with the 27B-size state estimate per budget)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "hybrid_tree.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_hybrid_tree", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.bench_scripts import load_bench
 
 
 def test_hybrid_tree_bench_reports_every_budget(capsys):
-    bench = load_bench()
+    bench = load_bench("hybrid_tree")
     assert (
         bench.main(
             [
@@ -56,7 +47,7 @@ def test_hybrid_tree_bench_reports_every_budget(capsys):
 
 
 def test_hybrid_tree_bench_rejects_bad_arguments():
-    bench = load_bench()
+    bench = load_bench("hybrid_tree")
     with pytest.raises(SystemExit, match="--budgets"):
         bench.main(["--budgets", "0"])
     with pytest.raises(SystemExit, match="--modes"):

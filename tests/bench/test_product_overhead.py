@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "product_overhead.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_product_overhead", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.bench_scripts import load_bench
 
 
 def test_product_overhead_reports_every_path(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
     monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")  # no measurement in a test: the forced choice is settled
-    assert load_bench().main(["--rows", "2", "--in", "16", "--out", "24", "--rounds", "2", "--calls", "5"]) == 0
+    assert (
+        load_bench("product_overhead").main(
+            ["--rows", "2", "--in", "16", "--out", "24", "--rounds", "2", "--calls", "5"]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name in ("f_linear", "linear_product", "routed_linear"):
         assert doc[f"{name}_us_min"] > 0 and doc[f"{name}_us_median"] >= doc[f"{name}_us_min"]
@@ -30,4 +26,4 @@ def test_product_overhead_reports_every_path(capsys, monkeypatch, tmp_path):
 
 def test_product_overhead_rejects_bad_sizes():
     with pytest.raises(SystemExit, match="--rows"):
-        load_bench().main(["--rows", "0"])
+        load_bench("product_overhead").main(["--rows", "0"])

@@ -3,21 +3,13 @@ output unchanged, and the last line is the JSON summary."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "regen_throughput.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_regen_throughput", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.bench_scripts import load_bench
 
 
 def write_prompts(path: Path, lengths: list[int]) -> Path:
@@ -30,7 +22,7 @@ def write_prompts(path: Path, lengths: list[int]) -> Path:
 
 
 def test_regen_throughput_tiny(tiny_llama_dir, tmp_path, capsys):
-    bench = load_bench()
+    bench = load_bench("regen_throughput")
     prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7, 30, 6])  # the 30-token one is skipped
     assert (
         bench.main(
@@ -66,7 +58,7 @@ def test_regen_throughput_tiny(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_products_side_by_side(tiny_llama_dir, tmp_path, capsys):
-    bench = load_bench()
+    bench = load_bench("regen_throughput")
     prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7])
     args = ["--target", str(tiny_llama_dir), "--dataset", str(prompts), "--prompts", "3", "--max-new-tokens", "4"]
     assert bench.main([*args, "--batch-sizes", "2", "--products", "stock,few_rows", "--threads", "1"]) == 0
@@ -81,7 +73,7 @@ def test_responses_come_back_in_input_order(tiny_llama_dir):
     from dflashkit.data.regenerate import generate_batch
     from dflashkit.target.model import Target
 
-    bench = load_bench()
+    bench = load_bench("regen_throughput")
     target = Target.load(tiny_llama_dir)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
     _, out = bench.run_batches(target, prompts, 2, 4)
@@ -90,4 +82,4 @@ def test_responses_come_back_in_input_order(tiny_llama_dir):
 
 def test_bad_batch_sizes_are_refused():
     with pytest.raises(SystemExit, match="--batch-sizes"):
-        load_bench().main(["--batch-sizes", "0,4"])
+        load_bench("regen_throughput").main(["--batch-sizes", "0,4"])

@@ -3,7 +3,6 @@ required keys, and greedy dflashkit outputs equal HF generate's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,8 +12,8 @@ import torch
 from dflashkit.drafter.checkpoint import save_drafter
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
+from helpers.bench_scripts import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "speed.py"
 REQUIRED = (
     "tau_chain_macro",
     "tau_ddtree_best",
@@ -35,13 +34,6 @@ REQUIRED = (
     "best_method",
     "speedup_best_vs_hf_ar",
 )
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_speed", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +65,7 @@ def write_prompts(path: Path, n: int) -> Path:
 
 
 def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
-    bench = load_bench()
+    bench = load_bench("speed")
     prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
     doc = bench.main(
         [
@@ -127,14 +119,14 @@ def test_speed_bench_tiny(tiny_llama_dir, drafter_dir, tmp_path, capsys):
 
 
 def test_missing_drafter_tells_how_to_fix(tmp_path, monkeypatch):
-    bench = load_bench()
+    bench = load_bench("speed")
     monkeypatch.chdir(tmp_path)  # no runs/quickstart/drafter here
     with pytest.raises(SystemExit, match="quickstart"):
         bench.main([])
 
 
 def test_without_a_drafter_only_the_autoregressive_methods_run(tiny_llama_dir, tmp_path, capsys):
-    bench = load_bench()
+    bench = load_bench("speed")
     prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
     argv = ["--target", str(tiny_llama_dir), "--drafter", "none", "--dataset", str(prompts), "--prompts", "2"]
     doc = bench.main([*argv, "--max-new-tokens", "8", "--threads", "1"])
@@ -146,7 +138,7 @@ def test_without_a_drafter_only_the_autoregressive_methods_run(tiny_llama_dir, t
 
 
 def test_paired_ratios_against_a_hand_computed_summary():
-    bench = load_bench()
+    bench = load_bench("speed")
 
     def rec(tokens: int, wall: float) -> dict:
         return {"n_tokens": tokens, "wall_s": wall}

@@ -3,24 +3,15 @@ last line is the JSON summary."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "verify_cost.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.bench_scripts import load_bench
 
 
 def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
-    bench = load_bench()
+    bench = load_bench("verify_cost")
     assert bench.main(["--target", str(tiny_llama_dir), "--tokens", "1,3,5", "--context", "16", "--repeats", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
@@ -35,4 +26,4 @@ def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
 
 def test_verify_cost_rejects_bad_sizes():
     with pytest.raises(SystemExit, match="--tokens"):
-        load_bench().main(["--tokens", "0,2"])
+        load_bench("verify_cost").main(["--tokens", "0,2"])

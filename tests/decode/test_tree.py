@@ -19,6 +19,7 @@ from dflashkit.decode.tree import (
     tree_attention_mask,
     tree_position_ids,
 )
+from helpers.bench_scripts import load_bench
 
 
 def random_log_probs(gen: torch.Generator, depth: int, vocab: int) -> torch.Tensor:
@@ -308,18 +309,13 @@ def test_follow_tree_path_length_bounds() -> None:
 
 def test_every_tree_top_k_default_is_the_budget() -> None:
     """generate, simulate, evaluate, bench/speed.py and the CLI all default to K = budget (None), not a cap."""
-    import importlib.util
     import inspect
-    from pathlib import Path
 
     from dflashkit.cli import build_parser
     from dflashkit.decode import generate as decode
     from dflashkit.evaluate import evaluate, simulate
 
-    bench = Path(__file__).resolve().parents[2] / "bench" / "speed.py"
-    spec = importlib.util.spec_from_file_location("bench_speed_defaults", bench)
-    speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(speed)
+    speed = load_bench("speed")
     for fn in (
         decode.generate,
         simulate.replay,

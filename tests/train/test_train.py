@@ -1,13 +1,13 @@
 """Tests of dflashkit.train.loop and its config/state: the design.md §3 guards (all K layers feed fc, labels from the
 final layer at the right index, noise only on fc inputs, an overfit run that drafts its sequence through the
-inference path), exact resume, NaN stop, SIGINT stop, resume-compatibility errors, config parsing, metrics.
+inference path), exact resume, resume-compatibility errors, config parsing, metrics (how a run stops:
+test_train_stops.py).
 
 The feature source is built here: a list of Samples whose features come from a tiny target's `Target.forward`.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 from itertools import pairwise
 from pathlib import Path
@@ -18,71 +18,28 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dflashkit.cli import main
 from dflashkit.data.samples import Sample
-from dflashkit.drafter.checkpoint import load_drafter, read_tensors
+from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
 from dflashkit.train.blocks import build_blocks
 from dflashkit.train.config import TrainConfig
-from dflashkit.train.loop import TrainingDiverged, train
+from dflashkit.train.loop import train
 from dflashkit.train.metrics import RollingStats, read_metrics
 from dflashkit.train.packing import collate_rows, pack_row
 from dflashkit.train.slot_targets import block_labels
 from dflashkit.train.state import latest_checkpoint
 from dflashkit.train.step import noise_std_at, prepare_inputs, row_anchors
+from helpers.train_runs import DRAFTER, cfg_for, final_weights, make_samples, write_tokens_file
 from helpers.weights_close import assert_close_after_adam, assert_grads_close
 
-DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_samples(
-    target: Target,
-    layer_ids: list[int],
-    *,
-    n: int = 4,
-    seed: int = 0,
-    lengths: list[int] | None = None,
-    prompt: int = 4,
-) -> list[Sample]:
-    """Random token sequences (first `prompt` tokens unsupervised) with the tiny target's features/argmax."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        t = lengths[i] if lengths else 18 + 4 * i
-        ids = torch.randint(3, target.vocab_size, (t,), generator=g)
-        mask = torch.ones(t, dtype=torch.bool)
-        mask[:prompt] = False
-        res = target.forward(ids[None], layer_ids=layer_ids)
-        out.append(Sample(f"s{i}", ids, mask, res.features[0], res.logits[0].argmax(-1)))
-    return out
 
 
 @pytest.fixture(scope="module")
 def samples(target: Target) -> list[Sample]:
     return make_samples(target, default_drafter_config(target, **DRAFTER).target_layer_ids)
-
-
-def cfg_for(out: Path, **kw) -> TrainConfig:
-    base = dict(
-        out=str(out),
-        drafter=dict(DRAFTER),
-        max_tokens=48,
-        max_steps=6,
-        save_every=3,
-        progress=False,
-        tensorboard=False,
-        lr=2e-3,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return read_tensors(out / "final")
 
 
 # ---------------------------------------------------------------------------------------------- §3 guards
@@ -229,87 +186,6 @@ def test_data_workers_give_the_same_run(tmp_path: Path, target: Target, samples:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_nan_loss_saves_and_stops(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
-    def poison(step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if step == 3 else loss
-
-    with pytest.raises(TrainingDiverged, match="step 3") as err:
-        train(cfg_for(tmp_path, save_every=0), dataset=samples, target=target, loss_hook=poison)
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.name == "step-000002" and str(ckpt) in str(err.value)
-    assert all(torch.isfinite(v).all() for v in read_tensors(ckpt).values())
-
-
-def test_weights_gone_non_finite_stop_the_run_and_nothing_of_them_is_saved(
-    tmp_path: Path, target: Target, samples: list[Sample], monkeypatch
-) -> None:
-    """A finite loss and gradient whose update leaves inf/NaN in the weights (here: an optimizer step poisoned at
-    step 4) stops the run naming the step; the last checkpoint stays the last finite one; no final/ is written."""
-    real_step = torch.optim.AdamW.step
-    calls = []
-
-    def poisoned(self, *a, **kw):
-        out = real_step(self, *a, **kw)
-        calls.append(1)
-        if len(calls) == 4:
-            with torch.no_grad():
-                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
-        return out
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"non-finite \(inf/NaN\) in the update of step 4") as err:
-        train(cfg_for(tmp_path, save_every=3), dataset=samples, target=target)
-    ckpt = latest_checkpoint(tmp_path)
-    assert ckpt.name == "step-000003" and f"the last finite checkpoint is {ckpt}" in str(err.value)
-    assert all(torch.isfinite(v).all() for v in read_tensors(ckpt).values())
-    assert not (tmp_path / "final").exists() and not (tmp_path / "checkpoints" / "step-000004").exists()
-
-
-def test_cli_exits_non_zero_when_training_diverges(tmp_path: Path, tiny_llama_dir: Path, capsys) -> None:
-    tokens = tmp_path / "t.jsonl"
-    tokens.write_text(
-        "".join(
-            json.dumps(
-                {"id": f"s{i}", "input_ids": [3 + i, 4, 5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 1]}
-            )
-            + "\n"
-            for i in range(4)
-        )
-    )
-    rc = main(
-        [
-            "train",
-            "-",
-            f"tokens={tokens}",
-            "online=true",
-            f"target={tiny_llama_dir}",
-            f"out={tmp_path / 'r'}",
-            "lr=1e30",
-            "warmup_ratio=0",
-            "max_steps=4",
-            "grad_clip=0",
-            "--no-progress",
-        ]
-    )
-    err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err and "non-finite" in err, err
-    assert not (tmp_path / "r" / "final").exists()
-
-
-def test_sigint_finishes_step_and_saves(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
-    def interrupt(end) -> None:
-        if end.step == 2:
-            signal.raise_signal(signal.SIGINT)  # goes through the installed handler
-
-    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under nohup / `&`
-    result = train(cfg_for(tmp_path, save_every=0), dataset=samples, target=target, callbacks=[interrupt])
-    assert result.stopped == "interrupted" and result.step == 2 and result.final_dir is None
-    assert latest_checkpoint(tmp_path).name == "step-000002"
-    assert signal.getsignal(signal.SIGINT) is before  # the previous handler restored
-    done = train(cfg_for(tmp_path, save_every=0), dataset=samples, target=target)
-    assert done.stopped == "completed" and done.step == 6 and (tmp_path / "final" / "model.safetensors").is_file()
-
-
 def test_resume_refuses_incompatible_config(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
     train(cfg_for(tmp_path, max_steps=2, save_every=0), dataset=samples, target=target)
     with pytest.raises(ConfigError, match=r"drafter\.block_size was 4 .* is 8"):
@@ -320,12 +196,6 @@ def test_resume_refuses_incompatible_config(tmp_path: Path, target: Target, samp
     assert more.step == 4
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")}
     assert lrs[3] > 0  # the new cosine, not the end (lr 0) of the old 2-step schedule
-
-
-def test_time_budget_stops_cleanly(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
-    result = train(cfg_for(tmp_path, max_steps=1000, time_budget_minutes=1e-6), dataset=samples, target=target)
-    assert result.stopped == "time_budget" and result.step == 1
-    assert (tmp_path / "final" / "config.json").is_file() and latest_checkpoint(tmp_path).name == "step-000001"
 
 
 def test_time_schedule_spans_training_time_and_resumes(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
@@ -455,18 +325,7 @@ def yaml_roundtrip(cfg: TrainConfig) -> dict:
     return yaml.safe_load(cfg.to_yaml())
 
 
-def write_tokens_file(path: Path, n: int) -> Path:
-    """tokens.jsonl with `n` random 20-token documents for the tiny vocabulary (first 4 tokens unsupervised)."""
-    g = torch.Generator().manual_seed(0)
-    with path.open("w") as f:
-        for i in range(n):
-            ids = torch.randint(3, 97, (20,), generator=g).tolist()
-            f.write(json.dumps({"id": f"x{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * 16}) + "\n")
-    return path
-
-
 def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    from dflashkit.cli import main
 
     tokens = write_tokens_file(tmp_path / "tokens.jsonl", 3)
     out = tmp_path / "run"
@@ -487,53 +346,3 @@ def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Pat
         ]
     )
     assert rc == 0 and (out / "final" / "model.safetensors").is_file()
-
-
-def test_cli_sigint_from_background_saves_and_exits_130(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """A real `dflashkit train` process started as `&`/nohup starts it (SIGINT inherited as SIG_IGN): SIGINT
-    still finishes the step, saves, and the exit code says "stopped, not finished" (130)."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from dflashkit.cli import main; sys.exit(main())",
-        "train",
-        "-",
-        "--no-progress",
-        f"tokens={tokens}",
-        "online=true",
-        f"target={tiny_llama_dir}",
-        f"out={out}",
-        "max_steps=100000",
-        "save_every=0",
-        "drafter.num_hidden_layers=1",
-        "drafter.block_size=4",
-        "max_tokens=40",
-        "tensorboard=false",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        text = proc.communicate(timeout=120)[0]
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 130, text[-2000:]
-    assert "interrupted at step" in text and latest_checkpoint(out) is not None
