@@ -74,10 +74,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # D-PACE position weights (issue 23) instead of the exponential decay, same data and budget
     "dpace": {"train": {"position_weights": "dpace"}},
     # a DSpark drafter (issue 23) at the same block size (so 4 drafts a round to DFlash's 3), same data; its loss
-    # needs the target's final layer, captured again with the base tokens
-    "dspark": {"settings": {"drafter_extra": {"kind": "dspark"}}, "capture_final": True},
+    # needs the target's final layer, captured again with the base tokens. DeepSpec's defaults (rank 256, CE 0.1),
+    # named explicitly: the quickstart's own DSpark preset (dflashkit.quickstart.DSPARK_*_PRESET) is dspark_r64_ce1
+    "dspark": {
+        "settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 256}},
+        "train": {"dspark_ce_weight": 0.1},
+        "capture_final": True,
+    },
     # the same with a Markov head of rank 64: DeepSpec's 256 makes W1 (49152 × r) 2.6× the SmolLM2 drafter's backbone
-    "dspark_r64": {"settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 64}}, "capture_final": True},
+    "dspark_r64": {
+        "settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 64}},
+        "train": {"dspark_ce_weight": 0.1},
+        "capture_final": True,
+    },
+    # rank 64 with the CE term at full weight (DeepSpec's 0.1 is tuned for long runs; at a few hundred steps the
+    # label's CE is the stronger signal, the L1 to the target's distribution a weak one): the quickstart's preset
+    "dspark_r64_ce1": {
+        "settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 64}},
+        "train": {"dspark_ce_weight": 1.0},
+        "capture_final": True,
+    },
     # issue 25: the base run's regeneration minutes spent through llama-server (the quickstart's server route,
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},

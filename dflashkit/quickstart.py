@@ -40,6 +40,11 @@ from dflashkit.validation import (
     choice,
 )
 
+# A DSpark drafter at the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1
+# (docs/benchmarks.md, "DSpark's CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults.
+DSPARK_DRAFTER_PRESET: dict[str, Any] = {"markov_rank": 64}
+DSPARK_TRAIN_PRESET: dict[str, Any] = {"dspark_ce_weight": 1.0}
+
 
 @dataclass
 class QuickstartSettings:
@@ -92,10 +97,19 @@ class QuickstartSettings:
         check_fields(TrainConfig, self.train_overrides, lambda k: f"--train {k}", what="training option")
         parse_methods(self.methods)
 
+    @property
+    def is_dspark(self) -> bool:
+        return self.drafter_extra.get("kind") == "dspark"
+
+    def train_settings(self) -> dict[str, Any]:
+        """The TrainConfig overrides of this run: `train_overrides` over the DSpark preset (for a DSpark drafter)."""
+        return {**(DSPARK_TRAIN_PRESET if self.is_dspark else {}), **self.train_overrides}
+
     def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
         """The DrafterConfig overrides of this run (for `default_drafter_config`). With `warm_start` they include
         the target's layer geometry (`warm_start_overrides`), so `target` must be given."""
-        overrides = {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size, **self.drafter_extra}
+        overrides = {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size}
+        overrides |= {**(DSPARK_DRAFTER_PRESET if self.is_dspark else {}), **self.drafter_extra}
         if not self.warm_start:
             return overrides
         if target is None:
@@ -300,7 +314,7 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
             "keep_best": keep_best,
             **({"init_from": str(init)} if init is not None else {}),
             **({"labels": "target"} if s.original_text else {}),  # original replies are not the target's words
-            **s.train_overrides,
+            **s.train_settings(),
         },
         source="quickstart",
     )

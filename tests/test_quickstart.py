@@ -3,12 +3,12 @@ numbers), then a re-run that reuses every finished stage."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import yaml
+
+from helpers.bench_scripts import load_bench
 
 pytestmark = pytest.mark.integration
 
@@ -107,15 +107,30 @@ def test_quickstart_with_a_dspark_drafter(tmp_path, capsys):
         assert doc["results"]["quickstart"]["chain"]["max_length"] == drafter.config.block_size + 1
 
 
+def test_the_quickstart_dspark_preset_and_what_overrides_it():
+    """A DSpark drafter in the quickstart gets the small-budget preset (Markov rank 64, CE weight 1.0; measured in
+    docs/benchmarks.md), given values win, and DFlash runs are untouched."""
+    from dflashkit.quickstart import QuickstartSettings
+    from dflashkit.train.config import TrainConfig
+
+    plain = QuickstartSettings()
+    assert "markov_rank" not in plain.drafter_overrides() and plain.train_settings() == {}
+    dspark = QuickstartSettings(drafter_extra={"kind": "dspark"})
+    assert dspark.drafter_overrides()["markov_rank"] == 64 and dspark.train_settings() == {"dspark_ce_weight": 1.0}
+    given = QuickstartSettings(
+        drafter_extra={"kind": "dspark", "markov_rank": 256}, train_overrides={"dspark_ce_weight": 0.1, "lr": 1e-3}
+    )
+    assert given.drafter_overrides()["markov_rank"] == 256
+    assert given.train_settings() == {"dspark_ce_weight": 0.1, "lr": 1e-3}
+    assert TrainConfig().dspark_ce_weight == 0.1  # `dflashkit train` keeps DeepSpec's default
+
+
 def check_sweep_on(base, tmp_path, capsys):
     """bench/sweep_defaults.py on the finished run: a settings variant (3 of the 5 captured target layers, read
     from the same capture) and a data variant (half the responses, captured again), scored by one simulation."""
     from dflashkit.drafter.checkpoint import load_drafter
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_defaults.py"
-    spec = importlib.util.spec_from_file_location("sweep_defaults", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_bench("sweep_defaults")
     out = tmp_path / "sweep"
     args = [
         "--base",
@@ -151,14 +166,6 @@ def check_sweep_on(base, tmp_path, capsys):
     assert sweep.main(args) == 0  # resumable: nothing is trained again
 
 
-def _bench(name):
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def check_levers_on(base, tmp_path, capsys):
     """The lever variants with two seeds: a top-k capture (shared by both seeds), warm start, original ShareGPT
     text with target labels, more regeneration (continues the base run's responses, shared by both seeds); the
@@ -166,7 +173,7 @@ def check_levers_on(base, tmp_path, capsys):
     from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.features.captured import CapturedFeatures
 
-    sweep = _bench("sweep_defaults")
+    sweep = load_bench("sweep_defaults")
     sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}  # 4 conversations, not 300
     # one more chunk of 2 prompts (the base run's 24 new tokens), not 4 minutes of 32 × 192
     sweep.VARIANTS["regen10"] = {
@@ -230,7 +237,7 @@ def check_levers_on(base, tmp_path, capsys):
 
 def check_curve_on(base, tmp_path, capsys):
     """bench/curve.py: one JSON line per budget, resumable, PNG written."""
-    curve = _bench("curve")
+    curve = load_bench("curve")
     out = tmp_path / "curve"
     args = [
         "--base",
