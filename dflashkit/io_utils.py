@@ -92,11 +92,11 @@ def remove_interrupted_writes(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    stale = [p for p in sorted(directory.iterdir()) if _ATOMIC_TEMP.match(p.name) or _RUST_TEMP.match(p.name)]
+    names = (_ATOMIC_TEMP, _RUST_TEMP)
+    stale = [p for p in sorted(directory.iterdir()) if p.is_file() and any(r.match(p.name) for r in names)]
     for p in stale:
-        if p.is_file() or p.is_symlink():
-            p.unlink(missing_ok=True)
-    return [p for p in stale if not p.exists()]
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def write_failure(path: str | Path, error: BaseException) -> str:

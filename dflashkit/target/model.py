@@ -262,15 +262,14 @@ class Target:
                 cache=cache,
                 use_cache=use_cache,
             )
-        final_hidden = captured[self.num_layers - 1]
+            final_hidden = captured[self.num_layers - 1]
+            head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
+            logits_out = self.verifier_logits(head_in) if logits else None  # (B, T or n, V)
         features = None
         if layer_ids:
             features = torch.cat([captured[i] for i in layer_ids], dim=-1)  # (B, T, K·H)
             if feature_device is not None or feature_dtype is not None:
                 features = features.to(device=feature_device or features.device, dtype=feature_dtype or features.dtype)
-        head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
-        with stock_products() if cache is None else nullcontext():
-            logits_out = self.verifier_logits(head_in) if logits else None
         return TargetOutput(
             features=features,
             final_hidden=final_hidden,
