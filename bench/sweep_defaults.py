@@ -142,6 +142,8 @@ def _shared_data(
 
     keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
     plan = {k: spec[k] for k in (*keys, "server_regen_minutes", "regen_turns") if k in spec}
+    if plan.get("capture_final"):  # DSpark: the target's log-sum-exp per position too, as the quickstart captures
+        plan["target_lse"] = True
     name = (
         "-".join(f"{k}{v}" for k, v in plan.items())
         + "-"
@@ -201,6 +203,7 @@ def _shared_data(
         layer_ids=layer_ids,
         dtype="bf16",
         store_topk=int(plan.get("capture_topk", 0)),
+        store_target_lse=bool(plan.get("target_lse")),
         tokens_file=d / "data" / "tokens.jsonl",
         log=_say,
     )
@@ -213,7 +216,7 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
     from dflashkit.data.regenerate import read_regenerated
     from dflashkit.data.tokens_file import write_tokens
-    from dflashkit.drafter.config import capture_layer_ids
+    from dflashkit.drafter.capture_needs import capture_layer_ids
     from dflashkit.drafter.defaults import default_drafter_config
 
     layer_ids = capture_layer_ids(default_drafter_config(target, **s.drafter_overrides(target)))
@@ -246,7 +249,7 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         "original_samples_kept": _keep_base_original(data / "tokens.jsonl", base),
     }
     t0 = time.monotonic()
-    stage_capture(target, layer_ids, out, s.capture_topk)
+    stage_capture(target, layer_ids, out, s.capture_topk, s.is_dspark)
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
     return info
 

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
+from dflashkit.quickstart_rates import step_rates, step_seconds
 from dflashkit.validation import (
     BlockSize,
     Bool,
@@ -247,7 +248,7 @@ def stage_prepare(
     return result
 
 
-def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -> dict[str, Any]:
+def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0, lse: bool = False) -> dict[str, Any]:
     from dflashkit.data.samples import read_tokens
     from dflashkit.features.capture import capture
 
@@ -259,6 +260,7 @@ def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0) -
         layer_ids=layer_ids,
         dtype="bf16",
         store_topk=topk,
+        store_target_lse=lse,  # DSpark: its loss then never forms all of the target's logits
         tokens_file=out / "data" / "tokens.jsonl",
         log=_say,
     )
@@ -334,32 +336,10 @@ def stage_train(target: Any, s: QuickstartSettings, out: Path, minutes: float) -
             else {}
         ),
         "seconds_per_step": round(step_seconds(out / "train" / "metrics.jsonl"), 3),
-        **_step_rates(out / "train" / "metrics.jsonl"),
+        **step_rates(out / "train" / "metrics.jsonl"),
         "train": {k: result.train_metrics.get(k) for k in ("loss", "tau", "acc") if k in result.train_metrics},
         "val": result.val_metrics,
     }
-
-
-def _step_rates(metrics_file: Path) -> dict[str, float]:
-    """Steps per minute over the whole training stage and over its first steps (the shortfall note compares them)."""
-    from dflashkit.quickstart_rates import first_steps_rate
-    from dflashkit.train.metrics import read_metrics
-
-    times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
-    first = first_steps_rate(times)
-    if not times or first is None:
-        return {}
-    return {"steps_per_min": round(60 * len(times) / sum(times), 1), "first_steps_per_min": round(first, 1)}
-
-
-def step_seconds(metrics_file: Path) -> float:
-    """Median seconds per optimizer step of a training run's metrics.jsonl (0.0 when none was logged)."""
-    import statistics
-
-    from dflashkit.train.metrics import read_metrics
-
-    times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
-    return statistics.median(times) if times else 0.0
 
 
 def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path, out_dir: Path) -> float:
@@ -444,7 +424,7 @@ def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path,
 
 
 def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
-    from dflashkit.drafter.config import capture_layer_ids
+    from dflashkit.drafter.capture_needs import capture_layer_ids
     from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.target.model import Target
 
@@ -472,7 +452,7 @@ def _run_stages(
         _save_state(out, state)
     _say(f"prepare: {done['prepare']}")
     if "capture" not in done:
-        done["capture"] = stage_capture(target, layer_ids, out, s.capture_topk)
+        done["capture"] = stage_capture(target, layer_ids, out, s.capture_topk, s.is_dspark)
         _save_state(out, state)
     if "train" not in done:
         done["train"] = stage_train(target, s, out, s.train_minutes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,4 +131,30 @@ def shortfall_notes(state: dict[str, Any]) -> list[str]:
     return notes
 
 
-__all__ = ["first_steps_rate", "measure_rates", "original_token_budget", "shortfall_notes"]
+def step_rates(metrics_file: Path) -> dict[str, float]:
+    """Steps per minute over the whole training stage and over its first steps (the shortfall note compares them)."""
+    from dflashkit.train.metrics import read_metrics
+
+    times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
+    first = first_steps_rate(times)
+    if not times or first is None:
+        return {}
+    return {"steps_per_min": round(60 * len(times) / sum(times), 1), "first_steps_per_min": round(first, 1)}
+
+
+def step_seconds(metrics_file: Path) -> float:
+    """Median seconds per optimizer step of a training run's metrics.jsonl (0.0 when none was logged)."""
+    from dflashkit.train.metrics import read_metrics
+
+    times = [r["step_s"] for r in read_metrics(metrics_file) if r.get("split") == "train" and "step_s" in r]
+    return statistics.median(times) if times else 0.0
+
+
+__all__ = [
+    "first_steps_rate",
+    "measure_rates",
+    "original_token_budget",
+    "shortfall_notes",
+    "step_rates",
+    "step_seconds",
+]

@@ -2,8 +2,12 @@
 
     dflashkit capture --tokens data/tokens.jsonl --out data/features [--layer-ids 1,8,14,20,27 |
         --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N] [--topk K]
+        [--target-lse auto|on|off]
 
 --topk K also stores the target's top-K log-probs per position (K·6 bytes per token) for `loss: topk`.
+--target-lse stores the log-sum-exp of the target's logits per position (4 bytes per token; one more LM-head pass):
+a DSpark drafter with a reduced draft vocabulary then trains without a full-vocabulary product (auto: on for such
+a --drafter-config).
 
 Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,
 sha256) are kept, the rest (and any damaged one) are captured.
@@ -61,6 +65,13 @@ def _args(p: argparse.ArgumentParser) -> None:
         "6·K bytes per token) for `loss: topk` training (default 0: off)",
     )
     p.add_argument(
+        "--target-lse",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also store the log-sum-exp of the target's logits per position (4 B per token) for DSpark training "
+        "with a draft vocabulary (auto: on when --drafter-config is such a drafter)",
+    )
+    p.add_argument(
         "--verify",
         choices=("full", "size"),
         default="full",
@@ -71,12 +82,15 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _layer_ids(args: argparse.Namespace, target: object, data: dict) -> list[int]:
+def _layer_ids(args: argparse.Namespace, target: object, data: dict) -> tuple[list[int], bool]:
+    """The layers to capture and whether to store the target's log-sum-exp (`--target-lse`)."""
+    lse = args.target_lse == "on"
     if args.layer_ids:
-        return list(args.layer_ids)
+        return list(args.layer_ids), lse
     if args.drafter_config:
         from dflashkit.data.thinking import check_same_thinking
-        from dflashkit.drafter.config import DrafterConfig, capture_layer_ids
+        from dflashkit.drafter.capture_needs import capture_layer_ids, capture_target_lse
+        from dflashkit.drafter.config import DrafterConfig
         from dflashkit.target.model import check_drafter_fits
 
         path = Path(args.drafter_config)
@@ -88,10 +102,10 @@ def _layer_ids(args: argparse.Namespace, target: object, data: dict) -> list[int
                 trained.get("thinking"), data.get("thinking"), where=f"capture of {args.tokens} for {path}",
                 flag="prepare --thinking",
             )  # fmt: skip
-        return capture_layer_ids(cfg)
+        return capture_layer_ids(cfg), lse or (args.target_lse == "auto" and capture_target_lse(cfg))
     from dflashkit.drafter.defaults import default_drafter_config
 
-    return list(default_drafter_config(target).target_layer_ids)
+    return list(default_drafter_config(target).target_layer_ids), lse
 
 
 @command("capture", "capture the target's hidden-state features of tokens.jsonl into sharded files (resumable)", _args)
@@ -113,7 +127,7 @@ def _capture(args: argparse.Namespace) -> int:
         device = f"cuda:{dist.local_rank}"  # one GPU per rank
     target = Target.load(args.target, device=device, trust_remote_code=args.trust_remote_code)
     data = data_info(args.tokens)
-    layer_ids = _layer_ids(args, target, data)
+    layer_ids, store_lse = _layer_ids(args, target, data)
     m = capture(
         target,
         samples,
@@ -122,6 +136,7 @@ def _capture(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         store_target_tokens=not args.no_target_tokens,
         store_topk=args.topk,
+        store_target_lse=store_lse,
         shard_max_tokens=args.shard_tokens,
         batch_tokens=args.batch_tokens,
         tokens_file=args.tokens,
@@ -136,6 +151,7 @@ def _capture(args: argparse.Namespace) -> int:
     run = m.run_stats
     rate = f"{run['tokens'] / run['seconds']:,.0f} tok/s" if run.get("seconds") else "nothing to do"
     topk = f", top-{m.store_topk} log-probs" if m.store_topk else ""
+    topk += ", target log-sum-exp" if m.store_target_lse else ""
     print(
         f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "
         f"layers {m.layer_ids}{topk}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})"

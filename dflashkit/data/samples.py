@@ -5,7 +5,8 @@
 A `Sample` is one such sequence plus, once captured (or computed online), the target's features for it — and,
 when captured with `--topk K` (or online with `store_topk`), the target's top-K log-probs per position for the
 `loss: topk` objective (`topk_logprobs[i]` is the target's distribution over the token at i+1, like
-`target_tokens[i]`).
+`target_tokens[i]`); when captured with `--target-lse`, the log-sum-exp of the target's logits at each position
+(what a DSpark drafter with a reduced draft vocabulary needs to turn a subset of the logits into probabilities).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Sample:
     origin: str | None = None  # "file:line" it was read from, for error messages (None: unknown)
     topk_ids: Tensor | None = None  # (T, K) long — the target's K most likely next tokens at each position
     topk_logprobs: Tensor | None = None  # (T, K) float32 — their log-probs under the full softmax, descending
+    target_lse: Tensor | None = None  # (T,) float32 — log Σ_v exp(target logit_v) at each position
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

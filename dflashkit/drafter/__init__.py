@@ -10,6 +10,7 @@ Modules and their public functions:
   config.py         `DrafterConfig` (`for_target`, `to_zlab_dict` / `from_zlab_dict`, `load` / `save`),
                     `default_target_layer_ids`, `default_geometry`
   config_fields.py  types of the config.json fields, checked before any value is used
+  capture_needs.py  `capture_layer_ids`, `capture_target_lse`: what a capture stores for training a drafter
   model.py          `DFlashDrafter` (forward over [context K/V | block K/V]), `DrafterCache`, `to_additive`
   dspark_heads.py   `MarkovHead`, `ConfidenceHead`, `markov_chain`: DSpark's heads (`kind: dspark`)
   checkpoint.py     `save_drafter`, `load_drafter`, `read_tensors`, `check_tensors`

@@ -452,15 +452,6 @@ class DrafterConfig:
         return DrafterConfig(**values)
 
 
-def capture_layer_ids(cfg: DrafterConfig) -> list[int]:
-    """The target layers a training run of this drafter reads: its own, and for DSpark also the final layer (its
-    loss needs the target's distribution, computed from that layer's output)."""
-    ids = list(cfg.target_layer_ids)
-    if cfg.kind == "dspark" and cfg.num_target_layers - 1 not in ids:
-        ids.append(cfg.num_target_layers - 1)
-    return ids
-
-
 def _check_dspark_fields(raw: dict[str, Any], source: str) -> None:
     """A DSpark config dflashkit can run: a vanilla Markov head of rank ≥ 1, every slot drafting, the confidence
     head (if any) reading [hidden; W1[previous token]] — the layout DeepSpec trains and llama.cpp runs."""

@@ -2,6 +2,7 @@
 
     capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
     capture(target, samples, out_dir, layer_ids=ids, store_topk=32)   # + top-32 log-probs per position
+    capture(target, samples, out_dir, layer_ids=ids, store_target_lse=True)   # + log-sum-exp of the logits
     CapturedFeatures(out_dir, ...)[i]       # reading it back: dflashkit.features.captured
     OnlineFeatures(target, samples, ...)[i] # the same features, nothing on disk: dflashkit.features.online
 
@@ -21,6 +22,11 @@ On-disk format (format_version 1), one directory:
                              vocabulary of the verifier logits, then topk; descending). float16 is ample for
                              log-probs (error ≤ |ℓ|·2^-11, see `dflashkit.features.online`); they train
                              `loss: topk` without running the target (6·K bytes per token: 192 B for K = 32)
+        "{k}.target_lse"     (T,) float32, only when store_target_lse: log Σ_v exp(logit_v) of the verifier logits
+                             of the final layer's output *as stored* (rounded to the storage dtype), so with the
+                             logits of a reduced draft vocabulary formed from the same stored state in training it
+                             gives the target's exact probabilities (DSpark's L1 term) without a full-vocabulary
+                             product per epoch (`dflashkit.target.logsumexp`)
 The manifest (`Manifest`, in `dflashkit.features.manifest`) holds the target (source, architecture,
 num_layers, hidden_size, fingerprint), layer_ids, dtype, store_target_tokens, store_topk (0 when absent, so older
 manifests stay valid), the shard plan (file, first sample, count, tokens, done, bytes, sha256), one entry per
@@ -64,6 +70,7 @@ from dflashkit.features.shards import VERIFY_MODES, file_sha256, shard_problem
 from dflashkit.io_utils import atomic_path, remove_interrupted_writes
 from dflashkit.output_dir import one_writer
 from dflashkit.target.distributed import DistContext
+from dflashkit.target.logsumexp import row_logsumexp
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
@@ -77,6 +84,7 @@ _RESUME_FIELDS = (
     "dtype",
     "store_target_tokens",
     "store_topk",
+    "store_target_lse",
     "samples_sha256",
     "shard_max_tokens",
 )
@@ -103,6 +111,7 @@ def _new_manifest(
     shard_max_tokens: int,
     tokens_file: str | None,
     data: dict[str, Any] | None = None,
+    store_target_lse: bool = False,
 ) -> Manifest:
     shards = plan_shards([len(s) for s in samples], shard_max_tokens)
     entries: list[dict[str, Any]] = []
@@ -127,6 +136,7 @@ def _new_manifest(
         shards=shards,
         samples=entries,
         store_topk=store_topk,
+        store_target_lse=store_target_lse,
         data=dict(data or {}),
     )
 
@@ -163,6 +173,7 @@ def _capture_shard(
     store_topk: int,
     batch_tokens: int,
     bar: tqdm,
+    store_target_lse: bool = False,
 ) -> dict[str, Tensor]:
     """Run the target over one shard's samples; equal-length samples may share a forward (no padding)."""
     groups: list[list[int]] = []
@@ -181,6 +192,8 @@ def _capture_shard(
         feats = out.features.cpu()  # (B, T, K·H) in the storage dtype
         tokens = out.logits.argmax(-1).cpu() if store_target_tokens else None  # (B, T) final-layer argmax
         top = [t.cpu() for t in topk_logprobs(out.logits, store_topk)] if store_topk else None  # (B, T, k) ×2
+        # of the final layer's output as stored (training forms its draft-vocabulary logits from that)
+        stored_final = out.final_hidden.to(store).float() if store_target_lse else None  # (B, T, H)
         for b, i in enumerate(g):
             k, s = first + i, chunk[i]
             tensors[f"{k}.features"] = feats[b].clone()  # clone: safetensors refuses tensors sharing storage
@@ -191,6 +204,8 @@ def _capture_shard(
             if top is not None:
                 tensors[f"{k}.topk_ids"] = top[0][b].to(torch.int32)  # (T, k)
                 tensors[f"{k}.topk_logprobs"] = top[1][b].clone()  # (T, k) float16
+            if stored_final is not None:
+                tensors[f"{k}.target_lse"] = row_logsumexp(target, stored_final[b]).cpu()  # (T,) float32
         bar.update(ids.numel())
     return tensors
 
@@ -204,6 +219,7 @@ def capture(
     dtype: str = "bf16",
     store_target_tokens: bool = True,
     store_topk: int = 0,
+    store_target_lse: bool = False,
     shard_max_tokens: int | None = None,
     batch_tokens: int = 0,
     tokens_file: str | Path | None = None,
@@ -217,6 +233,8 @@ def capture(
     """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
 
     store_topk: K > 0 also stores the target's top-K log-probs per position (for `loss: topk`; 0 = off).
+    store_target_lse: also stores the log-sum-exp of the target's logits per position (DSpark with a reduced draft
+    vocabulary: training then never forms all V logits; costs one more LM-head pass at capture, 4 B per token).
     shard_max_tokens: tokens per shard (default: ~1 GiB of features; a resumed run keeps the existing plan).
     batch_tokens: > 0 lets equal-length samples of a shard share one forward of ≤ batch_tokens tokens
     (0 = one sequence per forward, bit-identical to a plain per-sample forward).
@@ -234,7 +252,9 @@ def capture(
     out_dir = Path(out_dir)
     main_log = log if dist.is_main else (lambda _msg: None)
     with one_writer(out_dir, "dflashkit capture", enabled=dist.is_main):
-        per_token = bytes_per_token(len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk)
+        per_token = bytes_per_token(
+            len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk, bool(store_target_lse)
+        )
         if shard_max_tokens is None:
             existing = out_dir / MANIFEST_NAME
             shard_max_tokens = (
@@ -254,6 +274,7 @@ def capture(
             shard_max_tokens=int(shard_max_tokens),
             tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
             data=data,
+            store_target_lse=bool(store_target_lse),
         )
         if dist.is_main:
             manifest = _resume(out_dir, fresh, log, verify)
@@ -283,7 +304,7 @@ def capture(
         _capture_shards(
             target, samples, out_dir, manifest, mine, dist,
             layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens, store_topk=store_topk,
-            batch_tokens=batch_tokens, progress=progress, on_shard=on_shard,
+            store_target_lse=bool(store_target_lse), batch_tokens=batch_tokens, progress=progress, on_shard=on_shard,
         )  # fmt: skip
         if dist.distributed:
             dist.barrier()  # every rank's shards and records are on disk
@@ -313,6 +334,7 @@ def _capture_shards(
     batch_tokens: int,
     progress: bool,
     on_shard: Callable[[int, Manifest], None] | None,
+    store_target_lse: bool = False,
 ) -> None:
     """Capture this rank's shards `todo`; one process saves the manifest after each, a rank its own record."""
     todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
@@ -340,6 +362,7 @@ def _capture_shards(
                 store_topk=store_topk,
                 batch_tokens=batch_tokens,
                 bar=bar,
+                store_target_lse=store_target_lse,
             )
             _write_shard(out_dir, sh, tensors)
             finished.append(j)
@@ -385,6 +408,7 @@ def _check_disk(
         f"layers × {target.hidden_size} hidden × {STORAGE_DTYPES[dtype].itemsize} B ({dtype})"
         f"{' + target tokens' if manifest.store_target_tokens else ''}"
         f"{f' + top-{topk} log-probs ({topk * TOPK_BYTES} B/token)' if topk else ''}"
+        f"{' + target log-sum-exp (4 B/token)' if manifest.store_target_lse else ''}"
         f" ≈ {format_bytes(manifest.total_tokens * per_token)}; "
         f"to write now: {todo_tokens:,} tokens in {len(todo)} shard(s) ≈ {format_bytes(need)}; "
         f"free at {out_dir}: {format_bytes(free)}"

@@ -176,6 +176,7 @@ class CapturedFeatures:
             k = self.manifest.store_topk
             top_ids = h.get_tensor(f"{i}.topk_ids").long() if k else None  # (T, k)
             top_lp = h.get_tensor(f"{i}.topk_logprobs").float() if k else None  # (T, k)
+            lse = h.get_tensor(f"{i}.target_lse").float() if self.manifest.store_target_lse else None  # (T,)
         except Exception as e:  # safetensors raises its own error type for a missing key
             raise DataError(
                 f"capture dir {self.dir}: shard {name} lacks the tensors of sample {i} ({entry['id']!r}): {e}"
@@ -191,6 +192,11 @@ class CapturedFeatures:
                     f"capture dir {self.dir}: {name} '{i}.{key}' has shape {list(t.shape)}, "
                     f"expected {[entry['length'], k]}"
                 )
+        if lse is not None and lse.shape != (entry["length"],):
+            raise DataError(
+                f"capture dir {self.dir}: {name} '{i}.target_lse' has shape {list(lse.shape)}, "
+                f"expected {[entry['length']]}"
+            )
         if self._columns is not None:  # a subset of the captured layers, in the drafter's order
             hidden = int(self.manifest.target["hidden_size"])
             feats = feats.view(feats.shape[0], -1, hidden)[:, self._columns].reshape(feats.shape[0], -1)  # (T, K'·H)
@@ -202,6 +208,7 @@ class CapturedFeatures:
             target_tokens=tokens,
             topk_ids=top_ids,
             topk_logprobs=top_lp,
+            target_lse=lse,
         )
 
 

@@ -3,10 +3,11 @@
     m = Manifest.load("feats/")        # DataError naming the problem when it is not a finished capture dir
     m.complete, m.num_samples, m.total_tokens, m.bytes, m.store_topk
     bytes_per_token(5 * 576, "bf16", True, store_topk=32)   # → 5961: disk bytes per captured token
+    m.store_target_lse                 # whether each position's log-sum-exp of the target's logits is stored
 
 Written by `dflashkit.features.capture.capture` (which also describes the shard format) and re-exported from
-`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored), so feature
-dirs captured before that option stay valid with the same format_version.
+`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored) and without
+`store_target_lse` as false, so feature dirs captured before those options stay valid with the same format_version.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 TOPK_BYTES = 4 + 2  # per stored top-k entry: an int32 token id + a float16 log-prob
 
 
-def bytes_per_token(feature_dim: int, dtype: str, store_target_tokens: bool, store_topk: int = 0) -> int:
+def bytes_per_token(
+    feature_dim: int, dtype: str, store_target_tokens: bool, store_topk: int = 0, store_target_lse: bool = False
+) -> int:
     """Disk bytes per captured token: features + int32 ids + bool mask (+ int32 target token)
-    (+ store_topk × (int32 id + float16 log-prob))."""
+    (+ store_topk × (int32 id + float16 log-prob)) (+ float32 log-sum-exp)."""
     return (
         feature_dim * STORAGE_DTYPES[dtype].itemsize
         + 4
         + 1
         + (4 if store_target_tokens else 0)
         + store_topk * TOPK_BYTES
+        + (4 if store_target_lse else 0)
     )
 
 
@@ -82,6 +86,7 @@ class Manifest:
     samples: list[dict[str, Any]]
     format_version: int = FORMAT_VERSION
     store_topk: int = 0  # top-k log-probs stored per position (0: none; manifests older than the option)
+    store_target_lse: bool = False  # the target's log-sum-exp stored per position (false in older manifests)
     data: dict[str, Any] = field(default_factory=dict)  # how the tokens were prepared (thinking, turns); {} unknown
     run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
 
@@ -128,6 +133,7 @@ class Manifest:
             "dtype": self.dtype,
             "store_target_tokens": self.store_target_tokens,
             "store_topk": self.store_topk,
+            "store_target_lse": self.store_target_lse,
             "shard_max_tokens": self.shard_max_tokens,
             "tokens_file": self.tokens_file,
             "data": self.data,
@@ -169,6 +175,9 @@ class Manifest:
             topk = raw.get("store_topk", 0)  # absent in manifests written before the option
             if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
                 raise TypeError(f"'store_topk' = {topk!r}")
+            lse = raw.get("store_target_lse", False)  # absent in manifests written before the option
+            if not isinstance(lse, bool):
+                raise TypeError(f"'store_target_lse' = {lse!r}")
             return cls(
                 **{
                     k: raw[k]
@@ -185,6 +194,7 @@ class Manifest:
                     )
                 },
                 store_topk=topk,
+                store_target_lse=lse,
                 data=dict(raw.get("data") or {}),  # absent in manifests written before it was recorded
             )
         except json.JSONDecodeError as e:

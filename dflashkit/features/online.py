@@ -2,6 +2,7 @@
 
     OnlineFeatures(target, samples, layer_ids=ids)[i]   # → Sample with the target's features and argmax tokens
     OnlineFeatures(target, samples, layer_ids=ids, store_topk=32)[i]   # … and its top-32 log-probs per position
+    OnlineFeatures(target, samples, layer_ids=ids, store_target_lse=True)[i]   # … and the log-sum-exp of its logits
 
 The features are those of `Target.forward` (outputs of the decoder layers
 `layer_ids`, final-layer argmax), exactly what `dflashkit.features.capture.capture` stores.
@@ -56,6 +57,8 @@ class OnlineFeatures:
     Features are float32 on `feature_device` (default CPU; pass the target's device to keep them there).
     store_topk: > 0 also returns the target's top-k log-probs per position (`Sample.topk_ids` / `topk_logprobs`,
     float16-rounded as captured ones are), for `loss: topk`.
+    store_target_lse: also returns the log-sum-exp of the target's logits per position (`Sample.target_lse`, from
+    the logits this pass forms anyway; DSpark with a reduced draft vocabulary).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class OnlineFeatures:
         feature_device: torch.device | str | None = None,
         target_tokens: bool = True,
         store_topk: int = 0,
+        store_target_lse: bool = False,
     ) -> None:
         self.target = target
         self.samples = list(samples)
@@ -78,6 +82,7 @@ class OnlineFeatures:
         if not 0 <= int(store_topk) <= target.vocab_size:
             raise ValueError(f"store_topk must be in [0, {target.vocab_size}], got {store_topk}")
         self.store_topk = int(store_topk)
+        self.store_target_lse = bool(store_target_lse)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -92,7 +97,7 @@ class OnlineFeatures:
 
     def __getitem__(self, i: int) -> Sample:
         s = self.samples[i]
-        need_logits = self.target_tokens or self.store_topk > 0
+        need_logits = self.target_tokens or self.store_topk > 0 or self.store_target_lse
         out = self.target.forward(
             s.input_ids[None],
             layer_ids=self._layer_ids,
@@ -105,6 +110,9 @@ class OnlineFeatures:
         if self.store_topk:
             top_ids, top_lp = topk_logprobs(out.logits[0], self.store_topk)  # (T, k)
             top_ids, top_lp = top_ids.to(self.feature_device), top_lp.to(self.feature_device, torch.float32)
+        lse = None
+        if self.store_target_lse:
+            lse = torch.logsumexp(out.logits[0].float(), dim=-1).to(self.feature_device)  # (T,)
         return Sample(
             id=s.id,
             input_ids=s.input_ids,
@@ -113,4 +121,5 @@ class OnlineFeatures:
             target_tokens=tokens,
             topk_ids=top_ids,
             topk_logprobs=top_lp,
+            target_lse=lse,
         )

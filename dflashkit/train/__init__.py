@@ -17,7 +17,8 @@ Modules and their public functions:
   blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `reference_mask`
   losses.py        `block_loss`, `decay_weights`, `dpace_weights`, `estimated_tau`
   dspark_loss.py   `dspark_loss` (CE + L1 to the target + confidence BCE), `dspark_slot_weights`
-  target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary)
+  target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary,
+                   unless the features carry it: `dflashkit capture --target-lse`)
   optimizer_choice.py  `choose_adamw_impl` (fused or foreach AdamW, timed on this machine), `make_adamw`
   slot_targets.py  `block_labels`, `dspark_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
   metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`

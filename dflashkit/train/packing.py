@@ -7,7 +7,8 @@
 A row holds whole documents back to back; `doc_ids` (−1 on padding) and per-document `positions` keep them apart
 (the training mask never lets a block see another document). The target's argmax tokens and top-k log-probs travel
 with their positions (`target_tokens` −1, `topk_ids` −1 / `topk_logprobs` −inf where a sample has none and on
-padding); shifting them to the slot they supervise is `dflashkit.train.slot_targets`'s job. A sample longer than
+padding; the target's log-sum-exp per position, `target_lse`, only when every sample has it); shifting them to the
+slot they supervise is `dflashkit.train.slot_targets`'s job. A sample longer than
 `max_tokens` is cut to `max_tokens` (counted in `PackPlan.truncated`). Packing is best-fit-decreasing ("bfd", ties
 broken by a seeded shuffle) or greedy in a seeded order ("greedy").
 
@@ -177,6 +178,7 @@ class PackedRow:
     target_tokens: Tensor | None  # (T,) long, −1 where a sample has none; None when no sample has any
     topk_ids: Tensor | None = None  # (T, K) long, −1 where a sample has none; None when no sample has any
     topk_logprobs: Tensor | None = None  # (T, K) float32, −inf where a sample has none
+    target_lse: Tensor | None = None  # (T,) float32; None unless every sample has it
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -192,6 +194,7 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
     if len(ks) > 1:
         raise DataError(f"samples of one row hold different numbers of top-k log-probs {sorted(ks)}")
     k = ks.pop() if ks else 0
+    lses = [] if all(s.target_lse is not None for s in samples) else None
     for d, s in enumerate(samples):
         if s.features is None:
             raise DataError(
@@ -207,6 +210,10 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
         pos.append(torch.arange(n, dtype=torch.long))
         mask.append(s.loss_mask[:n].bool())
         feats.append(s.features[:n])
+        if lses is not None:
+            if s.target_lse.shape[0] < n:
+                raise DataError(f"sample {s.id!r}: target_lse covers {s.target_lse.shape[0]} of its {len(s)} tokens")
+            lses.append(s.target_lse[:n].float())
         if have_targets:
             tgts.append(
                 s.target_tokens[:n].long() if s.target_tokens is not None else torch.full((n,), -1, dtype=torch.long)
@@ -238,6 +245,7 @@ def pack_row(samples: Sequence[Sample], max_tokens: int) -> PackedRow:
         target_tokens=torch.cat(tgts) if have_targets else None,
         topk_ids=torch.cat(top_ids) if k else None,
         topk_logprobs=torch.cat(top_lp) if k else None,
+        target_lse=torch.cat(lses) if lses is not None else None,
     )
 
 
@@ -258,7 +266,7 @@ class PackedRows(torch.utils.data.Dataset):
 @dataclass
 class RowBatch:
     """B rows padded to a common length T. Padding: doc_ids −1, loss_mask False, features 0, ids 0, target tokens
-    and top-k ids −1, top-k log-probs −inf."""
+    and top-k ids −1, top-k log-probs −inf, target log-sum-exp 0."""
 
     input_ids: Tensor  # (B, T) long
     doc_ids: Tensor  # (B, T) long
@@ -269,6 +277,7 @@ class RowBatch:
     row_ids: list[int]  # global row indices (seed anchors and noise per row)
     topk_ids: Tensor | None = None  # (B, T, K) long, −1 where unknown / padding
     topk_logprobs: Tensor | None = None  # (B, T, K) float32, −inf where unknown / padding
+    target_lse: Tensor | None = None  # (B, T) float32; None unless every row has it
 
     @property
     def num_tokens(self) -> int:
@@ -286,6 +295,7 @@ class RowBatch:
             list(self.row_ids),
             mv(self.topk_ids),
             mv(self.topk_logprobs),
+            mv(self.target_lse),
         )
 
 
@@ -312,6 +322,7 @@ def collate_rows(
     k = ks.pop() if ks else 0
     top_ids = torch.full((b, t, k), -1, dtype=torch.long) if k else None  # (B, T, K)
     top_lp = torch.full((b, t, k), float("-inf")) if k else None  # (B, T, K)
+    lse = torch.zeros(b, t) if all(r.target_lse is not None for r in rows) else None  # (B, T)
     for i, r in enumerate(rows):
         n = len(r)
         if r.features.shape[1] != width:
@@ -326,6 +337,8 @@ def collate_rows(
         if k and r.topk_ids is not None:
             top_ids[i, :n] = r.topk_ids
             top_lp[i, :n] = r.topk_logprobs
+        if lse is not None:
+            lse[i, :n] = r.target_lse
     return RowBatch(
         input_ids,
         doc_ids,
@@ -336,6 +349,7 @@ def collate_rows(
         list(row_ids) if row_ids is not None else list(range(b)),
         top_ids,
         top_lp,
+        lse,
     )
 
 

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflashkit.drafter.config import DrafterConfig, capture_layer_ids
+from dflashkit.drafter.capture_needs import capture_layer_ids
+from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
@@ -43,7 +44,7 @@ from dflashkit.train.packing import (
 )
 from dflashkit.train.schedule import cosine_with_warmup
 from dflashkit.train.state import TrainState, latest_checkpoint, load_checkpoint_state, load_saved_config, restore_rng
-from dflashkit.train.target_lse import RowLogSumExp
+from dflashkit.train.target_lse import RowLogSumExp, plain_linear_head
 
 
 class DrafterStep(nn.Module):
@@ -95,7 +96,9 @@ def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) ->
         )
     samples, _ = read_tokens(cfg.tokens)
     topk = (cfg.topk or DEFAULT_ONLINE_TOPK) if cfg.loss == "topk" else 0
-    return OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size))
+    # DSpark with a reduced draft vocabulary reads the log-sum-exp of the target's logits (formed here anyway)
+    lse = drafter_config.kind == "dspark" and bool(drafter_config.draft_vocab_size) and plain_linear_head(target)
+    return OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size), store_target_lse=lse)
 
 
 def _resolve_device(spec: str, local_rank: int) -> torch.device:

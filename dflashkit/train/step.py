@@ -179,7 +179,8 @@ def _dspark_step_loss(
     """The DSpark loss of a step: p_target from the target's final-layer output at each slot's index (its final
     norm and LM head, computed only for the supervised slots, chunk by chunk). With a reduced draft vocabulary
     (and a plain linear head) only the draft ids' logits are formed; the log-sum-exp over the whole vocabulary
-    comes from the run's per-row cache (`dflashkit.train.target_lse`)."""
+    comes from the rows when the features carry it (captured with `--target-lse`), else from the run's per-row
+    cache (`dflashkit.train.target_lse`)."""
     cfg, bs = run.cfg, inp.blocks.block_size
     b, t, h_dim = inp.final_hidden.shape
     rows_bt = torch.arange(b, device=run.device)[:, None, None] * t + dspark_target_index(inp.blocks)  # (B, Nb, bs)
@@ -189,7 +190,9 @@ def _dspark_step_loss(
     reduced = run.drafter.config.draft_vocab_size is not None and plain_linear_head(run.target)
     flat_lse = None
     if reduced:
-        lse = run.target_lse.rows(run.target, inp.final_hidden, rows.input_ids, rows.doc_ids)  # (B, T)
+        lse = None if rows.target_lse is None else rows.target_lse.to(inp.final_hidden.device)  # (B, T)
+        if lse is None:
+            lse = run.target_lse.rows(run.target, inp.final_hidden, rows.input_ids, rows.doc_ids)  # (B, T)
         flat_lse = lse.reshape(b * t)
 
     def target_logits(slots: Tensor) -> tuple[Tensor, ...]:  # flattened slot ids (m,) → see dspark_loss

@@ -15,7 +15,9 @@ of a row are a function of them), so training and validation rows never mix. The
 memory.
 
 The log-sum-exp of a row is always computed the same way (the whole row, `chunk` positions at a time), so a
-resumed run, whose cache starts empty, gets bit-identical values.
+resumed run, whose cache starts empty, gets bit-identical values. Features captured with `--target-lse` carry it
+per position (`Sample.target_lse`, computed at capture from the final-layer state as stored); training then reads
+it from the rows and never fills this cache (`dflashkit.train.step`).
 """
 
 from __future__ import annotations
@@ -27,28 +29,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflashkit.target.logsumexp import row_logsumexp
+
 DEFAULT_MAX_POSITIONS = 1 << 26  # 64 M positions: 256 MiB of float32
-_CHUNK_LOGITS = 1 << 25  # positions × vocabulary per chunk (one float32 (chunk, V) tensor: 128 MiB)
 
 
 def plain_linear_head(target: Any) -> bool:
     """Whether the target's logits are exactly final_norm(h) · Wᵀ (so a subset of them is a subset of W's rows)."""
     head = getattr(target, "lm_head", None)
     return type(head) is nn.Linear and head.bias is None
-
-
-@torch.no_grad()
-def row_logsumexp(target: Any, final_hidden: Tensor, chunk: int | None = None) -> Tensor:
-    """(T,) float32: log Σ_v exp(logit_v) of the target's verifier logits at each position of one row.
-    final_hidden (T, H): the target's last layer output before its final norm."""
-    t = final_hidden.shape[0]
-    vocab = int(target.vocab_size)
-    step = chunk if chunk is not None else max(1, _CHUNK_LOGITS // max(1, vocab))
-    out = torch.empty(t, dtype=torch.float32, device=final_hidden.device)
-    for s in range(0, t, step):
-        logits = target.verifier_logits(final_hidden[None, s : s + step])[0]  # (c, V)
-        out[s : s + step] = torch.logsumexp(logits.float(), dim=-1).to(out.device)
-    return out
 
 
 class RowLogSumExp:

@@ -154,6 +154,39 @@ def test_resume_with_other_settings_or_data_is_refused(llama, tmp_path):
         quiet(llama, make_samples([5, 9, 4], seed=9), tmp_path, dtype="fp32")
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_target_lse_is_the_log_sum_exp_of_the_final_layer_as_stored(llama, tmp_path, dtype):
+    """`store_target_lse`: per position, log Σ exp of the verifier logits of the final layer's output rounded to the
+    storage dtype (what training forms its draft-vocabulary logits from); the online source gives the same; the
+    manifest records it, packing carries it, a resume with the other setting is refused."""
+    from dflashkit.train.packing import collate_rows, pack_row
+
+    samples = make_samples([7, 12, 5])
+    last = llama.num_layers - 1
+    quiet(llama, samples, tmp_path, dtype=dtype, layer_ids=[1, last], store_target_lse=True)
+    ds = CapturedFeatures(tmp_path)
+    assert ds.manifest.store_target_lse and not Manifest.load(tmp_path).store_topk
+    online = OnlineFeatures(llama, samples, layer_ids=[1, last], store_target_lse=True)
+    for s, got, on in zip(samples, ds, online, strict=True):
+        stored_final = got.features[:, llama.hidden_size :]  # (T, H) as stored
+        want = torch.logsumexp(llama.verifier_logits(stored_final[None])[0].double(), dim=-1)  # (T,)
+        assert got.target_lse.dtype == torch.float32 and got.target_lse.shape == (len(s),)
+        torch.testing.assert_close(got.target_lse.double(), want, rtol=1e-6, atol=1e-5)
+        unrounded = torch.logsumexp(llama.model(input_ids=s.input_ids[None]).logits[0].double(), dim=-1)
+        torch.testing.assert_close(on.target_lse.double(), unrounded, rtol=1e-6, atol=1e-5)
+    row = pack_row([ds[0], ds[2]], max_tokens=12)
+    assert torch.equal(row.target_lse, torch.cat([ds[0].target_lse, ds[2].target_lse]))
+    cut = pack_row([ds[1]], max_tokens=10)  # cut to the row's room
+    assert torch.equal(cut.target_lse, ds[1].target_lse[:10])
+    batch = collate_rows([row, cut])
+    assert batch.target_lse.shape == (2, 12) and torch.equal(batch.target_lse[1, 10:], torch.zeros(2))
+    plain = pack_row([ds[0], Sample("x", ds[2].input_ids, ds[2].loss_mask, ds[2].features)], max_tokens=12)
+    assert plain.target_lse is None and collate_rows([row, plain]).target_lse is None  # all or nothing
+    assert CapturedFeatures(tmp_path, expect_layer_ids=[1]).__getitem__(0).target_lse is not None
+    with pytest.raises(DataError, match=r"store_target_lse True but this run has False"):
+        quiet(llama, samples, tmp_path, dtype=dtype, layer_ids=[1, last])
+
+
 def test_online_equals_captured_fp32(llama, tmp_path):
     samples = make_samples([6, 10, 4])
     quiet(llama, samples, tmp_path, dtype="fp32", shard_max_tokens=8)
@@ -262,5 +295,16 @@ def test_cli_capture_end_to_end(tiny_llama_dir, llama, tmp_path, capsys):
     default_drafter_config(llama, target_layer_ids=[0, 2]).save(cfg_path)
     assert main([*base, "--out", str(tmp_path / "c"), "--drafter-config", str(cfg_path)]) == 0
     assert CapturedFeatures(tmp_path / "c").layer_ids == [0, 2]
+    assert not Manifest.load(tmp_path / "c").store_target_lse
+    # --target-lse auto: on for a DSpark drafter with a draft vocabulary (its training reads it), else off
+    dspark = tmp_path / "dspark.json"
+    default_drafter_config(llama, kind="dspark", markov_rank=4, draft_vocab_size=32).save(dspark)
+    assert main([*base, "--out", str(tmp_path / "e"), "--drafter-config", str(dspark), "--limit", "1"]) == 0
+    assert Manifest.load(tmp_path / "e").store_target_lse and "target log-sum-exp" in capsys.readouterr().out
+    opts = ["--drafter-config", str(dspark), "--limit", "1", "--target-lse", "off"]
+    assert main([*base, "--out", str(tmp_path / "f"), *opts]) == 0
+    assert not Manifest.load(tmp_path / "f").store_target_lse
+    assert main([*base, "--out", str(tmp_path / "g"), "--layer-ids", "1", "--limit", "1", "--target-lse", "on"]) == 0
+    assert CapturedFeatures(tmp_path / "g")[0].target_lse.shape == (7,)
     assert main([*base, "--out", str(out), "--layer-ids", "1,4", "--limit", "3"]) == 2  # user error, no traceback
     assert "already holds a capture" in capsys.readouterr().err

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dflashkit.data.samples import Sample
+from dflashkit.drafter.capture_needs import capture_layer_ids
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
-from dflashkit.drafter.config import capture_layer_ids
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
@@ -120,7 +120,7 @@ def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
     tmp_path: Path, target: Target, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a draft vocabulary the target's distribution comes from its draft-id logits and a per-row log-sum-exp
-    (computed once per row over the whole run): the losses equal those of its full logits."""
+    (computed once per row over the whole run, or stored at capture): the losses equal those of its full logits."""
     cfg = default_drafter_config(target, **DRAFTER, draft_vocab_size=40)
     torch.manual_seed(0)
     init = DFlashDrafter(cfg)
@@ -140,6 +140,24 @@ def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
     assert [r["split"] for r in a] == [r["split"] for r in b]
     for ra, rb in zip(a, b, strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-5)
+    # captured with the log-sum-exp: the rows carry it and the cache is never filled, same losses
+    monkeypatch.undo()
+    stored = tmp_path / "feats-lse"
+    layers = capture_layer_ids(cfg)
+    capture(
+        target, make_samples(), stored, layer_ids=layers, dtype="fp32", store_target_lse=True, progress=False, log=None
+    )
+    runs.clear()
+    train(
+        cfg_for(tmp_path / "c", **{**kw, "features": str(stored)}),
+        target=target,
+        callbacks=[lambda end: runs.append(end.run)],
+    )
+    assert runs[-1].target_lse.computed == 0
+    c = read_metrics(tmp_path / "c" / "metrics.jsonl")
+    assert [r["split"] for r in c] == [r["split"] for r in a]
+    for ra, rc in zip(a, c, strict=True):
+        assert ra["loss"] == pytest.approx(rc["loss"], rel=1e-4, abs=1e-5)
 
 
 def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tiny_llama_dir: Path) -> None:
