@@ -170,7 +170,9 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
     prompts = [ids for _, (_, ids) in zip(range(max(batches, default=16)), _train_prompts(target, s), strict=False)]
     server = s.regen_server == "auto" and server_built()
     _say(f"rates: measuring regeneration at batch {', '.join(map(str, batches))}{' and through llama-server' * server}")
-    rates = measure_rates(target, prompts, batches=batches, default_batch=s.regen_batch or 16, layer_ids=layer_ids)
+    rates = measure_rates(
+        target, prompts, batches=batches, default_batch=s.regen_batch or 16, layer_ids=layer_ids, target_lse=s.is_dspark
+    )
     rates["regen_route"] = "in-process"
     if server:
         rates["regen_server_tokens_per_s"] = round(server_rate(target, prompts[:16]), 2)

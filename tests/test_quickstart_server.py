@@ -19,7 +19,7 @@ def measured(monkeypatch):
     """In-process rates of 50 tok/s at the best batch size; the server's rate is set per test."""
     calls = {"server": 0}
 
-    def fake_measure(target, prompts, *, batches, default_batch, layer_ids):
+    def fake_measure(target, prompts, *, batches, default_batch, layer_ids, target_lse=False):
         return {"regen_tokens_per_s": {"8": 40.0, "16": 50.0}, "regen_batch": 16, "capture_tokens_per_s": 1.0}
 
     monkeypatch.setattr(rates_mod, "measure_rates", fake_measure)

@@ -221,12 +221,17 @@ class Target:
             for h in handles:
                 h.remove()
 
+    @property
+    def plain_head(self) -> bool:
+        """Whether the logits are exactly final_norm(h) · Wᵀ (an `nn.Linear` without bias), so the logits of a subset
+        of the vocabulary are the products with a subset of W's rows."""
+        return type(self.lm_head) is nn.Linear and self.lm_head.bias is None
+
     def verifier_logits(self, final_hidden: Tensor) -> Tensor:
         """Final norm + LM head over the last layer's pre-norm output: (B, T, H) → (B, T, V)."""
         h = self.final_norm(final_hidden.to(self.device))
-        w = getattr(self.lm_head, "weight", None)
-        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and w is not None:
-            return linear_product(h, w)  # a decoding step's rows: the product this machine does fastest
+        if self.plain_head:  # a decoding step's rows: the product this machine does fastest
+            return linear_product(h, self.lm_head.weight)
         return self.lm_head(h)
 
     @torch.no_grad()

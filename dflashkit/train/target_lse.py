@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dflashkit.target.logsumexp import row_logsumexp
 
@@ -35,9 +35,8 @@ DEFAULT_MAX_POSITIONS = 1 << 26  # 64 M positions: 256 MiB of float32
 
 
 def plain_linear_head(target: Any) -> bool:
-    """Whether the target's logits are exactly final_norm(h) · Wᵀ (so a subset of them is a subset of W's rows)."""
-    head = getattr(target, "lm_head", None)
-    return type(head) is nn.Linear and head.bias is None
+    """Whether the target's logits are exactly final_norm(h) · Wᵀ (`Target.plain_head`; False for other objects)."""
+    return bool(getattr(target, "plain_head", False))
 
 
 class RowLogSumExp:

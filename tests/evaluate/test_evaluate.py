@@ -465,7 +465,7 @@ def test_rates_pick_a_batch_size_only_when_it_is_clearly_faster(monkeypatch):
         qr, "_decode_rate", lambda target, prompts: calls.append(("rate", len(prompts))) or speeds[len(prompts)]
     )
     monkeypatch.setattr(qr, "_regen_rate", lambda target, prompts, n: calls.append((len(prompts), n)) or 1.0)
-    monkeypatch.setattr(qr, "_capture_rate", lambda target, ids: 900.0)
+    monkeypatch.setattr(qr, "_capture_rate", lambda target, ids, **kw: 900.0)
     r = qr.measure_rates(None, [list(range(100))] * 32, batches=(8, 16, 32), default_batch=16, layer_ids=[1])
     # every batch size runs once untimed first (its product choice is timed then, not inside its rate)
     assert calls == [(8, 2), (16, 2), (32, 2), ("rate", 8), ("rate", 16), ("rate", 32)]
@@ -474,6 +474,27 @@ def test_rates_pick_a_batch_size_only_when_it_is_clearly_faster(monkeypatch):
     assert qr.measure_rates(None, [[1]] * 32, batches=(8, 16, 32), default_batch=16, layer_ids=[1])["regen_batch"] == 32
     assert qr.original_token_budget(r) == int(900 * 60 * qr.ORIGINAL_CAPTURE_MINUTES)
     assert qr.first_steps_rate([9.0] * 5 + [0.5] * 20 + [2.0] * 100) == 120.0 and qr.first_steps_rate([1.0] * 6) is None
+
+
+def test_the_capture_rate_of_a_dspark_run_includes_the_log_sum_exp(tiny_llama_dir, monkeypatch):
+    """A DSpark quickstart's capture also stores the target's log-sum-exp (one more LM-head pass): the start-of-run
+    capture rate, which sizes the original-text data, times that pass too."""
+    from dflashkit import quickstart_rates as qr
+    from dflashkit.target import logsumexp as lse_mod
+    from dflashkit.target.model import Target
+
+    target = Target.load(tiny_llama_dir)
+    calls, real = [], lse_mod.row_logsumexp
+    monkeypatch.setattr(lse_mod, "row_logsumexp", lambda t, h, chunk=None: calls.append(tuple(h.shape)) or real(t, h))
+    assert qr._capture_rate(target, [1], tokens=16) > 0 and calls == []
+    assert qr._capture_rate(target, [1], tokens=16, target_lse=True) > 0
+    assert calls == [(16, target.hidden_size)] * 2  # the best of two timed runs, each with the pass
+    seen = []
+    monkeypatch.setattr(qr, "_capture_rate", lambda target, ids, **kw: seen.append(kw) or 1.0)
+    monkeypatch.setattr(qr, "_decode_rate", lambda target, prompts: 1.0)
+    monkeypatch.setattr(qr, "_regen_rate", lambda target, prompts, n: 1.0)
+    qr.measure_rates(None, [[1]] * 8, batches=(8,), default_batch=8, layer_ids=[1], target_lse=True)
+    assert seen == [{"target_lse": True}]
 
 
 def test_the_decode_rate_leaves_the_prefill_out(monkeypatch):
@@ -490,7 +511,7 @@ def test_the_decode_rate_leaves_the_prefill_out(monkeypatch):
     monkeypatch.setattr(qr, "_regen_rate", timed)
     assert qr._decode_rate(None, [[1] * 5] * 8) == pytest.approx(8 / 0.5)
     monkeypatch.setattr(qr, "_decode_rate", lambda target, prompts: 1.0)
-    monkeypatch.setattr(qr, "_capture_rate", lambda target, ids: 1.0)
+    monkeypatch.setattr(qr, "_capture_rate", lambda target, ids, **kw: 1.0)
     seen.clear()
     qr.measure_rates(None, [list(range(500))] * 8, batches=(8,), default_batch=8, layer_ids=[1])
     assert seen == [qr.CALIBRATION_PROMPT]
