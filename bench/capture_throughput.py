@@ -1,6 +1,7 @@
 """Capture throughput vs a plain target forward, side by side in one run (design §4: timings are ratios).
 
     .venv/bin/python bench/capture_throughput.py [--target default] [--n 8] [--length 512] [--dtype bf16]
+        [--target-lse]   # + the target's log-sum-exp per position and its final layer (a DSpark capture)
 
 Runs `dflashkit.features.capture.capture` (hooks + features + final-layer argmax + writing shards) over N synthetic
 sequences, one sequence per shard, and from its `on_shard` callback times a plain `target.model(ids)` of the
@@ -54,10 +55,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--target-lse", action="store_true", help="also store the target's log-sum-exp (DSpark's capture)")
     args = p.parse_args()
 
     target = Target.load(args.target)
-    layer_ids = default_drafter_config(target).target_layer_ids
+    layer_ids = list(default_drafter_config(target).target_layer_ids)
+    if args.target_lse and target.num_layers - 1 not in layer_ids:  # DSpark reads the final layer too
+        layer_ids.append(target.num_layers - 1)
     samples = synthetic_samples(args.n, args.length, target.vocab_size)
     n_tokens = args.n * args.length
     plain_forward_seconds(target, samples[:1])  # warm-up (allocator, kernels)
@@ -80,6 +84,7 @@ def main() -> None:
             layer_ids=layer_ids,
             dtype=args.dtype,
             shard_max_tokens=args.length,
+            store_target_lse=args.target_lse,
             progress=False,
             log=None,
             on_shard=interleave,
@@ -99,7 +104,8 @@ def main() -> None:
     capture_tok_s, plain_tok_s = n_tokens / cap_s, n_tokens / plain_s
     print(
         f"target {target.source} ({target.num_layers} layers, hidden {target.hidden_size}), layers {layer_ids}, "
-        f"{args.n} × {args.length} tokens, storage {args.dtype}, {format_bytes(size)} written"
+        f"{args.n} × {args.length} tokens, storage {args.dtype}{' + target log-sum-exp' * args.target_lse}, "
+        f"{format_bytes(size)} written"
     )
     print(f"{'path':<30}{'seconds':>10}{'tok/s':>10}")
     print(f"{'plain forward (target.model)':<30}{plain_s:>10.2f}{plain_tok_s:>10.0f}")
