@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.drafter.model import to_additive
+from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
@@ -201,8 +202,8 @@ def _dspark_step_loss(
         sel = flat_final.index_select(0, positions)  # (U, H)
         if flat_lse is None:
             return run.target.verifier_logits(sel[None])[0].float(), inverse  # (U, V)
-        normed = run.target.final_norm(sel.to(run.target.device)).to(head.device).float()  # (U, H)
-        return normed @ head.float().t(), flat_lse.index_select(0, positions), inverse  # (U, V'), (U,)
+        logits = vocab_subset_logits(run.target, sel, head).to(head.device)  # (U, V') a subset of the lse's logits
+        return logits, flat_lse.index_select(0, positions), inverse  # (U, V'), (U,)
 
     return dspark_loss(
         hidden.reshape(-1, bs, hidden.shape[-1]),

@@ -1,6 +1,6 @@
 """The per-row log-sum-exp cache DSpark training uses with a reduced draft vocabulary: equal to the log-sum-exp of
 the target's verifier logits, chunking changes nothing, a row is computed once and keyed by its content (tokens
-and documents), and the cache stays within its bound."""
+and documents), the cache stays within its bound, and a bf16 target gets the values of its own logits."""
 
 from __future__ import annotations
 
@@ -62,3 +62,21 @@ def test_cache_keeps_at_most_max_positions(target: Target) -> None:
     assert cache.computed == 4
     cache.rows(target, finals[:1], ids[:1], docs[:1])  # the oldest was dropped: computed again
     assert cache.computed == 5
+
+
+def test_a_bf16_target_gets_the_log_sum_exp_of_its_own_logits(tiny_llama_dir: Path) -> None:
+    """A bf16 target (CUDA's default) with float32 features, as training and capture read them: the log-sum-exp is
+    that of the logits the target forms at its own precision (no dtype clash in the head), and the draft-id logits
+    DSpark training forms are a subset of those same logits."""
+    from dflashkit.target.logsumexp import vocab_subset_logits
+
+    target = Target.load(tiny_llama_dir, dtype="bf16")
+    final = _final(target, 7, 3)  # (T, H) float32, as read from features
+    logits = target.verifier_logits(final.to(torch.bfloat16)[None])[0].float()  # (T, V) the target's own
+    got = row_logsumexp(target, final)
+    torch.testing.assert_close(got, torch.logsumexp(logits, dim=-1), rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([3, 5, 40, 96])
+    sub = vocab_subset_logits(target, final, target.lm_head_weight[ids])  # (T, 4)
+    assert sub.dtype == torch.float32
+    torch.testing.assert_close(sub, logits[:, ids], rtol=1e-2, atol=1e-3)  # the same logits, up to bf16 rounding
+    assert float(torch.exp(sub - got[:, None]).sum(-1).max()) <= 1 + 1e-2
