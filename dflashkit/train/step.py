@@ -201,7 +201,8 @@ def _dspark_step_loss(
         positions, inverse = torch.unique(flat_rows[slots], return_inverse=True)
         sel = flat_final.index_select(0, positions)  # (U, H)
         if flat_lse is None:
-            return run.target.verifier_logits(sel[None])[0].float(), inverse  # (U, V)
+            # at the target's precision: float32 features meet a bf16 target's head on CUDA
+            return run.target.verifier_logits(sel[None].to(run.target.dtype))[0].float(), inverse  # (U, V)
         logits = vocab_subset_logits(run.target, sel, head).to(head.device)  # (U, V') a subset of the lse's logits
         return logits, flat_lse.index_select(0, positions), inverse  # (U, V'), (U,)
 

@@ -4,6 +4,7 @@ validation runs) and resumes exactly, and the settings DSpark cannot take are re
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,20 @@ def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
     assert [r["split"] for r in c] == [r["split"] for r in a]
     for ra, rc in zip(a, c, strict=True):
         assert ra["loss"] == pytest.approx(rc["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_a_bf16_target_trains_dspark_with_a_draft_vocabulary(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A bf16 target (CUDA's default) with float32 features, on both paths to the target's distribution (the
+    log-sum-exp cache with draft-id logits, and the full logits): no dtype clash in the head, the loss falls."""
+    target16 = Target.load(tiny_llama_dir, dtype="bf16")
+    for name, drafter in (("reduced", dict(DRAFTER, draft_vocab_size=40)), ("full", dict(DRAFTER))):
+        cfg = default_drafter_config(target16, **drafter)
+        feats = tmp_path / f"feats-{name}"
+        capture(target16, make_samples(), feats, layer_ids=capture_layer_ids(cfg), progress=False, log=None)
+        kw = dict(drafter=drafter, features=str(feats), target=str(tiny_llama_dir), val_samples=0, eval_every=0)
+        result = train(cfg_for(tmp_path / name, **kw, max_steps=6, save_every=0), target=target16)
+        losses = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["split"] == "train"]
+        assert result.step == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tiny_llama_dir: Path) -> None:
