@@ -34,15 +34,10 @@ TINY_CONFIG = dict(
 torch.set_num_threads(1)
 
 
-def _no_products_store() -> None:
-    """Product choices measured in this test process (tiny shapes, timings on a busy machine) stay in memory:
-    the user's store (~/.cache/dflashkit/products) keeps only what real runs measured."""
-    from dflashkit.target import products
-
-    products.store_path = lambda: None
-
-
-_no_products_store()
+# Product choices measured by the suite (tiny shapes, timings on a busy machine) stay in memory, in this process and
+# in the ones it starts (CLI children, torchrun ranks): the user's store (~/.cache/dflashkit/products) keeps only what
+# real runs measured.
+os.environ["DFLASHKIT_PRODUCTS_STORE"] = "off"
 
 # AdamW's implementation is measured at the start of a run (optimizer_impl: auto); runs a test compares bit for bit
 # must not choose differently on a busy machine, so the suite (and the processes it starts) names one.

@@ -5,6 +5,7 @@ measurement, never by a rule from another CPU.
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
     DFLASHKIT_PRODUCTS=auto|stock|few_rows        # the choice: measured (default), or forced
+    DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
 
 A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
 every weight matrix. Two ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
@@ -59,6 +60,7 @@ from dflashkit.target.machine import last_level_cache_bytes
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
 MODES = ("auto", "stock", "few_rows")
 ENV = "DFLASHKIT_PRODUCTS"
+STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
 MIN_GAIN = 0.03  # few_rows must beat stock by at least this much (and by more than the noise) to be chosen
 _STOCK = [0]  # > 0 inside stock_products()
 
@@ -252,17 +254,26 @@ def _cold_timer(_name: str, fn: Callable[[], object]) -> float:
 
 
 def store_path() -> Path | None:
-    """~/.cache/dflashkit/products/<machine>.json (None when the cache cannot be used)."""
+    """<machine>.json in ~/.cache/dflashkit/products, or in $DFLASHKIT_PRODUCTS_STORE (None when that is "off" or
+    the cache cannot be used)."""
     from dflashkit.target.default import cache_root
     from dflashkit.target.machine import describe_machine
 
-    try:
-        root = cache_root()
-    except ConfigError:
+    chosen = os.environ.get(STORE_ENV, "").strip()
+    if chosen.lower() == "off":
         return None
+    if chosen:
+        folder = Path(chosen).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{STORE_ENV}={chosen!r} is a file; expected 'off' or a directory")
+    else:
+        try:
+            folder = cache_root() / "products"
+        except ConfigError:
+            return None
     m = describe_machine()
     ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"]])
-    return root / "products" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+    return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
 _CHOOSERS: dict[int, Chooser] = {}  # by thread count: a choice measured at 2 threads says nothing about 1
