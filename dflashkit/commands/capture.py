@@ -102,8 +102,7 @@ def _layer_ids(args: argparse.Namespace, target: object, data: dict) -> tuple[li
                 trained.get("thinking"), data.get("thinking"), where=f"capture of {args.tokens} for {path}",
                 flag="prepare --thinking",
             )  # fmt: skip
-        auto = args.target_lse == "auto" and capture_target_lse(cfg) and bool(getattr(target, "plain_head", False))
-        return capture_layer_ids(cfg), lse or auto  # auto: only where training reads it (a plain LM head)
+        return capture_layer_ids(cfg), lse or (args.target_lse == "auto" and capture_target_lse(cfg, target))
     from dflashkit.drafter.defaults import default_drafter_config
 
     return list(default_drafter_config(target).target_layer_ids), lse

@@ -3,10 +3,13 @@ target's logits per position (`dflashkit capture --drafter-config`, the quicksta
 
     capture_layer_ids(cfg)    # its own target_layer_ids (+ the final layer for DSpark: its loss reads the target's
                               #   distribution from that layer's output)
-    capture_target_lse(cfg)   # DSpark with a reduced draft vocabulary: its loss forms only the draft ids' logits
+    capture_target_lse(cfg, target)   # DSpark with a reduced draft vocabulary on a target with a plain LM head: its
+                                      #   loss forms only the draft ids' logits and reads the log-sum-exp
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from dflashkit.drafter.config import DrafterConfig
 
@@ -20,9 +23,10 @@ def capture_layer_ids(cfg: DrafterConfig) -> list[int]:
     return ids
 
 
-def capture_target_lse(cfg: DrafterConfig) -> bool:
-    """Whether training this drafter reads the log-sum-exp of the target's logits (DSpark with a draft vocabulary)."""
-    return cfg.kind == "dspark" and bool(cfg.draft_vocab_size)
+def capture_target_lse(cfg: DrafterConfig, target: Any) -> bool:
+    """Whether training this drafter reads the log-sum-exp of the target's logits: DSpark with a draft vocabulary,
+    on a target whose logits are final_norm(h) · Wᵀ (`Target.plain_head`: a subset of them is a subset of W's rows)."""
+    return cfg.kind == "dspark" and bool(cfg.draft_vocab_size) and bool(getattr(target, "plain_head", False))
 
 
 __all__ = ["capture_layer_ids", "capture_target_lse"]

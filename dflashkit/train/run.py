@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflashkit.drafter.capture_needs import capture_layer_ids
+from dflashkit.drafter.capture_needs import capture_layer_ids, capture_target_lse
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
@@ -44,7 +44,7 @@ from dflashkit.train.packing import (
 )
 from dflashkit.train.schedule import cosine_with_warmup
 from dflashkit.train.state import TrainState, latest_checkpoint, load_checkpoint_state, load_saved_config, restore_rng
-from dflashkit.train.target_lse import RowLogSumExp, plain_linear_head
+from dflashkit.train.target_lse import RowLogSumExp
 
 
 class DrafterStep(nn.Module):
@@ -97,7 +97,7 @@ def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) ->
     samples, _ = read_tokens(cfg.tokens)
     topk = (cfg.topk or DEFAULT_ONLINE_TOPK) if cfg.loss == "topk" else 0
     # DSpark with a reduced draft vocabulary reads the log-sum-exp of the target's logits (formed here anyway)
-    lse = drafter_config.kind == "dspark" and bool(drafter_config.draft_vocab_size) and plain_linear_head(target)
+    lse = capture_target_lse(drafter_config, target)
     return OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size), store_target_lse=lse)
 
 

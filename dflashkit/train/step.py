@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.drafter.capture_needs import capture_target_lse
 from dflashkit.drafter.model import to_additive
 from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
@@ -33,7 +34,6 @@ from dflashkit.train.slot_targets import (
     kl_target_logits,
     topk_targets,
 )
-from dflashkit.train.target_lse import plain_linear_head
 
 
 @dataclass
@@ -188,7 +188,7 @@ def _dspark_step_loss(
     flat_final = inp.final_hidden.reshape(b * t, h_dim)
     flat_rows = rows_bt.reshape(-1)
     head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
-    reduced = run.drafter.config.draft_vocab_size is not None and plain_linear_head(run.target)
+    reduced = capture_target_lse(run.drafter.config, run.target)
     flat_lse = None
     if reduced:
         lse = None if rows.target_lse is None else rows.target_lse.to(inp.final_hidden.device)  # (B, T)

@@ -34,11 +34,6 @@ from dflashkit.target.logsumexp import row_logsumexp
 DEFAULT_MAX_POSITIONS = 1 << 26  # 64 M positions: 256 MiB of float32
 
 
-def plain_linear_head(target: Any) -> bool:
-    """Whether the target's logits are exactly final_norm(h) · Wᵀ (`Target.plain_head`; False for other objects)."""
-    return bool(getattr(target, "plain_head", False))
-
-
 class RowLogSumExp:
     """Per-row log-sum-exp of the target's logits, computed on first sight and kept (LRU, `max_positions`)."""
 
@@ -77,4 +72,4 @@ class RowLogSumExp:
         return torch.stack(out)
 
 
-__all__ = ["DEFAULT_MAX_POSITIONS", "RowLogSumExp", "plain_linear_head", "row_logsumexp"]
+__all__ = ["DEFAULT_MAX_POSITIONS", "RowLogSumExp", "row_logsumexp"]

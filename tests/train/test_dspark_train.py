@@ -135,7 +135,7 @@ def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
     rows = len(runs[-1].rows) + len(runs[-1].val_rows or [])
     assert cached.step == 9 > 2 * len(runs[-1].rows)  # more than two epochs: every row met again
     assert runs[-1].target_lse.computed == rows == len(runs[-1].target_lse)
-    monkeypatch.setattr("dflashkit.train.step.plain_linear_head", lambda t: False)  # the full-vocabulary path
+    monkeypatch.setattr("dflashkit.train.step.capture_target_lse", lambda c, t: False)  # the full-vocabulary path
     train(cfg_for(tmp_path / "b", **kw), target=target)
     a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab")
     assert [r["split"] for r in a] == [r["split"] for r in b]

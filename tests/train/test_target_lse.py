@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflashkit.target.model import Target
-from dflashkit.train.target_lse import RowLogSumExp, plain_linear_head, row_logsumexp
+from dflashkit.train.target_lse import RowLogSumExp, row_logsumexp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,7 +26,7 @@ def _final(target: Target, t: int, seed: int) -> torch.Tensor:
 
 
 def test_row_logsumexp_equals_the_verifier_logits_and_ignores_chunking(target: Target) -> None:
-    assert plain_linear_head(target)
+    assert target.plain_head
     final = _final(target, 11, 0)
     want = torch.logsumexp(target.verifier_logits(final[None])[0].double(), dim=-1)  # (T,)
     for chunk in (None, 1, 4, 11):
