@@ -170,7 +170,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--to gguf: the target's GGUF file (the one llama.cpp runs; 'default' = the embedded SmolLM2); its "
         "tokenizer and, when needed, tables are copied. --to vllm: the HF target (a reduced vocabulary ships its "
-        "LM-head rows; a learned mask gets a mask token id no chat produces)",
+        "LM-head rows; a learned mask gets a mask token id no chat produces); any other --to: the HF target a DeepSpec "
+        "checkpoint's copies of the target's tables are checked against",
     )
     p.add_argument(
         "--outtype",
@@ -213,7 +214,7 @@ def _convert(args: argparse.Namespace) -> int:
         )
         return 0
     target = None
-    if args.to == "vllm" and args.target is not None:
+    if args.target is not None:
         from dflashkit.target.model import Target
 
         target = Target.load(args.target)

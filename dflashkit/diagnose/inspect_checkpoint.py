@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflashkit.drafter import checkpoint as checkpoint_files
 from dflashkit.drafter.checkpoint import CONFIG_NAME, INDEX_NAME, SERVING_ONLY, WEIGHTS_NAME, drafter_state_dict
 from dflashkit.drafter.config import DrafterConfig, stores_target_layer_ids
 from dflashkit.errors import CheckpointError, ConfigError
@@ -150,21 +151,10 @@ def _config(path: Path, report: CheckpointReport) -> None:
         return
     try:
         raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        report.add(
-            "FAIL",
-            "config",
-            f"{CONFIG_NAME} is not valid JSON (line {e.lineno}: {e.msg})",
-            "repair or re-export config.json",
-        )
-        return
-    except UnicodeDecodeError as e:
-        report.add(
-            "FAIL",
-            "config",
-            f"{CONFIG_NAME} is not valid UTF-8 (byte offset {e.start})",
-            "repair or re-export config.json",
-        )
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        bad_json = isinstance(e, json.JSONDecodeError)
+        why = f"JSON (line {e.lineno}: {e.msg})" if bad_json else f"UTF-8 (byte offset {e.start})"
+        report.add("FAIL", "config", f"{CONFIG_NAME} is not valid {why}", "repair or re-export config.json")
         return
     report.config_raw = raw
     report.format = detect_format(raw)
@@ -320,12 +310,13 @@ def _consistency(report: CheckpointReport) -> None:
             "the checkpoint is incomplete or from another architecture: re-export it",
         )
     if unexpected:
+        hint = checkpoint_files.deepspec_hint(unexpected, cfg)  # DeepSpec: frozen copies of the target tables
+        more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
         report.add(
-            "FAIL" if report.format != "speculators" else "WARN",
+            "FAIL" if report.format != "speculators" and not hint else "WARN",
             "tensors",
-            f"unexpected tensors {unexpected[:8]}"
-            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""),
-            "remove them, or fix config.json (layers, mask_embedding, draft_vocab_size) to describe them",
+            f"unexpected tensors {unexpected[:8]}{more}",
+            hint or "remove them, or fix config.json (layers, mask_embedding, draft_vocab_size) to describe them",
         )
     bad = [
         (k, expected[k], report.shape(k))

@@ -77,6 +77,29 @@ SERVING_ONLY = ("d2t", "t2d", "lm_head.weight")  # tensors of the serving layout
 MASK_FILE = "mask_embedding.pt"  # vLLM's override file for a learned mask embedding
 
 
+# DeepSpec's Qwen3DSparkModel saves frozen full-vocabulary copies of the target's input embeddings and LM head with
+# the drafter; dflashkit takes both from the target (`dflashkit convert SRC OUT --target T` checks and drops them).
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+IMPORT_HINT = (
+    "DeepSpec's frozen copies of the target's tables: import the checkpoint with `dflashkit convert SRC OUT --target "
+    "T`, which checks them against the target and drops them"
+)
+
+
+def target_copies(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The target tables a DeepSpec DSpark checkpoint carries: (vocab_size, hidden_size) tensors named as in
+    TARGET_COPIES, in a DSpark checkpoint without a vocabulary map (the serving layout's lm_head rows are not)."""
+    if cfg.kind != "dspark" or "d2t" in tensors:
+        return {}
+    want = (cfg.vocab_size, cfg.hidden_size)
+    return {k: tensors[k] for k in TARGET_COPIES if k in tensors and tuple(tensors[k].shape) == want}
+
+
+def deepspec_hint(unexpected: list[str], cfg: DrafterConfig) -> str | None:
+    """How to import a DSpark checkpoint whose only unexpected tensors are the target tables DeepSpec saves."""
+    return IMPORT_HINT if unexpected and cfg.kind == "dspark" and set(unexpected) <= set(TARGET_COPIES) else None
+
+
 def from_serving_layout(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """The serving layout's tensors as dflashkit's own: `d2t` offsets → absolute `draft_to_target`; `t2d` and the
     LM-head rows dropped (the drafter takes them from the target). Other layouts pass through unchanged."""
@@ -153,7 +176,8 @@ def check_tensors(
     if missing:
         problems.append(f"missing keys {missing}")
     if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
+        copies = set(target_copies(tensors, cfg)) & set(unexpected)
+        problems.append(f"unexpected keys {unexpected}" + (f" ({IMPORT_HINT})" if copies else ""))
     if problems:
         raise CheckpointError(f"{source}: checkpoint does not match its config: " + "; ".join(problems))
     for key, ref in expected.items():

@@ -370,7 +370,7 @@ class DrafterConfig:
         archs = raw.get("architectures") or []
         is_dspark = raw.get("markov_rank") is not None or any("DSpark" in str(a) for a in archs)
         if is_dspark:
-            _check_dspark_fields(raw, source)
+            check_dspark_fields(raw, source)
         target_layer_ids = pick("target_layer_ids", None)
         if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
             if pick("num_target_layers", None) is None:
@@ -452,7 +452,7 @@ class DrafterConfig:
         return DrafterConfig(**values)
 
 
-def _check_dspark_fields(raw: dict[str, Any], source: str) -> None:
+def check_dspark_fields(raw: dict[str, Any], source: str) -> None:
     """A DSpark config dflashkit can run: a vanilla Markov head of rank ≥ 1, every slot drafting, the confidence
     head (if any) reading [hidden; W1[previous token]] — the layout DeepSpec trains and llama.cpp runs."""
     other = [a for a in raw.get("architectures") or [] if a in ("DSparkDraftModel", "DSparkV41DraftModel")]

@@ -1,13 +1,14 @@
 """Stage `export`: drafters in the formats serving engines load, and checks that the engines run them as dflashkit
 measured. Imports: `target`, `drafter`, `decode`, `evaluate`.
 
-Reads: a drafter checkpoint directory (dflashkit / z-lab, serving layout, or speculators format). Writes: the
+Reads: a drafter checkpoint directory (dflashkit / z-lab, serving layout, DeepSpec, or speculators format). Writes: the
 serving layout (what vLLM `method: dflash` loads as it is), a z-lab or speculators directory, or a GGUF file for
 llama.cpp's `dflash` architecture; runs a local llama.cpp build and vLLM (in its own environment).
 
 Modules and their public functions:
   convert.py      `convert(src, out, to="zlab"|"speculators"|"vllm")`, `load_any(path)`, `detect_format`,
-                  `export_checkpoint` (the quickstart's export)
+                  `export_checkpoint` (the quickstart's export); DeepSpec DSpark checkpoints import here
+  speculators_format.py  the speculators layout (DFlash and DSpark) ↔ DrafterConfig and dflashkit's tensor names
   serving.py      `write_serving`, `serving_config`, `serving_tensors`, `safe_learned_mask_id`, `vllm_model_problems`
   engines.py      `engine_verdicts`, `verdicts_for_dir`: which engine loads a directory, and why not
   serve_check.py  `serve_check(target, drafter_dir, prompts=…)`: the drafter in vLLM vs dflashkit, per position

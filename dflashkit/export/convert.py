@@ -1,26 +1,17 @@
-"""Checkpoint converters: speculators-format DFlash drafters ↔ z-lab format (what vLLM and SGLang load).
+"""Checkpoint converters: speculators-format and DeepSpec drafters ↔ z-lab format (what vLLM and SGLang load).
 
-    dflashkit convert SRC OUT                      # speculators or z-lab → z-lab (vLLM method=dflash, SGLang DFLASH)
+    dflashkit convert SRC OUT                      # speculators, DeepSpec or z-lab → z-lab (vLLM, SGLang DFLASH)
+    dflashkit convert SRC OUT --target T           # … checking the target tables a DeepSpec checkpoint carries
     dflashkit convert SRC OUT --dtype bf16         # … with floating tensors cast to bf16
     dflashkit convert SRC OUT --to speculators     # z-lab → speculators layout (round trips exactly)
     dflashkit convert SRC OUT --to vllm --target T # the serving layout vLLM loads as it is (export/serving.py)
     dflashkit convert SRC OUT.gguf --to gguf --target T.gguf   # llama.cpp dflash GGUF (dflashkit/export/gguf_export.py)
 
-What differs between the two formats (vllm-project/speculators `src/speculators/models/dflash/{config,core}.py`,
-`src/speculators/model.py`, `src/speculators/data_generation/vocab_mapping.py`; vLLM's
-`vllm/transformers_utils/configs/speculators/algos.py::update_dflash`):
-- layer ids: speculators' `aux_hidden_state_layer_ids` index `hidden_states` (0 = embedding output, so id i is
-  the output of decoder layer i − 1); z-lab's `dflash_config.target_layer_ids` are decoder-layer indices.
-  vLLM's update_dflash maps them exactly so: `target_layer_ids = [i - 1 for i in aux_hidden_state_layer_ids]`.
-- the transformer geometry sits in a nested `transformer_layer_config`; `block_size`, `mask_token_id`,
-  `draft_vocab_size`, `target_hidden_size` are top-level fields.
-- tensors: the same drafter keys (`fc`, `hidden_norm`, `layers.N…`, `norm`); speculators may also save
-  `embed_tokens.weight` (older versions), `lm_head.weight` (reduced vocabularies: frozen rows of the verifier's
-  head), `verifier_*` and the vocabulary maps `d2t` (an OFFSET: target id = draft id + d2t[draft id]) and `t2d`
-  (bool over the target vocabulary). dflashkit keeps an absolute `draft_to_target` map and takes embeddings and
-  LM-head rows from the target, so those tables are dropped, each with a note.
-- vLLM's DFlash loader also accepts renamed keys (`midlayer.` → `layers.0.`, `encoder.fc.` → `fc.`,
-  `encoder.output_norm_enc.` → `hidden_norm.`; `DFlashQwen3Model.hf_to_vllm_mapper` in qwen3_dflash.py).
+The speculators layout (field names, layer-id shift, dropped tables) is translated in
+`dflashkit/export/speculators_format.py`.
+A DeepSpec DSpark checkpoint (`Qwen3DSparkModel`: the layout dflashkit writes, plus frozen full-vocabulary copies
+of the target's `embed_tokens` and `lm_head`) loads as dflashkit's own once those copies are dropped; with `--target`
+they are first compared with the target's tables (a drafter trained against another target is refused).
 A learned mask embedding is stored as the `mask_embedding` tensor and, for vLLM, also as `mask_embedding.pt`
 (vLLM's qwen3_dflash.py `_read_mask_embedding` reads the override from that file).
 """
@@ -44,9 +35,9 @@ from dflashkit.drafter.checkpoint import (
     drafter_state_dict,
     from_serving_layout,
     read_tensors,
+    target_copies,
 )
-from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
-from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
+from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.export.serving import (
@@ -55,6 +46,17 @@ from dflashkit.export.serving import (
     vllm_model_problems,
     write_mask_file,
     write_serving,
+)
+from dflashkit.export.speculators_format import (
+    DROPPED_KEYS,
+    KEY_SUBSTRINGS,
+    SPECULATORS_LAYER_IDS,
+    SPECULATORS_NESTED,
+    config_from_speculators,
+    config_to_speculators,
+    map_key,
+    tensors_from_speculators,
+    tensors_to_speculators,
 )
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
@@ -67,42 +69,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
-}
-
-# speculators DFlashSpeculatorConfig field ← → DrafterConfig field (top level of the speculators config.json).
-SPECULATORS_TOP_FIELDS = {
-    "block_size": "block_size",
-    "mask_token_id": "mask_token_id",
-    "draft_vocab_size": "draft_vocab_size",
-}
-SPECULATORS_LAYER_IDS = "aux_hidden_state_layer_ids"  # hidden_states indices: z-lab id = i − 1
-SPECULATORS_NESTED = "transformer_layer_config"  # Qwen3Config.to_diff_dict() of the draft layers
-# DrafterConfig fields read from transformer_layer_config (same names there).
-TRANSFORMER_FIELDS = (
-    "hidden_size",
-    "vocab_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "hidden_act",
-    "attention_bias",
-    "layer_types",
-    "sliding_window",
-)
-# Key renames applied before matching (prefix strip, then substrings), as vLLM's DFlash weight mapper does.
-KEY_PREFIXES = ("model.",)
-KEY_SUBSTRINGS = (("midlayer.", "layers.0."), ("encoder.output_norm_enc.", "hidden_norm."), ("encoder.fc.", "fc."))
-# Tables a speculators checkpoint may carry that a dflashkit drafter takes from the target instead.
-DROPPED_KEYS = {
-    "embed_tokens.weight": "the target's input embeddings (the drafter uses the target's own table)",
-    "lm_head.weight": "LM-head rows (the drafter uses the target's LM head, through draft_to_target if reduced)",
-    "verifier_lm_head.weight": "the verifier's LM head (frozen copy used in speculators training)",
-    "verifier_norm.weight": "the verifier's final norm (frozen copy used in speculators training)",
-    "t2d": "the target→draft vocabulary mask (implied by d2t)",
 }
 
 
@@ -146,213 +112,6 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{cfg}: not valid UTF-8 (byte offset {e.start}); expected a JSON config") from None
 
 
-# ---------------------------------------------------------------------------------------------- config
-def config_from_speculators(
-    raw: dict[str, Any],
-    *,
-    num_target_layers: int | None = None,
-    notes: list[str] | None = None,
-    source: str = CONFIG_NAME,
-) -> DrafterConfig:
-    """Translate a speculators DFlash config.json into a DrafterConfig (raises CheckpointError when impossible)."""
-    notes = notes if notes is not None else []
-
-    def refuse(msg: str) -> CheckpointError:
-        return CheckpointError(f"{source}: {msg}")
-
-    kind = raw.get("speculators_model_type", "dflash")
-    if kind != "dflash":
-        raise refuse(f"speculators_model_type {kind!r} is not a DFlash drafter (expected 'dflash')")
-    if raw.get("projector_type", "dflash") != "dflash":
-        raise refuse(
-            f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
-            f"only 'dflash' converts"
-        )
-    if raw.get("shift_label"):
-        raise refuse(
-            "shift_label: true — this drafter was trained to predict the token one position later than "
-            "DFlash's slot k → token a+k; it would draft shifted tokens (design lesson 6)"
-        )
-    if raw.get("sample_from_anchor"):
-        raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0")
-    tl = raw.get(SPECULATORS_NESTED)
-    if not isinstance(tl, dict):
-        raise refuse(f"required field '{SPECULATORS_NESTED}' is missing (expected the draft layers' Qwen3 config)")
-    missing = [
-        f
-        for f in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-        if f not in tl
-    ]
-    if missing:
-        raise refuse(f"{SPECULATORS_NESTED} lacks required field(s) {missing}")
-    try:
-        check_zlab_field_types({k: v for k, v in raw.items() if k != "dflash_config" and v is not None}, source)
-        check_zlab_field_types(tl, f"{source} ({SPECULATORS_NESTED})")
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    aux_raw = raw.get(SPECULATORS_LAYER_IDS)
-    if aux_raw is not None and not field_value_ok("target_layer_ids", aux_raw):
-        raise refuse(f"field '{SPECULATORS_LAYER_IDS}' must be a list of integers, got {aux_raw!r}")
-    hidden = int(tl["hidden_size"])
-    if raw.get("target_hidden_size") not in (None, hidden):
-        raise refuse(
-            f"target_hidden_size {raw['target_hidden_size']} ≠ the drafter's hidden_size {hidden}: "
-            f"dflashkit drafters read features of their own width"
-        )
-    aux = raw.get(SPECULATORS_LAYER_IDS) or raw.get("target_layer_ids")
-    if not aux:
-        raise refuse(f"required field '{SPECULATORS_LAYER_IDS}' is missing or empty")
-    ids = [int(i) - 1 for i in aux]
-    if min(ids) < 0:
-        raise refuse(
-            f"{SPECULATORS_LAYER_IDS} {list(aux)} contains 0 (the embedding output), which no z-lab "
-            f"target_layer_id can express"
-        )
-    notes.append(
-        f"layer ids: speculators {SPECULATORS_LAYER_IDS} {list(aux)} (hidden_states indices) → z-lab "
-        f"target_layer_ids {ids} (decoder-layer indices, i − 1)"
-    )
-    if raw.get("mask_token_id") is None:
-        raise refuse("mask_token_id is not set (speculators leaves it None unless --mask-token-id was given)")
-    ours = raw.get("dflashkit") if isinstance(raw.get("dflashkit"), dict) else {}
-    if num_target_layers is None:
-        num_target_layers = raw.get("num_target_layers")
-    if num_target_layers is None:
-        num_target_layers = max(ids) + 4
-        notes.append(
-            f"num_target_layers is not recorded in a speculators config; assumed {num_target_layers} "
-            f"(z-lab's default max(id) + 4) — pass --num-target-layers to set the target's real depth"
-        )
-    vocab = int(tl["vocab_size"])
-    draft_vocab = raw.get("draft_vocab_size")
-    draft_vocab = None if draft_vocab in (None, vocab) else int(draft_vocab)
-    rope = tl.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", tl.get("rope_theta", 1_000_000.0))
-    is_causal = (
-        ours.get("is_causal") if "is_causal" in ours else (False if raw.get("sliding_window_non_causal") else None)
-    )
-    values = {f: tl[f] for f in TRANSFORMER_FIELDS if f in tl and tl[f] is not None}
-    if not tl.get("layer_types"):
-        values.pop("layer_types", None)
-    if "head_dim" not in values:
-        values["head_dim"] = hidden // int(tl["num_attention_heads"])
-    try:
-        return DrafterConfig(
-            **values,
-            num_target_layers=int(num_target_layers),
-            target_layer_ids=ids,
-            block_size=int(raw.get("block_size", 8)),
-            mask_token_id=int(raw["mask_token_id"]),
-            learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
-            is_causal=is_causal,
-            rope_theta=float(theta),
-            draft_vocab_size=draft_vocab,
-            extra=dict(ours.get("extra") or {}),
-        )
-    except (ConfigError, TypeError, ValueError) as e:
-        raise refuse(f"cannot build a drafter config ({e})") from None
-
-
-def config_to_speculators(cfg: DrafterConfig) -> dict[str, Any]:
-    """A speculators-style DFlash config.json for `cfg` (plus a `dflashkit` block so the round trip is exact)."""
-    tl = {
-        "model_type": "qwen3",
-        **{f: getattr(cfg, f) for f in TRANSFORMER_FIELDS},
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
-    }
-    return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
-        SPECULATORS_NESTED: tl,
-        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
-        "block_size": cfg.block_size,
-        "target_hidden_size": cfg.hidden_size,
-        SPECULATORS_LAYER_IDS: [i + 1 for i in cfg.target_layer_ids],
-        "mask_token_id": cfg.mask_token_id,
-        "sliding_window_non_causal": cfg.is_causal is False and SLIDING_ATTENTION in cfg.layer_types,
-        "projector_type": "dflash",
-        "shift_label": False,
-        "sample_from_anchor": False,
-        "num_target_layers": cfg.num_target_layers,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
-            "verifier": {
-                "name_or_path": None,
-                "architectures": [cfg.extra.get("target_architecture")] if cfg.extra.get("target_architecture") else [],
-            },
-        },
-        "dflashkit": {
-            "extra": cfg.extra,
-            "learned_mask_embedding": cfg.learned_mask_embedding,
-            "is_causal": cfg.is_causal,
-        },
-    }
-
-
-# ---------------------------------------------------------------------------------------------- tensors
-def map_key(name: str) -> str:
-    """A speculators / vLLM-variant tensor name → dflashkit's name."""
-    for prefix in KEY_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-    for old, new in KEY_SUBSTRINGS:
-        name = name.replace(old, new)
-    return name
-
-
-def tensors_from_speculators(
-    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, notes: list[str]
-) -> dict[str, torch.Tensor]:
-    """Rename, drop the target's tables with a note each, and turn the `d2t` offsets into `draft_to_target`."""
-    out: dict[str, torch.Tensor] = {}
-    d2t = t2d = None
-    with torch.device("meta"):
-        own = set(drafter_state_dict(DFlashDrafter(cfg.replace(learned_mask_embedding=True))))
-    for name, tensor in tensors.items():
-        key = map_key(name)
-        if key != name:
-            notes.append(f"renamed {name} → {key}")
-        if key == "d2t":
-            d2t = tensor
-        elif key == "t2d":
-            t2d = tensor
-            notes.append(f"dropped t2d: {DROPPED_KEYS['t2d']}")
-        elif key in own:
-            out[key] = tensor
-        elif key in DROPPED_KEYS or "embed" in key or "lm_head" in key:
-            why = DROPPED_KEYS.get(key, "an embedding / LM-head table")
-            notes.append(f"dropped {name} {list(tensor.shape)}: {why}")
-        else:
-            raise CheckpointError(
-                f"unexpected tensor '{name}' {list(tensor.shape)} in the speculators checkpoint: "
-                f"not part of a DFlash drafter (a DSpark/Domino head?)"
-            )
-    if cfg.draft_vocab_size is not None:
-        if d2t is None:
-            raise CheckpointError(f"draft_vocab_size {cfg.draft_vocab_size} but no d2t tensor (draft → target map)")
-        absolute = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()  # target id = draft id + d2t[draft id]
-        if t2d is not None and not torch.equal(torch.nonzero(t2d.bool()).flatten(), absolute.sort().values):
-            raise CheckpointError("d2t and t2d disagree: the target ids d2t maps to are not the ones t2d marks")
-        out["draft_to_target"] = absolute
-        notes.append(f"d2t offsets → draft_to_target (absolute target ids, {d2t.shape[0]} entries)")
-    elif d2t is not None:
-        notes.append("dropped d2t: draft vocabulary equals the target's")
-    return out
-
-
-def tensors_to_speculators(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    out = {k: v for k, v in tensors.items() if k != "draft_to_target"}
-    if "draft_to_target" in tensors:
-        absolute = tensors["draft_to_target"].long()
-        out["d2t"] = absolute - torch.arange(absolute.shape[0], dtype=torch.long)
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[absolute] = True
-        out["t2d"] = t2d
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- entry points
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     return {
@@ -367,10 +126,38 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) 
     atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _drop_target_copies(
+    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, target: Any, notes: list[str], source: str
+) -> dict[str, torch.Tensor]:
+    """A DeepSpec DSpark checkpoint's frozen copies of the target's tables, compared with the target when one is given
+    (to the copy's precision) and dropped: the drafter takes both tables from the target it runs with."""
+    copies = target_copies(tensors, cfg)
+    for key, copy in copies.items():
+        if target is None:
+            notes.append(
+                f"dropped {key} {list(copy.shape)}: DeepSpec's frozen copy of the target's table, not compared with "
+                f"the target (pass --target T to check it)"
+            )
+            continue
+        ref = (target.embed_weight if key.startswith("embed") else target.lm_head_weight).detach().cpu()
+        eps = torch.finfo(copy.dtype).eps
+        ref = ref.to(copy.dtype).float()
+        worst = float((copy.float() - ref).abs().max())
+        if worst > eps * float(ref.abs().max()):
+            raise CheckpointError(
+                f"{source}: tensor '{key}' differs from the target's table (max |Δ| {worst:.3g}): this drafter was "
+                f"trained with another target, or with that table unfrozen — dflashkit runs a DSpark drafter with the "
+                f"target's own tables"
+            )
+        notes.append(f"dropped {key} {list(copy.shape)}: equal to the target's table (to {copy.dtype} precision)")
+    return {k: v for k, v in tensors.items() if k not in copies}
+
+
 def load_any(
-    path: str | Path, *, num_target_layers: int | None = None, notes: list[str] | None = None
+    path: str | Path, *, num_target_layers: int | None = None, notes: list[str] | None = None, target: Any = None
 ) -> tuple[DrafterConfig, dict[str, torch.Tensor], str]:
-    """(config, dflashkit-named tensors, source format) of a z-lab or speculators checkpoint, checked strictly."""
+    """(config, dflashkit-named tensors, source format) of a z-lab, DeepSpec or speculators checkpoint, checked
+    strictly; `target` (a loaded Target) checks the target tables a DeepSpec checkpoint carries."""
     path = Path(path)
     notes = notes if notes is not None else []
     raw = _read_config(path)
@@ -392,6 +179,7 @@ def load_any(
             notes.append(f"num_target_layers {cfg.num_target_layers} → {num_target_layers}")
             cfg = cfg.replace(num_target_layers=num_target_layers)
         tensors = from_serving_layout(tensors, str(path))  # a serving export (d2t offsets, LM-head rows)
+        tensors = _drop_target_copies(tensors, cfg, target, notes, str(path))
         check_mask_file(path, tensors, cfg.mask_token_id)
     with torch.device("meta"):
         check_tensors(tensors, drafter_state_dict(DFlashDrafter(cfg)), cfg, str(path))
@@ -421,7 +209,7 @@ def convert(
     if out.resolve() == src.resolve():
         raise ConfigError(f"output {out} is the source checkpoint; choose another directory")
     notes: list[str] = []
-    cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes)
+    cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes, target=target)
     tensors = _cast(tensors, dtype)
     if dtype is not None:
         notes.append(f"floating tensors cast to {str(dtype).replace('torch.', '')}")

@@ -1,0 +1,327 @@
+"""The speculators checkpoint layout (vllm-project/speculators) ↔ dflashkit's DrafterConfig and tensor names, for
+DFlash and DSpark drafters.
+
+What differs between the two formats (vllm-project/speculators `src/speculators/models/dflash/{config,core}.py`,
+`src/speculators/model.py`, `src/speculators/data_generation/vocab_mapping.py`; vLLM's
+`vllm/transformers_utils/configs/speculators/algos.py::update_dflash`):
+- layer ids: speculators' `aux_hidden_state_layer_ids` index `hidden_states` (0 = embedding output, so id i is
+  the output of decoder layer i − 1); z-lab's `dflash_config.target_layer_ids` are decoder-layer indices.
+  vLLM's update_dflash maps them exactly so: `target_layer_ids = [i - 1 for i in aux_hidden_state_layer_ids]`.
+- the transformer geometry sits in a nested `transformer_layer_config`; `block_size`, `mask_token_id`,
+  `draft_vocab_size`, `target_hidden_size` are top-level fields.
+- tensors: the same drafter keys (`fc`, `hidden_norm`, `layers.N…`, `norm`); speculators may also save
+  `embed_tokens.weight` (older versions), `lm_head.weight` (reduced vocabularies: frozen rows of the verifier's
+  head), `verifier_*` and the vocabulary maps `d2t` (an OFFSET: target id = draft id + d2t[draft id]) and `t2d`
+  (bool over the target vocabulary). dflashkit keeps an absolute `draft_to_target` map and takes embeddings and
+  LM-head rows from the target, so those tables are dropped, each with a note.
+- vLLM's DFlash loader also accepts renamed keys (`midlayer.` → `layers.0.`, `encoder.fc.` → `fc.`,
+  `encoder.output_norm_enc.` → `hidden_norm.`; `DFlashQwen3Model.hf_to_vllm_mapper` in qwen3_dflash.py).
+- DSpark (`speculators_model_type: dspark`, `src/speculators/models/dspark/{config,core,model_definitions}.py`): the
+  same backbone fields plus top-level `markov_rank`, `markov_head_type`, `enable_confidence_head`,
+  `confidence_head_with_markov` and `sample_from_anchor` (true: every slot drafts, slot k → token a + k + 1), and the
+  tensors `markov_head.markov_w1.weight` (verifier vocabulary × r), `markov_head.markov_w2.weight` (draft vocabulary
+  × r) and `confidence_head.proj.{weight,bias}` — the names dflashkit and DeepSpec use. Only what dflashkit runs
+  converts (a vanilla Markov head, every slot drafting, a confidence head reading [hidden; W1[previous token]]);
+  the loss weights (`ce_loss_alpha`, …) are training settings and are kept in the `dflashkit` block only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dflashkit.drafter.checkpoint import CONFIG_NAME, drafter_state_dict
+from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig, check_dspark_fields
+from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import CheckpointError, ConfigError
+
+# speculators DFlashSpeculatorConfig field ← → DrafterConfig field (top level of the speculators config.json).
+SPECULATORS_TOP_FIELDS = {
+    "block_size": "block_size",
+    "mask_token_id": "mask_token_id",
+    "draft_vocab_size": "draft_vocab_size",
+}
+SPECULATORS_LAYER_IDS = "aux_hidden_state_layer_ids"  # hidden_states indices: z-lab id = i − 1
+SPECULATORS_NESTED = "transformer_layer_config"  # Qwen3Config.to_diff_dict() of the draft layers
+# DrafterConfig fields read from transformer_layer_config (same names there).
+TRANSFORMER_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "layer_types",
+    "sliding_window",
+)
+# Key renames applied before matching (prefix strip, then substrings), as vLLM's DFlash weight mapper does.
+KEY_PREFIXES = ("model.",)
+KEY_SUBSTRINGS = (("midlayer.", "layers.0."), ("encoder.output_norm_enc.", "hidden_norm."), ("encoder.fc.", "fc."))
+# Tables a speculators checkpoint may carry that a dflashkit drafter takes from the target instead.
+DROPPED_KEYS = {
+    "embed_tokens.weight": "the target's input embeddings (the drafter uses the target's own table)",
+    "lm_head.weight": "LM-head rows (the drafter uses the target's LM head, through draft_to_target if reduced)",
+    "verifier_lm_head.weight": "the verifier's LM head (frozen copy used in speculators training)",
+    "verifier_norm.weight": "the verifier's final norm (frozen copy used in speculators training)",
+    "t2d": "the target→draft vocabulary mask (implied by d2t)",
+}
+
+
+# ---------------------------------------------------------------------------------------------- config
+def config_from_speculators(
+    raw: dict[str, Any],
+    *,
+    num_target_layers: int | None = None,
+    notes: list[str] | None = None,
+    source: str = CONFIG_NAME,
+) -> DrafterConfig:
+    """Translate a speculators DFlash config.json into a DrafterConfig (raises CheckpointError when impossible)."""
+    notes = notes if notes is not None else []
+
+    def refuse(msg: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {msg}")
+
+    kind = raw.get("speculators_model_type", "dflash")
+    if kind not in ("dflash", "dspark"):
+        raise refuse(
+            f"speculators_model_type {kind!r} is not a DFlash or DSpark drafter (expected 'dflash' or 'dspark')"
+        )
+    dspark = _dspark_fields(raw, source) if kind == "dspark" else {}
+    if raw.get("projector_type", "dflash") != "dflash":
+        raise refuse(
+            f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
+            f"only 'dflash' converts"
+        )
+    if raw.get("shift_label"):
+        raise refuse(
+            "shift_label: true — this drafter was trained to predict the token one position later than "
+            "DFlash's slot k → token a+k; it would draft shifted tokens (design lesson 6)"
+        )
+    if kind == "dflash" and raw.get("sample_from_anchor"):
+        raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0")
+    tl = raw.get(SPECULATORS_NESTED)
+    if not isinstance(tl, dict):
+        raise refuse(f"required field '{SPECULATORS_NESTED}' is missing (expected the draft layers' Qwen3 config)")
+    missing = [
+        f
+        for f in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        if f not in tl
+    ]
+    if missing:
+        raise refuse(f"{SPECULATORS_NESTED} lacks required field(s) {missing}")
+    try:
+        check_zlab_field_types({k: v for k, v in raw.items() if k != "dflash_config" and v is not None}, source)
+        check_zlab_field_types(tl, f"{source} ({SPECULATORS_NESTED})")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    aux_raw = raw.get(SPECULATORS_LAYER_IDS)
+    if aux_raw is not None and not field_value_ok("target_layer_ids", aux_raw):
+        raise refuse(f"field '{SPECULATORS_LAYER_IDS}' must be a list of integers, got {aux_raw!r}")
+    hidden = int(tl["hidden_size"])
+    if raw.get("target_hidden_size") not in (None, hidden):
+        raise refuse(
+            f"target_hidden_size {raw['target_hidden_size']} ≠ the drafter's hidden_size {hidden}: "
+            f"dflashkit drafters read features of their own width"
+        )
+    aux = raw.get(SPECULATORS_LAYER_IDS) or raw.get("target_layer_ids")
+    if not aux:
+        raise refuse(f"required field '{SPECULATORS_LAYER_IDS}' is missing or empty")
+    ids = [int(i) - 1 for i in aux]
+    if min(ids) < 0:
+        raise refuse(
+            f"{SPECULATORS_LAYER_IDS} {list(aux)} contains 0 (the embedding output), which no z-lab "
+            f"target_layer_id can express"
+        )
+    notes.append(
+        f"layer ids: speculators {SPECULATORS_LAYER_IDS} {list(aux)} (hidden_states indices) → z-lab "
+        f"target_layer_ids {ids} (decoder-layer indices, i − 1)"
+    )
+    if raw.get("mask_token_id") is None:
+        raise refuse("mask_token_id is not set (speculators leaves it None unless --mask-token-id was given)")
+    ours = raw.get("dflashkit") if isinstance(raw.get("dflashkit"), dict) else {}
+    if num_target_layers is None:
+        num_target_layers = raw.get("num_target_layers")
+    if num_target_layers is None:
+        num_target_layers = max(ids) + 4
+        notes.append(
+            f"num_target_layers is not recorded in a speculators config; assumed {num_target_layers} "
+            f"(z-lab's default max(id) + 4) — pass --num-target-layers to set the target's real depth"
+        )
+    vocab = int(tl["vocab_size"])
+    draft_vocab = raw.get("draft_vocab_size")
+    draft_vocab = None if draft_vocab in (None, vocab) else int(draft_vocab)
+    rope = tl.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", tl.get("rope_theta", 1_000_000.0))
+    is_causal = (
+        ours.get("is_causal") if "is_causal" in ours else (False if raw.get("sliding_window_non_causal") else None)
+    )
+    values = {f: tl[f] for f in TRANSFORMER_FIELDS if f in tl and tl[f] is not None}
+    if not tl.get("layer_types"):
+        values.pop("layer_types", None)
+    if "head_dim" not in values:
+        values["head_dim"] = hidden // int(tl["num_attention_heads"])
+    try:
+        return DrafterConfig(
+            **values,
+            num_target_layers=int(num_target_layers),
+            target_layer_ids=ids,
+            block_size=int(raw.get("block_size", 8)),
+            mask_token_id=int(raw["mask_token_id"]),
+            learned_mask_embedding=bool(ours.get("learned_mask_embedding", False)),
+            is_causal=is_causal,
+            rope_theta=float(theta),
+            draft_vocab_size=draft_vocab,
+            extra=dict(ours.get("extra") or {}),
+            **dspark,
+        )
+    except (ConfigError, TypeError, ValueError) as e:
+        raise refuse(f"cannot build a drafter config ({e})") from None
+
+
+def _dspark_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """DrafterConfig fields of a speculators DSpark config, refusing (by name) what dflashkit cannot run."""
+    if not raw.get("markov_rank"):
+        raise CheckpointError(
+            f"{source}: markov_rank {raw.get('markov_rank')!r} — a DSpark drafter without a Markov head; dflashkit's "
+            f"DSpark needs markov_rank ≥ 1"
+        )
+    try:
+        check_dspark_fields({"sample_from_anchor": True, **raw}, source)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return {
+        "kind": "dspark",
+        "markov_rank": int(raw["markov_rank"]),
+        "confidence_head": bool(raw.get("enable_confidence_head", False)),
+    }
+
+
+def config_to_speculators(cfg: DrafterConfig) -> dict[str, Any]:
+    """A speculators-style DFlash or DSpark config.json for `cfg` (plus a `dflashkit` block so the round trip is
+    exact)."""
+    dspark = cfg.kind == "dspark"
+    tl = {
+        "model_type": "qwen3",
+        **{f: getattr(cfg, f) for f in TRANSFORMER_FIELDS},
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+    }
+    heads = {
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": cfg.confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head,
+    }
+    return {
+        "architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+        "speculators_model_type": cfg.kind,
+        **(heads if dspark else {}),
+        SPECULATORS_NESTED: tl,
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": cfg.hidden_size,
+        SPECULATORS_LAYER_IDS: [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": cfg.is_causal is False and SLIDING_ATTENTION in cfg.layer_types,
+        "projector_type": "dflash",
+        "shift_label": False,
+        "sample_from_anchor": dspark,  # DSpark: every slot drafts
+        "num_target_layers": cfg.num_target_layers,
+        "speculators_config": {
+            "algorithm": cfg.kind,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": cfg.block_size if dspark else cfg.block_size - 1}
+            ],
+            "verifier": {
+                "name_or_path": None,
+                "architectures": [cfg.extra.get("target_architecture")] if cfg.extra.get("target_architecture") else [],
+            },
+        },
+        "dflashkit": {
+            "extra": cfg.extra,
+            "learned_mask_embedding": cfg.learned_mask_embedding,
+            "is_causal": cfg.is_causal,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+def map_key(name: str) -> str:
+    """A speculators / vLLM-variant tensor name → dflashkit's name."""
+    for prefix in KEY_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    for old, new in KEY_SUBSTRINGS:
+        name = name.replace(old, new)
+    return name
+
+
+def tensors_from_speculators(
+    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, notes: list[str]
+) -> dict[str, torch.Tensor]:
+    """Rename, drop the target's tables with a note each, and turn the `d2t` offsets into `draft_to_target`."""
+    out: dict[str, torch.Tensor] = {}
+    d2t = t2d = None
+    with torch.device("meta"):
+        own = set(drafter_state_dict(DFlashDrafter(cfg.replace(learned_mask_embedding=True))))
+    for name, tensor in tensors.items():
+        key = map_key(name)
+        if key != name:
+            notes.append(f"renamed {name} → {key}")
+        if key == "d2t":
+            d2t = tensor
+        elif key == "t2d":
+            t2d = tensor
+            notes.append(f"dropped t2d: {DROPPED_KEYS['t2d']}")
+        elif key in own:
+            out[key] = tensor
+        elif key in DROPPED_KEYS or "embed" in key or "lm_head" in key:
+            why = DROPPED_KEYS.get(key, "an embedding / LM-head table")
+            notes.append(f"dropped {name} {list(tensor.shape)}: {why}")
+        else:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' {list(tensor.shape)} in the speculators checkpoint: "
+                f"not part of a DFlash drafter (a DSpark/Domino head?)"
+            )
+    if cfg.draft_vocab_size is not None:
+        if d2t is None:
+            raise CheckpointError(f"draft_vocab_size {cfg.draft_vocab_size} but no d2t tensor (draft → target map)")
+        absolute = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.long()  # target id = draft id + d2t[draft id]
+        if t2d is not None and not torch.equal(torch.nonzero(t2d.bool()).flatten(), absolute.sort().values):
+            raise CheckpointError("d2t and t2d disagree: the target ids d2t maps to are not the ones t2d marks")
+        out["draft_to_target"] = absolute
+        notes.append(f"d2t offsets → draft_to_target (absolute target ids, {d2t.shape[0]} entries)")
+    elif d2t is not None:
+        notes.append("dropped d2t: draft vocabulary equals the target's")
+    return out
+
+
+def tensors_to_speculators(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    out = {k: v for k, v in tensors.items() if k != "draft_to_target"}
+    if "draft_to_target" in tensors:
+        absolute = tensors["draft_to_target"].long()
+        out["d2t"] = absolute - torch.arange(absolute.shape[0], dtype=torch.long)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[absolute] = True
+        out["t2d"] = t2d
+    return out
+
+
+__all__ = [
+    "DROPPED_KEYS",
+    "KEY_SUBSTRINGS",
+    "SPECULATORS_LAYER_IDS",
+    "SPECULATORS_NESTED",
+    "config_from_speculators",
+    "config_to_speculators",
+    "map_key",
+    "tensors_from_speculators",
+    "tensors_to_speculators",
+]
