@@ -16,8 +16,9 @@ the machine (CPU, BLAS, threads).
 With `--server-slots 1,4,8` the same prompts also go through llama.cpp's `llama-server` (scripts/build_llamacpp.sh)
 with that many parallel slots and as many requests in flight — what `dflashkit prepare --server URL --concurrency N`
 does — on the same number of threads, serving `--server-gguf` (f32: the target's F32 conversion, the exact weights
-of the fp32 target; q4_1: the shipped file); "same" then says how often the server's greedy responses equal the
-fp32 HF target's (the first run, when it is an in-process one). Server start-up is not timed.
+of the fp32 target; f16, bf16, q8_0: conversions that round them; q4_1: the shipped file); "same" then says how
+often the server's greedy responses equal the fp32 HF target's (the first run, when it is an in-process one).
+Server start-up is not timed.
 Reported per run (products @ batch size): generated tokens per second (every response token up to and including
 the stop token or the cap — what becomes supervised data), responses per minute, and the fraction of responses
 identical to those of the first run (left padding or another product order must not change greedy output beyond
@@ -100,13 +101,13 @@ def run_server(
 
 
 def _server_gguf(spec: str) -> Path:
-    from dflashkit.export.llamacpp import built, f32_target_gguf
+    from dflashkit.export.llamacpp import TARGET_GGUF_TYPES, built, target_gguf
     from dflashkit.target.default import gguf_path
 
     if not built():
         raise SystemExit("error: --server-slots needs llama.cpp: run scripts/build_llamacpp.sh first")
-    if spec == "f32":
-        return f32_target_gguf()
+    if spec.upper() in TARGET_GGUF_TYPES:
+        return target_gguf(spec)
     if spec == "q4_1":
         return gguf_path()
     return Path(spec)
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--server-gguf",
         default="f32",
-        help="the GGUF llama-server runs: f32 (the target's F32 conversion, default), q4_1 (the shipped file), "
-        "or a path; comma-separated to compare several",
+        help="the GGUF llama-server runs: f32 (the target's F32 conversion: its exact weights; default), f16, bf16, "
+        "q8_0 (conversions that round them), q4_1 (the shipped file), or a path; comma-separated to compare several",
     )
     p.add_argument("--server-args", default="", help="more llama-server arguments, e.g. '-fa on'")
     args = p.parse_args(argv)

@@ -58,17 +58,29 @@ def tool(name: str) -> Path:
     return path
 
 
-def f32_target_gguf() -> Path:
-    """The embedded SmolLM2 target as an F32 GGUF (llama-quantize of the shipped Q4_1 file; made once)."""
+TARGET_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")  # what llama-quantize makes of the shipped Q4_1 file
+
+
+def target_gguf(kind: str = "F32") -> Path:
+    """The embedded SmolLM2 target as a GGUF of another storage type (llama-quantize of the shipped Q4_1 file; made
+    once): F32 holds exactly the fp32 target's weights (the Q4_1 values, dequantized); F16 / BF16 / Q8_0 round them."""
     from dflashkit.target.default import DEFAULT_TARGET_NAME, gguf_path
 
-    out = home() / "models" / f"{DEFAULT_TARGET_NAME}.F32.gguf"
+    kind = kind.upper()
+    if kind not in TARGET_GGUF_TYPES:
+        raise LlamaCppError(f"GGUF type {kind!r}: expected one of {', '.join(TARGET_GGUF_TYPES)}")
+    out = home() / "models" / f"{DEFAULT_TARGET_NAME}.{kind}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp.gguf")
-        _run([str(tool("llama-quantize")), "--allow-requantize", str(gguf_path()), str(tmp), "F32"])
+        _run([str(tool("llama-quantize")), "--allow-requantize", str(gguf_path()), str(tmp), kind])
         os.replace(tmp, out)
     return out
+
+
+def f32_target_gguf() -> Path:
+    """The embedded SmolLM2 target as an F32 GGUF: exactly the fp32 target's weights."""
+    return target_gguf("F32")
 
 
 def _run(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -279,5 +291,6 @@ __all__ = [
     "parse_speculative_log",
     "run_plain",
     "run_speculative",
+    "target_gguf",
     "tool",
 ]

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from dflashkit.cli import main
+from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint
 from dflashkit.drafter.checkpoint import drafter_state_dict, load_drafter, read_tensors
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint
 from dflashkit.errors import CheckpointError
 from dflashkit.export.convert import convert
 from dflashkit.target.model import Target
