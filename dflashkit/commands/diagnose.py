@@ -160,10 +160,11 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument(
         "--to",
-        choices=("zlab", "speculators", "vllm", "gguf"),
+        choices=("zlab", "speculators", "vllm", "deepspec", "gguf"),
         default="zlab",
         help="output format (default zlab: z-lab's layout; vllm: the serving layout vLLM method=dflash loads as it "
-        "is — reduced vocabularies and learned masks included; gguf: a file for llama.cpp --spec-type draft-dflash)",
+        "is — reduced vocabularies and learned masks included; deepspec: a DSpark drafter as DeepSpec's "
+        "Qwen3DSparkModel loads it (needs --target); gguf: a file for llama.cpp --spec-type draft-dflash)",
     )
     p.add_argument(
         "--target",

@@ -6,9 +6,10 @@ serving layout (what vLLM `method: dflash` loads as it is), a z-lab or speculato
 llama.cpp's `dflash` architecture; runs a local llama.cpp build and vLLM (in its own environment).
 
 Modules and their public functions:
-  convert.py      `convert(src, out, to="zlab"|"speculators"|"vllm")`, `load_any(path)`, `detect_format`,
+  convert.py      `convert(src, out, to="zlab"|"speculators"|"vllm"|"deepspec")`, `load_any(path)`, `detect_format`,
                   `export_checkpoint` (the quickstart's export); DeepSpec DSpark checkpoints import here
   speculators_format.py  the speculators layout (DFlash and DSpark) ↔ DrafterConfig and dflashkit's tensor names
+  deepspec.py     DeepSpec's own DSpark layout both ways: `deepspec_tensors`, `deepspec_config`, `import_tables`
   serving.py      `write_serving`, `serving_config`, `serving_tensors`, `safe_learned_mask_id`, `vllm_model_problems`
   engines.py      `engine_verdicts`, `verdicts_for_dir`: which engine loads a directory, and why not
   serve_check.py  `serve_check(target, drafter_dir, prompts=…)`: the drafter in vLLM vs dflashkit, per position

@@ -4,6 +4,7 @@
     dflashkit convert SRC OUT --target T           # … checking the target tables a DeepSpec checkpoint carries
     dflashkit convert SRC OUT --dtype bf16         # … with floating tensors cast to bf16
     dflashkit convert SRC OUT --to speculators     # z-lab → speculators layout (round trips exactly)
+    dflashkit convert SRC OUT --to deepspec --target T   # a DSpark drafter as DeepSpec loads it (export/deepspec.py)
     dflashkit convert SRC OUT --to vllm --target T # the serving layout vLLM loads as it is (export/serving.py)
     dflashkit convert SRC OUT.gguf --to gguf --target T.gguf   # llama.cpp dflash GGUF (dflashkit/export/gguf_export.py)
 
@@ -11,7 +12,7 @@ The speculators layout (field names, layer-id shift, dropped tables) is translat
 `dflashkit/export/speculators_format.py`.
 A DeepSpec DSpark checkpoint (`Qwen3DSparkModel`: the layout dflashkit writes, plus frozen full-vocabulary copies
 of the target's `embed_tokens` and `lm_head`) loads as dflashkit's own once those copies are dropped; with `--target`
-they are first compared with the target's tables (a drafter trained against another target is refused).
+they are first compared with the target's tables (export/deepspec.py).
 A learned mask embedding is stored as the `mask_embedding` tensor and, for vLLM, also as `mask_embedding.pt`
 (vLLM's qwen3_dflash.py `_read_mask_embedding` reads the override from that file).
 """
@@ -35,11 +36,17 @@ from dflashkit.drafter.checkpoint import (
     drafter_state_dict,
     from_serving_layout,
     read_tensors,
-    target_copies,
 )
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
+from dflashkit.export.deepspec import (
+    DEEPSPEC_FORMAT,
+    deepspec_config,
+    deepspec_problems,
+    deepspec_tensors,
+    import_tables,
+)
 from dflashkit.export.serving import (
     SERVING_FORMAT,
     safe_learned_mask_id,
@@ -60,7 +67,7 @@ from dflashkit.export.speculators_format import (
 )
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
-FORMATS = ("zlab", "speculators", SERVING_FORMAT)
+FORMATS = ("zlab", "speculators", SERVING_FORMAT, DEEPSPEC_FORMAT)
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -126,33 +133,6 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) 
     atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _drop_target_copies(
-    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, target: Any, notes: list[str], source: str
-) -> dict[str, torch.Tensor]:
-    """A DeepSpec DSpark checkpoint's frozen copies of the target's tables, compared with the target when one is given
-    (to the copy's precision) and dropped: the drafter takes both tables from the target it runs with."""
-    copies = target_copies(tensors, cfg)
-    for key, copy in copies.items():
-        if target is None:
-            notes.append(
-                f"dropped {key} {list(copy.shape)}: DeepSpec's frozen copy of the target's table, not compared with "
-                f"the target (pass --target T to check it)"
-            )
-            continue
-        ref = (target.embed_weight if key.startswith("embed") else target.lm_head_weight).detach().cpu()
-        eps = torch.finfo(copy.dtype).eps
-        ref = ref.to(copy.dtype).float()
-        worst = float((copy.float() - ref).abs().max())
-        if worst > eps * float(ref.abs().max()):
-            raise CheckpointError(
-                f"{source}: tensor '{key}' differs from the target's table (max |Δ| {worst:.3g}): this drafter was "
-                f"trained with another target, or with that table unfrozen — dflashkit runs a DSpark drafter with the "
-                f"target's own tables"
-            )
-        notes.append(f"dropped {key} {list(copy.shape)}: equal to the target's table (to {copy.dtype} precision)")
-    return {k: v for k, v in tensors.items() if k not in copies}
-
-
 def load_any(
     path: str | Path, *, num_target_layers: int | None = None, notes: list[str] | None = None, target: Any = None
 ) -> tuple[DrafterConfig, dict[str, torch.Tensor], str]:
@@ -179,7 +159,9 @@ def load_any(
             notes.append(f"num_target_layers {cfg.num_target_layers} → {num_target_layers}")
             cfg = cfg.replace(num_target_layers=num_target_layers)
         tensors = from_serving_layout(tensors, str(path))  # a serving export (d2t offsets, LM-head rows)
-        tensors = _drop_target_copies(tensors, cfg, target, notes, str(path))
+        before = len(tensors)
+        tensors = import_tables(tensors, cfg, target, notes, str(path))  # DeepSpec's copies of the target's tables
+        fmt = DEEPSPEC_FORMAT if len(tensors) < before else fmt
         check_mask_file(path, tensors, cfg.mask_token_id)
     with torch.device("meta"):
         check_tensors(tensors, drafter_state_dict(DFlashDrafter(cfg)), cfg, str(path))
@@ -220,6 +202,15 @@ def convert(
         head = head.to(dtype) if head is not None and dtype is not None else head
         notes += write_serving(out, cfg, tensors, head, str(src))
         return ConversionReport(str(src), fmt, str(out), SERVING_FORMAT, notes)
+    if to == DEEPSPEC_FORMAT:
+        problems = deepspec_problems(cfg)
+        if problems:
+            raise CheckpointError(f"{src}: cannot be written in DeepSpec's layout exactly: " + "; ".join(problems))
+        cfg, why = safe_learned_mask_id(cfg, target)
+        notes += [why.replace("vLLM", "DeepSpec")] if why else []
+        _write(out, deepspec_tensors(cfg, tensors, target), deepspec_config(cfg))
+        notes.append("the target's embeddings and LM head written with the drafter (DeepSpec loads them from here)")
+        return ConversionReport(str(src), fmt, str(out), DEEPSPEC_FORMAT, notes)
     if to == "speculators":
         _write(out, tensors_to_speculators(tensors, cfg), config_to_speculators(cfg))
         if cfg.learned_mask_embedding:

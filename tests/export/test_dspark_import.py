@@ -18,7 +18,7 @@ from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint
 from dflashkit.drafter.checkpoint import drafter_state_dict, load_drafter, read_tensors
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.errors import CheckpointError
+from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.export.convert import convert
 from dflashkit.target.model import Target
 from helpers.checkpoints import small_config, write_checkpoint
@@ -144,3 +144,49 @@ def test_deepspec_checkpoint_imports_after_its_target_tables_are_checked(tmp_pat
     with pytest.raises(CheckpointError, match=r"'lm_head\.weight' differs from the target's table"):
         convert(other, tmp_path / "refused", target=target)
     assert not (tmp_path / "refused").exists()
+
+
+def test_deepspec_export_is_what_its_model_runs_and_imports_back_exactly(tmp_path: Path, tiny_target_dirs) -> None:
+    target_dir = tiny_target_dirs["qwen3"]
+    target = Target.load(target_dir)
+    cfg = small_config(kind="dspark", markov_rank=6)  # a learned mask embedding, the whole vocabulary
+    src = write_checkpoint(tmp_path / "ours", cfg, edit=_randomise_heads)
+    out = tmp_path / "deepspec"
+    assert main(["convert", str(src), str(out), "--to", "deepspec", "--target", str(target_dir)]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    for field in ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head", "markov_rank"):
+        assert field in raw, field  # what Qwen3DSparkModel.__init__ asserts
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["markov_head_type"] == "vanilla"
+    written = read_tensors(out)
+    ours = load_drafter(src)
+    mask_id = int(raw["mask_token_id"])
+    torch.testing.assert_close(written["lm_head.weight"], target.lm_head_weight, rtol=0, atol=0)
+    # DeepSpec embeds the block [anchor, mask × 3] through its own table: the same vectors dflashkit's drafter feeds
+    anchors = torch.tensor([[5, 17, 60]])
+    ids = torch.cat([anchors.T, torch.full((3, cfg.block_size - 1), mask_id)], dim=1).reshape(1, -1)  # (1, 3·bs)
+    theirs = written["embed_tokens.weight"][ids]  # (1, 3·bs, H)
+    with torch.no_grad():
+        mine = ours.block_embeddings(anchors, target.embed_weight, cfg.block_size)
+    torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    assert mask_id not in anchors  # (a real anchor never meets the substituted row when the id is a spare one)
+
+    back = tmp_path / "back"
+    report = convert(out, back, target=target)
+    assert report.source_format == "deepspec"
+    assert any(n == f"learned mask embedding: row {mask_id} of embed_tokens.weight" for n in report.notes)
+    again = load_drafter(back)
+    assert again.config == ours.config.replace(mask_token_id=mask_id)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+
+    with pytest.raises(CheckpointError, match="draft vocabulary of 20 ids"):
+        convert(
+            write_checkpoint(tmp_path / "v", small_config(kind="dspark", draft_vocab_size=20)),
+            tmp_path / "x",
+            to="deepspec",
+            target=target,
+        )
+    with pytest.raises(CheckpointError, match="a DFlash drafter"):
+        convert(write_checkpoint(tmp_path / "d", small_config()), tmp_path / "y", to="deepspec", target=target)
+    with pytest.raises(ConfigError, match="--to deepspec needs --target"):
+        convert(src, tmp_path / "z", to="deepspec")
