@@ -245,8 +245,9 @@ def _cold_timer(_name: str, fn: Callable[[], object]) -> float:
     """Seconds of one call with the weights out of the CPU caches, as in a real pass: a model streams each layer's
     weights from memory, so a product timed on cache-hot weights (a loop over one call) can rank the candidates
     the other way round. A read-modify-write of twice the last-level cache evicts them first."""
-    if not _SCRATCH:
-        _SCRATCH.append(torch.zeros(max(64 << 20, 2 * last_level_cache_bytes()) // 4))
+    if not _SCRATCH:  # a normal tensor even when first met under inference_mode (regeneration): usable in both
+        with torch.inference_mode(False):
+            _SCRATCH.append(torch.zeros(max(64 << 20, 2 * last_level_cache_bytes()) // 4))
     _SCRATCH[0].add_(1.0)
     t0 = time.perf_counter()
     fn()

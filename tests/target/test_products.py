@@ -269,3 +269,15 @@ def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
         monkeypatch.setenv(products.ENV, "auto")
         assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
     assert asked == ["choose", "choose"]
+
+
+def test_the_cold_timer_works_in_and_out_of_inference_mode(monkeypatch):
+    # Regeneration decodes under inference_mode; a later measurement outside it (a verify pass under no_grad) used
+    # the same eviction buffer — created as an inference tensor, its in-place update raised there.
+    monkeypatch.setattr(products, "_SCRATCH", [])
+    monkeypatch.setattr(products, "last_level_cache_bytes", lambda: 1 << 20)
+    with torch.inference_mode():
+        assert products._cold_timer("stock", lambda: None) >= 0
+    with torch.no_grad():
+        assert products._cold_timer("stock", lambda: None) >= 0
+    assert products._cold_timer("few_rows", lambda: None) >= 0
