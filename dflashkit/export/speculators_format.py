@@ -22,7 +22,7 @@ What differs between the two formats (vllm-project/speculators `src/speculators/
   tensors `markov_head.markov_w1.weight` (verifier vocabulary × r), `markov_head.markov_w2.weight` (draft vocabulary
   × r) and `confidence_head.proj.{weight,bias}` — the names dflashkit and DeepSpec use. Only what dflashkit runs
   converts (a vanilla Markov head, every slot drafting, a confidence head reading [hidden; W1[previous token]]);
-  the loss weights (`ce_loss_alpha`, …) are training settings and are kept in the `dflashkit` block only.
+  the loss weights (`ce_loss_alpha`, …) are training settings: not read, and not written (speculators' defaults).
 """
 
 from __future__ import annotations
