@@ -248,10 +248,15 @@ def _facts(report: CheckpointReport) -> None:
     )
     facts["is_causal"] = cfg.is_causal if cfg else (raw or {}).get("is_causal")
     facts["draft_vocab_size"] = cfg.draft_vocab_size if cfg else _raw_field(raw, "draft_vocab_size")
-    learned = "mask_embedding" in report.tensors
+    # DeepSpec's layout (convert --to deepspec) keeps a learned mask in its row of the embed_tokens copy
+    in_row = bool(
+        cfg and cfg.learned_mask_embedding and facts["kind"] == "dspark" and "embed_tokens.weight" in report.tensors
+    )
+    learned = "mask_embedding" in report.tensors or in_row
     facts["mask"] = {
         "mask_token_id": cfg.mask_token_id if cfg else _raw_field(raw, "mask_token_id"),
         "learned_embedding_tensor": learned,
+        "in_embedding_row": in_row and "mask_embedding" not in report.tensors,
         "config_says_learned": bool(cfg.learned_mask_embedding) if cfg else None,
     }
     facts["extra"] = dict(cfg.extra) if cfg else {}
@@ -294,6 +299,7 @@ def _consistency(report: CheckpointReport) -> None:
     with torch.device("meta"):
         expected = {k: list(v.shape) for k, v in drafter_state_dict(_skeleton(cfg)).items()}
     present = set(report.tensors) | ({"draft_to_target"} if "d2t" in report.tensors else set())
+    present |= {"mask_embedding"} if report.facts.get("mask", {}).get("in_embedding_row") else set()
     missing = sorted(set(expected) - present)
     unexpected = sorted(set(report.tensors) - set(expected))
     if report.format == "speculators":  # tables the converter drops or translates (see dflashkit.export.convert)
@@ -446,7 +452,9 @@ def render_report(report: CheckpointReport) -> str:
     kinds = f["layer_types"] or []
     summary = ", ".join(f"{kinds.count(t)} × {t}" for t in dict.fromkeys(kinds))
     mask_txt = (
-        "learned mask embedding (tensor 'mask_embedding')"
+        f"learned mask embedding (row {mask['mask_token_id']} of the embed_tokens copy: DeepSpec's layout)"
+        if mask.get("in_embedding_row")
+        else "learned mask embedding (tensor 'mask_embedding')"
         if mask["learned_embedding_tensor"]
         else f"target embedding row {mask['mask_token_id']}"
     )

@@ -170,6 +170,10 @@ def test_deepspec_export_is_what_its_model_runs_and_imports_back_exactly(tmp_pat
     torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
     assert mask_id not in anchors  # (a real anchor never meets the substituted row when the id is a spare one)
 
+    found = [f.line() for f in inspect_checkpoint(out).findings if f.status != "OK"]  # the mask is in its row
+    assert len(found) == 1 and found[0].startswith("WARN tensors: unexpected tensors ['embed_tokens.weight'")
+    assert inspect_checkpoint(out).facts["mask"]["in_embedding_row"] is True
+
     back = tmp_path / "back"
     report = convert(out, back, target=target)
     assert report.source_format == "deepspec"
