@@ -206,8 +206,8 @@ def convert(
         problems = deepspec_problems(cfg)
         if problems:
             raise CheckpointError(f"{src}: cannot be written in DeepSpec's layout exactly: " + "; ".join(problems))
-        cfg, why = safe_learned_mask_id(cfg, target)
-        notes += [why.replace("vLLM", "DeepSpec")] if why else []
+        cfg, why = safe_learned_mask_id(cfg, target, engine="DeepSpec")
+        notes += [why] if why else []
         _write(out, deepspec_tensors(cfg, tensors, target), deepspec_config(cfg))
         notes.append("the target's embeddings and LM head written with the drafter (DeepSpec loads them from here)")
         return ConversionReport(str(src), fmt, str(out), DEEPSPEC_FORMAT, notes)

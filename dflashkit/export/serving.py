@@ -137,9 +137,10 @@ def write_serving(
     return notes
 
 
-def safe_learned_mask_id(cfg: DrafterConfig, target: Any) -> tuple[DrafterConfig, str | None]:
-    """For a learned mask, the mask_token_id vLLM substitutes at: a row no chat produces (a spare embedding row,
-    else an unused special token) when the target has one; else the id unchanged, with a warning."""
+def safe_learned_mask_id(cfg: DrafterConfig, target: Any, *, engine: str = "vLLM") -> tuple[DrafterConfig, str | None]:
+    """For a learned mask, the mask_token_id `engine` substitutes at (vLLM's mask file, DeepSpec's embedding row): a
+    row no chat produces (a spare embedding row, else an unused special token) when the target has one; else the id
+    unchanged, with a warning."""
     if not cfg.learned_mask_embedding or target is None:
         return cfg, None
     from dflashkit.drafter.mask_choice import unused_special_token
@@ -150,14 +151,14 @@ def safe_learned_mask_id(cfg: DrafterConfig, target: Any) -> tuple[DrafterConfig
         pick = found[0] if found else None
     if pick is None:
         return cfg, (
-            f"learned mask: vLLM substitutes it wherever token {cfg.mask_token_id} is a drafter input (the "
+            f"learned mask: {engine} substitutes it wherever token {cfg.mask_token_id} is a drafter input (the "
             f"block's first token too); this target has no token that no chat produces, so a block starting "
-            f"with token {cfg.mask_token_id} drafts differently in vLLM"
+            f"with token {cfg.mask_token_id} drafts differently in {engine}"
         )
     if pick == cfg.mask_token_id:
         return cfg, None
     return cfg.replace(mask_token_id=int(pick)), (
-        f"learned mask: mask_token_id {cfg.mask_token_id} → {pick} (a token no chat produces), so vLLM's "
+        f"learned mask: mask_token_id {cfg.mask_token_id} → {pick} (a token no chat produces), so {engine}'s "
         f"substitution never hits a real token; dflashkit ignores the id for a learned mask"
     )
 
