@@ -171,8 +171,10 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--to gguf: the target's GGUF file (the one llama.cpp runs; 'default' = the embedded SmolLM2); its "
         "tokenizer and, when needed, tables are copied. --to vllm: the HF target (a reduced vocabulary ships its "
-        "LM-head rows; a learned mask gets a mask token id no chat produces); any other --to: the HF target a DeepSpec "
-        "checkpoint's copies of the target's tables are checked against",
+        "LM-head rows; a learned mask gets a mask token id no chat produces); --to speculators: the HF target (a "
+        "reduced vocabulary ships its LM-head rows); --to deepspec: the HF target whose tables are written with the "
+        "drafter; and for any --to, the HF target a DeepSpec checkpoint's copies of the target's tables are checked "
+        "against",
     )
     p.add_argument(
         "--outtype",

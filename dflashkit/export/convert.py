@@ -3,7 +3,8 @@
     dflashkit convert SRC OUT                      # speculators, DeepSpec or z-lab → z-lab (vLLM, SGLang DFLASH)
     dflashkit convert SRC OUT --target T           # … checking the target tables a DeepSpec checkpoint carries
     dflashkit convert SRC OUT --dtype bf16         # … with floating tensors cast to bf16
-    dflashkit convert SRC OUT --to speculators     # z-lab → speculators layout (round trips exactly)
+    dflashkit convert SRC OUT --to speculators     # z-lab → speculators layout (round trips exactly; a reduced
+                                                   #   vocabulary needs --target T for its LM-head rows)
     dflashkit convert SRC OUT --to deepspec --target T   # a DSpark drafter as DeepSpec loads it (export/deepspec.py)
     dflashkit convert SRC OUT --to vllm --target T # the serving layout vLLM loads as it is (export/serving.py)
     dflashkit convert SRC OUT.gguf --to gguf --target T.gguf   # llama.cpp dflash GGUF (dflashkit/export/gguf_export.py)
@@ -62,6 +63,7 @@ from dflashkit.export.speculators_format import (
     config_from_speculators,
     config_to_speculators,
     map_key,
+    speculators_differences,
     tensors_from_speculators,
     tensors_to_speculators,
 )
@@ -198,9 +200,7 @@ def convert(
     if to == SERVING_FORMAT:
         cfg, why = safe_learned_mask_id(cfg, target)
         notes += [why] if why else []
-        head = target.lm_head_weight.float() if target is not None and cfg.draft_vocab_size is not None else None
-        head = head.to(dtype) if head is not None and dtype is not None else head
-        notes += write_serving(out, cfg, tensors, head, str(src))
+        notes += write_serving(out, cfg, tensors, _reduced_head_source(cfg, target, dtype), str(src))
         return ConversionReport(str(src), fmt, str(out), SERVING_FORMAT, notes)
     if to == DEEPSPEC_FORMAT:
         problems = deepspec_problems(cfg)
@@ -212,9 +212,16 @@ def convert(
         notes.append("the target's embeddings and LM head written with the drafter (DeepSpec loads them from here)")
         return ConversionReport(str(src), fmt, str(out), DEEPSPEC_FORMAT, notes)
     if to == "speculators":
-        _write(out, tensors_to_speculators(tensors, cfg), config_to_speculators(cfg))
-        if cfg.learned_mask_embedding:
-            notes.append("mask_embedding kept as a tensor; speculators itself has no learned mask embedding")
+        tensors, why = tensors_to_speculators(tensors, cfg, _reduced_head_source(cfg, target, dtype), str(src))
+        source = getattr(target, "source", "") if target is not None else ""
+        verifier = str(Path(source).resolve()) if source and Path(source).is_dir() else None
+        _write(out, tensors, config_to_speculators(cfg, verifier))
+        notes += why + speculators_differences(cfg)
+        if verifier is None:
+            notes.append(
+                "speculators_config.verifier.name_or_path left empty: speculators' loader takes the embeddings from "
+                "there — pass --target (an HF directory) or set it to the target's id before loading in speculators"
+            )
         return ConversionReport(str(src), fmt, str(out), "speculators", notes)
     config = cfg.to_zlab_dict()
     if dtype is not None:
@@ -234,6 +241,15 @@ def convert(
             f"uses the target's row {cfg.mask_token_id})"
         )
     return ConversionReport(str(src), fmt, str(out), "zlab", notes)
+
+
+def _reduced_head_source(cfg: DrafterConfig, target: Any, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The target's LM head (V, H) a reduced vocabulary's exported rows are cut from (None: not needed or no
+    target; the writer then names --target)."""
+    if target is None or cfg.draft_vocab_size is None:
+        return None
+    head = target.lm_head_weight.float()
+    return head.to(dtype) if dtype is not None else head
 
 
 def export_checkpoint(target: Any, chosen: str | Path, out_dir: Path) -> list[str]:

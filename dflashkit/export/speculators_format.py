@@ -13,7 +13,9 @@ What differs between the two formats (vllm-project/speculators `src/speculators/
   `embed_tokens.weight` (older versions), `lm_head.weight` (reduced vocabularies: frozen rows of the verifier's
   head), `verifier_*` and the vocabulary maps `d2t` (an OFFSET: target id = draft id + d2t[draft id]) and `t2d`
   (bool over the target vocabulary). dflashkit keeps an absolute `draft_to_target` map and takes embeddings and
-  LM-head rows from the target, so those tables are dropped, each with a note.
+  LM-head rows from the target, so those tables are dropped on import, each with a note. On export a reduced
+  vocabulary gets all three (`lm_head.weight` from the target: speculators' `DFlashDraftModel` and vLLM load the
+  reduced head only from the checkpoint), its draft ids in ascending target-id order as speculators assumes.
 - vLLM's DFlash loader also accepts renamed keys (`midlayer.` → `layers.0.`, `encoder.fc.` → `fc.`,
   `encoder.output_norm_enc.` → `hidden_norm.`; `DFlashQwen3Model.hf_to_vllm_mapper` in qwen3_dflash.py).
 - DSpark (`speculators_model_type: dspark`, `src/speculators/models/dspark/{config,core,model_definitions}.py`): the
@@ -36,6 +38,7 @@ from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig, check_dsp
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
+from dflashkit.export.serving import serving_tensors
 
 # speculators DFlashSpeculatorConfig field ← → DrafterConfig field (top level of the speculators config.json).
 SPECULATORS_TOP_FIELDS = {
@@ -162,9 +165,8 @@ def config_from_speculators(
     is_causal = (
         ours.get("is_causal") if "is_causal" in ours else (False if raw.get("sliding_window_non_causal") else None)
     )
-    values = {f: tl[f] for f in TRANSFORMER_FIELDS if f in tl and tl[f] is not None}
-    if not tl.get("layer_types"):
-        values.pop("layer_types", None)
+    values = {f: tl[f] for f in TRANSFORMER_FIELDS if tl.get(f) is not None and (f != "layer_types" or tl[f])}
+    notes += _sliding_window_notes(tl)
     if "head_dim" not in values:
         values["head_dim"] = hidden // int(tl["num_attention_heads"])
     try:
@@ -185,6 +187,28 @@ def config_from_speculators(
         raise refuse(f"cannot build a drafter config ({e})") from None
 
 
+def _sliding_window_notes(tl: dict[str, Any]) -> list[str]:
+    """How speculators ran sliding-window draft layers, where that differs from how dflashkit (and z-lab, vLLM) run
+    them. Read from speculators 0.9.0 (`models/dflash/attention.py`, transformers' Qwen3Config)."""
+    if SLIDING_ATTENTION not in (tl.get("layer_types") or []):
+        return []
+    window = tl.get("sliding_window")
+    if tl.get("use_sliding_window") is not True:
+        return [
+            f"{SPECULATORS_NESTED}.use_sliding_window is not true: speculators' Qwen3Config dropped sliding_window "
+            f"{window}, so its sliding layers attended to the whole context; dflashkit applies the window as written"
+        ]
+    return [_anchor_window_note(window)]
+
+
+def _anchor_window_note(window: Any) -> str:
+    return (
+        f"sliding-window layers: speculators' training counts the {window}-token window from the block's anchor "
+        f"(every slot sees the same context); dflashkit, z-lab and vLLM count it from each slot's own position (slot "
+        f"k sees k + 1 fewer of the oldest positions) — contexts longer than the window draft slightly differently"
+    )
+
+
 def _dspark_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """DrafterConfig fields of a speculators DSpark config, refusing (by name) what dflashkit cannot run."""
     if not raw.get("markov_rank"):
@@ -203,14 +227,37 @@ def _dspark_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def config_to_speculators(cfg: DrafterConfig) -> dict[str, Any]:
+def speculators_differences(cfg: DrafterConfig) -> list[str]:
+    """What speculators' own model (`DFlashDraftModel` / `DSparkDraftModel`) would run differently from `cfg`: the
+    exported layout still round-trips exactly, but drafts made by speculators from it differ."""
+    out = []
+    if cfg.learned_mask_embedding:
+        out.append(
+            f"mask_embedding kept as a tensor for dflashkit only: speculators' model (and vLLM reading this layout) "
+            f"embed the target's row {cfg.mask_token_id} in the mask slots instead, so their drafts differ; for "
+            f"vLLM use --to vllm --target T"
+        )
+    if cfg.is_causal is True and any(t != SLIDING_ATTENTION for t in cfg.layer_types):
+        out.append(
+            "is_causal true: speculators' model attends bidirectionally within the block in full-attention "
+            "layers (it has no causal switch for them), so its drafts differ"
+        )
+    if SLIDING_ATTENTION in cfg.layer_types:
+        out.append(_anchor_window_note(cfg.sliding_window))
+    return out
+
+
+def config_to_speculators(cfg: DrafterConfig, verifier: str | None = None) -> dict[str, Any]:
     """A speculators-style DFlash or DSpark config.json for `cfg` (plus a `dflashkit` block so the round trip is
-    exact)."""
+    exact). `verifier`: the target's HF directory or id, where speculators' loader takes the embeddings (and the LM
+    head of a full vocabulary) from — without it speculators' model keeps them uninitialised."""
     dspark = cfg.kind == "dspark"
     tl = {
         "model_type": "qwen3",
         **{f: getattr(cfg, f) for f in TRANSFORMER_FIELDS},
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        # Qwen3Config drops sliding_window unless use_sliding_window is true: the sliding layers would see everything
+        "use_sliding_window": SLIDING_ATTENTION in cfg.layer_types,
     }
     heads = {
         "markov_rank": cfg.markov_rank,
@@ -240,7 +287,7 @@ def config_to_speculators(cfg: DrafterConfig) -> dict[str, Any]:
                 {"proposal_type": "greedy", "speculative_tokens": cfg.block_size if dspark else cfg.block_size - 1}
             ],
             "verifier": {
-                "name_or_path": None,
+                "name_or_path": verifier,
                 "architectures": [cfg.extra.get("target_architecture")] if cfg.extra.get("target_architecture") else [],
             },
         },
@@ -303,25 +350,60 @@ def tensors_from_speculators(
     return out
 
 
-def tensors_to_speculators(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    out = {k: v for k, v in tensors.items() if k != "draft_to_target"}
-    if "draft_to_target" in tensors:
-        absolute = tensors["draft_to_target"].long()
-        out["d2t"] = absolute - torch.arange(absolute.shape[0], dtype=torch.long)
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[absolute] = True
+# Tensors whose rows are draft ids (a reduced vocabulary's order): reordered with the draft ids.
+DRAFT_ROW_TENSORS = ("markov_head.markov_w2.weight",)
+
+
+def ascending_draft_ids(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Put a reduced vocabulary's draft ids in ascending target-id order, with the rows indexed by them.
+
+    speculators builds the reduced LM head and its training targets by selecting the verifier's rows with the
+    boolean `t2d` (so in target-id order), and SpecForge and speculators sort their draft vocabularies so. A
+    drafter with draft ids in another order computes the same logits after the reorder, permuted with its ids."""
+    absolute = tensors["draft_to_target"].long()  # (V',)
+    order = torch.argsort(absolute)  # (V',)
+    if torch.equal(order, torch.arange(order.shape[0])):
+        return tensors, None
+    out = dict(tensors)
+    out["draft_to_target"] = absolute[order]
+    for key in DRAFT_ROW_TENSORS:
+        if key in out:
+            out[key] = out[key].index_select(0, order).contiguous()
+    return out, (
+        "draft ids reordered by target id (speculators selects the verifier's LM-head rows with t2d, in id "
+        "order): the same logits, with the draft ids permuted"
+    )
+
+
+def tensors_to_speculators(
+    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, lm_head_weight: torch.Tensor | None, source: str
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """dflashkit's tensors → speculators' (and notes). A reduced vocabulary also gets `d2t` offsets, the `t2d` mask
+    and `lm_head.weight`, the target's rows of the draft ids (`lm_head_weight` (V, H) is the target's head):
+    speculators and vLLM read the reduced head from the checkpoint, never from the verifier."""
+    notes: list[str] = []
+    if cfg.draft_vocab_size is not None:
+        tensors, why = ascending_draft_ids(tensors)
+        notes += [why] if why else []
+    out = serving_tensors(cfg, tensors, lm_head_weight, source)  # + d2t offsets and lm_head rows when reduced
+    if cfg.draft_vocab_size is not None:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)  # (V,)
+        t2d[tensors["draft_to_target"].long()] = True
         out["t2d"] = t2d
-    return out
+    return out, notes
 
 
 __all__ = [
+    "DRAFT_ROW_TENSORS",
     "DROPPED_KEYS",
     "KEY_SUBSTRINGS",
     "SPECULATORS_LAYER_IDS",
     "SPECULATORS_NESTED",
+    "ascending_draft_ids",
     "config_from_speculators",
     "config_to_speculators",
     "map_key",
+    "speculators_differences",
     "tensors_from_speculators",
     "tensors_to_speculators",
 ]

@@ -4,6 +4,7 @@ layer ids shifted by one and the target's tables dropped; the exported config ca
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from dflashkit.cli import main
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors
 from dflashkit.errors import CheckpointError
 from dflashkit.export.convert import convert, map_key
+from dflashkit.export.speculators_format import ascending_draft_ids
 from helpers.checkpoints import small_config, speculators_checkpoint, write_checkpoint
 
 # Fields the serving engines' DFlash loaders read from the draft config.json (dotted = inside dflash_config).
@@ -68,7 +70,7 @@ def lookup(raw: dict, dotted: str):
     return obj
 
 
-def test_zlab_speculators_zlab_round_trip_is_exact(tmp_path):
+def test_zlab_speculators_zlab_round_trip_is_exact(tmp_path, target):
     cfg = small_config(
         num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],
@@ -76,15 +78,20 @@ def test_zlab_speculators_zlab_round_trip_is_exact(tmp_path):
         draft_vocab_size=20,
         is_causal=False,
     )
-    src = write_checkpoint(tmp_path / "z", cfg, edit=lambda sd: sd["draft_to_target"].copy_(torch.randperm(97)[:20]))
+    ids = torch.randperm(97)[:20].sort().values  # draft ids ascending by target id, as dflashkit builds them
+    src = write_checkpoint(tmp_path / "z", cfg, edit=lambda sd: sd["draft_to_target"].copy_(ids))
     spec = tmp_path / "spec"
-    convert(src, spec, to="speculators")
+    with pytest.raises(CheckpointError, match="pass --target"):  # the reduced head's rows come from the target
+        convert(src, spec, to="speculators")
+    convert(src, spec, to="speculators", target=target)
     raw = json.loads((spec / "config.json").read_text())
     assert raw["aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6]  # hidden_states indices: + 1
     assert raw["transformer_layer_config"]["num_attention_heads"] == 4 and raw["sliding_window_non_causal"] is True
     t = read_tensors(spec)
     a = read_tensors(src)
     assert torch.equal(t["d2t"] + torch.arange(20), a["draft_to_target"]) and int(t["t2d"].sum()) == 20
+    # speculators and vLLM load a reduced head only from the checkpoint: the target's rows of the draft ids
+    assert torch.equal(t["lm_head.weight"], target.lm_head_weight.float()[ids])
     back = tmp_path / "back"
     report = convert(spec, back)
     assert report.source_format == "speculators" and report.out_format == "zlab"
@@ -205,3 +212,59 @@ def test_inspect_and_doctor_read_speculators_checkpoints(tmp_path, tiny_llama_di
     lines = [f.line() for f in report.findings]
     assert "OK target layers: [1, 3, 5] of 8, distinct" in lines
     assert not any(x.startswith("FAIL") for x in lines), lines
+
+
+def test_speculators_export_puts_draft_ids_in_target_id_order(tmp_path, target):
+    """speculators selects the verifier's rows with the boolean t2d (target-id order): draft ids in another order are
+    reordered with the rows indexed by them (DSpark's W2), and the drafter's corrected logits only permute."""
+    cfg = small_config(kind="dspark", markov_rank=4, draft_vocab_size=12)
+    ids = torch.randperm(97, generator=torch.Generator().manual_seed(1))[:12]
+    assert not torch.equal(ids, ids.sort().values)
+
+    def edit(sd: dict) -> None:
+        sd["draft_to_target"].copy_(ids)
+        sd["markov_head.markov_w2.weight"].copy_(torch.randn(12, 4))
+
+    src = write_checkpoint(tmp_path / "z", cfg, edit=edit)
+    report = convert(src, tmp_path / "spec", to="speculators", target=target)
+    assert any("reordered by target id" in n for n in report.notes)
+    t = read_tensors(tmp_path / "spec")
+    back = t["d2t"] + torch.arange(12)
+    assert torch.equal(back, ids.sort().values) and torch.equal(t["lm_head.weight"], target.lm_head_weight[back])
+    a = read_tensors(src)
+    order = ids.argsort()
+    assert torch.equal(t["markov_head.markov_w2.weight"], a["markov_head.markov_w2.weight"][order])
+    # the same draft: every slot's bias per target id is unchanged
+    prev = torch.tensor([3, 50, 96])
+    old_bias = a["markov_head.markov_w2.weight"] @ a["markov_head.markov_w1.weight"][prev].T  # (12, 3)
+    new_bias = t["markov_head.markov_w2.weight"] @ t["markov_head.markov_w1.weight"][prev].T
+    assert torch.equal(new_bias, old_bias[order])
+    same, why = ascending_draft_ids({"draft_to_target": back})
+    assert why is None and torch.equal(same["draft_to_target"], back)
+
+
+def test_speculators_export_names_the_verifier_and_the_window_and_says_what_speculators_runs_otherwise(
+    tmp_path, target
+):
+    cfg = small_config(
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16, is_causal=True
+    )
+    src = write_checkpoint(tmp_path / "z", cfg)  # small_config: a learned mask embedding
+    report = convert(src, tmp_path / "spec", to="speculators", target=target)
+    raw = json.loads((tmp_path / "spec/config.json").read_text())
+    # speculators' loader takes the embeddings from the verifier; Qwen3Config drops the window without the switch
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(Path(target.source).resolve())
+    assert raw["transformer_layer_config"]["use_sliding_window"] is True
+    assert raw["transformer_layer_config"]["sliding_window"] == 16
+    notes = " ".join(report.notes)
+    assert "embed the target's row" in notes and "is_causal true" in notes and "from the block's anchor" in notes
+    bare = convert(src, tmp_path / "spec2", to="speculators")  # no target: the empty verifier is named
+    assert any("verifier.name_or_path left empty" in n for n in bare.notes)
+    # import: how speculators ran the sliding layers, where that differs from dflashkit
+    back = convert(tmp_path / "spec", tmp_path / "back")
+    assert any("counts the 16-token window from the block's anchor" in n for n in back.notes)
+    assert load_drafter(tmp_path / "back").config == cfg
+    raw["transformer_layer_config"]["use_sliding_window"] = False
+    (tmp_path / "spec/config.json").write_text(json.dumps(raw))
+    off = convert(tmp_path / "spec", tmp_path / "back2")
+    assert any("use_sliding_window is not true" in n for n in off.notes)

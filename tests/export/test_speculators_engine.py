@@ -1,0 +1,131 @@
+"""The reference implementation: dflashkit's `convert --to speculators` exports loaded by vllm-project/speculators'
+own DFlash and DSpark models (opt-in: `pytest -m speculators`, skipped unless scripts/setup_speculators.sh has made
+.venv-speculators; about a minute).
+
+For each drafter (random weights and heads; DFlash and DSpark; full and reduced vocabularies with the draft ids out of
+target-id order; one full-attention layer, or a sliding-window layer before a full one, causal or not in the block)
+speculators' `SpeculatorModel.from_pretrained` loads the export — its embeddings and verifier tables from the target
+named in the export — and its training forward on one anchor gives the block's final-normed hidden states, draft
+logits (with the Markov bias, teacher-forced) and confidence logits equal to dflashkit's to float32 rounding.
+The sliding window is wider than the context: speculators' training counts a window from the anchor, dflashkit (as
+z-lab and vLLM) from each slot (the import notes say so), so a binding window differs by design.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflashkit.drafter.checkpoint import load_drafter
+from dflashkit.export.convert import convert
+from dflashkit.target.model import Target
+from helpers.checkpoints import small_config, write_checkpoint
+
+SPECULATORS_PYTHON_ENV = "DFLASHKIT_SPECULATORS_PYTHON"
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "speculators_forward.py"
+
+
+def speculators_python() -> Path | None:
+    """$DFLASHKIT_SPECULATORS_PYTHON, else the checkout's .venv-speculators (scripts/setup_speculators.sh)."""
+    env = os.environ.get(SPECULATORS_PYTHON_ENV)
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    candidate = Path(__file__).resolve().parents[2] / ".venv-speculators" / "bin" / "python"
+    return candidate if candidate.is_file() else None
+
+
+pytestmark = [
+    pytest.mark.speculators,
+    pytest.mark.skipif(
+        speculators_python() is None, reason="no speculators environment (scripts/setup_speculators.sh)"
+    ),
+]
+
+CASES = {
+    "dflash-full-vocab": dict(kind="dflash", draft_vocab=None, layers="full", target="llama"),
+    "dflash-reduced-sliding-causal": dict(kind="dflash", draft_vocab=20, layers="sliding", target="qwen3"),
+    "dspark-full-vocab": dict(kind="dspark", draft_vocab=None, layers="full", target="qwen3"),
+    "dspark-reduced-sliding-bidirectional": dict(kind="dspark", draft_vocab=20, layers="bidirectional", target="llama"),
+}
+
+
+def _drafter(tmp_path: Path, case: dict) -> tuple[Path, torch.Tensor]:
+    changes: dict = dict(kind=case["kind"], learned_mask_embedding=False, mask_token_id=5)
+    if case["kind"] == "dspark":
+        changes["markov_rank"] = 6
+    if case["layers"] != "full":
+        changes.update(
+            num_hidden_layers=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=64,
+            is_causal=None if case["layers"] == "sliding" else False,
+        )
+    order = torch.arange(97)
+    if case["draft_vocab"]:
+        changes["draft_vocab_size"] = case["draft_vocab"]
+        order = torch.randperm(97, generator=torch.Generator().manual_seed(0))[: case["draft_vocab"]]  # unsorted
+    cfg = small_config(**changes)
+
+    def edit(sd: dict) -> None:
+        g = torch.Generator().manual_seed(3)
+        for key, value in sd.items():
+            if key.startswith(("markov_head.markov_w2", "confidence_head")):
+                value.copy_(torch.randn(value.shape, generator=g))  # W2 starts at zero: give the bias a value
+            elif value.dim() >= 2 and not key.startswith("markov"):
+                value.copy_(torch.randn(value.shape, generator=g) * 0.1)  # a real spread of logits
+        if "draft_to_target" in sd:
+            sd["draft_to_target"].copy_(order)
+
+    return write_checkpoint(tmp_path / "ours", cfg, edit=edit), order
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculators_own_model_runs_the_export_as_dflashkit_does(name, tmp_path, tiny_target_dirs) -> None:
+    case = CASES[name]
+    target_dir = tiny_target_dirs[case["target"]]
+    target = Target.load(target_dir)
+    src, order = _drafter(tmp_path, case)
+    report = convert(src, tmp_path / "spec", to="speculators", target=target)
+    assert not any("verifier.name_or_path left empty" in n for n in report.notes)
+    drafter = load_drafter(src).eval()
+    cfg = drafter.config
+    bs, p = cfg.block_size, 13
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(7))  # (1, T)
+    with torch.no_grad():
+        out = target.forward(ids, layer_ids=cfg.target_layer_ids)
+        blk = drafter.block_embeddings(ids[:, p : p + 1], target.embed_weight, bs)  # (1, γ, H)
+        hidden = drafter(
+            out.features[:, :p],
+            blk,
+            context_positions=torch.arange(p)[None],
+            block_positions=torch.arange(p, p + bs)[None],
+        )[0]  # (γ, H)
+        logits = drafter.logits(hidden, target.lm_head_weight)  # (γ, V')
+        confidence = None
+        if drafter.is_dspark:
+            prev = ids[0, p : p + bs]  # teacher-forced previous tokens: the anchor, then the block's true tokens
+            logits = logits + drafter.markov_head.bias(prev)
+            confidence = drafter.confidence_head(hidden, drafter.markov_head.prev_embeddings(prev))
+    logits = logits[:, order.argsort()]  # the export orders draft ids by target id
+    inputs, outputs = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
+    torch.save({"ids": ids, "features": out.features, "final": out.final_hidden, "anchor": p}, inputs)
+    run = subprocess.run(
+        [str(speculators_python()), str(HELPER), str(tmp_path / "spec"), str(inputs), str(outputs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(outputs)
+    assert theirs["kind"] == ("DSparkDraftModel" if drafter.is_dspark else "DFlashDraftModel")
+    assert theirs["block_positions"].tolist() == list(range(p, p + bs))
+    pairs = {"hidden": hidden, "logits": logits, **({"confidence": confidence} if confidence is not None else {})}
+    for key, ours in pairs.items():
+        # float32 on both sides, the same products in another order: rounding of a few ulps of the largest value
+        tol = 1e-5 * max(1.0, float(ours.abs().max()))
+        assert theirs[key].shape == ours.shape, key
+        assert float((theirs[key] - ours).abs().max()) <= tol, (key, float((theirs[key] - ours).abs().max()))
