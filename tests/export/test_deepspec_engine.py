@@ -6,7 +6,9 @@ dflashkit, both ways (opt-in: `DFLASHKIT_DEEPSPEC_SRC=/path/to/DeepSpec pytest -
   (`forward_dspark_draft_block` + `build_dspark_proposal`, greedy) drafts the tokens dflashkit drafts, with the same
   Markov-corrected logits and confidence logits, at several anchors;
 - a drafter built and saved by DeepSpec (`build_draft_config`, `save_pretrained`) imports with `convert --target T`
-  and dflashkit drafts what DeepSpec's model drafts.
+  and dflashkit drafts what DeepSpec's model drafts;
+- `dspark_loss` equals DeepSpec's loss (`deepspec/modeling/dspark/loss.py`) on the same blocks, with the same
+  gradients.
 DeepSpec's draft cache calls `crop(max_length)` as older transformers took it; the shim below gives it that call.
 """
 
@@ -146,3 +148,75 @@ def test_a_drafter_deepspec_saved_imports_and_drafts_as_in_deepspec(deepspec, tm
         features = target.forward(ids, layer_ids=[1, 3, 5]).features
         for p in (4, 12, 18):
             _same(_ours(drafter, target, features, ids, p), _theirs(deepspec, model.eval(), features, ids, p, 5))
+
+
+def test_the_dspark_loss_and_its_gradients_equal_deepspecs(deepspec) -> None:
+    """`dspark_loss` (0.1·CE + 0.9·L1 + 1.0·BCE, weights exp(−k/4) on a valid prefix) against DeepSpec's own
+    `_collect_local_terms` + `_build_loss` (one rank) on the same blocks, heads and target logits: the loss and
+    its gradients with respect to the hidden states, the Markov head and the confidence head."""
+    from deepspec.modeling.dspark import loss as ds_loss
+    from deepspec.modeling.dspark.common import AcceptRatePredictor, DSparkForwardOutput
+    from deepspec.modeling.dspark.markov_head import VanillaMarkov
+
+    from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.train.dspark_loss import dspark_loss
+
+    torch.manual_seed(0)
+    n, g, vocab, h_dim, rank = 7, 5, 97, 64, 6
+    drafter = DFlashDrafter(small_config(kind="dspark", markov_rank=rank, block_size=g))
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.normal_(0.0, 0.5)
+        drafter.confidence_head.proj.weight.normal_(0.0, 0.3)
+    markov = VanillaMarkov(vocab_size=vocab, markov_rank=rank)
+    markov.load_state_dict(drafter.markov_head.state_dict())
+    predictor = AcceptRatePredictor(input_dim=h_dim + rank)
+    predictor.load_state_dict(drafter.confidence_head.state_dict())
+    hidden = torch.randn(n, g, h_dim)  # (N, γ, H)
+    head = torch.randn(vocab, h_dim) * 0.3  # (V, H)
+    tokens = torch.randint(0, vocab, (n, g + 1))  # the given token, then the block's true tokens
+    lengths = torch.tensor([0, 1, 2, 3, 5, 5, 4])  # valid prefix per block, an empty one included
+    valid = torch.arange(g)[None] < lengths[:, None]  # (N, γ)
+    labels = torch.where(valid, tokens[:, 1:], -100)
+    prev = tokens[:, :-1]  # teacher forcing: slot k reads the token before it
+    target_logits = torch.randn(n, g, vocab) * 2
+
+    ours_h = hidden.clone().requires_grad_()
+    ours = dspark_loss(ours_h, head, drafter, labels, prev, target_logits).loss
+    ours.backward()
+
+    theirs_h = hidden.clone().requires_grad_()
+    draft_logits = markov.apply_block_logits(
+        (theirs_h @ head.T)[None], token_ids=prev[None], hidden_states=theirs_h[None]
+    )
+    emb = markov.get_prev_embeddings(prev)  # (N, γ, r)
+    outputs = DSparkForwardOutput(
+        draft_logits=draft_logits,
+        target_ids=tokens[None, :, 1:],
+        eval_mask=valid[None],
+        block_keep_mask=valid[None, :, 0],
+        confidence_pred=predictor(torch.cat([theirs_h, emb], dim=-1))[None],
+        aligned_target_logits=target_logits[None],
+    )
+    terms, has_confidence = ds_loss._collect_local_terms(outputs=outputs, loss_decay_gamma=4.0, l1_loss_alpha=0.9)
+    dens = {k: terms[k] for k in ("ce_loss_den", "l1_loss_den", "confidence_loss_den")}
+    theirs = ds_loss._build_loss(
+        loss_terms=terms,
+        global_denominators=dens,
+        ce_loss_alpha=0.1,
+        l1_loss_alpha=0.9,
+        confidence_head_alpha=1.0,
+        has_confidence=has_confidence,
+        world_size=1,
+    )
+    theirs.backward()
+    assert has_confidence
+    # DeepSpec divides by Σw + 1e-6 (Σw ≈ 13 here): a relative 1e-7 apart from float32 summation order
+    assert abs(float(ours.detach()) - float(theirs.detach())) <= 1e-5 * abs(float(theirs.detach()))
+    pairs = [
+        (ours_h.grad, theirs_h.grad),
+        (drafter.markov_head.markov_w1.weight.grad, markov.markov_w1.weight.grad),
+        (drafter.markov_head.markov_w2.weight.grad, markov.markov_w2.weight.grad),
+        (drafter.confidence_head.proj.weight.grad, predictor.proj.weight.grad),
+    ]
+    for a, b in pairs:
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())

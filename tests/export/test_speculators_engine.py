@@ -7,6 +7,7 @@ target-id order; one full-attention layer, or a sliding-window layer before a fu
 speculators' `SpeculatorModel.from_pretrained` loads the export — its embeddings and verifier tables from the target
 named in the export — and its training forward on one anchor gives the block's final-normed hidden states, draft
 logits (with the Markov bias, teacher-forced) and confidence logits equal to dflashkit's to float32 rounding.
+D-PACE's position weights equal speculators' `dpace_loss_decay` on the same cross-entropies and masks.
 The sliding window is wider than the context: speculators' training counts a window from the anchor, dflashkit (as
 z-lab and vLLM) from each slot (the import notes say so), so a binding window differs by design.
 """
@@ -129,3 +130,25 @@ def test_speculators_own_model_runs_the_export_as_dflashkit_does(name, tmp_path,
         tol = 1e-5 * max(1.0, float(ours.abs().max()))
         assert theirs[key].shape == ours.shape, key
         assert float((theirs[key] - ours).abs().max()) <= tol, (key, float((theirs[key] - ours).abs().max()))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.2, 1.0])
+def test_dpace_weights_equal_speculators_own(alpha, tmp_path) -> None:
+    """D-PACE's position weights (`dpace_weights`) against speculators' `dpace_loss_decay`, the default DFlash loss
+    weighting there, on the same per-slot cross-entropies and masks (slot 0, the given token, never valid)."""
+    from dflashkit.train.losses import dpace_weights
+
+    g = torch.Generator().manual_seed(5)
+    ce = torch.rand(9, 6, generator=g) * 4  # (N, γ)
+    lengths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 3])
+    valid = (torch.arange(6)[None] < lengths[:, None]) & (torch.arange(6)[None] > 0)  # (N, γ)
+    valid[7, 3] = False  # a hole inside a block
+    inputs, outputs = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"ce": ce, "valid": valid, "alpha": alpha}, inputs)
+    helper = Path(__file__).resolve().parents[1] / "helpers" / "speculators_dpace.py"
+    run = subprocess.run(
+        [str(speculators_python()), str(helper), str(inputs), str(outputs)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(outputs)["weights"]
+    torch.testing.assert_close(dpace_weights(ce, valid, alpha), theirs, rtol=1e-6, atol=1e-7)
