@@ -17,7 +17,10 @@ from dflashkit.validation import PositiveInt, flag
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("drafter", help="drafter directory (the serving layout: `dflashkit convert … --to vllm`)")
+    p.add_argument(
+        "drafter",
+        help="drafter directory (the serving layout: `dflashkit convert … --to vllm`; or the speculators layout)",
+    )
     target_args(p)
     p.add_argument(
         "--engine",

@@ -125,7 +125,6 @@ def run_doctor(
 ) -> DoctorReport:
     """Run every check; `drafter` is a checkpoint directory or a loaded `DFlashDrafter`."""
     from dflashkit.decode.generate import generate
-    from dflashkit.drafter.checkpoint import load_drafter
 
     report = DoctorReport()
     module: DFlashDrafter | None = None
@@ -141,15 +140,10 @@ def run_doctor(
             return report
         report.findings += engine_findings(Path(drafter), ins.facts.get("engines", []), target)
         try:
-            if ins.format == "speculators":  # runs as converted; its config does not record the target depth
-                from dflashkit.export.convert import load_any
+            from dflashkit.export.convert import load_any_drafter  # speculators: as converted
 
-                cfg, tensors, _ = load_any(drafter, num_target_layers=target.num_layers)
-                module = DFlashDrafter(cfg)
-                module.load_state_dict(tensors, strict=True)
-                module = module.to(target.device)
-            else:
-                module = load_drafter(drafter, device=target.device)
+            module = load_any_drafter(drafter, target=target, device=target.device)
+            cfg = module.config  # a speculators config takes the target's depth from the target
         except CheckpointError as e:
             load_error = Finding("FAIL", "load", str(e), "the drafter cannot run as it is: fix the checkpoint")
     fit = config_fit(cfg, target, fc_features if isinstance(fc_features, int) else None)

@@ -243,6 +243,21 @@ def convert(
     return ConversionReport(str(src), fmt, str(out), "zlab", notes)
 
 
+def load_any_drafter(path: str | Path, *, target: Any = None, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """A drafter directory ready to run: dflashkit's, z-lab's or the serving layout strictly (`load_drafter`), a
+    speculators checkpoint as `convert` reads it (its config does not record the target's depth: taken from
+    `target`, a loaded Target)."""
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    if detect_format(_read_config(Path(path))) != "speculators":
+        return load_drafter(path, device=device)
+    depth = target.num_layers if target is not None else None
+    cfg, tensors, _ = load_any(path, num_target_layers=depth)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(tensors, strict=True)
+    return drafter.to(device)
+
+
 def _reduced_head_source(cfg: DrafterConfig, target: Any, dtype: torch.dtype | None) -> torch.Tensor | None:
     """The target's LM head (V, H) a reduced vocabulary's exported rows are cut from (None: not needed or no
     target; the writer then names --target)."""
@@ -278,6 +293,7 @@ __all__ = [
     "detect_format",
     "export_checkpoint",
     "load_any",
+    "load_any_drafter",
     "map_key",
     "tensors_from_speculators",
     "tensors_to_speculators",

@@ -258,12 +258,12 @@ def serve_check(
     `target_gguf` (default: the embedded SmolLM2 as F32)."""
     from tqdm import tqdm
 
-    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.export.convert import load_any_drafter
 
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise DFlashError(f"unknown engine(s) {unknown}; expected one of {', '.join(ENGINES)}")
-    drafter = load_drafter(drafter_dir, device=target.device).eval()
+    drafter = load_any_drafter(drafter_dir, target=target, device=target.device).eval()
     bs = drafter.config.block_size
     if drafter.is_dspark and "vllm" in engines:
         raise EngineUnavailable(

@@ -14,8 +14,9 @@ What differs between the two formats (vllm-project/speculators `src/speculators/
   head), `verifier_*` and the vocabulary maps `d2t` (an OFFSET: target id = draft id + d2t[draft id]) and `t2d`
   (bool over the target vocabulary). dflashkit keeps an absolute `draft_to_target` map and takes embeddings and
   LM-head rows from the target, so those tables are dropped on import, each with a note. On export a reduced
-  vocabulary gets all three (`lm_head.weight` from the target: speculators' `DFlashDraftModel` and vLLM load the
-  reduced head only from the checkpoint), its draft ids in ascending target-id order as speculators assumes.
+  vocabulary gets all three (`lm_head.weight` from the target: speculators' `DFlashDraftModel` loads a reduced head
+  only from the checkpoint — vLLM 0.32 rebuilds a missing one, measured with serve-check), its draft ids in
+  ascending target-id order as speculators assumes.
 - vLLM's DFlash loader also accepts renamed keys (`midlayer.` → `layers.0.`, `encoder.fc.` → `fc.`,
   `encoder.output_norm_enc.` → `hidden_norm.`; `DFlashQwen3Model.hf_to_vllm_mapper` in qwen3_dflash.py).
 - DSpark (`speculators_model_type: dspark`, `src/speculators/models/dspark/{config,core,model_definitions}.py`): the
@@ -380,7 +381,7 @@ def tensors_to_speculators(
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """dflashkit's tensors → speculators' (and notes). A reduced vocabulary also gets `d2t` offsets, the `t2d` mask
     and `lm_head.weight`, the target's rows of the draft ids (`lm_head_weight` (V, H) is the target's head):
-    speculators and vLLM read the reduced head from the checkpoint, never from the verifier."""
+    speculators' own model reads a reduced head from the checkpoint only, never from the verifier."""
     notes: list[str] = []
     if cfg.draft_vocab_size is not None:
         tensors, why = ascending_draft_ids(tensors)

@@ -90,7 +90,7 @@ def test_zlab_speculators_zlab_round_trip_is_exact(tmp_path, target):
     t = read_tensors(spec)
     a = read_tensors(src)
     assert torch.equal(t["d2t"] + torch.arange(20), a["draft_to_target"]) and int(t["t2d"].sum()) == 20
-    # speculators and vLLM load a reduced head only from the checkpoint: the target's rows of the draft ids
+    # speculators' model loads a reduced head only from the checkpoint: the target's rows of the draft ids
     assert torch.equal(t["lm_head.weight"], target.lm_head_weight.float()[ids])
     back = tmp_path / "back"
     report = convert(spec, back)

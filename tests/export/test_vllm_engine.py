@@ -8,7 +8,8 @@ A short quickstart trains a drafter of the quickstart's shape (reduced 8192-toke
   load in vLLM with output identical to dflashkit's greedy output and drafts / accepted per position equal to
   dflashkit's chain decoding, per prompt (`serve-check`);
 - without its mask_embedding.pt the learned-mask drafter still loads in vLLM, runs another drafter, and
-  serve-check says so (the silent failure it exists to catch).
+  serve-check says so (the silent failure it exists to catch);
+- the quickstart's drafter exported in the speculators layout (`--to speculators`), which vLLM reads natively.
 """
 
 from __future__ import annotations
@@ -135,3 +136,12 @@ def test_an_untrained_block_16_drafter_runs_in_vllm(target, prompts, tmp_path):
     write(tmp_path / "b16", cfg, tensors, None, "untrained")
     report = _check(target, tmp_path / "b16", prompts, accepted=False)
     assert len(report.engines[0].theirs[0].accepted_per_pos) == 15
+
+
+def test_the_speculators_export_runs_in_vllm_as_dflashkit_measures(target, trained, prompts, tmp_path):
+    """vLLM reads the speculators layout natively: the quickstart's drafter exported `--to speculators` (reduced
+    vocabulary, layer ids + 1, the geometry nested) drafts in vLLM exactly as dflashkit measures it."""
+    from dflashkit.export.convert import convert
+
+    convert(trained, tmp_path / "spec", to="speculators", target=target)
+    _check(target, tmp_path / "spec", prompts, accepted=True)
