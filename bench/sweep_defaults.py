@@ -94,6 +94,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "train": {"dspark_ce_weight": 1.0},
         "capture_final": True,
     },
+    # the quickstart's DSpark with D-PACE weights on its CE term (speculators' DSpark + D-PACE when the L1 weight is
+    # 0; here the L1 and confidence terms keep exp(−k/4), so only the CE weighting differs from dspark_r64_ce1)
+    "dspark_r64_ce1_dpace": {
+        "settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 64}},
+        "train": {"dspark_ce_weight": 1.0, "position_weights": "dpace"},
+        "capture_final": True,
+    },
     # issue 25: the base run's regeneration minutes spent through llama-server (the quickstart's server route,
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},

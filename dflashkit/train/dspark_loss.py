@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflashkit.train.losses import LossOutput
+from dflashkit.train.losses import LossOutput, dpace_weights
 
 DSPARK_DECAY = 4.0  # DeepSpec's loss_decay_gamma: w_k = exp(−k/4)
 _CHUNK_LOGITS = 1 << 25  # rows × vocabulary per chunk (two float32 (rows, V) tensors live: 256 MiB)
@@ -50,7 +50,7 @@ def dspark_slot_weights(num_slots: int, gamma: float | None = None) -> Tensor:
 
 
 class _ChunkedDSparkTerms(torch.autograd.Function):
-    """Σ_i row_w[i]·(a·CE_i + b·L1_i) over live rows, z = h·Wᵀ + e·W2ᵀ chunk by chunk; also returns L1 and argmax."""
+    """Σ_i (a_i·CE_i + b_i·L1_i) over live rows, z = h·Wᵀ + e·W2ᵀ chunk by chunk; also returns L1 and argmax."""
 
     @staticmethod
     def forward(
@@ -60,11 +60,10 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
         w2: Tensor,  # (V', r)
         weight: Tensor,  # (V', H) frozen
         labels: Tensor,  # (M,) draft ids, −100: no CE
-        row_w: Tensor,  # (M,)
+        ce_row_w: Tensor,  # (M,) the CE term's weight of each row
+        l1_row_w: Tensor,  # (M,) the L1 term's
         target_logits: Callable[[int, int], Tensor | tuple[Tensor, ...]],  # rows [r0, r1) → see _target_probs
         d2t: Tensor | None,  # (V',) target id of each draft id
-        ce_w: float,
-        l1_w: float,
         chunk_rows: int,
     ):  # type: ignore[override]
         m = hidden.shape[0]
@@ -87,15 +86,15 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
             has = lab >= 0
             rows = torch.arange(e_ - s, device=z.device)
             ce = torch.where(has, -logp[rows, lab.clamp(min=0)], 0.0)
-            w = row_w[s:e_].to(acc)
-            total += (w * (ce_w * ce + l1_w * l1)).sum()
+            a, b = ce_row_w[s:e_].to(acc), l1_row_w[s:e_].to(acc)  # (m_c,)
+            total += (a * ce + b * l1).sum()
             l1_rows[s:e_] = l1
             preds[s:e_] = z.argmax(-1)
-            # d/dz of w·(a·CE + b·L1) = w·(b·p⊙(s − ⟨p, s⟩) + a·(p − onehot)), s = sign(p − p_target), in place
+            # d/dz of a·CE + b·L1 = b·p⊙(s − ⟨p, s⟩) + a·(p − onehot), s = sign(p − p_target), in place
             ps = diff.sign_().mul_(p)  # p ⊙ s
-            coef = (ce_w * has.to(acc) - l1_w * ps.sum(-1)) * w  # (m_c,)
-            g = ps.mul_((l1_w * w)[:, None]).addcmul_(p, coef[:, None])
-            g[rows[has], lab[has]] -= ce_w * w[has]
+            coef = a * has.to(acc) - b * ps.sum(-1)  # (m_c,)
+            g = ps.mul_(b[:, None]).addcmul_(p, coef[:, None])
+            g[rows[has], lab[has]] -= a[has]
             gh[s:e_] = (g @ weight.to(acc)).to(hidden.dtype)
             ge[s:e_] = (g @ w2.to(acc)).to(emb.dtype)
             gw2 += g.t() @ em
@@ -108,7 +107,22 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
     def backward(ctx, grad_total: Tensor, _g_l1: Tensor, _g_preds: Tensor):  # type: ignore[override]
         gh, ge, gw2 = ctx.saved_tensors
         g = grad_total
-        return gh * g.to(gh.dtype), ge * g.to(ge.dtype), (gw2 * g).to(ctx.w2_dtype), *([None] * 8)
+        return gh * g.to(gh.dtype), ge * g.to(ge.dtype), (gw2 * g).to(ctx.w2_dtype), *([None] * 7)
+
+
+@torch.no_grad()
+def _markov_ce(hidden: Tensor, emb: Tensor, w2: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int) -> Tensor:
+    """(M,) CE of each row's Markov-corrected logits to its label (draft ids), +inf where the label lies outside a
+    reduced draft vocabulary (probability 0): what D-PACE reads its confidences from, before the weighted pass."""
+    acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
+    out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+    for s in range(0, hidden.shape[0], chunk_rows):
+        e_ = min(s + chunk_rows, hidden.shape[0])
+        z = hidden[s:e_].to(acc) @ weight.to(acc).t() + emb[s:e_].to(acc) @ w2.to(acc).t()  # (m_c, V')
+        lab = labels[s:e_]
+        picked = z.gather(1, lab.clamp(min=0)[:, None])[:, 0]
+        out[s:e_] = torch.where(lab >= 0, torch.logsumexp(z, dim=-1) - picked, torch.inf)
+    return out
 
 
 def _target_probs(
@@ -149,6 +163,8 @@ def dspark_loss(
     loss_weights: DSparkLossWeights = DSparkLossWeights(),
     draft_labels: Tensor | None = None,
     chunk_rows: int | None = None,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> LossOutput:
     """The DSpark loss of one batch of blocks (see the module docstring).
 
@@ -161,8 +177,12 @@ def dspark_loss(
     log-sum-exp over V (U,), index (m,)), see `_target_probs`); weights (γ,) default
     `dspark_slot_weights`; normalizer: divide by this instead of Σ w over valid slots (a global value across
     micro-batches and ranks); draft_labels (N, γ): labels as draft ids (−100 outside a reduced vocabulary), default
-    = labels. Returns a LossOutput whose per-slot vectors have γ + 1 entries: entry 0 is the given token (always
-    "right", as DFlash's slot 0), entry k + 1 is slot k — so `estimated_tau` reads them as it reads DFlash's.
+    = labels. position_weights "dpace": the CE term's slot weights are D-PACE's (`dpace_weights` of each block's
+    detached Markov-corrected CE, α = dpace_alpha) instead of `weights`, which the L1 and confidence terms keep,
+    and the default normalizer is the number of valid slots — speculators' DSpark + D-PACE (its CE-only loss and
+    confidence BCE) when the L1 weight is 0. Returns a LossOutput whose per-slot vectors have γ + 1 entries: entry 0
+    is the given token (always "right", as DFlash's slot 0), entry k + 1 is slot k — so `estimated_tau` reads them
+    as it reads DFlash's.
     """
     n, g, h_dim = hidden.shape
     if labels.shape != (n, g) or prev_tokens.shape != (n, g):
@@ -172,11 +192,14 @@ def dspark_loss(
         raise ValueError("DSpark labels must be valid on a prefix of each block (teacher forcing reads slot k − 1)")
     acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
     w = (dspark_slot_weights(g) if weights is None else weights).to(hidden.device, acc)
+    if position_weights not in ("decay", "dpace"):
+        raise ValueError(f"position_weights must be 'decay' or 'dpace', got {position_weights!r}")
+    dpace = position_weights == "dpace"
     slot_w = w[None] * valid  # (N, γ)
-    weight_sum = slot_w.sum()
+    weight_sum = valid.to(acc).sum() if dpace else slot_w.sum()  # D-PACE: N = the number of valid slots
     norm = weight_sum if normalizer is None else torch.as_tensor(normalizer, dtype=acc, device=hidden.device)
     row_w = (slot_w / norm.clamp_min(torch.finfo(acc).tiny)).reshape(-1)  # (M,)
-    live = (row_w != 0).nonzero().squeeze(1)  # (M_live,)
+    live = (valid.reshape(-1) & (row_w != 0)).nonzero().squeeze(1)  # (M_live,)
     flat_h = hidden.reshape(-1, h_dim).index_select(0, live)  # (M_live, H)
     dl = labels if draft_labels is None else draft_labels
     lab_live = dl.reshape(-1)[live]
@@ -192,9 +215,15 @@ def dspark_loss(
     rows = chunk_rows if chunk_rows is not None else max(1, _CHUNK_LOGITS // max(1, vocab))
     d2t = drafter.draft_to_target.to(hidden.device) if getattr(drafter.config, "draft_vocab_size", None) else None
     lw = loss_weights
+    ce_row_w = lw.ce * row_w[live]  # (M_live,)
+    if dpace:  # D-PACE weights from this very forward's CE (a no-grad pass first: they depend on later slots)
+        ce_all = torch.zeros(n * g, dtype=acc, device=hidden.device)
+        ce_all[live] = _markov_ce(flat_h, emb, markov.markov_w2.weight, lm_head_weight, lab_live, rows)
+        dw = dpace_weights(ce_all.view(n, g), valid, dpace_alpha).reshape(-1)  # (M,)
+        ce_row_w = lw.ce * dw[live] / norm.clamp_min(torch.finfo(acc).tiny)
     total, l1, preds = _ChunkedDSparkTerms.apply(
-        flat_h, emb, markov.markov_w2.weight, lm_head_weight.detach(), lab_live, row_w[live], rows_of, d2t,
-        float(lw.ce), float(lw.l1), rows,
+        flat_h, emb, markov.markov_w2.weight, lm_head_weight.detach(), lab_live, ce_row_w, lw.l1 * row_w[live],
+        rows_of, d2t, rows,
     )  # fmt: skip
     conf_head = getattr(drafter, "confidence_head", None)
     if conf_head is not None and lw.confidence and live.numel():

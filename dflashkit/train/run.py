@@ -291,12 +291,12 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
 
 
 def slot_weights(cfg: Any, drafter_config: DrafterConfig) -> torch.Tensor:
-    """(bs,) the base slot weights of the loss: DSpark's exp(−k/γ) (γ 4), D-PACE's draft-slot marks, or the
-    DFlash decay exp(−(k−1)/γ)."""
-    bs = drafter_config.block_size
-    if drafter_config.kind == "dspark":
-        return dspark_slot_weights(bs, cfg.gamma)
-    return draft_slot_weights(bs) if cfg.position_weights == "dpace" else decay_weights(bs, cfg.gamma)
+    """(bs,) the base slot weights of the loss (and of its normaliser): DSpark's exp(−k/γ) (γ 4), D-PACE's
+    draft-slot marks (DSpark: every slot; its L1 and confidence terms keep exp(−k/4)), or DFlash's exp(−(k−1)/γ)."""
+    bs, dspark = drafter_config.block_size, drafter_config.kind == "dspark"
+    if cfg.position_weights == "dpace":
+        return torch.ones(bs) if dspark else draft_slot_weights(bs)
+    return dspark_slot_weights(bs, cfg.gamma) if dspark else decay_weights(bs, cfg.gamma)
 
 
 def metric_slots(drafter_config: DrafterConfig) -> int:
@@ -310,7 +310,6 @@ def check_kind_fits(cfg: Any, drafter_config: DrafterConfig) -> None:
         return
     for name, value, ok, why in (
         ("loss", cfg.loss, "ce", "a DSpark drafter trains on its own loss (CE + L1 to the target + confidence BCE)"),
-        ("position_weights", cfg.position_weights, "decay", "D-PACE weighs CE alone; DSpark's loss has three terms"),
         ("fsdp", cfg.fsdp, False, "its Markov and confidence heads run outside the sharded forward"),
     ):
         if value != ok:

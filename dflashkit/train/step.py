@@ -213,10 +213,12 @@ def _dspark_step_loss(
         inp.labels.reshape(-1, bs),
         inp.prev_tokens.reshape(-1, bs),
         target_logits,
-        weights=run.weights,
+        weights=None if cfg.position_weights == "dpace" else run.weights,  # D-PACE: L1 and BCE keep exp(−k/4)
         normalizer=normalizer,
         loss_weights=DSparkLossWeights(cfg.dspark_ce_weight, cfg.dspark_l1_weight, cfg.dspark_confidence_weight),
         draft_labels=draft_labels.reshape(-1, bs),
+        position_weights=cfg.position_weights,
+        dpace_alpha=cfg.dpace_alpha,
     )
 
 

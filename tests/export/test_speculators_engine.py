@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.export.convert import convert
@@ -152,3 +153,42 @@ def test_dpace_weights_equal_speculators_own(alpha, tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = torch.load(outputs)["weights"]
     torch.testing.assert_close(dpace_weights(ce, valid, alpha), theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
+    """DSpark + D-PACE (`position_weights: dpace`, L1 weight 0) against speculators' DSpark loss with `--loss-fn ce
+    --per-position-loss-weight dpace`: D-PACE-weighted CE plus the confidence BCE on exp(−k/4), over the valid slots."""
+    from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
+
+    torch.manual_seed(0)
+    n, g, vocab, h_dim, rank = 7, 5, 97, 64, 6
+    drafter = DFlashDrafter(small_config(kind="dspark", markov_rank=rank, block_size=g))
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.normal_(0.0, 0.5)
+        drafter.confidence_head.proj.weight.normal_(0.0, 0.3)
+    hidden, head = torch.randn(n, g, h_dim), torch.randn(vocab, h_dim) * 0.3
+    tokens = torch.randint(0, vocab, (n, g + 1))
+    valid = torch.arange(g)[None] < torch.tensor([0, 1, 2, 3, 5, 5, 4])[:, None]  # (N, γ) valid prefixes
+    labels, prev = torch.where(valid, tokens[:, 1:], -100), tokens[:, :-1]
+    targets = torch.randn(n, g, vocab) * 2 + 20 * F.one_hot(tokens[:, 1:], vocab)  # speculators' label: the argmax
+    with torch.no_grad():
+        emb = drafter.markov_head.prev_embeddings(prev)
+        logits = hidden @ head.T + drafter.markov_head.bias(prev)  # (N, γ, V)
+        ce = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1), reduction="none").view(n, g)
+        confidence = drafter.confidence_head(hidden, emb)
+        ours = dspark_loss(
+            hidden, head, drafter, labels, prev, targets, loss_weights=DSparkLossWeights(ce=1.0, l1=0.0),
+            position_weights="dpace", dpace_alpha=0.5,
+        ).loss  # fmt: skip
+    inputs, outputs = tmp_path / "in.pt", tmp_path / "out.pt"
+    payload = {"ce": ce * valid, "valid": valid, "alpha": 0.5, "logits": logits, "targets": targets}
+    torch.save({**payload, "confidence": confidence}, inputs)
+    helper = Path(__file__).resolve().parents[1] / "helpers" / "speculators_dpace.py"
+    run = subprocess.run(
+        [str(speculators_python()), str(helper), str(inputs), str(outputs)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = float(torch.load(outputs)["loss"])
+    # speculators divides by Σm + 1e-5 (the CE) and Σm + 1e-8 (the BCE), Σm = 20 here: a relative 5e-7 apart
+    assert abs(float(ours) - theirs) <= 2e-6 * abs(theirs), (float(ours), theirs)

@@ -209,3 +209,64 @@ def test_draft_id_logits_with_the_log_sum_exp_equal_the_full_softmax() -> None:
     torch.testing.assert_close(got.loss, full.loss)
     for a, b in zip(_grads(d2, h2), _grads(d1, h1), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def dpace_reference(drafter, hidden, head, labels, prevs, tlogits, alpha: float, draft_labels=None):
+    """DSpark + D-PACE by its definition, float64 with Python loops for the weights: CE_k weighted by D-PACE's
+    w_k = Σ_{j≥k} m_j·Π_{i≤j} q̃_i (q̃ = (1 − α)·exp(−CE) + α on valid slots, detached), L1 and BCE by exp(−k/4), all
+    divided by the number of valid slots."""
+    m = drafter.markov_head
+    d2t = drafter.draft_to_target if drafter.config.draft_vocab_size else torch.arange(V)
+    emb = m.markov_w1(prevs)
+    z = hidden @ head[d2t].t() + m.markov_w2(emb)
+    logp = z.log_softmax(-1)
+    pt = tlogits.softmax(-1)
+    l1 = (logp.exp() - pt[..., d2t]).abs().sum(-1) + (1 - pt[..., d2t].sum(-1))
+    dl = labels if draft_labels is None else draft_labels
+    ce = torch.where(dl >= 0, -logp.gather(-1, dl.clamp(min=0)[..., None]).squeeze(-1), torch.inf)
+    valid = labels != -100
+    dw = torch.zeros_like(l1)
+    for b in range(labels.shape[0]):
+        for k in range(G):
+            if not valid[b, k]:
+                continue
+            for j in range(k, G):
+                if valid[b, j]:
+                    prod = 1.0
+                    for i in range(j + 1):
+                        if valid[b, i]:
+                            prod *= (1 - alpha) * float(torch.exp(-ce[b, i].detach())) + alpha
+                    dw[b, k] += prod
+    decay = torch.exp(-torch.arange(G, dtype=torch.float64) / 4)[None] * valid
+    total = (dw * torch.where(dl >= 0, ce, 0.0)).sum() + (decay * l1).sum() * 0.9
+    conf = drafter.confidence_head.proj(torch.cat([hidden, emb], -1)).squeeze(-1)
+    y = (1 - 0.5 * l1.detach()).clamp(0, 1)
+    total = total + (decay * F.binary_cross_entropy_with_logits(conf, y, reduction="none")).sum()
+    return total / valid.sum()
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 7])
+@pytest.mark.parametrize("alpha", [0.5, 0.1])
+def test_dpace_weights_on_the_dspark_ce_equal_the_float64_reference(draft_vocab, alpha) -> None:
+    hidden, head, labels, prevs, tlogits = _problem(3)
+    d_ref, d_got = tiny_dspark(draft_vocab), tiny_dspark(draft_vocab)
+    draft_labels, rows = None, head
+    if draft_vocab:  # labels outside the draft vocabulary: no CE, and q = 0 for D-PACE (probability 0)
+        t2d = torch.full((V,), -100)
+        t2d[d_got.draft_to_target] = torch.arange(draft_vocab)
+        draft_labels = torch.where(labels >= 0, t2d[labels.clamp(min=0)], -100)
+        assert (draft_labels[labels >= 0] == -100).any()
+        rows = head[d_got.draft_to_target]  # (V', H): the head rows of the draft ids
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ref = dpace_reference(d_ref, h1, head, labels, prevs, tlogits, alpha, draft_labels)
+    ref.backward()
+    out = dspark_loss(
+        h2, rows, d_got, labels, prevs, tlogits, loss_weights=DSparkLossWeights(ce=1.0),
+        draft_labels=draft_labels, chunk_rows=5, position_weights="dpace", dpace_alpha=alpha,
+    )  # fmt: skip
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref.detach())
+    for a, b in zip(_grads(d_got, h2), _grads(d_ref, h1), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="position_weights"):
+        dspark_loss(h2, rows, d_got, labels, prevs, tlogits, position_weights="softmax")

@@ -195,9 +195,11 @@ def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tin
     l_off = [r["loss"] for r in read_metrics(tmp_path / "off" / "metrics.jsonl") if r["split"] == "train"]
     l_on = [r["loss"] for r in read_metrics(tmp_path / "on" / "metrics.jsonl") if r["split"] == "train"]
     assert off.step == on.step == 3 and l_off == pytest.approx(l_on, rel=1e-4)
-    for bad, field in ((dict(loss="topk"), "loss"), (dict(position_weights="dpace"), "position_weights")):
-        with pytest.raises(ConfigError, match=field):
-            train(cfg_for(tmp_path / f"bad-{field}", features=str(feats), **{**common, **bad}), target=target)
+    with pytest.raises(ConfigError, match="loss"):
+        train(cfg_for(tmp_path / "bad-loss", features=str(feats), **{**common, "loss": "topk"}), target=target)
+    dpace = train(cfg_for(tmp_path / "dpace", features=str(feats), **common, position_weights="dpace"), target=target)
+    l_dpace = [r["loss"] for r in read_metrics(tmp_path / "dpace" / "metrics.jsonl") if r["split"] == "train"]
+    assert dpace.step == 3 and all(math.isfinite(x) for x in l_dpace) and l_dpace[0] != pytest.approx(l_off[0])
 
 
 def test_training_mask_equals_deepspecs_definition() -> None:
