@@ -234,9 +234,9 @@ def speculators_differences(cfg: DrafterConfig) -> list[str]:
     out = []
     if cfg.learned_mask_embedding:
         out.append(
-            f"mask_embedding kept as a tensor for dflashkit only: speculators' model (and vLLM reading this layout) "
-            f"embed the target's row {cfg.mask_token_id} in the mask slots instead, so their drafts differ; for "
-            f"vLLM use --to vllm --target T"
+            f"mask_embedding kept as a tensor for dflashkit only: speculators' model embeds the target's row "
+            f"{cfg.mask_token_id} in the mask slots instead, so its drafts differ (vLLM reads a learned mask only "
+            f"from mask_embedding.pt: use --to vllm --target T)"
         )
     if cfg.is_causal is True and any(t != SLIDING_ATTENTION for t in cfg.layer_types):
         out.append(

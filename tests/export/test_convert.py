@@ -257,7 +257,7 @@ def test_speculators_export_names_the_verifier_and_the_window_and_says_what_spec
     assert raw["transformer_layer_config"]["use_sliding_window"] is True
     assert raw["transformer_layer_config"]["sliding_window"] == 16
     notes = " ".join(report.notes)
-    assert "embed the target's row" in notes and "is_causal true" in notes and "from the block's anchor" in notes
+    assert "embeds the target's row" in notes and "is_causal true" in notes and "from the block's anchor" in notes
     bare = convert(src, tmp_path / "spec2", to="speculators")  # no target: the empty verifier is named
     assert any("verifier.name_or_path left empty" in n for n in bare.notes)
     # import: how speculators ran the sliding layers, where that differs from dflashkit
