@@ -158,27 +158,25 @@ def test_the_dspark_loss_and_its_gradients_equal_deepspecs(deepspec) -> None:
     from deepspec.modeling.dspark.common import AcceptRatePredictor, DSparkForwardOutput
     from deepspec.modeling.dspark.markov_head import VanillaMarkov
 
-    from dflashkit.drafter.model import DFlashDrafter
     from dflashkit.train.dspark_loss import dspark_loss
+    from helpers.dspark_blocks import dspark_blocks
 
-    torch.manual_seed(0)
-    n, g, vocab, h_dim, rank = 7, 5, 97, 64, 6
-    drafter = DFlashDrafter(small_config(kind="dspark", markov_rank=rank, block_size=g))
-    with torch.no_grad():
-        drafter.markov_head.markov_w2.weight.normal_(0.0, 0.5)
-        drafter.confidence_head.proj.weight.normal_(0.0, 0.3)
+    b = dspark_blocks()
+    drafter, hidden, head, tokens, valid, labels, prev = (
+        b.drafter,
+        b.hidden,
+        b.head,
+        b.tokens,
+        b.valid,
+        b.labels,
+        b.prev,
+    )
+    vocab, h_dim, rank = head.shape[0], head.shape[1], drafter.config.markov_rank
     markov = VanillaMarkov(vocab_size=vocab, markov_rank=rank)
     markov.load_state_dict(drafter.markov_head.state_dict())
     predictor = AcceptRatePredictor(input_dim=h_dim + rank)
     predictor.load_state_dict(drafter.confidence_head.state_dict())
-    hidden = torch.randn(n, g, h_dim)  # (N, γ, H)
-    head = torch.randn(vocab, h_dim) * 0.3  # (V, H)
-    tokens = torch.randint(0, vocab, (n, g + 1))  # the given token, then the block's true tokens
-    lengths = torch.tensor([0, 1, 2, 3, 5, 5, 4])  # valid prefix per block, an empty one included
-    valid = torch.arange(g)[None] < lengths[:, None]  # (N, γ)
-    labels = torch.where(valid, tokens[:, 1:], -100)
-    prev = tokens[:, :-1]  # teacher forcing: slot k reads the token before it
-    target_logits = torch.randn(n, g, vocab) * 2
+    target_logits = torch.randn(*labels.shape, vocab) * 2
 
     ours_h = hidden.clone().requires_grad_()
     ours = dspark_loss(ours_h, head, drafter, labels, prev, target_logits).loss

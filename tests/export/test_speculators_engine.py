@@ -28,7 +28,17 @@ from dflashkit.target.model import Target
 from helpers.checkpoints import small_config, write_checkpoint
 
 SPECULATORS_PYTHON_ENV = "DFLASHKIT_SPECULATORS_PYTHON"
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "speculators_forward.py"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+
+
+def in_speculators(helper: str, inputs: dict, tmp_path: Path, *args: Path) -> dict:
+    """Save `inputs`, run tests/helpers/`helper` in .venv-speculators (`args` before the two files), load its output."""
+    src, dst = tmp_path / f"{helper}.in.pt", tmp_path / f"{helper}.out.pt"
+    torch.save(inputs, src)
+    cmd = [str(speculators_python()), str(HELPERS / helper), *map(str, args), str(src), str(dst)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(dst)
 
 
 def speculators_python() -> Path | None:
@@ -113,16 +123,8 @@ def test_speculators_own_model_runs_the_export_as_dflashkit_does(name, tmp_path,
             logits = logits + drafter.markov_head.bias(prev)
             confidence = drafter.confidence_head(hidden, drafter.markov_head.prev_embeddings(prev))
     logits = logits[:, order.argsort()]  # the export orders draft ids by target id
-    inputs, outputs = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
-    torch.save({"ids": ids, "features": out.features, "final": out.final_hidden, "anchor": p}, inputs)
-    run = subprocess.run(
-        [str(speculators_python()), str(HELPER), str(tmp_path / "spec"), str(inputs), str(outputs)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    theirs = torch.load(outputs)
+    inputs = {"ids": ids, "features": out.features, "final": out.final_hidden, "anchor": p}
+    theirs = in_speculators("speculators_forward.py", inputs, tmp_path, tmp_path / "spec")
     assert theirs["kind"] == ("DSparkDraftModel" if drafter.is_dspark else "DFlashDraftModel")
     assert theirs["block_positions"].tolist() == list(range(p, p + bs))
     pairs = {"hidden": hidden, "logits": logits, **({"confidence": confidence} if confidence is not None else {})}
@@ -144,33 +146,27 @@ def test_dpace_weights_equal_speculators_own(alpha, tmp_path) -> None:
     lengths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 3])
     valid = (torch.arange(6)[None] < lengths[:, None]) & (torch.arange(6)[None] > 0)  # (N, γ)
     valid[7, 3] = False  # a hole inside a block
-    inputs, outputs = tmp_path / "in.pt", tmp_path / "out.pt"
-    torch.save({"ce": ce, "valid": valid, "alpha": alpha}, inputs)
-    helper = Path(__file__).resolve().parents[1] / "helpers" / "speculators_dpace.py"
-    run = subprocess.run(
-        [str(speculators_python()), str(helper), str(inputs), str(outputs)], capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    theirs = torch.load(outputs)["weights"]
+    theirs = in_speculators("speculators_dpace.py", {"ce": ce, "valid": valid, "alpha": alpha}, tmp_path)["weights"]
     torch.testing.assert_close(dpace_weights(ce, valid, alpha), theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
     """DSpark + D-PACE (`position_weights: dpace`, L1 weight 0) against speculators' DSpark loss with `--loss-fn ce
     --per-position-loss-weight dpace`: D-PACE-weighted CE plus the confidence BCE on exp(−k/4), over the valid slots."""
-    from dflashkit.drafter.model import DFlashDrafter
     from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
+    from helpers.dspark_blocks import dspark_blocks
 
-    torch.manual_seed(0)
-    n, g, vocab, h_dim, rank = 7, 5, 97, 64, 6
-    drafter = DFlashDrafter(small_config(kind="dspark", markov_rank=rank, block_size=g))
-    with torch.no_grad():
-        drafter.markov_head.markov_w2.weight.normal_(0.0, 0.5)
-        drafter.confidence_head.proj.weight.normal_(0.0, 0.3)
-    hidden, head = torch.randn(n, g, h_dim), torch.randn(vocab, h_dim) * 0.3
-    tokens = torch.randint(0, vocab, (n, g + 1))
-    valid = torch.arange(g)[None] < torch.tensor([0, 1, 2, 3, 5, 5, 4])[:, None]  # (N, γ) valid prefixes
-    labels, prev = torch.where(valid, tokens[:, 1:], -100), tokens[:, :-1]
+    b = dspark_blocks()
+    drafter, hidden, head, tokens, valid, labels, prev = (
+        b.drafter,
+        b.hidden,
+        b.head,
+        b.tokens,
+        b.valid,
+        b.labels,
+        b.prev,
+    )
+    (n, g), vocab = labels.shape, head.shape[0]
     targets = torch.randn(n, g, vocab) * 2 + 20 * F.one_hot(tokens[:, 1:], vocab)  # speculators' label: the argmax
     with torch.no_grad():
         emb = drafter.markov_head.prev_embeddings(prev)
@@ -181,14 +177,7 @@ def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
             hidden, head, drafter, labels, prev, targets, loss_weights=DSparkLossWeights(ce=1.0, l1=0.0),
             position_weights="dpace", dpace_alpha=0.5,
         ).loss  # fmt: skip
-    inputs, outputs = tmp_path / "in.pt", tmp_path / "out.pt"
     payload = {"ce": ce * valid, "valid": valid, "alpha": 0.5, "logits": logits, "targets": targets}
-    torch.save({**payload, "confidence": confidence}, inputs)
-    helper = Path(__file__).resolve().parents[1] / "helpers" / "speculators_dpace.py"
-    run = subprocess.run(
-        [str(speculators_python()), str(helper), str(inputs), str(outputs)], capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    theirs = float(torch.load(outputs)["loss"])
+    theirs = float(in_speculators("speculators_dpace.py", {**payload, "confidence": confidence}, tmp_path)["loss"])
     # speculators divides by Σm + 1e-5 (the CE) and Σm + 1e-8 (the BCE), Σm = 20 here: a relative 5e-7 apart
     assert abs(float(ours) - theirs) <= 2e-6 * abs(theirs), (float(ours), theirs)
