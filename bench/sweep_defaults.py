@@ -105,6 +105,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},
     "server_regen_all": {"server_regen_minutes": 6.0, "regen_turns": "all"},
+    # the server route as the quickstart runs it now: slots measured at the start (8 or 16), chunks of 8 × slots
+    # cut at the deadline (`regenerate(stop_at=…)`)
+    "server_regen_measured": {"server_regen_minutes": 6.0, "server_slots": "measured"},
 }
 _DATA_KEYS = (
     "fraction",
@@ -124,6 +127,17 @@ def _say(msg: str) -> None:
 def _link(src: Path, dst: Path) -> None:
     if not dst.exists():
         dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
+
+
+def _measured_slots(target: Any, s: QuickstartSettings) -> int:
+    """The llama-server slot count the quickstart would choose on this machine (its first 32 training prompts)."""
+    from dflashkit.quickstart import _train_prompts
+    from dflashkit.quickstart_server import server_rates
+
+    prompts = [ids for _, (_, ids) in zip(range(32), _train_prompts(target, s), strict=False)]
+    rates = server_rates(target, prompts)
+    _say(f"llama-server tokens/s by slots: {rates}")
+    return max(rates, key=rates.__getitem__)
 
 
 def _keep_base_original(tokens_file: Path, base: Path) -> int:
@@ -148,7 +162,7 @@ def _shared_data(
     from dflashkit.features.capture import capture
 
     keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
-    plan = {k: spec[k] for k in (*keys, "server_regen_minutes", "regen_turns") if k in spec}
+    plan = {k: spec[k] for k in (*keys, "server_regen_minutes", "regen_turns", "server_slots") if k in spec}
     if plan.get("capture_final"):  # DSpark: the target's log-sum-exp per position too, as the quickstart captures
         plan["target_lse"] = True
     name = (
@@ -169,7 +183,9 @@ def _shared_data(
         t0 = time.monotonic()
         turns = str(plan.get("regen_turns", "first"))
         srv = replace(s, regen_minutes=float(plan["server_regen_minutes"]), original_text=0, regen_turns=turns)
-        rates = {"regen_route": "llama-server", "regen_batch": 32}
+        rates: dict[str, Any] = {"regen_route": "llama-server", "regen_batch": 32}
+        if plan.get("server_slots") == "measured":  # as the quickstart's stage_rates chooses them
+            rates["regen_server_slots"] = info["server_slots"] = _measured_slots(target, s)
         prep = stage_prepare(target, srv, d, time.monotonic() + 60 * srv.regen_minutes, rates)
         info.update({"regen_minutes": round((time.monotonic() - t0) / 60, 2), "responses": prep["conversations"]})
         info["regen_tokens_per_s"] = prep.get("regen_tokens_per_s")

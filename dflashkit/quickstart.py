@@ -164,7 +164,7 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
     default clearly), through llama-server when it is built (`regen_server`: the route when clearly faster) and its
     capture tokens/s — measured in about a minute on 2 cores, product choices included (quickstart_rates.py)."""
     from dflashkit.quickstart_rates import BATCH_GAIN, measure_rates
-    from dflashkit.quickstart_server import server_built, server_rate
+    from dflashkit.quickstart_server import server_built, server_rates
 
     batches = (s.regen_batch,) if s.regen_batch else (8, 16, 32)  # a batch size given is kept (and measured)
     prompts = [ids for _, (_, ids) in zip(range(max(batches, default=16)), _train_prompts(target, s), strict=False)]
@@ -175,7 +175,10 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
     )
     rates["regen_route"] = "in-process"
     if server:
-        rates["regen_server_tokens_per_s"] = round(server_rate(target, prompts[:16]), 2)
+        by_slots = server_rates(target, prompts[:32])
+        slots = max(by_slots, key=by_slots.__getitem__)
+        rates["regen_server_slots"], rates["regen_server_tokens_per_s"] = slots, round(by_slots[slots], 2)
+        rates["regen_server_tokens_per_s_by_slots"] = {str(n): round(r, 2) for n, r in by_slots.items()}
         if rates["regen_server_tokens_per_s"] > (1 + BATCH_GAIN) * max(rates["regen_tokens_per_s"].values()):
             rates["regen_route"] = "llama-server"
     return rates
@@ -188,7 +191,7 @@ def stage_prepare(
     original-text conversations whose capture fits this machine's budget (`rates`)."""
     from dflashkit.data.regenerate import read_regenerated
     from dflashkit.data.tokens_file import write_tokens
-    from dflashkit.quickstart_server import SERVER_SLOTS, regen_pool, regenerate_until
+    from dflashkit.quickstart_server import regen_pool, regenerate_until, server_slots
 
     tok = target.tokenizer
     batch = int(s.regen_batch or rates.get("regen_batch", 16))
@@ -196,13 +199,14 @@ def stage_prepare(
     regen.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_regenerated(regen, repair=True)} if regen.exists() else set()
     route = rates.get("regen_route", "in-process")
-    how = f"llama-server, {SERVER_SLOTS} slots" if route == "llama-server" else f"batch {batch}"
+    slots = server_slots(rates)
+    how = f"llama-server, {slots} slots" if route == "llama-server" else f"batch {batch}"
     _say(f"prepare: {len(done)} responses already regenerated; regenerating more for {s.regen_minutes:g} min ({how})")
     with regen_pool(rates) as pool:
         todo = (c for c, _ in _train_prompts(target, s, exclude=done))  # the dataset's order (deterministic)
         new_tokens, seconds, first_rate = regenerate_until(
             target, todo, regen, deadline, done, batch=batch, pool=pool, max_new_tokens=s.max_new_tokens_regen,
-            turns=s.regen_turns, say=_say,
+            turns=s.regen_turns, say=_say, slots=slots,
         )  # fmt: skip
     records = read_regenerated(regen)
     tokens_file = out / "data" / "tokens.jsonl"

@@ -175,7 +175,8 @@ def check_levers_on(base, tmp_path, capsys):
 
     sweep = load_bench("sweep_defaults")
     sweep.VARIANTS["orig_mix"] = {**sweep.VARIANTS["orig_mix"], "original_text": 4}  # 4 conversations, not 300
-    # one more chunk of 2 prompts (the base run's 24 new tokens), not 4 minutes of 32 × 192
+    # one more batch of 1 prompt (the base run's 24 new tokens; only the first batch starts once the 0.06 s have
+    # passed), not 4 minutes of 32 × 192
     sweep.VARIANTS["regen10"] = {
         **sweep.VARIANTS["regen10"],
         "more_regen_minutes": 0.001,
@@ -226,7 +227,7 @@ def check_levers_on(base, tmp_path, capsys):
     assert any(i.startswith("orig-") for i in orig) and any(not i.startswith("orig-") for i in orig)
     base_lines = (base / "data" / "regenerated.jsonl").read_text().splitlines()
     more = (out / "regen10" / "data" / "regenerated.jsonl").read_text().splitlines()
-    assert more[: len(base_lines)] == base_lines and len(more) == len(base_lines) + 2  # the base run continued
+    assert more[: len(base_lines)] == base_lines and len(more) == len(base_lines) + 1  # the base run continued
     assert (out / "regen10" / "features").resolve() == (out / "regen10-s1" / "features").resolve()  # built once
     assert len((out / "regen10" / "data" / "tokens.jsonl").read_text().splitlines()) > len(
         (base / "data" / "tokens.jsonl").read_text().splitlines()

@@ -25,12 +25,13 @@ def measured(monkeypatch):
     monkeypatch.setattr(rates_mod, "measure_rates", fake_measure)
     monkeypatch.setattr("dflashkit.quickstart._train_prompts", lambda target, s: iter([("c", [1, 2, 3])] * 40))
 
-    def with_server(rate: float, built: bool = True):
+    def with_server(rate: float, built: bool = True, per_slot: dict[int, float] | None = None):
+        """The server's rate: `rate` at its best slot count (16 unless `per_slot` says otherwise)."""
         monkeypatch.setattr(server_mod, "server_built", lambda: built)
 
-        def fake_rate(target, prompts):
+        def fake_rate(target, prompts, slots):
             calls["server"] += 1
-            return rate
+            return (per_slot or {8: 0.9 * rate, 16: rate})[slots]
 
         monkeypatch.setattr(server_mod, "server_rate", fake_rate)
         return calls
@@ -45,7 +46,17 @@ def test_the_server_route_needs_a_clear_win(measured, server_rate, route):
     calls = measured(server_rate)
     rates = stage_rates(_Target(), QuickstartSettings(regen_server="auto"), [1])
     assert rates["regen_route"] == route and rates["regen_server_tokens_per_s"] == server_rate
-    assert calls["server"] == 1  # > (1 + BATCH_GAIN) · the best in-process rate (50 tok/s) takes the server
+    assert calls["server"] == 2  # > (1 + BATCH_GAIN) · the best in-process rate (50 tok/s) takes the server
+    assert rates["regen_server_slots"] == 16
+    assert rates["regen_server_tokens_per_s_by_slots"] == {"8": round(0.9 * server_rate, 2), "16": server_rate}
+
+
+def test_the_faster_slot_count_is_kept_and_a_resumed_run_reuses_it(measured):
+    measured(0.0, per_slot={8: 140.0, 16: 120.0})
+    rates = stage_rates(_Target(), QuickstartSettings(regen_server="auto"), [1])
+    assert rates["regen_server_slots"] == 8 and rates["regen_server_tokens_per_s"] == 140.0
+    assert server_mod.server_slots(rates) == 8 and server_mod.server_slots({**rates, "regen_server_slots": 16}) == 16
+    assert server_mod.server_slots({"regen_route": "llama-server"}) == server_mod.SERVER_SLOTS  # an older run
 
 
 def test_off_or_not_built_never_starts_a_server(measured):

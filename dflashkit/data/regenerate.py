@@ -57,6 +57,7 @@ class RegenStats:
     generated: int = 0  # written by this call
     finished: int = 0  # of those, ended with a stop token
     skipped: dict[str, str] = field(default_factory=dict)  # id → reason (no user turn, prompt too long)
+    not_started: int = 0  # left for a later call: `stop_at` came first
     turns: int = 0  # replies written (> generated with --turns all)
     new_tokens: int = 0
     seconds: float = 0.0
@@ -238,11 +239,15 @@ def regenerate(
     servers: ServerPool | None = None,
     concurrency: int = 8,
     progress: bool = True,
+    stop_at: float | None = None,
 ) -> RegenStats:
     """Write the target's replies (`turns`: the first assistant turn, or every one) to `out_path` (JSONL).
 
     In process (HF `generate`, `batch_size` conversations a batch) or, with `servers`, through OpenAI-compatible
     servers (`concurrency` conversations in flight, spread over the servers: dflashkit.data.server_client).
+    `stop_at` (a `time.monotonic()` time): no batch, no conversation starts after it — the first batch or the first
+    `concurrency` conversations always do — and those under way finish and are written; the rest are counted in
+    `not_started` (a later call with the same file takes them up, as a resume does).
     """
     if target.tokenizer is None:
         raise DataError(f"target {target.source}: no tokenizer found (regeneration needs one with a chat template)")
@@ -282,7 +287,7 @@ def regenerate(
         )
         eos = target.eos_token_id if isinstance(target, TargetText) else target.model.generation_config.eos_token_id
         stop_ids = end_of_turn_ids(target.tokenizer, eos)
-        job = _Job(target, settings, stats, stop_ids, chat_template_kwargs, max_prompt_length, seed)
+        job = _Job(target, settings, stats, stop_ids, chat_template_kwargs, max_prompt_length, seed, stop_at)
         start = time.perf_counter()
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
         with open(out_path, "a", encoding="utf-8") as f:
@@ -308,6 +313,7 @@ class _Job:
     kwargs: dict[str, Any] | None
     max_prompt_length: int | None
     seed: int
+    stop_at: float | None = None  # time.monotonic(): start nothing new after it (once `free` things have started)
 
     lock: threading.Lock = field(default_factory=threading.Lock)  # stats are counted from worker threads
 
@@ -320,6 +326,14 @@ class _Job:
             self.stats.new_tokens += len(ids)
         return state.next_prompt(self.target.tokenizer, self.kwargs, self.max_prompt_length)
 
+    def may_start(self, started: int, free: int, left: int) -> bool:
+        """Whether another batch / conversation may start, `started` having started (the first `free` always may);
+        when not, the `left` not started are counted."""
+        if self.stop_at is None or started < free or time.monotonic() < self.stop_at:
+            return True
+        self.stats.not_started = left
+        return False
+
     def finish(self, state: TurnState) -> dict[str, Any]:
         with self.lock:
             self.stats.generated += 1
@@ -331,7 +345,9 @@ def _in_process(job: _Job, todo: list[tuple[TurnState, list[int]]], f: Any, bar:
     """HF `generate` on batches of conversations; every turn of a batch is generated before it is written."""
     torch.manual_seed(job.seed)
     temperature, top_p = job.settings["temperature"], job.settings["top_p"]
-    for batch in _batches(todo, size):
+    for k, batch in enumerate(_batches(todo, size)):
+        if not job.may_start(k, 1, len(todo) - k * size):
+            break
         active = list(batch)
         while active:
             results = generate_batch(
@@ -396,11 +412,16 @@ def _through_servers(
     pending = iter(todo)
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen")
     running: set[Any] = set()
-    clean = False
+    clean, started = False, 0
     try:
         while True:
-            while len(running) < concurrency and (nxt := next(pending, None)) is not None:
+            while (
+                len(running) < concurrency
+                and job.may_start(started, concurrency, len(todo) - started)
+                and (nxt := next(pending, None)) is not None
+            ):
                 running.add(pool.submit(_server_conversation, job, servers, *nxt))
+                started += 1
             if not running:
                 break
             finished, running = wait(running, return_when=FIRST_COMPLETED)

@@ -123,6 +123,32 @@ def test_server_killed_mid_run_the_other_finishes(tiny, tiny_dir, tmp_path, refe
     assert _strip(recs) == reference["all"]
 
 
+@pytest.mark.parametrize("route", ["in-process", "server"])
+def test_stop_at_starts_nothing_new_and_a_later_call_finishes(tiny, tiny_dir, tmp_path, reference, route):
+    """Past `stop_at`, only the first batch / wave runs; the rest is counted and a second call adds exactly it."""
+    path = tmp_path / "regen.jsonl"
+    with FakeServer(tiny) as srv:
+        servers = _pool(srv.url) if route == "server" else None
+        target = TargetText.load(tiny_dir) if servers else tiny
+
+        def run(stop_at: float | None):
+            return regenerate(
+                target, _convs(), path, max_new_tokens=6, batch_size=2, servers=servers, concurrency=2,
+                progress=False, stop_at=stop_at,
+            )  # fmt: skip
+
+        first = run(time.monotonic() - 1.0)  # the deadline has passed before the call
+        assert (first.generated, first.not_started) == (2, len(QUESTIONS) - 2)
+        assert len(read_regenerated(path)) == 2
+        if servers:
+            assert srv.requests == 2
+        rest = run(None)
+    assert (rest.already_done, rest.generated, rest.not_started) == (2, len(QUESTIONS) - 2, 0)
+    recs = read_regenerated(path)
+    assert len(recs) == len({r["id"] for r in recs}) == len(QUESTIONS)
+    assert _strip(recs) == reference["first"]
+
+
 def test_errors_name_the_url_and_the_reason(tiny, tiny_dir, tmp_path):
     text = TargetText.load(tiny_dir)
     with FakeServer(tiny, failures=["400"]) as srv:
