@@ -18,7 +18,9 @@ with that many parallel slots and as many requests in flight — what `dflashkit
 does — on the same number of threads, serving `--server-gguf` (f32: the target's F32 conversion, the exact weights
 of the fp32 target; f16, bf16, q8_0: conversions that round them; q4_1: the shipped file); "same" then says how
 often the server's greedy responses equal the fp32 HF target's (the first run, when it is an in-process one).
-Server start-up is not timed.
+Server start-up is not timed. `--engine-ceiling` adds llama.cpp's own batched decoding of the same GGUFs at the same
+slot counts (`llama-batched-bench`: the mean prompt length, `--max-new-tokens` each, no server, no HTTP, no early
+stop) — the most a llama-server can give on this machine — and each server run as a fraction of it.
 Reported per run (products @ batch size): generated tokens per second (every response token up to and including
 the stop token or the cap — what becomes supervised data), responses per minute, and the fraction of responses
 identical to those of the first run (left padding or another product order must not change greedy output beyond
@@ -137,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         "q8_0 (conversions that round them), q4_1 (the shipped file), or a path; comma-separated to compare several",
     )
     p.add_argument("--server-args", default="", help="more llama-server arguments, e.g. '-fa on'")
+    p.add_argument(
+        "--engine-ceiling",
+        action="store_true",
+        help="also time llama-batched-bench on each --server-gguf at each --server-slots (the engine's own ceiling)",
+    )
     args = p.parse_args(argv)
     sizes = positive_ints(args.batch_sizes, "--batch-sizes", "8,16,32")
     ways = [w.strip() for w in args.products.split(",") if w.strip()]
@@ -209,8 +216,30 @@ def main(argv: list[str] | None = None) -> int:
             f"{w:>12} {b:>6} {seconds[(w, b)]:>8.1f} {tokens[(w, b)]:>7} {doc['tok_s'][i]:>7.1f} "
             f"{doc['responses_per_min'][i]:>8.1f} {doc['same_as_first'][i]:>5.2f}"
         )
+    if args.engine_ceiling and slots:
+        doc["engine_ceiling_tok_s"] = _engine_ceiling(ggufs, slots, prompts, args.max_new_tokens, doc)
     print(json.dumps(doc))
     return 0
+
+
+def _engine_ceiling(
+    ggufs: dict[str, Path], slots: list[int], prompts: list[list[int]], max_new_tokens: int, doc: dict
+) -> dict[str, dict[str, float]]:
+    """llama-batched-bench on each GGUF at each slot count (printed next to the server runs); {gguf: {slots: tok/s}}."""
+    from dflashkit.export.llamacpp import run_batched_bench
+
+    mean_prompt = round(statistics.fmean(map(len, prompts)))
+    print(f"llama.cpp's own batched decoding (llama-batched-bench: {mean_prompt}-token prompts, {max_new_tokens} new")
+    print("tokens each, no server, no early stop; prefill included) against the server runs above:")
+    print(f"{'gguf':>12} {'slots':>6} {'ceiling':>8} {'server':>7} {'share':>6}")
+    ceiling: dict[str, dict[str, float]] = {}
+    for name, gguf in ggufs.items():
+        rates = run_batched_bench(gguf, slots, mean_prompt, max_new_tokens, torch.get_num_threads())
+        ceiling[name] = {str(n): round(r, 2) for n, r in rates.items()}
+        for n in slots:
+            served = doc["tok_s"][doc["runs"].index(f"server-{name}@{n}")]
+            print(f"{name:>12} {n:>6} {rates[n]:>8.1f} {served:>7.1f} {served / rates[n]:>6.2f}")
+    return ceiling
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@
 #     LLAMACPP_HOME=/some/dir scripts/build_llamacpp.sh
 #
 # Result: $LLAMACPP_HOME/bin/{llama-speculative-simple,llama-cli,llama-completion,llama-server,llama-bench,
-# llama-quantize} with their shared libraries and one CPU backend per x86 instruction-set level
+# llama-batched-bench,llama-quantize} with their shared libraries and one CPU backend per x86 instruction-set level
 # (libggml-cpu-<variant>.so), and $LLAMACPP_HOME/gguf-py (llama.cpp's own gguf package, with the DFlash
 # constants), where LLAMACPP_HOME defaults to ${DFLASHKIT_CACHE:-${XDG_CACHE_HOME:-~/.cache}/dflashkit}/llama.cpp-11434.
 #
@@ -25,15 +25,22 @@
 # Smoke check before the stamp: one greedy completion with the embedded Q4_1 SmolLM2 GGUF and one with its F32
 # conversion (a few seconds); a crash names the CPU's instruction-set flags and the variant that ran, and the build
 # is not stamped as done. Idempotent: $LLAMACPP_HOME/.built is written last, and a second run only prints where the
-# tools are. Options: shared libraries found next to the tools ($ORIGIN), no tests, no web-UI download, no HTTPS
+# tools are — unless a tool of the list is missing (a build made before it joined the list): then the build runs
+# again, incrementally (seconds for a new tool; nothing already compiled is compiled again). Options: shared libraries found next to the tools ($ORIGIN), no tests, no web-UI download, no HTTPS
 # (nothing here downloads).
 set -euo pipefail
 VERSION=11434.0.0
 CACHE="${DFLASHKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflashkit}"
 HOME_DIR="${LLAMACPP_HOME:-$CACHE/llama.cpp-11434}"
 JOBS="${JOBS:-2}"
-TOOLS=(llama-speculative-simple llama-completion llama-cli llama-quantize llama-bench llama-server)
+TOOLS=(llama-speculative-simple llama-completion llama-cli llama-quantize llama-bench llama-batched-bench llama-server)
 STAMP="$HOME_DIR/.built"
+MISSING=""
+for tool in "${TOOLS[@]}"; do [ -x "$HOME_DIR/bin/$tool" ] || MISSING="$MISSING $tool"; done
+if [ -f "$STAMP" ] && [ -n "$MISSING" ]; then
+  echo "[llama.cpp] built before, but without:$MISSING — building again (incremental)"
+  rm -f "$STAMP"
+fi
 if [ -f "$STAMP" ]; then
   echo "[llama.cpp] already built: $HOME_DIR/bin ($(cat "$STAMP"))"
   exit 0

@@ -10,7 +10,8 @@ and speculative decoding, and read back what llama.cpp did — for the opt-in en
 The drafts are read from `llama-speculative-simple -v` (its debug lines "draft candidate 0, pos i: ID" and
 "accepted a/n draft tokens, the last target token is: (ID)", common/speculative.cpp and
 examples/speculative-simple/speculative-simple.cpp); timings from its "decoded N tokens in S seconds" and the
-draft statistics line ("dur(b,g,a) = …": g = total draft-generation milliseconds).
+draft statistics line ("dur(b,g,a) = …": g = total draft-generation milliseconds). `run_batched_bench` reads
+`llama-batched-bench`'s table: llama.cpp's own batched decoding, the ceiling a llama-server on the machine approaches.
 Build home: `$LLAMACPP_HOME`, else `<dflashkit cache>/llama.cpp-11434` (DFLASHKIT_CACHE moves the cache).
 """
 
@@ -89,6 +90,38 @@ def _run(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
         tail = "\n".join((proc.stderr or "").splitlines()[-15:])
         raise LlamaCppError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}):\n{tail}")
     return proc
+
+
+def parse_batched_bench(text: str) -> dict[int, float]:
+    """`llama-batched-bench`'s table → {parallel sequences B: generated tokens per second over the whole run}
+    (B × TG tokens over T seconds: the prefill of the B prompts included, as a regeneration run counts it)."""
+    rates: dict[int, float] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]  # PP TG B N_KV T_PP S_PP T_TG S_TG T S
+        if len(cells) != 10:
+            continue
+        try:
+            new_tokens, parallel, seconds = int(cells[1]), int(cells[2]), float(cells[8])
+        except ValueError:
+            continue  # the header and its rule
+        if seconds > 0:
+            rates[parallel] = parallel * new_tokens / seconds
+    return rates
+
+
+def run_batched_bench(
+    gguf: str | Path, parallel: list[int], prompt_tokens: int, new_tokens: int, threads: int, timeout: float = 1800
+) -> dict[int, float]:
+    """Generated tokens/s of llama.cpp decoding `p` sequences together for each `p` in `parallel` (each its own
+    `prompt_tokens`-token prompt, then `new_tokens` tokens; no server, no HTTP, no early stop)."""
+    ctx = max(parallel) * (prompt_tokens + new_tokens) + 256
+    cmd = [str(tool("llama-batched-bench")), "-m", str(gguf), "-c", str(ctx), "-npp", str(prompt_tokens)]
+    cmd += ["-ntg", str(new_tokens), "-npl", ",".join(map(str, parallel)), "-t", str(threads), "-tb", str(threads)]
+    done = _run(cmd, timeout)
+    rates = parse_batched_bench(done.stdout + "\n" + done.stderr)
+    if missing := [p for p in parallel if p not in rates]:
+        raise LlamaCppError(f"llama-batched-bench: no result for {missing} parallel sequences in its output")
+    return rates
 
 
 @dataclass
@@ -288,7 +321,9 @@ __all__ = [
     "cpu_variant",
     "f32_target_gguf",
     "home",
+    "parse_batched_bench",
     "parse_speculative_log",
+    "run_batched_bench",
     "run_plain",
     "run_speculative",
     "target_gguf",

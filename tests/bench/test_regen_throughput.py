@@ -83,3 +83,23 @@ def test_responses_come_back_in_input_order(tiny_llama_dir):
 def test_bad_batch_sizes_are_refused():
     with pytest.raises(SystemExit, match="--batch-sizes"):
         load_bench("regen_throughput").main(["--batch-sizes", "0,4"])
+
+
+@pytest.mark.llamacpp
+def test_server_runs_next_to_the_engine_ceiling(capsys):
+    """Opt-in (`pytest -m llamacpp`): the embedded SmolLM2 through llama-server at 1 and 2 slots, and llama.cpp's own
+    batched decoding of the same F32 GGUF at the same slot counts."""
+    from dflashkit.export import llamacpp
+
+    if not llamacpp.built():
+        pytest.skip("llama.cpp not built (scripts/build_llamacpp.sh)")
+    bench = load_bench("regen_throughput")
+    args = ["--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "2", "--server-slots", "1,2"]
+    assert bench.main([*args, "--engine-ceiling"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(out[-1])
+    assert doc["runs"] == ["auto@2", "server-f32@1", "server-f32@2"]
+    assert set(doc["engine_ceiling_tok_s"]["f32"]) == {"1", "2"} and all(
+        r > 0 for r in doc["engine_ceiling_tok_s"]["f32"].values()
+    )
+    assert any(line.split()[:2] == ["f32", "2"] for line in out[:-1])  # the ceiling's table row

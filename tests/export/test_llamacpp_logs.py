@@ -76,3 +76,63 @@ def test_build_script_is_portable_and_smoke_checked():
     assert "/ggml_add_cpu_backend_variant(sapphirerapids/d" in text  # the AMX variant is left out
     smoke, stamp = text.index("smoke check"), text.rindex('>"$STAMP"')
     assert smoke < stamp and text.count("llama-completion") >= 2  # Q4_1 and F32 run before the stamp
+
+
+def _fake_build(home: Path, tools: list[str]) -> None:
+    (home / "bin").mkdir(parents=True)
+    for name in tools:
+        (home / "bin" / name).write_text("#!/bin/sh\n")
+        (home / "bin" / name).chmod(0o755)
+    (home / ".built").write_text("earlier build\n")
+
+
+def _script_tools() -> list[str]:
+    line = next(x for x in SCRIPT.read_text().splitlines() if x.startswith("TOOLS=("))
+    return line.removeprefix("TOOLS=(").removesuffix(")").split()
+
+
+def _run_script(home: Path) -> subprocess.CompletedProcess:
+    """The build script on a fake build in `home`, with a pip and a cmake that fail: a rebuild stops at its first
+    step (the sdist download), and nothing is ever downloaded or compiled by a test."""
+    fake = home / "fakebin"
+    fake.mkdir()
+    for name in ("pip", "cmake", "ninja"):
+        (fake / name).write_text("#!/bin/sh\necho refused by the test >&2\nexit 3\n")
+        (fake / name).chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(home), "LLAMACPP_HOME": str(home), "PIP": str(fake / "pip")}
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_build_script_is_a_no_op_when_every_tool_is_there(tmp_path):
+    _fake_build(tmp_path, _script_tools())
+    done = _run_script(tmp_path)
+    assert done.returncode == 0 and "already built" in done.stdout
+    assert (tmp_path / ".built").is_file()
+
+
+def test_build_script_builds_again_when_a_listed_tool_is_missing(tmp_path):
+    tools = _script_tools()
+    assert "llama-batched-bench" in tools  # bench/regen_throughput.py --engine-ceiling runs it
+    _fake_build(tmp_path, [t for t in tools if t != "llama-batched-bench"])
+    done = _run_script(tmp_path)
+    assert "without: llama-batched-bench" in done.stdout and "already built" not in done.stdout
+    assert done.returncode != 0 and not (tmp_path / ".built").exists()
+
+
+BATCHED_BENCH = """\
+main: n_kv_max = 8192, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, n_threads = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    76 |     96 |    1 |    172 |    0.152 |   499.49 |    1.798 |    53.39 |    1.950 |    88.19 |
+|    76 |     96 |    8 |   1376 |    0.968 |   627.91 |    3.974 |   193.27 |    4.942 |   278.43 |
+
+llama_perf_context_print:        load time =     120.00 ms
+"""
+
+
+def test_batched_bench_table_is_read_as_generated_tokens_per_second():
+    rates = llamacpp.parse_batched_bench(BATCHED_BENCH)
+    assert set(rates) == {1, 8}
+    assert rates[1] == pytest.approx(96 / 1.950) and rates[8] == pytest.approx(8 * 96 / 4.942)  # prefill included
+    assert llamacpp.parse_batched_bench("no table here\n| a | b |\n") == {}
