@@ -18,9 +18,11 @@ with that many parallel slots and as many requests in flight — what `dflashkit
 does — on the same number of threads, serving `--server-gguf` (f32: the target's F32 conversion, the exact weights
 of the fp32 target; f16, bf16, q8_0: conversions that round them; q4_1: the shipped file); "same" then says how
 often the server's greedy responses equal the fp32 HF target's (the first run, when it is an in-process one).
-Server start-up is not timed. `--engine-ceiling` adds llama.cpp's own batched decoding of the same GGUFs at the same
-slot counts (`llama-batched-bench`: the mean prompt length, `--max-new-tokens` each, no server, no HTTP, no early
-stop) — the most a llama-server can give on this machine — and each server run as a fraction of it.
+Server start-up is not timed. `--server-chunk N` also times each server run sent in chunks of N prompts, each chunk
+waiting for its slowest reply before the next starts (how the quickstart regenerated before it cut one long stream
+at its deadline; run label `server-GGUF:cN`). `--engine-ceiling` adds llama.cpp's own batched decoding of the same
+GGUFs at the same slot counts (`llama-batched-bench`: the mean prompt length, `--max-new-tokens` each, no server, no
+HTTP, no early stop) — the most a llama-server can give on this machine — and each server run as a fraction of it.
 Reported per run (products @ batch size): generated tokens per second (every response token up to and including
 the stop token or the cap — what becomes supervised data), responses per minute, and the fraction of responses
 identical to those of the first run (left padding or another product order must not change greedy output beyond
@@ -79,9 +81,11 @@ def run_server(
     stop_ids: list[int],
     tokenizer: object,
     extra_args: list[str] | None = None,
+    chunk: int = 0,
 ) -> tuple[float, list[list[int]]]:
     """Seconds for a llama-server with `slots` parallel slots to answer all `prompts` (`slots` requests in flight,
-    as `prepare --server URL --concurrency slots` sends them; server start not timed) and the responses."""
+    as `prepare --server URL --concurrency slots` sends them; server start not timed) and the responses. With
+    `chunk`, the prompts go in chunks of that many, each chunk waiting for its slowest reply."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dflashkit.data.server_client import ServerPool
@@ -97,8 +101,10 @@ def run_server(
             return list(c.token_ids or [])
 
         t0 = time.perf_counter()
+        step, responses = chunk or len(prompts), []
         with ThreadPoolExecutor(max_workers=slots) as ex:
-            responses = list(ex.map(one, prompts))
+            for i in range(0, len(prompts), step):
+                responses += list(ex.map(one, prompts[i : i + step]))
         return time.perf_counter() - t0, responses
 
 
@@ -140,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--server-args", default="", help="more llama-server arguments, e.g. '-fa on'")
     p.add_argument(
+        "--server-chunk", type=int, default=0, help="also time each server run sent in chunks of this many prompts"
+    )
+    p.add_argument(
         "--engine-ceiling",
         action="store_true",
         help="also time llama-batched-bench on each --server-gguf at each --server-slots (the engine's own ceiling)",
@@ -169,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     slots = positive_ints(args.server_slots, "--server-slots", "1,4,8") if args.server_slots else []
     ggufs = {g.strip(): _server_gguf(g.strip()) for g in args.server_gguf.split(",") if g.strip()} if slots else {}
     runs += [(f"server-{g}", n) for g in ggufs for n in slots]  # (llama-server GGUF, parallel slots)
+    if args.server_chunk:
+        runs += [(f"server-{g}:c{args.server_chunk}", n) for g in ggufs for n in slots]
     seconds = dict.fromkeys(runs, 0.0)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     stop_ids = default_stop_token_ids(target)  # the config's eos for a target without tokenizer files
@@ -176,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs if r % 2 == 0 else runs[::-1]:
             if run[0].startswith("server-"):
                 threads = torch.get_num_threads()
-                gguf = ggufs[run[0].removeprefix("server-")]
+                name, _, chunk = run[0].removeprefix("server-").partition(":c")
                 s, outputs[run] = run_server(
-                    gguf,
+                    ggufs[name],
                     run[1],
                     prompts,
                     args.max_new_tokens,
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     stop_ids,
                     target.tokenizer,
                     args.server_args.split(),
+                    int(chunk or 0),
                 )
             else:
                 with _products(run[0]):

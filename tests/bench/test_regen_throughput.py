@@ -87,18 +87,19 @@ def test_bad_batch_sizes_are_refused():
 
 @pytest.mark.llamacpp
 def test_server_runs_next_to_the_engine_ceiling(capsys):
-    """Opt-in (`pytest -m llamacpp`): the embedded SmolLM2 through llama-server at 1 and 2 slots, and llama.cpp's own
-    batched decoding of the same F32 GGUF at the same slot counts."""
+    """Opt-in (`pytest -m llamacpp`): the embedded SmolLM2 through llama-server at 1 and 2 slots, in one stream and in
+    chunks, and llama.cpp's own batched decoding of the same F32 GGUF at the same slot counts."""
     from dflashkit.export import llamacpp
 
     if not llamacpp.built():
         pytest.skip("llama.cpp not built (scripts/build_llamacpp.sh)")
     bench = load_bench("regen_throughput")
     args = ["--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "2", "--server-slots", "1,2"]
-    assert bench.main([*args, "--engine-ceiling"]) == 0
+    assert bench.main([*args, "--server-chunk", "1", "--engine-ceiling"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(out[-1])
-    assert doc["runs"] == ["auto@2", "server-f32@1", "server-f32@2"]
+    assert doc["runs"] == ["auto@2", "server-f32@1", "server-f32@2", "server-f32:c1@1", "server-f32:c1@2"]
+    assert len(doc["tok_s"]) == 5 and all(t > 0 for t in doc["tok_s"])
     assert set(doc["engine_ceiling_tok_s"]["f32"]) == {"1", "2"} and all(
         r > 0 for r in doc["engine_ceiling_tok_s"]["f32"].values()
     )
