@@ -161,16 +161,7 @@ def test_the_dspark_loss_and_its_gradients_equal_deepspecs(deepspec) -> None:
     from dflashkit.train.dspark_loss import dspark_loss
     from helpers.dspark_blocks import dspark_blocks
 
-    b = dspark_blocks()
-    drafter, hidden, head, tokens, valid, labels, prev = (
-        b.drafter,
-        b.hidden,
-        b.head,
-        b.tokens,
-        b.valid,
-        b.labels,
-        b.prev,
-    )
+    drafter, hidden, head, tokens, valid, labels, prev = dspark_blocks()
     vocab, h_dim, rank = head.shape[0], head.shape[1], drafter.config.markov_rank
     markov = VanillaMarkov(vocab_size=vocab, markov_rank=rank)
     markov.load_state_dict(drafter.markov_head.state_dict())

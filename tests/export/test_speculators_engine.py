@@ -156,16 +156,7 @@ def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
     from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
     from helpers.dspark_blocks import dspark_blocks
 
-    b = dspark_blocks()
-    drafter, hidden, head, tokens, valid, labels, prev = (
-        b.drafter,
-        b.hidden,
-        b.head,
-        b.tokens,
-        b.valid,
-        b.labels,
-        b.prev,
-    )
+    drafter, hidden, head, tokens, valid, labels, prev = dspark_blocks()
     (n, g), vocab = labels.shape, head.shape[0]
     targets = torch.randn(n, g, vocab) * 2 + 20 * F.one_hot(tokens[:, 1:], vocab)  # speculators' label: the argmax
     with torch.no_grad():

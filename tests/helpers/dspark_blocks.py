@@ -5,7 +5,7 @@ with valid prefixes of different lengths (an empty block included)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -14,8 +14,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from helpers.checkpoints import small_config
 
 
-@dataclass
-class DSparkBlocks:
+class DSparkBlocks(NamedTuple):
     drafter: DFlashDrafter
     hidden: Tensor  # (N, γ, H) final-normed backbone states
     head: Tensor  # (V, H)
