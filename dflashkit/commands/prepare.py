@@ -3,7 +3,12 @@
     dflashkit prepare --data sharegpt|PATH --out DIR [--limit N] [--max-new-tokens N] [--temperature T]
                       [--batch-size N] [--max-length N] [--no-regenerate] [--on-error stop|skip]
                       [--turns first|all] [--thinking off|on|keep] [--target …]
-                      [--server URL [--server URL …] [--concurrency N]]
+                      [--server URL [--server URL …] [--concurrency N]] [--time-budget-minutes M]
+
+--time-budget-minutes M: no batch or conversation starts after M minutes of regeneration; those under way finish
+and are written, the rest are counted in prepare.json (`regeneration.not_started`), and tokens.jsonl holds what was
+regenerated. The same command run again continues where it stopped (a resume), so a long regeneration can run in
+sessions of M minutes.
 
 --server regenerates through OpenAI-compatible servers of the target (vLLM, SGLang, llama-server), requests spread
 over them, `--concurrency` conversations in flight; the target's weights are not loaded here (only its tokenizer).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Annotated, Any
 
 from pydantic import Field
@@ -27,7 +33,7 @@ from pydantic import Field
 from dflashkit.cli import command, target_args
 from dflashkit.data.thinking import THINKING_MODES
 from dflashkit.data.turns import TURN_MODES
-from dflashkit.validation import Expect, NonNegativeFloat, PositiveInt, Probability, Seed, flag
+from dflashkit.validation import Expect, NonNegativeFloat, PositiveFloat, PositiveInt, Probability, Seed, flag
 
 # a training sample needs a prompt token and a supervised one at least
 MinLength = Annotated[int, Field(ge=2), Expect("an integer ≥ 2")]
@@ -69,6 +75,12 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--concurrency", type=flag(PositiveInt), default=8, help="conversations in flight over all --server URLs"
     )
     p.add_argument("--seed", type=flag(Seed), default=0, help="sampling seed (temperature > 0)")
+    p.add_argument(
+        "--time-budget-minutes",
+        type=flag(PositiveFloat),
+        default=None,
+        help="start no regeneration after M minutes (the rest waits for the same command run again)",
+    )
 
 
 def _items(args: argparse.Namespace, records: list[dict[str, Any]], wanted: set[str]) -> list[tuple[str, Any, Any]]:
@@ -105,8 +117,9 @@ def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.target.model import Target, TargetText
 
     out = output_dir(args.out, what="--out", create=False)
-    if args.server and args.no_regenerate:
-        raise ConfigError("--server with --no-regenerate: nothing to regenerate; expected one of the two")
+    if args.no_regenerate and (args.server or args.time_budget_minutes):
+        flag_name = "--server" if args.server else "--time-budget-minutes"
+        raise ConfigError(f"{flag_name} with --no-regenerate: nothing to regenerate; expected one of the two")
     conversations, problems = load_dataset(args.data, args.limit, on_error=args.on_error)
     servers = ServerPool(args.server) if args.server else None
     if servers is not None:  # the server runs the model: only the tokenizer is needed here
@@ -122,6 +135,7 @@ def _prepare(args: argparse.Namespace) -> int:
             items = [(c.id, c.messages, None) for c in conversations]
         else:
             regen_path = out / "regenerated.jsonl"
+            budget_s = 60 * args.time_budget_minutes if args.time_budget_minutes else None
             stats = regenerate(
                 target,
                 conversations,
@@ -137,6 +151,7 @@ def _prepare(args: argparse.Namespace) -> int:
                 thinking=args.thinking,
                 servers=servers,
                 concurrency=args.concurrency,
+                stop_at=None if budget_s is None else time.monotonic() + budget_s,
             )
             regen_stats = stats.to_dict()
             skipped.update(stats.skipped)
@@ -169,6 +184,7 @@ def _prepare(args: argparse.Namespace) -> int:
             "split_turns": tokens.split_turns,
             "regenerated": not args.no_regenerate,
             "regeneration": regen_stats,
+            "complete": not (regen_stats and regen_stats["not_started"]),
             "heldout_policy": HELDOUT_POLICY if str(args.data).startswith("sharegpt") else None,
         }
         atomic_write_text(out / "prepare.json", json.dumps(report, indent=2) + "\n")
@@ -182,6 +198,11 @@ def _prepare(args: argparse.Namespace) -> int:
         if regen_stats:
             _print_regeneration(regen_stats)
         print(f"wrote {out / 'tokens.jsonl'} and {out / 'prepare.json'}")
+        if regen_stats and regen_stats["not_started"]:
+            print(
+                f"time budget of {args.time_budget_minutes:g} min spent: {regen_stats['not_started']} conversations "
+                "not regenerated yet; run the same command again to continue (what is written is kept)"
+            )
         return 0
 
 

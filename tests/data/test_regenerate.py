@@ -156,6 +156,42 @@ def test_prepare_end_to_end(tiny_dir, tmp_path, capsys):
     assert not (out2 / "regenerated.jsonl").exists()
 
 
+def test_prepare_time_budget_stops_and_the_same_command_continues(tiny_dir, tmp_path, capsys):
+    """--time-budget-minutes: past it no batch starts (the first always does); prepare.json counts the rest and says
+    the data is not complete; the same command without (or with) the budget continues and ends with the lines of an
+    uninterrupted run, none twice."""
+    from dflashkit.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in _convs()))
+
+    def argv(out, *extra):
+        return ["prepare", "--data", str(data), "--out", str(out), "--target", str(tiny_dir), "--max-new-tokens",
+                "4", "--batch-size", "2", "--max-length", "64", *extra]  # fmt: skip
+
+    assert main(argv(tmp_path / "whole")) == 0
+    capsys.readouterr()
+    out = tmp_path / "boxed"
+    assert main(argv(out, "--time-budget-minutes", "0.000001")) == 0
+    printed = capsys.readouterr().out
+    assert "4 conversations not regenerated yet; run the same command again" in printed
+    report = json.loads((out / "prepare.json").read_text())
+    assert report["regeneration"]["generated"] == 2 and report["regeneration"]["not_started"] == 4
+    assert report["complete"] is False and report["samples_written"] == 2
+    assert main(argv(out)) == 0
+    report = json.loads((out / "prepare.json").read_text())
+    assert report["regeneration"]["already_done"] == 2 and report["regeneration"]["not_started"] == 0
+    assert report["complete"] is True and report["samples_written"] == len(QUESTIONS)
+    whole = read_regenerated(tmp_path / "whole" / "regenerated.jsonl")
+    boxed = read_regenerated(out / "regenerated.jsonl")
+    assert len(boxed) == len({r["id"] for r in boxed}) == len(QUESTIONS)
+    strip = lambda rs: sorted((r["id"], r["messages"][-1]["content"]) for r in rs)  # noqa: E731
+    assert strip(boxed) == strip(whole)
+    assert (out / "tokens.jsonl").read_text() == (tmp_path / "whole" / "tokens.jsonl").read_text()
+    assert main(argv(tmp_path / "o", "--no-regenerate", "--time-budget-minutes", "5")) == 2
+    assert "--time-budget-minutes with --no-regenerate" in capsys.readouterr().err
+
+
 def test_prepare_errors(tiny_dir, tmp_path, capsys):
     from dflashkit.cli import main
 
