@@ -164,7 +164,7 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
     default clearly), through llama-server when it is built (`regen_server`: the route when clearly faster) and its
     capture tokens/s — measured in about a minute on 2 cores, product choices included (quickstart_rates.py)."""
     from dflashkit.quickstart_rates import BATCH_GAIN, measure_rates
-    from dflashkit.quickstart_server import server_built, server_rates
+    from dflashkit.quickstart_server import in_process_rate, server_built, server_rates
 
     batches = (s.regen_batch,) if s.regen_batch else (8, 16, 32)  # a batch size given is kept (and measured)
     prompts = [ids for _, (_, ids) in zip(range(max(batches, default=16)), _train_prompts(target, s), strict=False)]
@@ -179,7 +179,9 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
         slots = max(by_slots, key=by_slots.__getitem__)
         rates["regen_server_slots"], rates["regen_server_tokens_per_s"] = slots, round(by_slots[slots], 2)
         rates["regen_server_tokens_per_s_by_slots"] = {str(n): round(r, 2) for n, r in by_slots.items()}
-        if rates["regen_server_tokens_per_s"] > (1 + BATCH_GAIN) * max(rates["regen_tokens_per_s"].values()):
+        same_job = in_process_rate(target, prompts[:32], rates["regen_batch"])  # what server_rates timed, in process
+        rates["regen_in_process_tokens_per_s"] = round(same_job, 2)
+        if rates["regen_server_tokens_per_s"] > (1 + BATCH_GAIN) * same_job:
             rates["regen_route"] = "llama-server"
     return rates
 

@@ -133,6 +133,7 @@ def test_quickstart_measures_and_takes_the_server_route(tmp_path):
     s = QuickstartSettings(out=str(tmp_path), regen_minutes=0.01, max_new_tokens_regen=16, original_text=0)
     rates = stage_rates(target, s, [1, 8])
     assert rates["regen_server_tokens_per_s"] > 0 and rates["regen_route"] in ("llama-server", "in-process")
+    assert rates["regen_in_process_tokens_per_s"] > 0  # both routes timed on the same job
     slots = rates["regen_server_slots"]
     assert slots in SLOT_CHOICES and set(rates["regen_server_tokens_per_s_by_slots"]) == set(map(str, SLOT_CHOICES))
     prep = stage_prepare(target, s, tmp_path, time.monotonic() + 1, {**rates, "regen_route": "llama-server"})

@@ -4,6 +4,7 @@ and `dflashkit prepare` end to end."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -219,3 +220,24 @@ def test_original_text_keeps_its_order_and_fits_a_token_budget(tmp_path):
     kept = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
     assert [r["id"] for r in kept] == [r["id"] for r in rows[:2]] and cut.written == 2
     assert cut.total_tokens == budget - 1 and cut.supervised == sum(sum(r["loss_mask"]) for r in kept)
+
+
+def test_quickstart_in_process_rate_does_the_servers_job(tiny, monkeypatch):
+    """The quickstart's in-process side of its route choice (dflashkit/quickstart_server.py), real `generate` on a
+    tiny target: the prompts answered in batches, at most RATE_TOKENS new tokens each, a
+    closing stop token not counted (the server may not return it) — so the count equals the replies' content."""
+    import dflashkit.quickstart_server as server_mod
+    from dflashkit.data.conversations import default_stop_token_ids
+
+    prompts = [
+        encode_prompt(tiny.tokenizer, [{"role": "user", "content": q}]) for q in ("Hi", "Name a colour.", "2+2?")
+    ]
+    clock = iter([10.0, 12.0])  # the timed span: 2 s
+    monkeypatch.setattr(server_mod, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # this module's clock
+    rate = server_mod.in_process_rate(tiny, prompts, batch=2)
+    monkeypatch.undo()
+    stops = default_stop_token_ids(tiny)
+    replies = [generate_batch(tiny, [p], max_new_tokens=server_mod.RATE_TOKENS, stop_ids=stops)[0][0] for p in prompts]
+    content = sum(len(r) - (r[-1] in stops) for r in replies)  # batched greedy = one by one (test above)
+    assert 0 < content <= 3 * server_mod.RATE_TOKENS and rate == content / 2.0
+    assert server_mod._content_tokens([5, 6, stops[0]], stops) == 2 and server_mod._content_tokens([], stops) == 0
