@@ -7,7 +7,7 @@
 Regeneration (the target answering the training prompts, `dflashkit.data.regenerate`) is the most expensive data stage
 on a CPU: the quickstart spends 6 of its minutes there. This runs the same prompts (the first N ShareGPT train
 prompts of at most `--max-prompt-tokens` tokens, as the quickstart picks them; or a pre-tokenised JSONL file)
-through `regenerate.generate_batch` at each batch size, sorted longest-first into batches as `regenerate` does.
+through `regenerate.generate_longest_first` at each batch size (longest first into batches, as `regenerate` does).
 Batch sizes alternate within every repeat (order reversed on odd repeats), so machine drift hits all alike.
 With `--products auto,stock,few_rows` each batch size also runs with each way of computing the products: `auto`
 (dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF runs)
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from dflashkit.data.conversations import default_stop_token_ids
-from dflashkit.data.regenerate import generate_batch
+from dflashkit.data.regenerate import generate_longest_first
 from dflashkit.evaluate.stats import load_prompts
 from dflashkit.target import products
 from dflashkit.target.machine import machine_line
@@ -60,15 +60,8 @@ def run_batches(
     target: Target, prompts: list[list[int]], batch_size: int, max_new_tokens: int
 ) -> tuple[float, list[list[int]]]:
     """Seconds to regenerate all `prompts` at `batch_size` (longest first) and the responses, in input order."""
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    responses: list[list[int]] = [[] for _ in prompts]
     t0 = time.perf_counter()
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        for i, (resp, _) in zip(
-            idx, generate_batch(target, [prompts[i] for i in idx], max_new_tokens=max_new_tokens), strict=True
-        ):
-            responses[i] = resp
+    responses = generate_longest_first(target, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens)
     return time.perf_counter() - t0, responses
 
 

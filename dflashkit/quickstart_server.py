@@ -84,15 +84,12 @@ def in_process_rate(target: Any, prompts: list[list[int]], batch: int) -> float:
     `batch` (as `regenerate` batches them), at most RATE_TOKENS new tokens each, stopping at the stop tokens; prefill
     and the rows that finished early included."""
     from dflashkit.data.conversations import default_stop_token_ids
-    from dflashkit.data.regenerate import generate_batch
+    from dflashkit.data.regenerate import generate_longest_first
 
     stops = default_stop_token_ids(target)
-    order = sorted(prompts, key=len, reverse=True)
-    tokens, t0 = 0, time.perf_counter()
-    for i in range(0, len(order), batch):
-        for ids, _ in generate_batch(target, order[i : i + batch], max_new_tokens=RATE_TOKENS, stop_ids=stops):
-            tokens += _content_tokens(ids, stops)
-    return tokens / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    replies = generate_longest_first(target, prompts, batch_size=batch, max_new_tokens=RATE_TOKENS)
+    return sum(_content_tokens(ids, stops) for ids in replies) / (time.perf_counter() - t0)
 
 
 def _content_tokens(ids: list[int], stops: Iterable[int]) -> int:

@@ -181,6 +181,21 @@ def generate_batch(
     return results
 
 
+def generate_longest_first(
+    target: Target, prompts: list[list[int]], *, batch_size: int, max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy responses (stop token included) to `prompts`, generated longest first in batches of `batch_size` — the
+    order `regenerate` batches in, so similar lengths share a batch — returned in the prompts' order."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    responses: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = generate_batch(target, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+        for i, (resp, _) in zip(idx, batch, strict=True):
+            responses[i] = resp
+    return responses
+
+
 def _plan(
     target: Target | TargetText,
     conversations: list[Conversation],
