@@ -12,8 +12,8 @@ the same prompts, at most RATE_TOKENS new tokens each, stop tokens honoured, pre
 included (`server_rate`, `in_process_rate`) — and the quickstart takes the server only when it is clearly faster
 (`BATCH_GAIN`), recording the choice (route and slots) so a resumed run keeps it (a regeneration file never mixes
 the two generators). (The in-process decoding rate that picks the batch size leaves prefill and finished rows out:
-on the AMD EPYC VM it read 198 tok/s at batch 32 where real regeneration ran at ~95, and once kept the quickstart off
-a server that regenerates ~1.5–2× faster.)
+on the 2-core AMD EPYC VM (AVX2, MKL) it read 198 tok/s at batch 32 where real regeneration ran at ~95, and once
+kept the quickstart off a server that regenerates ~1.5–2× faster.)
 """
 
 from __future__ import annotations
