@@ -9,9 +9,10 @@ on a CPU: the quickstart spends 6 of its minutes there. This runs the same promp
 prompts of at most `--max-prompt-tokens` tokens, as the quickstart picks them; or a pre-tokenised JSONL file)
 through `regenerate.generate_longest_first` at each batch size (longest first into batches, as `regenerate` does).
 Batch sizes alternate within every repeat (order reversed on odd repeats), so machine drift hits all alike.
-With `--products auto,stock,few_rows` each batch size also runs with each way of computing the products: `auto`
-(dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF runs)
-and `few_rows` (weight-stationary everywhere: what dflashkit did on every CPU before it measured). The header names
+With `--products auto,stock,few_rows,onednn` each batch size also runs with each way of computing the products:
+`auto` (dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF
+runs), `few_rows` (weight-stationary everywhere: what dflashkit did on every CPU before it measured) and `onednn`
+(oneDNN's inner product everywhere, where torch has it). The header names
 the machine (CPU, BLAS, threads).
 With `--server-slots 1,4,8` the same prompts also go through llama.cpp's `llama-server` (scripts/build_llamacpp.sh)
 with that many parallel slots and as many requests in flight — what `dflashkit prepare --server URL --concurrency N`
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--batch-sizes", default="8,16,32", help="comma-separated; the first is the reference output")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--products", default="auto", help="comma-separated: auto, stock, few_rows (compared side by side)")
+    p.add_argument("--products", default="auto", help="comma-separated: auto, stock, few_rows, onednn (side by side)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
     p.add_argument(
         "--server-slots",
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ways = [w.strip() for w in args.products.split(",") if w.strip()]
     if not ways or any(w not in products.MODES for w in ways):
         raise SystemExit(
-            f"error: --products {args.products!r}: expected a comma-separated subset of auto,stock,few_rows"
+            f"error: --products {args.products!r}: expected a comma-separated subset of {','.join(products.MODES)}"
         )
     if args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
         raise SystemExit("error: --prompts, --repeats and --max-new-tokens must be positive integers")

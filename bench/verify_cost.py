@@ -9,6 +9,7 @@ pays n = 1 per token. For each n this times (all interleaved, on the same cache,
                  uses: each shape the way this machine does it fastest (measured at first use: target/products.py)
   stock          the same pass with every product through F.linear (how plain PyTorch / HF run it)
   few_rows       the same pass with every product weight-stationary (DFLASHKIT_PRODUCTS=few_rows)
+  onednn         the same pass with every product through oneDNN (DFLASHKIT_PRODUCTS=onednn; where torch has it)
   body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
 and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
 the product chosen per width (how many of the pass's weight shapes took each path) and the physical floor: the
@@ -37,7 +38,7 @@ from dflashkit.target.model import Target
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints
 
-PATHS = ("forward", "stock", "few_rows")
+PATHS = ("forward", *(name for name in products.CANDIDATES))  # forward (the measured choice), stock, few_rows, …
 
 
 def _mode(path: str):
@@ -48,7 +49,7 @@ def _mode(path: str):
     class _Env:
         def __enter__(self):
             self.old = os.environ.get(products.ENV)
-            os.environ[products.ENV] = "few_rows" if path == "few_rows" else "auto"
+            os.environ[products.ENV] = "auto" if path == "forward" else path
 
         def __exit__(self, *exc):
             if self.old is None:
@@ -153,17 +154,19 @@ def _print_table(args, target, sizes, med, floor, weight_bytes, chosen) -> None:
             f"floor: {weight_bytes / 1e6:.0f} MB of weights at {weight_bytes / floor / 1e9:.1f} GB/s read = "
             f"{1e3 * floor:.1f} ms per pass"
         )
+    others = PATHS[1:]  # stock, few_rows, onednn …
     print(
-        f"{'tokens':>6} {'forward ms':>11} {'× fwd(1)':>9} {'× floor':>8} {'stock ms':>9} {'few_rows ms':>12} "
-        f"{'body ms':>8} {'head ms':>8}  chosen"
+        f"{'tokens':>6} {'forward ms':>11} {'× fwd(1)':>9} {'× floor':>8} "
+        + "".join(f"{name + ' ms':>12}" for name in others)
+        + f" {'body ms':>8} {'head ms':>8}  chosen"
     )
     for i, n in enumerate(sizes):
         r = f"{med['forward'][i] / med['forward'][0]:.2f}" if sizes[0] == 1 else "—"
         fl = f"{med['forward'][i] / floor:.2f}" if floor else "—"
         print(
-            f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {r:>9} {fl:>8} {1e3 * med['stock'][i]:>9.1f} "
-            f"{1e3 * med['few_rows'][i]:>12.1f} {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f}  "
-            f"{chosen[str(n)]}"
+            f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {r:>9} {fl:>8} "
+            + "".join(f"{1e3 * med[name][i]:>12.1f}" for name in others)
+            + f" {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f}  {chosen[str(n)]}"
         )
 
 

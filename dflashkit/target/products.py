@@ -4,20 +4,23 @@ measurement, never by a rule from another CPU.
     logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
-    DFLASHKIT_PRODUCTS=auto|stock|few_rows        # the choice: measured (default), or forced
+    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn # the choice: measured (default), or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
 
 A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
-every weight matrix. Two ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
+every weight matrix. Three ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
   stock       F.linear(x, W): x·Wᵀ as the BLAS's GEMM/GEMV with M = rows
   few_rows    (W·xᵀ)ᵀ, weight-stationary: streams W once; one row is multiplied as two (the matrix-vector path of
               some BLAS builds is slower than a matrix product of two); the result is copied row-major, as
               F.linear returns it — left transposed, it made every later op of a batch-16 decoding step slower
               (measured: a step 383 ms instead of 220 ms, slower than stock's 274 ms)
+  onednn      oneDNN's inner product (torch's mkldnn linear) on the same weights, no packed copy: on a 2-core AMD
+              EPYC with MKL it streamed SmolLM2's 113 MB LM head at 17 GB/s against MKL's 10 (stock) and 14
+              (few_rows), while on the layers' 1–4 MB matrices it was no faster; only where torch has oneDNN
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
-Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and few_rows
-is kept only when it is faster than stock by more than the timing noise (the spread of the stock timings, at least
-3 %); otherwise stock:
+Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
+other candidate is kept only when it is faster than stock by more than the timing noise (the spread of the stock
+timings, at least 3 %); otherwise stock:
   a model's layers   (the linears one `route_linears` call routed: a pass group) get one choice per row count,
                      timed as a pass runs them — every product of the group back to back, so each weight streams
                      from memory and the CPU's state between products is the pass's own. Timing each shape alone
@@ -58,10 +61,10 @@ from dflashkit.errors import ConfigError
 from dflashkit.target.machine import last_level_cache_bytes
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
-MODES = ("auto", "stock", "few_rows")
+MODES = ("auto", "stock", "few_rows", "onednn")
 ENV = "DFLASHKIT_PRODUCTS"
 STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
-MIN_GAIN = 0.03  # few_rows must beat stock by at least this much (and by more than the noise) to be chosen
+MIN_GAIN = 0.03  # another candidate must beat stock by at least this much (and by more than the noise) to be chosen
 _STOCK = [0]  # > 0 inside stock_products()
 
 
@@ -76,7 +79,18 @@ def _few_rows(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return out + b if b is not None else out
 
 
+def _onednn(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")  # (M, out), row-major
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's CPU linear (x86 and most ARM builds do)."""
+    return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 CANDIDATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {"stock": _stock, "few_rows": _few_rows}
+if onednn_available():
+    CANDIDATES["onednn"] = _onednn
 
 
 @contextlib.contextmanager
@@ -93,6 +107,8 @@ def mode() -> str:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
+    if value != "auto" and value not in CANDIDATES:
+        raise ConfigError(f"{ENV}={value}: this torch build has no oneDNN (torch.backends.mkldnn); use auto or stock")
     return value
 
 
@@ -110,7 +126,7 @@ class Chooser:
         self.timer = timer or _cold_timer
         self.store = store
         self.repeats = repeats
-        self.choices: dict[str, dict[str, float | str]] = {}
+        self.choices: dict[str, dict[str, float | str | None]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
         self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
         self._loaded = False
@@ -151,11 +167,11 @@ class Chooser:
         self._seen.add(key)
         return True
 
-    def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str]:
+    def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str | None]:
         """Time every candidate on these very tensors, cache-cold and interleaved (ABBA …), and pick by `decide`."""
         return self._interleaved(lambda fn: fn(x, w, b))
 
-    def measure_pass(self, group: PassGroup, rows: int, dtype: torch.dtype) -> dict[str, float | str]:
+    def measure_pass(self, group: PassGroup, rows: int, dtype: torch.dtype) -> dict[str, float | str | None]:
         """Time every candidate over all of the group's products back to back (rows × in of each, random inputs),
         interleaved (ABBA …), and pick by `decide`."""
         g = torch.Generator().manual_seed(0)
@@ -169,16 +185,25 @@ class Chooser:
 
     def _interleaved(
         self, run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object]
-    ) -> dict[str, float | str]:
-        times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
+    ) -> dict[str, float | str | None]:
+        names = list(CANDIDATES)
+        failed: list[str] = []
         with torch.no_grad():
-            for fn in CANDIDATES.values():  # warm-up: first calls pay allocations
-                run(fn)
+            for name in names:  # warm-up: first calls pay allocations; a candidate this build cannot run drops out
+                try:
+                    run(CANDIDATES[name])
+                except RuntimeError:
+                    if name == "stock":
+                        raise
+                    failed.append(name)
+            names = [n for n in names if n not in failed]
+            times: dict[str, list[float]] = {name: [] for name in names}
             for r in range(self.repeats):
-                order = list(CANDIDATES) if r % 2 == 0 else list(reversed(CANDIDATES))
-                for name in order:
+                for name in names if r % 2 == 0 else names[::-1]:
                     times[name].append(self.timer(name, lambda name=name: run(CANDIDATES[name])))
-        return decide(times)
+        entry = decide(times)
+        entry.update({f"{name}_ms": None for name in failed})  # tried and unusable: not re-tried from the store
+        return entry
 
     # --------------------------------------------------------------------------------------- the store
     def _load(self) -> None:
@@ -188,7 +213,9 @@ class Chooser:
         try:
             data = json.loads(self.store.read_text())
             choices = data.get("choices", {}) if isinstance(data, dict) else {}
-            self.choices.update({k: v for k, v in choices.items() if v.get("choice") in CANDIDATES})
+            # an entry measured before a candidate joined (no "<name>_ms") is measured again, with it
+            current = {k: v for k, v in choices.items() if all(f"{n}_ms" in v for n in CANDIDATES)}
+            self.choices.update({k: v for k, v in current.items() if v.get("choice") in CANDIDATES})
         except (OSError, ValueError, AttributeError):
             pass  # a damaged store is re-measured, never trusted
 
@@ -205,20 +232,18 @@ class Chooser:
             pass  # a read-only cache only costs the timing again next time
 
 
-def decide(times: dict[str, list[float]]) -> dict[str, float | str]:
-    """few_rows when its median is below stock's by more than the noise (stock's interquartile spread relative to
-    its median, at least MIN_GAIN); stock otherwise — never slower than stock beyond the noise."""
+def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
+    """The fastest other candidate when its median is below stock's by more than the noise (stock's interquartile
+    spread relative to its median, at least MIN_GAIN); stock otherwise — never slower than stock beyond the noise."""
     stock = sorted(times["stock"])
     med = {name: statistics.median(v) for name, v in times.items()}
     q1, q3 = stock[len(stock) // 4], stock[(3 * len(stock)) // 4]
     noise = max(MIN_GAIN, (q3 - q1) / med["stock"]) if med["stock"] > 0 else MIN_GAIN
-    choice = "few_rows" if med["few_rows"] < med["stock"] * (1 - noise) else "stock"
-    return {
-        "choice": choice,
-        "stock_ms": round(1e3 * med["stock"], 4),
-        "few_rows_ms": round(1e3 * med["few_rows"], 4),
-        "noise": round(noise, 4),
-    }
+    fastest = min((n for n in med if n != "stock"), key=lambda n: med[n], default="stock")
+    choice = fastest if med[fastest] < med["stock"] * (1 - noise) else "stock"
+    entry: dict[str, float | str | None] = {"choice": choice, "noise": round(noise, 4)}
+    entry.update({f"{name}_ms": round(1e3 * m, 4) for name, m in med.items()})
+    return entry
 
 
 class PassGroup:

@@ -16,7 +16,9 @@ def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
     assert doc["tokens"] == [1, 3, 5] and doc["context"] == 16
-    for key in ("forward_s", "stock_s", "few_rows_s", "body_s", "head_s"):
+    from dflashkit.target.products import CANDIDATES
+
+    for key in ("forward_s", *(f"{name}_s" for name in CANDIDATES), "body_s", "head_s"):
         assert len(doc[key]) == 3 and all(t > 0 for t in doc[key])
     assert doc["ratio"][0] == 1.0 and doc["stock_ratio"][0] == 1.0
     assert doc["floor_s"] > 0 and doc["weight_bytes"] > 0 and doc["machine"]

@@ -13,6 +13,8 @@ from dflashkit.errors import ConfigError
 from dflashkit.target import products
 from dflashkit.target.products import CANDIDATES, MAX_ROWS, Chooser, decide, linear_product, route_linears
 
+N = len(CANDIDATES)  # stock, few_rows, and onednn where torch has it
+
 
 def _bound(x, w):
     # float32 dot products of length H in any summation order: |error| ≤ H·eps·Σ|x_i w_i| (loose, never flaky)
@@ -54,7 +56,7 @@ def _fake_timer(speeds: dict[str, float], calls: list[str]):
     def timer(name, fn):
         fn()  # the candidate still runs: a broken candidate would fail here
         calls.append(name)
-        return speeds[name]
+        return speeds.get(name, 50.0)  # a candidate not named is the slowest
 
     return timer
 
@@ -67,12 +69,12 @@ def test_chooser_measures_once_per_shape_keeps_it_on_disk_and_reloads(tmp_path):
     store = tmp_path / "products.json"
     c = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.5}, calls), store=store, repeats=3)
     assert c.choose(x2, w, None) == "stock" and calls == []  # first sight: stock, unmeasured (a one-off prefill)
-    assert c.choose(x2, w, None) == "few_rows" and len(calls) == 6  # 3 interleaved rounds × 2 candidates
-    assert calls[:4] == ["stock", "few_rows", "few_rows", "stock"]  # ABBA order
-    assert c.choose(x2, w, None) == "few_rows" and len(calls) == 6  # kept for the process
+    assert c.choose(x2, w, None) == "few_rows" and len(calls) == 3 * N  # 3 interleaved rounds × every candidate
+    assert calls[: 2 * N] == [*CANDIDATES, *reversed(CANDIDATES)]  # ABBA order
+    assert c.choose(x2, w, None) == "few_rows" and len(calls) == 3 * N  # kept for the process
     c.timer = _fake_timer({"stock": 0.5, "few_rows": 1.0}, calls)
     c.choose(x5, w, None)
-    assert c.choose(x5, w, None) == "stock" and len(calls) == 12  # another shape, another measurement
+    assert c.choose(x5, w, None) == "stock" and len(calls) == 6 * N  # another shape, another measurement
     saved = json.loads(store.read_text())
     assert set(saved["choices"]) == {"2x32x300:float32", "5x32x300:float32"} and "cpu" in saved["machine"]
     again = Chooser(timer=_fake_timer({"stock": 9.0, "few_rows": 0.1}, calls := []), store=store)
@@ -114,7 +116,9 @@ def test_the_override_and_the_fallbacks(monkeypatch):
     monkeypatch.setenv(products.ENV, "few_rows")
     assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x.reshape(4, 32), w, None).reshape(1, 4, 500))
     monkeypatch.setenv(products.ENV, "fastest")
-    with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS='fastest': expected one of auto, stock, few_rows"):
+    with pytest.raises(
+        ConfigError, match="DFLASHKIT_PRODUCTS='fastest': expected one of auto, stock, few_rows, onednn"
+    ):
         linear_product(x, w)
     monkeypatch.setenv(products.ENV, "few_rows")
     long = torch.randn(MAX_ROWS + 1, 32, generator=g)  # a prefill: stock
@@ -207,11 +211,11 @@ def test_route_linears_makes_one_pass_group_chosen_per_row_count(monkeypatch, tm
         first = net(x)
         assert calls == []  # first sight of 2 rows: stock, unmeasured
         got = net(x)  # the second call of the group at 2 rows measures it once, for all three linears
-        assert len(calls) == 6
+        assert len(calls) == 3 * N
         net(x)
         linear_product(got, head)  # a lone product (an LM head): its own per-shape choice
         linear_product(got, head)
-    assert len(calls) == 12
+    assert len(calls) == 6 * N
     torch.testing.assert_close(got, ref + net[3].bias, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(first, ref + net[3].bias, rtol=1e-5, atol=1e-6)
     keys = sorted(fake.choices)
@@ -236,7 +240,7 @@ def test_a_pass_measurement_runs_every_product_of_the_group_per_candidate():
 
         return fn
 
-    chooser = Chooser(timer=lambda name, fn: (fn(), {"stock": 1.0, "few_rows": 1.0}[name])[1], store=None, repeats=2)
+    chooser = Chooser(timer=lambda name, fn: (fn(), 1.0)[1], store=None, repeats=2)
     with pytest.MonkeyPatch.context() as mp:
         for name in real:
             mp.setitem(CANDIDATES, name, counting(name))
@@ -244,7 +248,7 @@ def test_a_pass_measurement_runs_every_product_of_the_group_per_candidate():
     assert entry["choice"] == "stock"  # equal timings: stock
     # warm-up (each candidate once) + 2 timed rounds, each a whole pass over both linears, in order
     assert seen[:4] == [("stock", 24), ("stock", 8), ("few_rows", 24), ("few_rows", 8)]
-    assert len(seen) == 2 * 2 + 2 * 2 * 2
+    assert len(seen) == N * 2 + 2 * N * 2
 
 
 def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
@@ -281,3 +285,65 @@ def test_the_cold_timer_works_in_and_out_of_inference_mode(monkeypatch):
     with torch.no_grad():
         assert products._cold_timer("stock", lambda: None) >= 0
     assert products._cold_timer("few_rows", lambda: None) >= 0
+
+
+def test_decide_takes_the_fastest_of_several_candidates_only_beyond_the_noise():
+    ms = 1e-3
+    three = decide({"stock": [10 * ms] * 7, "few_rows": [8 * ms] * 7, "onednn": [6 * ms] * 7})
+    assert three["choice"] == "onednn"
+    assert (three["stock_ms"], three["few_rows_ms"], three["onednn_ms"]) == (10.0, 8.0, 6.0)
+    assert decide({"stock": [10 * ms] * 7, "few_rows": [12 * ms] * 7, "onednn": [9.9 * ms] * 7})["choice"] == "stock"
+    assert decide({"stock": [10 * ms] * 7})["choice"] == "stock"  # no other candidate on this build
+
+
+def test_a_candidate_this_build_cannot_run_drops_out_and_is_not_retried(tmp_path):
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(64, 16, generator=g), torch.randn(2, 16, generator=g)
+
+    def broken(x, w, b):
+        raise RuntimeError("no kernel for this shape")
+
+    calls: list[str] = []
+    store = tmp_path / "c.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(CANDIDATES, "onednn", broken)
+        c = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.5, "onednn": 0.1}, calls), store=store, repeats=3)
+        c.choose(x, w, None)
+        assert c.choose(x, w, None) == "few_rows" and "onednn" not in calls and len(calls) == 6
+        entry = json.loads(store.read_text())["choices"]["2x16x64:float32"]
+        assert entry["onednn_ms"] is None and entry["choice"] == "few_rows"
+        again = Chooser(timer=_fake_timer({}, calls := []), store=store)
+        assert again.choose(x, w, None) == "few_rows" and calls == []  # from the store: not measured again
+        mp.setitem(CANDIDATES, "stock", broken)
+        with pytest.raises(RuntimeError, match="no kernel"):  # stock itself failing is a real error, never hidden
+            Chooser(timer=_fake_timer({}, []), store=None).measure(x, w, None)
+
+
+def test_a_store_measured_before_a_candidate_joined_is_measured_again(tmp_path):
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(64, 16, generator=g), torch.randn(2, 16, generator=g)
+    store = tmp_path / "c.json"
+    old = {"choice": "few_rows", "stock_ms": 1.0, "few_rows_ms": 0.5, "noise": 0.03}  # no "onednn_ms"
+    store.write_text(json.dumps({"choices": {"2x16x64:float32": old}}))
+    calls: list[str] = []
+    c = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.5, "onednn": 0.2}, calls), store=store, repeats=3)
+    c.choose(x, w, None)  # the old entry is not trusted: first sight again (stock), then measured
+    expected = "onednn" if "onednn" in CANDIDATES else "few_rows"
+    assert c.choose(x, w, None) == expected and len(calls) == 3 * N
+
+
+@pytest.mark.skipif("onednn" not in CANDIDATES, reason="this torch build has no oneDNN")
+def test_the_onednn_override_runs_onednn():
+    import os
+
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(300, 32, generator=g), torch.randn(1, 3, 32, generator=g)
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setenv(products.ENV, "onednn")
+        got = linear_product(x, w)
+        assert torch.equal(got, CANDIDATES["onednn"](x.reshape(3, 32), w, None).reshape(1, 3, 300))
+        assert ((got - F.linear(x, w)).abs() <= _bound(x, w)).all()
+        mp.delitem(CANDIDATES, "onednn")  # a build without oneDNN: forcing it is refused by name
+        with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS=onednn: this torch build has no oneDNN"):
+            products.mode()
+    assert os.environ.get(products.ENV) != "onednn"
