@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError
 from dflashkit.target.machine import last_level_cache_bytes
+from dflashkit.target.step_trial import StepTrial
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
 MODES = ("auto", "stock", "few_rows", "onednn")
@@ -66,6 +67,7 @@ ENV = "DFLASHKIT_PRODUCTS"
 STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
 MIN_GAIN = 0.03  # another candidate must beat stock by at least this much (and by more than the noise) to be chosen
 _STOCK = [0]  # > 0 inside stock_products()
+_EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
 
 
 def _stock(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -97,6 +99,7 @@ if onednn_available():
 def stock_products() -> Iterator[None]:
     """Within this block every product goes to F.linear (nestable): how HF and plain PyTorch run."""
     _STOCK[0] += 1
+    _EPOCH[0] += 1
     try:
         yield
     finally:
@@ -122,10 +125,15 @@ class Chooser:
         timer: Callable[[str, Callable[[], object]], float] | None = None,
         store: Path | None = None,
         repeats: int = 7,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.timer = timer or _cold_timer
         self.store = store
         self.repeats = repeats
+        self.clock = clock  # step trials: when a pass opens
+        self._trials: dict[str, StepTrial] = {}  # pass groups' row counts being timed in real steps
+        self._failed: dict[str, list[str]] = {}  # … and the candidates that could not run there
+        self._last_opening: tuple[str, int] | None = None  # (key, epoch) of the latest pass opening seen
         self.choices: dict[str, dict[str, float | str | None]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
         self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
@@ -145,19 +153,38 @@ class Chooser:
         return str(entry["choice"])
 
     def choose_pass(self, group: PassGroup, rows: int, dtype: torch.dtype, *, opens_pass: bool = True) -> str:
-        """The choice for every product of `group` at `rows` rows, measured once as a pass of them. Passes are
-        counted by the group's first linear (`opens_pass`): the others follow what that one decided."""
+        """The choice for every product of `group` at `rows` rows, timed in the real decoding steps (`StepTrial`):
+        from the second time the row count opens a pass, each candidate runs whole steps in turn until every one has
+        `repeats` step times; then `decide`. Passes are counted by the group's first linear (`opens_pass`): the
+        others follow the step's candidate."""
         key = group.key(rows, dtype)
         if not self._loaded:
             self._load()
         entry = self.choices.get(key)
-        if entry is None:
-            if not opens_pass or self._first_sight(key):
+        if entry is not None:
+            return str(entry["choice"])
+        trial = self._trials.get(key)
+        if not opens_pass:
+            return trial.current if trial is not None else "stock"
+        unbroken = self._last_opening == (key, _EPOCH[0])
+        self._last_opening = (key, _EPOCH[0])
+        if trial is None:
+            if self._first_sight(key):
                 return "stock"
-            entry = self.measure_pass(group, rows, dtype)
-            self.choices[key] = entry
-            self._save()
+            usable, self._failed[key] = _runnable(group, rows, dtype)
+            trial = self._trials[key] = StepTrial(usable, self.repeats)
+        trial.opened(self.clock(), unbroken=unbroken)
+        if not trial.done:
+            return trial.current
+        entry = {**decide(trial.times), "timed": "steps", **{f"{n}_ms": None for n in self._failed.pop(key)}}
+        del self._trials[key]
+        self.choices[key] = entry
+        self._save()
         return str(entry["choice"])
+
+    @property
+    def trials_running(self) -> bool:
+        return bool(self._trials)
 
     def _first_sight(self, key: str) -> bool:
         """A row count met for the first time runs stock, unmeasured: a one-off (the prefill of a short prompt) is
@@ -170,18 +197,6 @@ class Chooser:
     def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str | None]:
         """Time every candidate on these very tensors, cache-cold and interleaved (ABBA …), and pick by `decide`."""
         return self._interleaved(lambda fn: fn(x, w, b))
-
-    def measure_pass(self, group: PassGroup, rows: int, dtype: torch.dtype) -> dict[str, float | str | None]:
-        """Time every candidate over all of the group's products back to back (rows × in of each, random inputs),
-        interleaved (ABBA …), and pick by `decide`."""
-        g = torch.Generator().manual_seed(0)
-        inputs = {n: torch.randn(rows, n, generator=g).to(dtype) for n in {m.in_features for m in group.linears}}
-
-        def run_all(fn: Callable[[Tensor, Tensor, Tensor | None], Tensor]) -> None:
-            for m in group.linears:
-                fn(inputs[m.in_features], m.weight, m.bias)  # (rows, out)
-
-        return self._interleaved(run_all)
 
     def _interleaved(
         self, run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object]
@@ -230,6 +245,24 @@ class Chooser:
             atomic_write_text(self.store, json.dumps(doc, indent=1, sort_keys=True) + "\n")
         except OSError:
             pass  # a read-only cache only costs the timing again next time
+
+
+def _runnable(group: PassGroup, rows: int, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """(candidates that run the group's first product at this width, those that raise): a trial never runs a
+    candidate inside a real step that this build cannot run."""
+    m = group.linears[0]
+    x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(0)).to(m.weight.device, dtype)
+    usable, failed = [], []
+    with torch.no_grad():
+        for name, fn in CANDIDATES.items():
+            try:
+                fn(x, m.weight, m.bias)
+                usable.append(name)
+            except RuntimeError:
+                if name == "stock":
+                    raise
+                failed.append(name)
+    return usable, failed
 
 
 def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
@@ -326,6 +359,8 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
     memo += (x.is_cpu, os.environ.get(ENV))  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
     how = c.settled.get(memo)
+    if c._trials and group is not None and group.linears[0].weight is weight and how is not None:
+        _EPOCH[0] += 1  # a settled width's pass between two steps of a width being timed: not one step
     if how is None:
         how, settled = _choose(c, x, weight, bias, group)
         if settled:
@@ -342,6 +377,7 @@ def _choose(c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: P
     shape (False: F.linear by fallback, or stock until the row count is measured)."""
     rows = x.numel() // max(1, x.shape[-1])
     if x.device.type != "cpu" or not 1 <= rows <= MAX_ROWS or x.dtype != weight.dtype:
+        _EPOCH[0] += 1  # (a prefill between two decoding steps is not part of a step)
         return "stock", False  # GPUs, prefills, mixed dtypes: F.linear, decided per call
     how = mode()
     if how != "auto":
@@ -357,11 +393,13 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return linear_product(x, self.weight, self.bias, self._pass_group)
 
 
-def route_linears(module: nn.Module) -> int:
-    """Send every plain nn.Linear under `module` through `linear_product`, as one pass group (idempotent: linears
-    routed before keep their group); returns how many were routed now."""
+def route_linears(module: nn.Module, *, lone: bool = False) -> int:
+    """Send every plain nn.Linear under `module` through `linear_product`, as one pass group timed in real steps, or
+    with `lone` each as a lone product timed per shape (an LM head: a pass group of its own would be timed in the
+    same steps as the layers', its candidates in lockstep with theirs). Idempotent: linears routed before keep
+    their way; returns how many were routed now."""
     fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
-    group = PassGroup(fresh)
+    group = None if lone else PassGroup(fresh)
     for m in fresh:
         m.forward = types.MethodType(_forward, m)
         m._routed = True

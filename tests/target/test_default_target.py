@@ -30,7 +30,9 @@ def test_smollm2_default_converts_loads_and_answers():
     assert "paris" in text.lower()
     # the captured final state reproduces the model's own logits
     fwd = target.forward(ids, layer_ids=[1, 8])
-    torch.testing.assert_close(fwd.logits, target.model(ids).logits, rtol=1e-4, atol=1e-4)
+    # the two passes may take different product paths (stock for a one-off, the measured choice in the model's own
+    # call): 576-long float32 dot products summed in another order differ by up to ~1e-4 at logits of ~20
+    torch.testing.assert_close(fwd.logits, target.model(ids).logits, rtol=1e-4, atol=1e-3)
     # the default drafter: own geometry; SmolLM2 has no spare embedding row, so the mask is the row of its
     # never-used special token <empty_output> (16), or a learned mask embedding when asked for
     cfg = default_drafter_config(target)

@@ -2,6 +2,7 @@
 measurement (injected timings here: the faster candidate wins only beyond the noise, stock otherwise), kept for the
 process and on disk, overridden by DFLASHKIT_PRODUCTS; fallbacks run F.linear exactly."""
 
+import contextlib
 import json
 
 import pytest
@@ -160,6 +161,9 @@ def test_target_verifier_logits_match_the_model_head(tiny_llama_dir):
     from dflashkit.target.model import Target
 
     target = Target.load(str(tiny_llama_dir))
+    # the head module (HF generate calls it) is routed as a lone product, the layers as one pass group
+    assert target.lm_head._routed and target.lm_head._pass_group is None
+    assert target.layers[0].mlp.up_proj._pass_group is not None
     h = torch.randn(1, 4, target.hidden_size)
     got = target.verifier_logits(h)
     with torch.no_grad():
@@ -192,63 +196,119 @@ def test_a_pass_without_a_cache_is_never_measured(tiny_llama_dir, monkeypatch, t
     assert calls and all(k.startswith("1x") for k in fake.choices), sorted(fake.choices)
 
 
-def test_route_linears_makes_one_pass_group_chosen_per_row_count(monkeypatch, tmp_path):
-    torch.manual_seed(4)
-    net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16, bias=False), nn.Linear(16, 8))
-    head = torch.randn(100, 8)
-    assert route_linears(net) == 3
-    groups = {id(m._pass_group) for m in net if isinstance(m, nn.Linear)}
-    assert len(groups) == 1  # one group: the three linears, in pass order
-    group = net[0]._pass_group
-    assert [m.out_features for m in group.linears] == [48, 16, 8]
-    calls: list[str] = []
-    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, calls), store=tmp_path / "c.json", repeats=3)
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
-    x = torch.randn(2, 16)
-    with torch.no_grad():
-        ref = F.linear(F.linear(F.silu(F.linear(x, net[0].weight, net[0].bias)), net[2].weight), net[3].weight)
-        first = net(x)
-        assert calls == []  # first sight of 2 rows: stock, unmeasured
-        got = net(x)  # the second call of the group at 2 rows measures it once, for all three linears
-        assert len(calls) == 3 * N
-        net(x)
-        linear_product(got, head)  # a lone product (an LM head): its own per-shape choice
-        linear_product(got, head)
-    assert len(calls) == 6 * N
-    torch.testing.assert_close(got, ref + net[3].bias, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(first, ref + net[3].bias, rtol=1e-5, atol=1e-6)
-    keys = sorted(fake.choices)
-    assert keys == ["2x8x100:float32", f"2x{group.signature}:float32"], keys
-    assert group.signature.startswith("pass3-")
-    assert products.choices_by_rows({"choices": fake.choices}) == {2: {"few_rows": 2}}
-    saved = json.loads((tmp_path / "c.json").read_text())["choices"]
-    assert saved[f"2x{group.signature}:float32"]["choice"] == "few_rows"
+def _clocked_candidates(mp, speeds: dict[str, float], now: list[float], seen: list[tuple[str, int]]):
+    """Every candidate advances a fake clock by its speed per product call and logs (name, out features); stock is
+    F.linear itself (linear_product calls it directly)."""
+    real = {**CANDIDATES, "stock": F.linear}
 
-
-def test_a_pass_measurement_runs_every_product_of_the_group_per_candidate():
-    torch.manual_seed(5)
-    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
-    route_linears(net)
-    seen: list[tuple[str, int]] = []
-    real = dict(CANDIDATES)
-
-    def counting(name):
-        def fn(x, w, b):
+    def clocked(name):
+        def fn(x, w, b=None):
+            now[0] += speeds.get(name, 50.0)
             seen.append((name, w.shape[0]))
             return real[name](x, w, b)
 
         return fn
 
-    chooser = Chooser(timer=lambda name, fn: (fn(), 1.0)[1], store=None, repeats=2)
-    with pytest.MonkeyPatch.context() as mp:
-        for name in real:
-            mp.setitem(CANDIDATES, name, counting(name))
-        entry = chooser.measure_pass(net[0]._pass_group, 5, torch.float32)
-    assert entry["choice"] == "stock"  # equal timings: stock
-    # warm-up (each candidate once) + 2 timed rounds, each a whole pass over both linears, in order
-    assert seen[:4] == [("stock", 24), ("stock", 8), ("few_rows", 24), ("few_rows", 8)]
-    assert len(seen) == N * 2 + 2 * N * 2
+    for name in CANDIDATES:
+        if name != "stock":
+            mp.setitem(CANDIDATES, name, clocked(name))
+    mp.setattr(products.F, "linear", clocked("stock"))
+
+
+def test_a_pass_group_is_chosen_by_timing_real_steps(monkeypatch, tmp_path):
+    """From the second step at a row count, each candidate runs whole steps in turn (ABBA) and the step — from one
+    opening of the pass to the next — is timed; every product of a step runs the step's candidate; after `repeats`
+    steps each, the faster is kept for the process and on disk."""
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16, bias=False), nn.Linear(16, 8))
+    assert route_linears(net) == 3
+    group = net[0]._pass_group
+    assert len({id(m._pass_group) for m in net if isinstance(m, nn.Linear)}) == 1 and group.signature.startswith(
+        "pass3-"
+    )
+    now, seen = [0.0], []
+    fake = Chooser(timer=_fake_timer({}, []), store=tmp_path / "c.json", repeats=3, clock=lambda: now[0])
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = F.linear(F.linear(F.silu(F.linear(x, net[0].weight, net[0].bias)), net[2].weight), net[3].weight)
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {"stock": 1.0, "few_rows": 0.2}, now, seen)
+        for _ in range(1 + 3 * N):  # first sight (stock, untimed), then 3 N steps of the trial
+            torch.testing.assert_close(net(x), ref + net[3].bias, rtol=1e-5, atol=1e-6)
+        assert f"2x{group.signature}:float32" not in fake.choices  # the last trial step ends at the next opening
+        assert [n for n, _ in seen[3 : 3 + N]] == list(CANDIDATES)  # each candidate tried once on the first product
+        steps = [seen[i : i + 3] for i in range(3 + N, len(seen), 3)]
+        assert all(len({name for name, _ in s}) == 1 for s in steps)  # a step's products all run its candidate
+        assert [s[0][0] for s in steps] == [*CANDIDATES, *reversed(CANDIDATES), *CANDIDATES]  # ABBA, whole steps
+        net(x)
+        assert [n for n, _ in seen[-3:]] == ["few_rows"] * 3  # decided at this opening: it runs the choice
+    entry = fake.choices[f"2x{group.signature}:float32"]
+    assert entry["choice"] == "few_rows" and entry["timed"] == "steps"
+    assert (entry["stock_ms"], entry["few_rows_ms"]) == (3000.0, 600.0)  # 3 products a step
+    assert json.loads((tmp_path / "c.json").read_text())["choices"][f"2x{group.signature}:float32"] == entry
+    assert products.choices_by_rows({"choices": fake.choices}) == {2: {"few_rows": 1}}
+
+
+def test_a_step_with_something_else_inside_is_not_timed(monkeypatch):
+    """A prefill, a stock block or a pass at another row count between two openings: that interval is not a step,
+    so it is not recorded and the same candidate runs the next step again."""
+    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    route_linears(net)
+    now, seen = [0.0], []
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    x2, x3, long = torch.randn(2, 8), torch.randn(3, 8), torch.randn(MAX_ROWS + 1, 8)
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {"stock": 1.0, "few_rows": 2.0}, now, seen)
+        net(x2), net(x2)  # first sight, then the trial's first step opens (stock)
+        trial = fake._trials[f"2x{net[0]._pass_group.signature}:float32"]
+        for between in ("prefill", "another width", "stock block"):
+            if between == "prefill":
+                net(long)
+            elif between == "another width":
+                net(x3)
+            with products.stock_products() if between == "stock block" else contextlib.nullcontext():
+                pass
+            net(x2)  # not recorded: something came between the openings
+            assert trial.pos == 0 and trial.times["stock"] == [], between
+        net(x2)
+        assert trial.pos == 1 and trial.times["stock"] == [2.0]  # an unbroken step: two products of speed 1
+
+
+def test_a_candidate_that_cannot_run_is_left_out_of_the_steps(monkeypatch):
+    def broken(x, w, b):
+        raise RuntimeError("no kernel")
+
+    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    route_linears(net)
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=iter(range(100)).__next__)
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setitem(CANDIDATES, "onednn", broken)
+        for _ in range(2 + (N - 1)):
+            net(torch.randn(2, 8))
+        entry = fake.choices[f"2x{net[0]._pass_group.signature}:float32"]
+    assert entry["onednn_ms"] is None and entry["timed"] == "steps" and entry["choice"] in ("stock", "few_rows")
+
+
+def test_step_trial_schedule_and_recording():
+    from dflashkit.target.step_trial import StepTrial
+
+    t = StepTrial(["a", "b", "c"], repeats=2)
+    assert t.schedule == ["a", "b", "c", "c", "b", "a"] and t.current == "a"
+    t.opened(0.0, unbroken=True)  # the first opening only starts a step
+    t.opened(1.5, unbroken=True)
+    t.opened(9.0, unbroken=False)  # broken: not recorded, b runs again
+    assert t.times == {"a": [1.5], "b": [], "c": []} and t.current == "b"
+    for now in (10.0, 11.0, 12.0, 13.0, 14.0):
+        t.opened(now, unbroken=True)
+    assert t.done and t.times == {"a": [1.5, 1.0], "b": [1.0, 1.0], "c": [1.0, 1.0]}
+    with pytest.raises(ValueError):
+        StepTrial([], repeats=1)
 
 
 def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
