@@ -19,13 +19,13 @@ every weight matrix. Three ways to compute the same float32 products, whose spee
               (few_rows), while on the layers' 1–4 MB matrices it was no faster; only where torch has oneDNN
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
 Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
-other candidate is kept only when it is faster than stock by more than the timing noise (the spread of the stock
-timings, at least 3 %); otherwise stock:
+other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
+in three rounds of four); otherwise stock:
   a model's layers   (the linears one `route_linears` call routed: a pass group) get one choice per row count,
-                     timed as a pass runs them — every product of the group back to back, so each weight streams
-                     from memory and the CPU's state between products is the pass's own. Timing each shape alone
-                     (cache-cold) ranked them differently from whole passes (few_rows 13 % faster per pass where
-                     the per-shape timings kept stock), so the pass is what is timed.
+                     timed in the real decoding steps (step_trial.py): each candidate runs whole steps in turn. A
+                     pass of the products alone, back to back, misjudged them: 84 vs 80 ms (stock vs few_rows) at 16
+                     rows where inside real regeneration steps the same products took 160 vs 102 ms a step; and
+                     timing each shape alone ranked them differently again.
   a lone product     (an LM head called directly) gets one per shape (rows × in × out), each call with the
                      weights evicted from the CPU caches first, as they are in a pass.
 A row count is measured the second time it is met (the first runs stock): a one-off is never worth seconds of
@@ -266,16 +266,22 @@ def _runnable(group: PassGroup, rows: int, dtype: torch.dtype) -> tuple[list[str
 
 
 def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
-    """The fastest other candidate when its median is below stock's by more than the noise (stock's interquartile
-    spread relative to its median, at least MIN_GAIN); stock otherwise — never slower than stock beyond the noise."""
-    stock = sorted(times["stock"])
-    med = {name: statistics.median(v) for name, v in times.items()}
-    q1, q3 = stock[len(stock) // 4], stock[(3 * len(stock)) // 4]
-    noise = max(MIN_GAIN, (q3 - q1) / med["stock"]) if med["stock"] > 0 else MIN_GAIN
-    fastest = min((n for n in med if n != "stock"), key=lambda n: med[n], default="stock")
-    choice = fastest if med[fastest] < med["stock"] * (1 - noise) else "stock"
-    entry: dict[str, float | str | None] = {"choice": choice, "noise": round(noise, 4)}
-    entry.update({f"{name}_ms": round(1e3 * m, 4) for name, m in med.items()})
+    """Paired by round: the timings of one ABBA round are neighbours in time, so a slow phase of the machine, or the
+    context growing over a trial's steps, hits every candidate of the round alike. Per candidate, its time over
+    stock's in each round; the candidate with the lowest median ratio is kept when that median is below 1 − MIN_GAIN
+    and its upper-quartile ratio is below 1 (it beat stock in three rounds of four or more); stock otherwise —
+    never slower than stock beyond the noise."""
+    stock = times["stock"]
+    ratios = {n: sorted(t / s for t, s in zip(v, stock) if s > 0) for n, v in times.items() if n != "stock"}
+    median_ratio = {n: statistics.median(r) for n, r in ratios.items() if r}
+    best = min(median_ratio, key=lambda n: median_ratio[n], default=None)
+    choice = "stock"
+    if best is not None and median_ratio[best] < 1 - MIN_GAIN:
+        r = ratios[best]
+        choice = best if r[(3 * len(r)) // 4] < 1 else "stock"
+    entry: dict[str, float | str | None] = {"choice": choice}
+    entry.update({f"{name}_ms": round(1e3 * statistics.median(v), 4) for name, v in times.items()})
+    entry.update({f"{name}_vs_stock": round(m, 4) for name, m in median_ratio.items()})
     return entry
 
 
