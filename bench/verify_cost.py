@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     hidden = torch.randn(1, max(sizes), target.hidden_size, generator=g).to(target.device, target.dtype)
     kinds = (*PATHS, "body", "head")
     times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in sizes} for k in kinds}
-    for n in sizes:  # warm-up: also makes dflashkit's per-shape choices (timed once, kept)
+    settle = 3 + products.chooser().repeats * len(products.CANDIDATES)  # a width's trial: that many steps in a row
+    for n in sizes:  # warm-up: also makes dflashkit's choices (the layers' timed in consecutive steps, then kept)
         for path in PATHS:
             with _mode(path):
-                forward(n, True)
+                for _ in range(settle if path == "forward" else 1):
+                    forward(n, True)
     for _ in range(args.repeats):
         for n in sizes:  # interleaved, so slow phases of the machine hit every size and path alike
             for path in PATHS:
