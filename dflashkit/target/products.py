@@ -272,7 +272,9 @@ def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
     and its upper-quartile ratio is below 1 (it beat stock in three rounds of four or more); stock otherwise —
     never slower than stock beyond the noise."""
     stock = times["stock"]
-    ratios = {n: sorted(t / s for t, s in zip(v, stock) if s > 0) for n, v in times.items() if n != "stock"}
+    ratios = {
+        n: sorted(t / s for t, s in zip(v, stock, strict=True) if s > 0) for n, v in times.items() if n != "stock"
+    }
     median_ratio = {n: statistics.median(r) for n, r in ratios.items() if r}
     best = min(median_ratio, key=lambda n: median_ratio[n], default=None)
     choice = "stock"
