@@ -133,7 +133,7 @@ class Chooser:
         self.clock = clock  # step trials: when a pass opens
         self._trials: dict[str, StepTrial] = {}  # pass groups' row counts being timed in real steps
         self._failed: dict[str, list[str]] = {}  # … and the candidates that could not run there
-        self._last_opening: tuple[str, int] | None = None  # (key, epoch) of the latest pass opening seen
+        self._last_opening: dict[str, tuple[str, int] | None] = {}  # per group: (key, epoch) of its latest opening
         self.choices: dict[str, dict[str, float | str | None]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
         self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
@@ -166,11 +166,11 @@ class Chooser:
         trial = self._trials.get(key)
         if not opens_pass:
             return trial.current if trial is not None else "stock"
-        unbroken = self._last_opening == (key, _EPOCH[0])
-        self._last_opening = (key, _EPOCH[0])
+        unbroken = self._last_opening.get(group.signature) == (key, _EPOCH[0])
+        self._last_opening[group.signature] = (key, _EPOCH[0])
         if trial is None:
-            if self._first_sight(key):
-                return "stock"
+            if self._first_sight(key) or self._trials:
+                return "stock"  # a one-off so far; or another group's trial runs (one at a time: never in lockstep)
             usable, self._failed[key] = _runnable(group, rows, dtype)
             trial = self._trials[key] = StepTrial(usable, self.repeats)
         trial.opened(self.clock(), unbroken=unbroken)
@@ -368,7 +368,7 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     memo += (x.is_cpu, os.environ.get(ENV))  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
     how = c.settled.get(memo)
     if c._trials and group is not None and group.linears[0].weight is weight and how is not None:
-        _EPOCH[0] += 1  # a settled width's pass between two steps of a width being timed: not one step
+        c._last_opening[group.signature] = None  # a settled width of the group between two timed steps: not one step
     if how is None:
         how, settled = _choose(c, x, weight, bias, group)
         if settled:

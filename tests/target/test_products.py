@@ -408,3 +408,27 @@ def test_the_onednn_override_runs_onednn():
         with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS=onednn: this torch build has no oneDNN"):
             products.mode()
     assert os.environ.get(products.ENV) != "onednn"
+
+
+def test_two_groups_in_one_loop_are_timed_one_after_the_other(monkeypatch):
+    """A drafter's layers and the target's both run in every speculative round: timed at once, their candidates
+    would change in lockstep and each group's step times would carry the other's choice. One trial runs at a time
+    (the other group runs stock meanwhile), and the other group's pass inside a round does not break its steps."""
+    torch.manual_seed(5)
+    target, drafter = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8)), nn.Sequential(nn.Linear(8, 16))
+    route_linears(target), route_linears(drafter)
+    now, seen = [0.0], []
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    x = torch.randn(3, 8)
+    keys = [f"3x{m[0]._pass_group.signature}:float32" for m in (target, drafter)]
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {"stock": 1.0, "few_rows": 0.5}, now, seen)
+        rounds = 0
+        while not all(k in fake.choices for k in keys) and rounds < 40:
+            drafter(x), target(x)  # one speculative round: draft, then verify
+            rounds += 1
+            assert len(fake._trials) <= 1
+    assert all(fake.choices[k]["choice"] == "few_rows" and fake.choices[k]["timed"] == "steps" for k in keys)
+    assert rounds <= 2 + 2 * (N + 1) + 1  # first sight, then each group's N steps (+ the closing opening) in turn
