@@ -134,6 +134,9 @@ class Chooser:
         self._trials: dict[str, StepTrial] = {}  # pass groups' row counts being timed in real steps
         self._failed: dict[str, list[str]] = {}  # … and the candidates that could not run there
         self._last_opening: dict[str, tuple[str, int] | None] = {}  # per group: (key, epoch) of its latest opening
+        self._openings = 0  # openings of passes not settled yet, counted to notice a trial that stalls
+        self._advanced: dict[str, int] = {}  # per trial: the opening count when it last recorded a step
+        self._rare: set[str] = set()  # widths whose trial stalled: stock for the process
         self.choices: dict[str, dict[str, float | str | None]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
         self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
@@ -168,12 +171,17 @@ class Chooser:
             return trial.current if trial is not None else "stock"
         unbroken = self._last_opening.get(group.signature) == (key, _EPOCH[0])
         self._last_opening[group.signature] = (key, _EPOCH[0])
+        self._openings += 1
         if trial is None:
-            if self._first_sight(key) or self._trials:
-                return "stock"  # a one-off so far; or another group's trial runs (one at a time: never in lockstep)
+            if key in self._rare or self._first_sight(key) or self._busy():
+                return "stock"  # rare or a one-off so far; or another trial runs (one at a time: never in lockstep)
             usable, self._failed[key] = _runnable(group, rows, dtype)
             trial = self._trials[key] = StepTrial(usable, self.repeats)
+            self._advanced[key] = self._openings
+        pos = trial.pos
         trial.opened(self.clock(), unbroken=unbroken)
+        if trial.pos != pos:
+            self._advanced[key] = self._openings
         if not trial.done:
             return trial.current
         entry = {**decide(trial.times), "timed": "steps", **{f"{n}_ms": None for n in self._failed.pop(key)}}
@@ -182,8 +190,15 @@ class Chooser:
         self._save()
         return str(entry["choice"])
 
-    @property
-    def trials_running(self) -> bool:
+    def _busy(self) -> bool:
+        """Whether a trial runs. One that has not recorded a step in the last 2 × its schedule's openings — a width
+        met once per generation (a last, shorter round) — is given up, its width left to stock, so it cannot hold
+        the others back."""
+        for key, trial in list(self._trials.items()):
+            if self._openings - self._advanced[key] > 2 * len(trial.schedule):
+                del self._trials[key]
+                self._failed.pop(key, None)
+                self._rare.add(key)
         return bool(self._trials)
 
     def _first_sight(self, key: str) -> bool:

@@ -432,3 +432,29 @@ def test_two_groups_in_one_loop_are_timed_one_after_the_other(monkeypatch):
             assert len(fake._trials) <= 1
     assert all(fake.choices[k]["choice"] == "few_rows" and fake.choices[k]["timed"] == "steps" for k in keys)
     assert rounds <= 2 + 2 * (N + 1) + 1  # first sight, then each group's N steps (+ the closing opening) in turn
+
+
+def test_a_trial_that_stalls_is_given_up_and_lets_the_others_run(monkeypatch):
+    """A width met once per generation (a last, shorter round) starts a trial whose steps never follow each other:
+    after 2 × its schedule's openings without a recorded step it is given up (stock for the process) and the
+    widths that recur get their trials."""
+    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    route_linears(net)
+    now = [0.0]
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    rare, common = torch.randn(3, 8), torch.randn(2, 8)
+    sig = net[0]._pass_group.signature
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {"stock": 1.0, "few_rows": 0.5}, now, [])
+        net(rare), net(common), net(rare)  # the rare width's second sight starts its trial
+        assert list(fake._trials) == [f"3x{sig}:float32"]
+        for _ in range(2 * N + 1):  # the common width waits (stock) while the rare trial makes no progress
+            net(common)
+        assert f"3x{sig}:float32" not in fake._trials and f"3x{sig}:float32" in fake._rare
+        for _ in range(N + 2):
+            net(common)
+        assert fake.choices[f"2x{sig}:float32"]["choice"] == "few_rows"
+        net(rare), net(rare)
+        assert f"3x{sig}:float32" not in fake._trials  # given up: stock, never timed again in this process
