@@ -172,9 +172,16 @@ class Chooser:
         unbroken = self._last_opening.get(group.signature) == (key, _EPOCH[0])
         self._last_opening[group.signature] = (key, _EPOCH[0])
         self._openings += 1
+        if trial is not None:
+            self._busy()  # gives up stalled trials, this width's included
+            trial = self._trials.get(key)
+            if trial is None:
+                return "stock"  # its trial stalled: given up just now
+        if key in self._rare:
+            return "stock"  # its trial stalled before
         if trial is None:
-            if key in self._rare or self._first_sight(key) or self._busy():
-                return "stock"  # rare or a one-off so far; or another trial runs (one at a time: never in lockstep)
+            if self._first_sight(key) or self._busy():
+                return "stock"  # a one-off so far; or another trial runs (one at a time: never in lockstep)
             usable, self._failed[key] = _runnable(group, rows, dtype)
             trial = self._trials[key] = StepTrial(usable, self.repeats)
             self._advanced[key] = self._openings
@@ -192,8 +199,8 @@ class Chooser:
 
     def _busy(self) -> bool:
         """Whether a trial runs. One that has not recorded a step in the last 2 × its schedule's openings — a width
-        met once per generation (a last, shorter round) — is given up, its width left to stock, so it cannot hold
-        the others back."""
+        met once per generation (a last, shorter round), or one whose steps always have something else inside — is
+        given up, its width left to stock, so it can neither hold the others back nor run a candidate for good."""
         for key, trial in list(self._trials.items()):
             if self._openings - self._advanced[key] > 2 * len(trial.schedule):
                 del self._trials[key]

@@ -458,3 +458,23 @@ def test_a_trial_that_stalls_is_given_up_and_lets_the_others_run(monkeypatch):
         assert fake.choices[f"2x{sig}:float32"]["choice"] == "few_rows"
         net(rare), net(rare)
         assert f"3x{sig}:float32" not in fake._trials  # given up: stock, never timed again in this process
+
+
+def test_a_trial_whose_steps_are_always_broken_ends_in_stock(monkeypatch):
+    """Openings of one width with another width in between every time: no step is ever recorded; the trial is given
+    up after 2 × its schedule's openings and the width runs stock — never a trial's candidate for good."""
+    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    route_linears(net)
+    seen: list[tuple[str, int]] = []
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: 0.0)
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    a, b = torch.randn(2, 8), torch.randn(3, 8)
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {}, [0.0], seen)
+        for _ in range(2 * N + 4):
+            net(a), net(b)  # each width's step has the other inside
+        assert not fake._trials and fake.choices == {}
+        seen.clear()
+        net(a), net(b)
+    assert [n for n, _ in seen] == ["stock"] * 4
