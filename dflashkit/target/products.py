@@ -182,7 +182,7 @@ class Chooser:
         if trial is None:
             if self._first_sight(key) or self._busy():
                 return "stock"  # a one-off so far; or another trial runs (one at a time: never in lockstep)
-            usable, self._failed[key] = _runnable(group, rows, dtype)
+            usable, self._failed[key] = _runnable(_first_product(group, rows, dtype))
             trial = self._trials[key] = StepTrial(usable, self.repeats)
             self._advanced[key] = self._openings
         pos = trial.pos
@@ -223,17 +223,8 @@ class Chooser:
     def _interleaved(
         self, run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object]
     ) -> dict[str, float | str | None]:
-        names = list(CANDIDATES)
-        failed: list[str] = []
+        names, failed = _runnable(run)  # also the warm-up: first calls pay allocations
         with torch.no_grad():
-            for name in names:  # warm-up: first calls pay allocations; a candidate this build cannot run drops out
-                try:
-                    run(CANDIDATES[name])
-                except RuntimeError:
-                    if name == "stock":
-                        raise
-                    failed.append(name)
-            names = [n for n in names if n not in failed]
             times: dict[str, list[float]] = {name: [] for name in names}
             for r in range(self.repeats):
                 for name in names if r % 2 == 0 else names[::-1]:
@@ -269,22 +260,29 @@ class Chooser:
             pass  # a read-only cache only costs the timing again next time
 
 
-def _runnable(group: PassGroup, rows: int, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """(candidates that run the group's first product at this width, those that raise): a trial never runs a
-    candidate inside a real step that this build cannot run."""
-    m = group.linears[0]
-    x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(0)).to(m.weight.device, dtype)
+def _runnable(
+    run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object],
+) -> tuple[list[str], list[str]]:
+    """(candidates `run` succeeds with, those that raise — this build cannot run them); stock failing is a real
+    error. A measurement never times, and a trial never runs inside a real step, a candidate that cannot run."""
     usable, failed = [], []
     with torch.no_grad():
         for name, fn in CANDIDATES.items():
             try:
-                fn(x, m.weight, m.bias)
+                run(fn)
                 usable.append(name)
             except RuntimeError:
                 if name == "stock":
                     raise
                 failed.append(name)
     return usable, failed
+
+
+def _first_product(group: PassGroup, rows: int, dtype: torch.dtype) -> Callable[[Callable[..., Tensor]], object]:
+    """A call of the group's first product on `rows` random rows, for `_runnable`."""
+    m = group.linears[0]
+    x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(0)).to(m.weight.device, dtype)
+    return lambda fn: fn(x, m.weight, m.bias)
 
 
 def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:

@@ -338,8 +338,10 @@ def test_the_prompts_width_is_never_measured(tiny_llama_dir, monkeypatch):
 
     measured: list[int] = []
     chooser = products.Chooser(timer=lambda name, fn: (fn(), 1.0)[1], store=None, repeats=1)
-    real_trial = products._runnable  # a pass group's trial in real steps starts here
-    monkeypatch.setattr(products, "_runnable", lambda g, rows, dt: measured.append(rows) or real_trial(g, rows, dt))
+    real_trial = products._first_product  # a pass group's trial in real steps starts here
+    monkeypatch.setattr(
+        products, "_first_product", lambda g, rows, dt: measured.append(rows) or real_trial(g, rows, dt)
+    )
     real_one = chooser.measure
     monkeypatch.setattr(chooser, "measure", lambda x, w, b: measured.append(x.shape[0]) or real_one(x, w, b))
     monkeypatch.setattr(products, "chooser", lambda: chooser)
