@@ -81,13 +81,13 @@ def gather_info(
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
     from dflashkit.target.machine import describe_machine
-    from dflashkit.target.products import CANDIDATES, choices_by_rows, choices_report, mode
+    from dflashkit.target.products import CANDIDATES, FUSED, choices_by_rows, choices_report, mode
 
     report = choices_report()
     return {
         **describe_machine(),
         "products_mode": mode(),
-        "products_candidates": list(CANDIDATES),
+        "products_candidates": [*CANDIDATES, *([f"{FUSED} (the target's layers)"] if "onednn" in CANDIDATES else [])],
         "products_store": report["store"],
         "products_by_rows": {str(k): v for k, v in choices_by_rows(report).items()},
     }

@@ -12,7 +12,8 @@ Modules and their public functions:
                 (recurrent states of hybrid Gated DeltaNet layers)
   products.py   a decoding step's matrix products, each shape the way this CPU does it fastest (measured):
                 `linear_product`, `route_linears`, `stock_products()`, `choices_report()`
-  step_trial.py `StepTrial`: a pass group's candidates timed in turn inside the real decoding steps
+  step_trial.py `StepTrial`: a pass group's candidates timed in turn inside the real decoding steps; `decide`
+  sibling_products.py `Siblings`, `sibling_product`: a layer's products of one input (q/k/v, gate/up) as one
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)
   machine.py    `describe_machine()` (CPU model, flags, BLAS, threads), `read_bandwidth()`
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name

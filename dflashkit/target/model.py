@@ -101,7 +101,7 @@ class Target:
             raise TargetError(f"{type(model).__name__} has no LM head (expected a causal LM)")
         self.lm_head: nn.Module = head
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
-        route_linears(self.layers)  # decoding steps' few rows: the measured products (products.py)
+        route_linears(self.layers, fuse=True)  # decoding steps' few rows: the measured products (products.py)
         route_linears(self.lm_head, lone=True)  # HF `generate` (regeneration) calls the head module itself
         cfg = self.text_config
         self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))

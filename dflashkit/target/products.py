@@ -4,11 +4,11 @@ measurement, never by a rule from another CPU.
     logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
-    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn # the choice: measured (default), or forced
+    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused   # measured (default), or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
 
 A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
-every weight matrix. Three ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
+every weight matrix. Ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
   stock       F.linear(x, W): x·Wᵀ as the BLAS's GEMM/GEMV with M = rows
   few_rows    (W·xᵀ)ᵀ, weight-stationary: streams W once; one row is multiplied as two (the matrix-vector path of
               some BLAS builds is slower than a matrix product of two); the result is copied row-major, as
@@ -17,6 +17,8 @@ every weight matrix. Three ways to compute the same float32 products, whose spee
   onednn      oneDNN's inner product (torch's mkldnn linear) on the same weights, no packed copy: on a 2-core AMD
               EPYC with MKL it streamed SmolLM2's 113 MB LM head at 17 GB/s against MKL's 10 (stock) and 14
               (few_rows), while on the layers' 1–4 MB matrices it was no faster; only where torch has oneDNN
+  onednn_fused the same over the stacked weights of a layer's products of one input (q/k/v, gate/up): a target's
+              layers only (sibling_products.py); one product of 2–7 MB instead of two or three of 0.4–3.5 MB
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
 Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
 other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
@@ -47,7 +49,6 @@ import contextlib
 import hashlib
 import json
 import os
-import statistics
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -59,13 +60,14 @@ from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError
 from dflashkit.target.machine import last_level_cache_bytes
-from dflashkit.target.step_trial import StepTrial
+from dflashkit.target.sibling_products import Siblings, sibling_product
+from dflashkit.target.step_trial import MIN_GAIN, StepTrial, decide
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
-MODES = ("auto", "stock", "few_rows", "onednn")
+FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
+MODES = ("auto", "stock", "few_rows", "onednn", FUSED)
 ENV = "DFLASHKIT_PRODUCTS"
 STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
-MIN_GAIN = 0.03  # another candidate must beat stock by at least this much (and by more than the noise) to be chosen
 _STOCK = [0]  # > 0 inside stock_products()
 _EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
 
@@ -90,9 +92,25 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def _onednn_fused(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return sibling_product(_onednn, x, w, b)  # (..., out); alone for a weight of no fused set
+
+
+def _no_siblings(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    raise RuntimeError("this pass group has no products of one input to fuse")
+
+
 CANDIDATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {"stock": _stock, "few_rows": _few_rows}
 if onednn_available():
     CANDIDATES["onednn"] = _onednn
+
+
+def group_candidates(group: PassGroup) -> dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
+    """A pass group's candidates: the products', plus the fused one for a group that may fuse (where it found no
+    siblings, that one cannot run: recorded unusable, as a candidate this build lacks)."""
+    if group.siblings is None:
+        return CANDIDATES
+    return {**CANDIDATES, FUSED: _onednn_fused if group.siblings.sets else _no_siblings}
 
 
 @contextlib.contextmanager
@@ -110,7 +128,7 @@ def mode() -> str:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
-    if value != "auto" and value not in CANDIDATES:
+    if value != "auto" and value not in CANDIDATES and not (value == FUSED and "onednn" in CANDIDATES):
         raise ConfigError(f"{ENV}={value}: this torch build has no oneDNN (torch.backends.mkldnn); use auto or stock")
     return value
 
@@ -182,7 +200,7 @@ class Chooser:
         if trial is None:
             if self._first_sight(key) or self._busy():
                 return "stock"  # a one-off so far; or another trial runs (one at a time: never in lockstep)
-            usable, self._failed[key] = _runnable(_first_product(group, rows, dtype))
+            usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), group_candidates(group))
             trial = self._trials[key] = StepTrial(usable, self.repeats)
             self._advanced[key] = self._openings
         pos = trial.pos
@@ -242,8 +260,8 @@ class Chooser:
             data = json.loads(self.store.read_text())
             choices = data.get("choices", {}) if isinstance(data, dict) else {}
             # an entry measured before a candidate joined (no "<name>_ms") is measured again, with it
-            current = {k: v for k, v in choices.items() if all(f"{n}_ms" in v for n in CANDIDATES)}
-            self.choices.update({k: v for k, v in current.items() if v.get("choice") in CANDIDATES})
+            current = {k: v for k, v in choices.items() if all(f"{n}_ms" in v for n in _names(k))}
+            self.choices.update({k: v for k, v in current.items() if v.get("choice") in _names(k)})
         except (OSError, ValueError, AttributeError):
             pass  # a damaged store is re-measured, never trusted
 
@@ -260,14 +278,20 @@ class Chooser:
             pass  # a read-only cache only costs the timing again next time
 
 
+def _names(key: str) -> list[str]:
+    """The candidates a stored choice must have timed: a fusing pass group's include the fused product."""
+    return [*CANDIDATES, FUSED] if "-fuse:" in key and "onednn" in CANDIDATES else list(CANDIDATES)
+
+
 def _runnable(
     run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object],
+    candidates: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = CANDIDATES,
 ) -> tuple[list[str], list[str]]:
     """(candidates `run` succeeds with, those that raise — this build cannot run them); stock failing is a real
     error. A measurement never times, and a trial never runs inside a real step, a candidate that cannot run."""
     usable, failed = [], []
     with torch.no_grad():
-        for name, fn in CANDIDATES.items():
+        for name, fn in candidates.items():
             try:
                 run(fn)
                 usable.append(name)
@@ -285,36 +309,16 @@ def _first_product(group: PassGroup, rows: int, dtype: torch.dtype) -> Callable[
     return lambda fn: fn(x, m.weight, m.bias)
 
 
-def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
-    """Paired by round: the timings of one ABBA round are neighbours in time, so a slow phase of the machine, or the
-    context growing over a trial's steps, hits every candidate of the round alike. Per candidate, its time over
-    stock's in each round; the candidate with the lowest median ratio is kept when that median is below 1 − MIN_GAIN
-    and its upper-quartile ratio is below 1 (it beat stock in three rounds of four or more); stock otherwise —
-    never slower than stock beyond the noise."""
-    stock = times["stock"]
-    ratios = {
-        n: sorted(t / s for t, s in zip(v, stock, strict=True) if s > 0) for n, v in times.items() if n != "stock"
-    }
-    median_ratio = {n: statistics.median(r) for n, r in ratios.items() if r}
-    best = min(median_ratio, key=lambda n: median_ratio[n], default=None)
-    choice = "stock"
-    if best is not None and median_ratio[best] < 1 - MIN_GAIN:
-        r = ratios[best]
-        choice = best if r[(3 * len(r)) // 4] < 1 else "stock"
-    entry: dict[str, float | str | None] = {"choice": choice}
-    entry.update({f"{name}_ms": round(1e3 * statistics.median(v), 4) for name, v in times.items()})
-    entry.update({f"{name}_vs_stock": round(m, 4) for name, m in median_ratio.items()})
-    return entry
-
-
 class PassGroup:
     """The linears of one model part (e.g. a target's decoder layers), in the order a pass runs them: they share
     one measured choice per row count. Its key names the row count and the group's shapes (a digest)."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], *, fuse: bool = False) -> None:
         self.linears = linears
         shapes = [(m.in_features, m.out_features, m.bias is not None) for m in linears]
-        self.signature = f"pass{len(linears)}-{hashlib.sha256(repr(shapes).encode()).hexdigest()[:10]}"
+        digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:10]
+        self.signature = f"pass{len(linears)}-{digest}{'-fuse' if fuse else ''}"
+        self.siblings = Siblings(linears) if fuse and "onednn" in CANDIDATES else None  # fused once a pass was seen
 
     def key(self, rows: int, dtype: torch.dtype) -> str:
         return f"{rows}x{self.signature}:{str(dtype).removeprefix('torch.')}"
@@ -383,6 +387,9 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     of a ~110 ms SmolLM2 step there), the lookup path ~6 µs (bench/product_overhead.py)."""
     if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
+    siblings = group.siblings if group is not None else None
+    if siblings is not None and not siblings.done and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]:
+        siblings.observe(weight, x)  # a decoding pass (a prefill's inputs are not held to watch it)
     c = chooser()
     memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
     memo += (x.is_cpu, os.environ.get(ENV))  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
@@ -395,6 +402,8 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
             c.settled[memo] = how
     if how == "stock":
         return F.linear(x, weight, bias)
+    if how == FUSED:
+        return _onednn_fused(x, weight, bias)  # (..., V): by the module's own input, which its siblings share
     rows = x.numel() // x.shape[-1]
     out = CANDIDATES[how](x.reshape(rows, x.shape[-1]), weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
@@ -421,13 +430,14 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return linear_product(x, self.weight, self.bias, self._pass_group)
 
 
-def route_linears(module: nn.Module, *, lone: bool = False) -> int:
+def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False) -> int:
     """Send every plain nn.Linear under `module` through `linear_product`, as one pass group timed in real steps, or
     with `lone` each as a lone product timed per shape (an LM head: a pass group of its own would be timed in the
     same steps as the layers', its candidates in lockstep with theirs). Idempotent: linears routed before keep
-    their way; returns how many were routed now."""
+    their way; returns how many were routed now. With `fuse` (frozen weights that are never saved from this model:
+    a target's layers) the products of one input may be computed as one (`sibling_products.py`, a timed candidate)."""
     fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
-    group = None if lone else PassGroup(fresh)
+    group = None if lone else PassGroup(fresh, fuse=fuse)
     for m in fresh:
         m.forward = types.MethodType(_forward, m)
         m._routed = True
@@ -462,12 +472,15 @@ def choices_by_rows(report: dict[str, object] | None = None) -> dict[int, dict[s
 
 __all__ = [
     "CANDIDATES",
+    "FUSED",
     "MAX_ROWS",
+    "MIN_GAIN",
     "Chooser",
     "PassGroup",
     "choices_by_rows",
     "choices_report",
     "decide",
+    "group_candidates",
     "linear_product",
     "mode",
     "route_linears",

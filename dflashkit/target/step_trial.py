@@ -11,12 +11,17 @@ step's own time is what a choice is for, so it is what is timed.
     trial.opened(now, unbroken=True)      # at every opening of the pass at this row count
     trial.current                         # the candidate the products of this step run
     trial.done, trial.times               # after repeats × candidates recorded steps: decide(trial.times)
+    decide(times)                         # the rule, for these and for products timed alone: paired by round
 
 An interval is recorded only when nothing else came between the two openings (`unbroken`: no opening of another
 row count, no stock-products block such as a prefill); otherwise the same candidate runs the next step again.
 """
 
 from __future__ import annotations
+
+import statistics
+
+MIN_GAIN = 0.03  # another candidate must beat stock by at least this much (and by more than the noise) to be chosen
 
 
 class StepTrial:
@@ -46,4 +51,26 @@ class StepTrial:
         self.started = now
 
 
-__all__ = ["StepTrial"]
+def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
+    """Paired by round: the timings of one ABBA round are neighbours in time, so a slow phase of the machine, or the
+    context growing over a trial's steps, hits every candidate of the round alike. Per candidate, its time over
+    stock's in each round; the candidate with the lowest median ratio is kept when that median is below 1 − MIN_GAIN
+    and its upper-quartile ratio is below 1 (it beat stock in three rounds of four or more); stock otherwise —
+    never slower than stock beyond the noise."""
+    stock = times["stock"]
+    ratios = {
+        n: sorted(t / s for t, s in zip(v, stock, strict=True) if s > 0) for n, v in times.items() if n != "stock"
+    }
+    median_ratio = {n: statistics.median(r) for n, r in ratios.items() if r}
+    best = min(median_ratio, key=lambda n: median_ratio[n], default=None)
+    choice = "stock"
+    if best is not None and median_ratio[best] < 1 - MIN_GAIN:
+        r = ratios[best]
+        choice = best if r[(3 * len(r)) // 4] < 1 else "stock"
+    entry: dict[str, float | str | None] = {"choice": choice}
+    entry.update({f"{name}_ms": round(1e3 * statistics.median(v), 4) for name, v in times.items()})
+    entry.update({f"{name}_vs_stock": round(m, 4) for name, m in median_ratio.items()})
+    return entry
+
+
+__all__ = ["MIN_GAIN", "StepTrial", "decide"]

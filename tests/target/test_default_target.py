@@ -51,3 +51,5 @@ def test_info_command_runs(capsys):
     from dflashkit.target.products import CANDIDATES
 
     assert f"timed candidates  {', '.join(CANDIDATES)}" in out and "BLAS" in out  # what the products choose from
+    if "onednn" in CANDIDATES:
+        assert "onednn_fused (the target's layers)" in out
