@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--batch-sizes", default="8,16,32", help="comma-separated; the first is the reference output")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--products", default="auto", help="comma-separated: auto, stock, few_rows, onednn (side by side)")
+    p.add_argument(
+        "--products", default="auto", help="comma-separated: auto, stock, few_rows, onednn, onednn_fused (side by side)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
     p.add_argument(
         "--server-slots",

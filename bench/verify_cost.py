@@ -10,6 +10,7 @@ pays n = 1 per token. For each n this times (all interleaved, on the same cache,
   stock          the same pass with every product through F.linear (how plain PyTorch / HF run it)
   few_rows       the same pass with every product weight-stationary (DFLASHKIT_PRODUCTS=few_rows)
   onednn         the same pass with every product through oneDNN (DFLASHKIT_PRODUCTS=onednn; where torch has it)
+  onednn_fused   the same, a layer's products of one input (q/k/v, gate/up) as one (DFLASHKIT_PRODUCTS=onednn_fused)
   body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
 and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
 the product chosen per width (how many of the pass's weight shapes took each path) and the physical floor: the
@@ -38,7 +39,8 @@ from dflashkit.target.model import Target
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints
 
-PATHS = ("forward", *(name for name in products.CANDIDATES))  # forward (the measured choice), stock, few_rows, …
+FUSED = (products.FUSED,) if "onednn" in products.CANDIDATES else ()
+PATHS = ("forward", *products.CANDIDATES, *FUSED)  # forward (the measured choice), stock, few_rows, onednn, …
 
 
 def _mode(path: str):
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden = torch.randn(1, max(sizes), target.hidden_size, generator=g).to(target.device, target.dtype)
     kinds = (*PATHS, "body", "head")
     times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in sizes} for k in kinds}
-    settle = 3 + products.chooser().repeats * len(products.CANDIDATES)  # a width's trial: that many steps in a row
+    settle = 3 + products.chooser().repeats * (len(PATHS) - 1)  # a width's trial: that many steps in a row
     for n in sizes:  # warm-up: also makes dflashkit's choices (the layers' timed in consecutive steps, then kept)
         for path in PATHS:
             with _mode(path):
@@ -156,7 +158,7 @@ def _print_table(args, target, sizes, med, floor, weight_bytes, chosen) -> None:
             f"floor: {weight_bytes / 1e6:.0f} MB of weights at {weight_bytes / floor / 1e9:.1f} GB/s read = "
             f"{1e3 * floor:.1f} ms per pass"
         )
-    others = PATHS[1:]  # stock, few_rows, onednn …
+    others = PATHS[1:]  # stock, few_rows, onednn, onednn_fused
     print(
         f"{'tokens':>6} {'forward ms':>11} {'× fwd(1)':>9} {'× floor':>8} "
         + "".join(f"{name + ' ms':>12}" for name in others)

@@ -24,10 +24,8 @@ Xeon with MKL, it was slower than stock at every width. So the choice is timed, 
 other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
 in three rounds of four); otherwise stock:
   a model's layers   (the linears one `route_linears` call routed: a pass group) get one choice per row count,
-                     timed in the real decoding steps (step_trial.py): each candidate runs whole steps in turn. A
-                     pass of the products alone, back to back, misjudged them: 84 vs 80 ms (stock vs few_rows) at 16
-                     rows where inside real regeneration steps the same products took 160 vs 102 ms a step; and
-                     timing each shape alone ranked them differently again.
+                     timed in the real decoding steps (step_trial.py: why not the products alone), each candidate
+                     running whole steps in turn.
   a lone product     (an LM head called directly) gets one per shape (rows × in × out), each call with the
                      weights evicted from the CPU caches first, as they are in a pass.
 A row count is measured the second time it is met (the first runs stock): a one-off is never worth seconds of
@@ -38,7 +36,7 @@ Likewise `Target.forward` without a cache (capture, online features, checks: who
 products — the quickstart's capture met two samples of 42 and two of 57 tokens and timed those widths.
 A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
 version and threads, so later runs skip the timing.
-Both compute each output as the same dot product; only the summation order inside it may differ (last-bit
+All compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
 """
@@ -68,6 +66,7 @@ FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one inp
 MODES = ("auto", "stock", "few_rows", "onednn", FUSED)
 ENV = "DFLASHKIT_PRODUCTS"
 STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
+MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
 _EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
 
@@ -154,7 +153,9 @@ class Chooser:
         self._last_opening: dict[str, tuple[str, int] | None] = {}  # per group: (key, epoch) of its latest opening
         self._openings = 0  # openings of passes not settled yet, counted to notice a trial that stalls
         self._advanced: dict[str, int] = {}  # per trial: the opening count when it last recorded a step
-        self._rare: set[str] = set()  # widths whose trial stalled: stock for the process
+        self._paused: dict[str, StepTrial] = {}  # trials that stalled, resumed when their width opens with none running
+        self._pauses: dict[str, int] = {}  # … how often each stalled
+        self._rare: set[str] = set()  # widths whose trial stalled MAX_PAUSES times: stock for the process
         self.choices: dict[str, dict[str, float | str | None]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
         self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
@@ -200,8 +201,11 @@ class Chooser:
         if trial is None:
             if self._first_sight(key) or self._busy():
                 return "stock"  # a one-off so far; or another trial runs (one at a time: never in lockstep)
-            usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), group_candidates(group))
-            trial = self._trials[key] = StepTrial(usable, self.repeats)
+            if key in self._paused:
+                trial = self._trials[key] = self._paused.pop(key)  # resumed at the start of its round
+            else:
+                usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), group_candidates(group))
+                trial = self._trials[key] = StepTrial(usable, self.repeats)
             self._advanced[key] = self._openings
         pos = trial.pos
         trial.opened(self.clock(), unbroken=unbroken)
@@ -216,14 +220,21 @@ class Chooser:
         return str(entry["choice"])
 
     def _busy(self) -> bool:
-        """Whether a trial runs. One that has not recorded a step in the last 2 × its schedule's openings — a width
-        met once per generation (a last, shorter round), or one whose steps always have something else inside — is
-        given up, its width left to stock, so it can neither hold the others back nor run a candidate for good."""
+        """Whether a trial runs. One without a recorded step in the last 2 × its schedule's openings is paused (stock
+        meanwhile; resumed at its round's start when its width opens with no trial running: a benchmark meets a
+        tree's width only in that method's turns); paused MAX_PAUSES times — a width met once per generation, or
+        whose steps always have something else inside — it is given up (stock), never holding the others back
+        nor running a candidate for good."""
         for key, trial in list(self._trials.items()):
             if self._openings - self._advanced[key] > 2 * len(trial.schedule):
                 del self._trials[key]
-                self._failed.pop(key, None)
-                self._rare.add(key)
+                self._pauses[key] = self._pauses.get(key, 0) + 1
+                if self._pauses[key] >= MAX_PAUSES:
+                    self._failed.pop(key, None)
+                    self._rare.add(key)
+                else:
+                    trial.restart_round()
+                    self._paused[key] = trial
         return bool(self._trials)
 
     def _first_sight(self, key: str) -> bool:

@@ -43,6 +43,15 @@ class StepTrial:
     def done(self) -> bool:
         return self.pos >= len(self.schedule)
 
+    def restart_round(self) -> None:
+        """Back to the start of the running round, its steps dropped (a trial paused mid-round: a round is a set of
+        neighbours in time, so it is timed again whole when the trial resumes)."""
+        width = len(self.times)
+        start = (self.pos // width) * width
+        for name in self.schedule[start : self.pos]:
+            self.times[name].pop()
+        self.pos, self.started = start, None
+
     def opened(self, now: float, *, unbroken: bool) -> None:
         """A new opening of the pass: the running step (if any, and unbroken) ends now and is recorded."""
         if self.started is not None and unbroken and not self.done:

@@ -434,35 +434,40 @@ def test_two_groups_in_one_loop_are_timed_one_after_the_other(monkeypatch):
     assert rounds <= 2 + 2 * (N + 1) + 1  # first sight, then each group's N steps (+ the closing opening) in turn
 
 
-def test_a_trial_that_stalls_is_given_up_and_lets_the_others_run(monkeypatch):
-    """A width met once per generation (a last, shorter round) starts a trial whose steps never follow each other:
-    after 2 × its schedule's openings without a recorded step it is given up (stock for the process) and the
-    widths that recur get their trials."""
+def test_a_trial_that_stalls_is_paused_lets_the_others_run_and_resumes(monkeypatch):
+    """A width met only now and then (a tree's width in a benchmark that runs one method after another) starts a
+    trial that stops making progress: after 2 × its schedule's openings without a recorded step it is paused (stock
+    meanwhile), the widths that recur get their trials, and it resumes — at the start of its round, the round's
+    steps timed again — when its width opens with no trial running."""
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
     now = [0.0]
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=2, clock=lambda: now[0])
     monkeypatch.setattr(products, "chooser", lambda: fake)
     monkeypatch.setenv(products.ENV, "auto")
-    rare, common = torch.randn(3, 8), torch.randn(2, 8)
-    sig = net[0]._pass_group.signature
+    sometimes, common = torch.randn(3, 8), torch.randn(2, 8)
+    key3, key2 = (f"{r}x{net[0]._pass_group.signature}:float32" for r in (3, 2))
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         _clocked_candidates(mp, {"stock": 1.0, "few_rows": 0.5}, now, [])
-        net(rare), net(common), net(rare)  # the rare width's second sight starts its trial
-        assert list(fake._trials) == [f"3x{sig}:float32"]
-        for _ in range(2 * N + 1):  # the common width waits (stock) while the rare trial makes no progress
+        net(sometimes), net(common), net(sometimes), net(sometimes)  # its trial starts, then records one step
+        trial = fake._trials[key3]
+        assert trial.pos == 1 and trial.times["stock"] == [2.0]
+        for _ in range(4 * N + 1):  # the common width waits (stock) while the trial makes no progress
             net(common)
-        assert f"3x{sig}:float32" not in fake._trials and f"3x{sig}:float32" in fake._rare
-        for _ in range(N + 2):
+        assert key3 not in fake._trials and fake._paused[key3] is trial and key3 not in fake._rare
+        assert trial.pos == 0 and trial.times["stock"] == []  # back to its round's start
+        for _ in range(2 * N + 2):
             net(common)
-        assert fake.choices[f"2x{sig}:float32"]["choice"] == "few_rows"
-        net(rare), net(rare)
-        assert f"3x{sig}:float32" not in fake._trials  # given up: stock, never timed again in this process
+        assert fake.choices[key2]["choice"] == "few_rows"
+        for _ in range(2 * N + 1):
+            net(sometimes)
+        assert fake.choices[key3]["choice"] == "few_rows" and not fake._paused  # resumed and finished
 
 
 def test_a_trial_whose_steps_are_always_broken_ends_in_stock(monkeypatch):
-    """Openings of one width with another width in between every time: no step is ever recorded; the trial is given
-    up after 2 × its schedule's openings and the width runs stock — never a trial's candidate for good."""
+    """Openings of one width with another width in between every time: no step is ever recorded; each trial is
+    paused after 2 × its schedule's openings, resumed, paused again, and given up after MAX_PAUSES: the widths run
+    stock — never a trial's candidate for good."""
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
     seen: list[tuple[str, int]] = []
@@ -472,9 +477,9 @@ def test_a_trial_whose_steps_are_always_broken_ends_in_stock(monkeypatch):
     a, b = torch.randn(2, 8), torch.randn(3, 8)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         _clocked_candidates(mp, {}, [0.0], seen)
-        for _ in range(2 * N + 4):
+        for _ in range(2 * products.MAX_PAUSES * (2 * N + 2)):
             net(a), net(b)  # each width's step has the other inside
-        assert not fake._trials and fake.choices == {}
+        assert not fake._trials and not fake._paused and fake.choices == {} and len(fake._rare) == 2
         seen.clear()
         net(a), net(b)
     assert [n for n, _ in seen] == ["stock"] * 4
