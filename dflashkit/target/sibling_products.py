@@ -54,14 +54,15 @@ class FusedSet:
                     m.bias.data = self.bias[start : start + m.out_features]
                 setattr(m.weight, _LINK, (self, i))
                 start += m.out_features
+        self._views = [m.weight.data_ptr() for m in members]  # where each member's rows lie in the buffer
         self._held: Tensor | None = None  # the input of the last whole-set product …
         self._version = -1  # … its version counter then (an in-place change since makes its slices stale)
         self._call = -1  # … the sibling_product call that computed it
         self._parts: list[Tensor | None] = []  # … and the slices not handed out yet
 
     def intact(self) -> bool:
-        """Whether the members still view the stacked buffer (a move to another device replaces their data)."""
-        return self.members[0].weight.data_ptr() == self.weight.data_ptr()
+        """Whether every member still views the stacked buffer (a move to another device replaces their data)."""
+        return [m.weight.data_ptr() for m in self.members] == self._views
 
     def product(
         self, fn: Callable[[Tensor, Tensor, Tensor | None], Tensor], x: Tensor, index: int, call: int

@@ -102,9 +102,10 @@ def test_a_slice_is_never_stale_nor_shared():
         torch.testing.assert_close(out, F.linear(xi, k.weight, k.bias))
     y = torch.randn(2, 16)  # another input: k alone
     torch.testing.assert_close(sibling_product(onednn, y, k.weight, k.bias), F.linear(y, k.weight, k.bias))
-    q.weight.data = q.weight.data.clone() * 3  # replaced data (a move to another device does this): q alone, right
+    k.weight.data = k.weight.data.clone() * 3  # replaced data (a move to another device does this): each alone
     assert not s.intact()
     torch.testing.assert_close(sibling_product(onednn, x, q.weight, q.bias), F.linear(x, q.weight, q.bias))
+    torch.testing.assert_close(sibling_product(onednn, x, k.weight, k.bias), F.linear(x, k.weight, k.bias))
 
 
 def test_what_is_never_fused(monkeypatch):
