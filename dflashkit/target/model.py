@@ -31,6 +31,7 @@ from dflashkit.errors import TargetError
 from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.target.products import linear_product, route_linears, stock_products
+from dflashkit.target.products import mode as products_mode
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -256,11 +257,13 @@ class Target:
         then costs one LM-head row instead of T.
 
         Without a cache the pass is a one-off over whole sequences (capture, features, checks), not a decoding
-        step: it takes stock products, so a short sample met twice is never timed as a decoding width.
+        step: under the measured choice (`auto`) it takes stock products, so a short sample met twice is never
+        timed as a decoding width; products forced by DFLASHKIT_PRODUCTS hold here as in every other pass.
         """
         layer_ids = [int(i) for i in layer_ids]
         self.check_layer_ids(layer_ids)
-        with stock_products() if cache is None else nullcontext(), self._hooks(layer_ids) as captured:
+        one_off = cache is None and products_mode() == "auto"
+        with stock_products() if one_off else nullcontext(), self._hooks(layer_ids) as captured:
             out = self.text_model(
                 input_ids=input_ids.to(self.device),
                 position_ids=None if position_ids is None else position_ids.to(self.device),

@@ -33,6 +33,37 @@ def test_features_equal_output_hidden_states(tiny_target_dirs, kind):
     assert not torch.allclose(out.final_hidden, ref.hidden_states[-1])
 
 
+@pytest.mark.parametrize("way", ["few_rows", "onednn"])
+def test_forced_products_hold_in_passes_without_a_cache(tiny_target_dirs, monkeypatch, way):
+    """DFLASHKIT_PRODUCTS=<way> forces every routed product, a pass without a cache (capture, checks) included: its
+    features are exactly the model's own hidden states under the same forced way (under auto such a pass takes stock
+    products, so a short sample is never timed as a decoding width)."""
+    from dflashkit.target import products
+
+    if way not in products.CANDIDATES:
+        pytest.skip(f"this torch build has no {way}")
+    calls = [0]
+    inner = products.CANDIDATES[way]
+
+    def counted(x, w, b):
+        calls[0] += 1
+        return inner(x, w, b)
+
+    monkeypatch.setitem(products.CANDIDATES, way, counted)
+    monkeypatch.setenv(products.ENV, way)
+    target = Target.load(tiny_target_dirs["llama"])
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    ref = target.model(input_ids=ids, output_hidden_states=True)
+    before = calls[0]
+    layers = list(range(target.num_layers - 1))
+    out = target.forward(ids, layer_ids=layers, logits=True)
+    assert calls[0] > before  # the forced way ran in the pass without a cache
+    h = target.hidden_size
+    for j, layer in enumerate(layers):
+        assert torch.equal(out.features[..., j * h : (j + 1) * h], ref.hidden_states[layer + 1])
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)  # as the stock test: another head path
+
+
 def test_vl_wrapper_layout(tiny_target_dirs):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
 
