@@ -12,7 +12,8 @@ On the same held-out prompts (default: MT-Bench turn 1), greedy, with the target
   chain             DFlash chain verification
   ddtree:B          DDTree for every budget B of `--budgets` (the best, by tok/s, is reported as "ddtree")
 Methods are interleaved per prompt (their order rotates from prompt to prompt) so that load from other processes
-hits all of them alike; every method runs once on the first prompt as a warm-up before anything is timed.
+hits all of them alike; every method runs on the first prompt as a warm-up before anything is timed (on CPU
+until the products of its widths are settled: dflashkit/evaluate/warm_up.py).
 
 Per method: tokens, wall seconds (prefill included), tok/s, speedup vs HF AR, greedy equality of the output vs
 HF AR's (fraction of prompts; a divergence is triaged near_tie / bug as in `evaluate`), and the paired ratio: the
@@ -46,8 +47,9 @@ from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
 from dflashkit.evaluate.stats import Method, Prompt, load_prompts
 from dflashkit.evaluate.triage import triage_divergence
+from dflashkit.evaluate.warm_up import settle
 from dflashkit.quickstart import QuickstartSettings
-from dflashkit.target import products
+from dflashkit.target import product_report
 from dflashkit.target.machine import machine_line
 from dflashkit.target.model import Target
 from dflashkit.target.products import stock_products
@@ -148,6 +150,9 @@ def run_bench(
     if warmup:  # first calls pay one-off allocation costs: keep them out of the timings
         for name in names:
             run(name, prompts[0], min(8, max_new_tokens))
+        for name in names:  # on CPU: until the products of each method's widths are settled (HF baselines: stock)
+            if name not in (HF_AR, PLD):
+                settle(lambda n, name=name: run(name, prompts[0], n), max_new_tokens, target.device)
     raw: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     from tqdm import tqdm
 
@@ -410,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         repeats=args.repeats,
     )
     print_table(stats)
-    chosen = {str(rows): c for rows, c in products.choices_by_rows().items()}
+    chosen = {str(rows): c for rows, c in product_report.choices_by_rows().items()}
     print(f"machine: {machine_line()}")
     print(
         "products chosen per width (rows: shapes per path): "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.target import products
+from dflashkit.target import product_report, products
 from dflashkit.target.cache import crop
 from dflashkit.target.machine import machine_line, read_bandwidth
 from dflashkit.target.model import Target
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _chosen_per_width(sizes: list[int], target: Target) -> dict[str, str]:
     """Per verified width n: the choice for the decoder layers (one pass group) and for the LM head."""
-    choices = products.choices_report()["choices"]
+    choices = product_report.choices_report()["choices"]
     group = next((m._pass_group for m in target.layers.modules() if hasattr(m, "_pass_group")), None)
     head = target.lm_head.weight
     out = {}

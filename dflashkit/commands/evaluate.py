@@ -257,7 +257,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     _tree_top_k_arg(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing progress.jsonl")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed warm-up runs (on CPU they also let the products of each width settle before timing)",
+    )
     p.add_argument("--hf-baseline", action="store_true", help="also time HF generate as a second AR baseline")
     p.add_argument(
         "--triage-threshold",

@@ -81,7 +81,8 @@ def gather_info(
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
     from dflashkit.target.machine import describe_machine
-    from dflashkit.target.products import CANDIDATES, FUSED, choices_by_rows, choices_report, mode
+    from dflashkit.target.product_report import choices_by_rows, choices_report
+    from dflashkit.target.products import CANDIDATES, FUSED, mode
 
     report = choices_report()
     return {

@@ -44,6 +44,7 @@ from dflashkit.evaluate.stats import (
     verify_width,
 )
 from dflashkit.evaluate.triage import default_triage_threshold, triage_divergence
+from dflashkit.evaluate.warm_up import settle
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target, check_drafter_fits
@@ -182,12 +183,13 @@ class _Session:
         return res, time.perf_counter() - t0
 
     def warm_up(self, prompt: Prompt, seed: int) -> None:
-        """A few untimed tokens of every method, so one-off allocation costs stay out of the timings."""
-        n = min(4, self.max_new_tokens)
-        self.run(prompt, None, AR_METHOD, n, seed)
-        for d in self.drafters.values():
-            for m in self.spec:
-                self.run(prompt, d, m, n, seed)
+        """Untimed runs of every method before anything is timed: a few tokens each pay the one-off allocation costs;
+        then, on CPU, runs until the products of the method's widths are settled (warm_up.py)."""
+        runs = [(None, AR_METHOD)] + [(d, m) for d in self.drafters.values() for m in self.spec]
+        for d, m in runs:
+            self.run(prompt, d, m, min(4, self.max_new_tokens), seed)
+        for d, m in runs:
+            settle(lambda n, d=d, m=m: self.run(prompt, d, m, n, seed), self.max_new_tokens, self.target.device)
 
     def prompt_record(self, p: Prompt, seed: int | None) -> dict[str, Any]:
         """One prompt: AR once, HF generate when asked, then every (drafter, method), each triaged against AR at

@@ -11,7 +11,9 @@ Modules and their public functions:
   cache.py      the target's KV cache during verification: `crop`, `keep_positions`, `snapshot` / `restore`
                 (recurrent states of hybrid Gated DeltaNet layers)
   products.py   a decoding step's matrix products, each shape the way this CPU does it fastest (measured):
-                `linear_product`, `route_linears`, `stock_products()`, `choices_report()`
+                `linear_product`, `route_linears`, `stock_products()`
+  product_report.py `choices_report()`, `choices_by_rows()`, `trials_pending()`: what the products chose, and
+                whether a choice is still being timed
   step_trial.py `StepTrial`: a pass group's candidates timed in turn inside the real decoding steps; `decide`
   sibling_products.py `Siblings`, `sibling_product`: a layer's products of one input (q/k/v, gate/up) as one
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)

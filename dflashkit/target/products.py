@@ -35,7 +35,8 @@ landed in the middle of a timed decode (bench/speed.py: dflashkit AR 0.92× HF b
 Likewise `Target.forward` without a cache (capture, online features, checks: whole sequences, once) takes stock
 products — the quickstart's capture met two samples of 42 and two of 57 tokens and timed those widths.
 A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
-version and threads, so later runs skip the timing.
+version and threads, so later runs skip the timing (what was chosen, and whether a timing is under way:
+product_report.py).
 All compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
@@ -59,7 +60,7 @@ from torch import Tensor, nn
 from dflashkit.errors import ConfigError
 from dflashkit.target.machine import last_level_cache_bytes
 from dflashkit.target.sibling_products import Siblings, sibling_product
-from dflashkit.target.step_trial import MIN_GAIN, StepTrial, decide
+from dflashkit.target.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, decide, unclear
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
 FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
@@ -212,6 +213,9 @@ class Chooser:
         if trial.pos != pos:
             self._advanced[key] = self._openings
         if not trial.done:
+            return trial.current
+        if trial.extensions < MAX_EXTENSIONS and unclear(trial.times):
+            trial.extend(self.repeats)  # ahead of stock in the median but not round by round: more rounds first
             return trial.current
         entry = {**decide(trial.times), "timed": "steps", **{f"{n}_ms": None for n in self._failed.pop(key)}}
         del self._trials[key]
@@ -456,31 +460,6 @@ def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False) 
     return len(fresh)
 
 
-def choices_report() -> dict[str, object]:
-    """What was chosen so far (this process and the store), for `dflashkit info` and the benchmarks."""
-    from dflashkit.target.machine import describe_machine
-
-    c = chooser()
-    if not c._loaded:
-        c._load()
-    return {
-        "machine": describe_machine(),
-        "mode": mode(),
-        "store": str(c.store) if c.store else None,
-        "choices": dict(sorted(c.choices.items())),
-    }
-
-
-def choices_by_rows(report: dict[str, object] | None = None) -> dict[int, dict[str, int]]:
-    """rows → {choice: how many shapes} (a compact view of `choices_report`)."""
-    out: dict[int, dict[str, int]] = {}
-    for key, entry in (report or choices_report())["choices"].items():
-        rows = int(key.split("x", 1)[0])
-        out.setdefault(rows, {}).setdefault(str(entry["choice"]), 0)
-        out[rows][str(entry["choice"])] += 1
-    return dict(sorted(out.items()))
-
-
 __all__ = [
     "CANDIDATES",
     "FUSED",
@@ -488,8 +467,6 @@ __all__ = [
     "MIN_GAIN",
     "Chooser",
     "PassGroup",
-    "choices_by_rows",
-    "choices_report",
     "decide",
     "group_candidates",
     "linear_product",

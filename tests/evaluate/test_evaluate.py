@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dflashkit.evaluate.evaluate as ev
+import dflashkit.evaluate.warm_up as warm_up
 from dflashkit.decode.generate import generate
 from dflashkit.decode.sampling import SamplingParams
 from dflashkit.drafter.config import DrafterConfig
@@ -63,6 +64,7 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
     calls = []
     real_generate = ev.generate
     monkeypatch.setattr(ev, "generate", lambda *a, **k: calls.append(k["method"]) or real_generate(*a, **k))
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")  # no products timed: the warm-up is one short run per method
     doc = evaluate(
         llama,
         drafters,
@@ -149,6 +151,52 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
         warmup=False,
     )
     assert fresh["ar"]["n_prompts"] == 1 and len((tmp_path / "progress.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("settle_runs", [warm_up.SETTLE_RUNS, 0])
+def test_warm_up_settles_the_measured_products(tiny_llama_dir, tmp_path, monkeypatch, settle_runs):
+    """On CPU the products of each decoding width are timed in the real steps at first use (target/products.py).
+    The warm-up runs every method until no such timing is under way, so the widths every round meets — the AR step
+    (1 row) and the chain's verify of a block (6 rows) — are settled before anything is timed, as every later run
+    on the machine gets them from the store. Without the settling runs (the warm-up before: 4 tokens a method)
+    their trials land in the timed runs."""
+    from dflashkit.target import products
+
+    chooser = products.Chooser(store=None, repeats=2)
+    monkeypatch.setattr(products, "chooser", lambda: chooser)
+    monkeypatch.setenv(products.ENV, "auto")
+    monkeypatch.setattr(warm_up, "SETTLE_RUNS", settle_runs)
+    target = Target.load(tiny_llama_dir)  # its own routed linears: pass groups of this test's chooser only
+    group = target.layers[0].mlp.up_proj._pass_group
+    every_round = {group.key(1, torch.float32), group.key(6, torch.float32)}
+    prompts = make_prompts(2, seed=3)
+    torch.manual_seed(0)
+    drafter = oracle_for(target, prompts, 16, p_correct=0.7, seed=1)
+    settled_before = []  # per generate call: were the widths of every round settled when it started?
+    real_generate = ev.generate
+    monkeypatch.setattr(
+        ev,
+        "generate",
+        lambda *a, **k: settled_before.append(every_round <= set(chooser.choices)) or real_generate(*a, **k),
+    )
+    doc = evaluate(
+        target,
+        {"d": drafter},
+        prompts,
+        methods="ar,chain,ddtree:4",
+        max_new_tokens=16,
+        out_dir=tmp_path,
+        progress=False,
+        stop_token_ids=(),
+    )
+    assert doc["results"]["d"]["chain"]["greedy_equal_fraction"] == 1.0
+    timed = settled_before[-2 * 3 :]  # 2 prompts × (AR, chain, DDTree-4), after the warm-up
+    if settle_runs:
+        assert all(timed), settled_before
+        assert all(chooser.choices[k]["timed"] == "steps" for k in every_round)
+        assert len(settled_before) > 3 + len(timed)  # the warm-up ran more than one short run per method
+    else:
+        assert not all(timed), settled_before  # the short warm-up alone leaves trials to the timed runs
 
 
 def test_triage_near_tie_and_bug(llama):
