@@ -10,7 +10,8 @@ On the same held-out prompts (default: MT-Bench turn 1), greedy, with the target
   dflashkit_ar      `decode.generate(method="ar")`: block size 1 through the speculative loop
   hf_prompt_lookup  HF `generate(prompt_lookup_num_tokens=10)` (n-gram drafts from the prompt, no drafter)
   chain             DFlash chain verification
-  ddtree:B          DDTree for every budget B of `--budgets` (the best, by tok/s, is reported as "ddtree")
+  ddtree:B          DDTree for every budget B of `--budgets` (the best, by tok/s, is reported as "ddtree"); `auto`
+                    in `--budgets` adds the budget `ddtree:auto` chooses on this machine (on `--budget-prompts`)
 Methods are interleaved per prompt (their order rotates from prompt to prompt) so that load from other processes
 hits all of them alike; every method runs on the first prompt as a warm-up before anything is timed (on CPU
 until the products of its widths are settled: dflashkit/evaluate/warm_up.py).
@@ -45,6 +46,7 @@ from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.decode.generate import generate
 from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
+from dflashkit.evaluate.budget_choice import choose_tree_budget
 from dflashkit.evaluate.stats import Method, Prompt, load_prompts
 from dflashkit.evaluate.triage import triage_divergence
 from dflashkit.evaluate.warm_up import settle
@@ -371,7 +373,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--repeats", type=int, default=1, help="rounds over the prompts (more rounds: tighter paired quartiles)"
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--budgets", default="4,8,16", help="DDTree budgets (comma-separated); the best is reported")
+    p.add_argument(
+        "--budgets",
+        default="4,8,16",
+        help="DDTree budgets (comma-separated; 'auto' adds the budget ddtree:auto chooses on this machine, "
+        "evaluate/budget_choice.py); the best is reported",
+    )
+    p.add_argument("--budget-prompts", default="sharegpt-heldout", help="calibration prompts of 'auto' (the first two)")
     p.add_argument(
         "--tree-top-k", type=int, default=0, help="DDTree tokens per depth (0 = the budget, as the DDTree reference)"
     )
@@ -379,7 +387,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
-    budgets = positive_ints(args.budgets, "--budgets", "4,8,16", unique_sorted=True)
+    auto = "auto" in [b.strip().lower() for b in args.budgets.split(",")]
+    fixed = ",".join(b for b in args.budgets.split(",") if b.strip().lower() != "auto")
+    budgets = positive_ints(fixed, "--budgets", "4,8,16", unique_sorted=True) if fixed.strip() or not auto else []
     if args.prompts < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         raise SystemExit("error: --prompts, --repeats and --max-new-tokens must be positive")
     no_drafter = args.drafter is not None and args.drafter.strip().lower() == "none"
@@ -399,6 +409,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     block_size = None if drafter is None else drafter.config.block_size
     prompts, skipped = load_prompts(target, args.dataset, limit=args.prompts, max_new_tokens=args.max_new_tokens)
     stops = sorted({int(t) for t in default_stop_token_ids(target)})
+    choice = None
+    if auto and drafter is not None:  # before anything is timed, as `dflashkit eval` does
+        calibration, _ = load_prompts(target, args.budget_prompts, limit=2, max_new_tokens=args.max_new_tokens)
+        choice = choose_tree_budget(
+            target, drafter, calibration, max_new_tokens=args.max_new_tokens, stop_token_ids=stops, progress=True
+        )
+        rates = ", ".join(f"{r['budget']}: {r['tokens_per_s']:.1f}" for r in choice.rows)
+        print(f"ddtree:auto chose budget {choice.budget} (tokens/s by budget: {rates})")
+        budgets = sorted({*budgets, choice.budget})
     print(
         f"target {target.source}  drafter {'none' if no_drafter else drafter_dir} (block size {block_size})  "
         f"dataset {args.dataset}: {len(prompts)} prompts ({len(skipped)} skipped) × {args.repeats}  max_new_tokens "
@@ -434,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         threads=torch.get_num_threads(),
         machine=machine_line(),
         products_chosen=chosen,
+        **({"ddtree_auto_budget": choice.budget, "ddtree_auto_choice": choice.as_dict()} if choice else {}),
     )
     print(json.dumps(doc))
     return doc

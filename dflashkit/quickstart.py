@@ -7,7 +7,8 @@ Stages (each one skips what is already done in `--out`, so an interrupted run co
                 conversations with their original reply (teacher-forced: labels are the target's own argmax)
   3. capture  — the target's features for the drafter's layers (+ its final-layer argmax), sharded on disk
   4. train    — a drafter, time-boxed: warmup + cosine span the training minutes themselves (checkpoints; resumes)
-  5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree
+  5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree, the
+                DDTree budget chosen by measurement on held-out ShareGPT prompts (`ddtree:auto`)
   6. export   — the drafter in the serving layout (`OUT/drafter`): vLLM loads it as it is (`serve-check` proves it)
 Then one screen: τ, tokens/s, speedup, greedy equality, and where the report, plots and checkpoint are.
 
@@ -26,6 +27,7 @@ from typing import Annotated, Any
 
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
+from dflashkit.quickstart_eval import stage_budget, stage_eval
 from dflashkit.quickstart_rates import step_rates, step_seconds
 from dflashkit.validation import (
     BlockSize,
@@ -68,7 +70,9 @@ class QuickstartSettings:
     original_text: NonNegativeInt = 300
     eval_prompts: PositiveInt = 8  # per evaluation dataset (MT-Bench turn 1, HumanEval)
     eval_max_new_tokens: PositiveInt = 96
-    methods: Text = "ar,chain,ddtree:4,ddtree:8"  # the screen reports the best DDTree budget
+    # ddtree:auto: the budget with the most tokens/s on this machine (quickstart_eval.stage_budget); the screen
+    # reports the best DDTree method by tokens/s
+    methods: Text = "ar,chain,ddtree:auto,ddtree:8"
     # Drafter for a 576-wide, 30-layer target on a CPU (see docs/benchmarks.md for the measurements behind them)
     num_hidden_layers: PositiveInt = 1  # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
     block_size: BlockSize = 4  # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
@@ -393,44 +397,6 @@ def _warm_start(drafter: Any, target: Any, s: QuickstartSettings) -> None:
         warm_start(drafter, target)
 
 
-def stage_eval(target: Any, drafter_dir: Path, s: QuickstartSettings, out: Path, end: float) -> dict[str, Any]:
-    """Evaluate on both held-out datasets until `end` (monotonic time): each dataset gets an equal share of what
-    is left when it starts, and at least one prompt."""
-    from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.evaluate.evaluate import evaluate
-    from dflashkit.evaluate.report import render
-    from dflashkit.evaluate.stats import load_prompts
-
-    drafter = load_drafter(drafter_dir).eval()
-    summary = {}
-    datasets = ("mtbench", "humaneval")
-    for i, dataset in enumerate(datasets):
-        now = time.monotonic()
-        deadline = now + max(0.0, end - now) / (len(datasets) - i)
-        prompts, skipped = load_prompts(target, dataset, limit=s.eval_prompts, max_new_tokens=s.eval_max_new_tokens)
-        ev_dir = out / "eval" / dataset
-        results = evaluate(
-            target,
-            {"quickstart": drafter},
-            prompts,
-            methods=s.methods,
-            max_new_tokens=s.eval_max_new_tokens,
-            out_dir=ev_dir,
-            dataset=dataset,
-            skipped=skipped,
-            drafter_sources={"quickstart": str(drafter_dir)},
-            deadline=deadline,
-        )
-        render(results, ev_dir)
-        summary[dataset] = {
-            "results": str(ev_dir / "results.json"),
-            "report": str(ev_dir / "report.md"),
-            "prompts": results["dataset"]["n_prompts"],
-            "requested": len(prompts),
-        }
-    return summary
-
-
 def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     from dflashkit.drafter.capture_needs import capture_layer_ids
     from dflashkit.drafter.defaults import default_drafter_config
@@ -482,7 +448,12 @@ def _run_stages(
         _save_state(out, state)
     if "eval" not in done:
         end = min(time.monotonic() + 60 * s.eval_minutes, t0 + 60 * s.minutes)
-        done["eval"] = stage_eval(target, drafter_dir, s, out, end)
+        if "budget" not in done:  # ddtree:auto: chosen once (inside the evaluation's minutes), for both datasets
+            done["budget"] = stage_budget(target, drafter_dir, s)
+            _save_state(out, state)
+        if done["budget"]:
+            _say(f"eval: ddtree:auto budget {done['budget']['budget']} ({done['budget']['rows']})")
+        done["eval"] = stage_eval(target, drafter_dir, s, out, end, done["budget"])
         _save_state(out, state)
     state["elapsed_minutes_last_run"] = round((time.monotonic() - t0) / 60, 1)
     _save_state(out, state)

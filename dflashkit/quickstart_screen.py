@@ -13,16 +13,16 @@ from dflashkit.quickstart_rates import shortfall_notes
 def summary_screen(state: dict[str, Any]) -> str:
     """The one screen: τ, tokens/s, speedup, greedy equality, where things are."""
     lines = ["", "dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts (greedy)", ""]
-    head = f"  {'dataset':<10} {'method':<10} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
+    head = f"  {'dataset':<10} {'method':<14} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
     lines.append(head)
     for dataset, where in state["done"]["eval"].items():
         doc = json.loads(Path(where["results"]).read_text())
         ar = doc["ar"]
-        lines.append(f"  {dataset:<10} {'ar':<10} {1.0:>8.2f} {1.0:>8.2f} {ar['tok_s']:>7.1f} {1.0:>7.2f}× {'—':>8}")
+        lines.append(f"  {dataset:<10} {'ar':<14} {1.0:>8.2f} {1.0:>8.2f} {ar['tok_s']:>7.1f} {1.0:>7.2f}× {'—':>8}")
         for methods in doc["results"].values():
             for method, r in methods.items():
                 lines.append(
-                    f"  {dataset:<10} {method:<10} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
+                    f"  {dataset:<10} {_label(method, r):<14} {r['tau_macro']:>8.2f} {r['tau_micro']:>8.2f} "
                     f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}"
                 )
     d = state["done"]
@@ -32,7 +32,7 @@ def summary_screen(state: dict[str, Any]) -> str:
         trees = {m: r for methods in doc["results"].values() for m, r in methods.items() if m.startswith("ddtree")}
         if trees:
             m, r = max(trees.items(), key=lambda kv: kv[1]["tok_s"])
-            best.append(f"{dataset} {m} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
+            best.append(f"{dataset} {_label(m, r)} (τ {r['tau_macro']:.2f}, {r['speedup_vs_ar']:.2f}×)")
     lines += [
         "",
         f"  best DDTree      {'; '.join(best) or '—'} (by tokens/s)",
@@ -45,6 +45,11 @@ def summary_screen(state: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _label(method: str, r: dict[str, Any]) -> str:
+    """'ddtree:auto(3)' for ddtree:auto (its chosen budget), else the method's name."""
+    return f"{method}({r['budget']})" if "budget" in r else method
 
 
 def _data_line(prep: dict[str, Any]) -> str:

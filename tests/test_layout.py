@@ -16,6 +16,7 @@ TOP = (
     "commands",
     "quickstart",
     "quickstart_screen",
+    "quickstart_eval",
     "quickstart_rates",
     "quickstart_server",
     "__main__",

@@ -39,21 +39,24 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     from dflashkit.drafter.checkpoint import load_drafter
 
     out = tmp_path / "qs"
-    assert main(["quickstart", "--out", str(out), *TINY]) == 0
+    argv = ["quickstart", "--out", str(out), *TINY, "--methods", "ar,chain,ddtree:auto"]  # the default's auto
+    assert main(argv) == 0
     screen = capsys.readouterr().out
+    state = json.loads((out / "quickstart.json").read_text())
+    budget = state["done"]["budget"]["budget"]  # chosen once, on held-out ShareGPT prompts, for both datasets
+    assert [r["budget"] for r in state["done"]["budget"]["rows"]] == [1, 2, 3, 4, 6, 8]  # block 4
     for needle in (
         "τ macro",
         "speedup",
         "mtbench",
         "humaneval",
         "chain",
-        "ddtree:4",
+        f"ddtree:auto({budget})",
         "best DDTree",
         str(out / "drafter"),
     ):
         assert needle in screen, needle
-    state = json.loads((out / "quickstart.json").read_text())
-    assert set(state["done"]) == {"prepare", "capture", "train", "export", "eval"}
+    assert set(state["done"]) == {"prepare", "capture", "train", "export", "budget", "eval"}
     prep = state["done"]["prepare"]
     assert prep["conversations"] >= 4 and prep["original_conversations"] == 3
     assert f"+ 3 original ShareGPT replies ({prep['original_supervised_tokens']:,}, target labels)" in screen
@@ -65,11 +68,15 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
         doc = json.loads((out / "eval" / dataset / "results.json").read_text())
         chain = doc["results"]["quickstart"]["chain"]
         assert chain["greedy_equal_fraction"] == 1.0 and chain["n_prompts"] == 1
+        auto = doc["results"]["quickstart"]["ddtree:auto"]
+        assert auto["budget"] == budget and auto["greedy_equal_fraction"] == 1.0
         assert (out / "eval" / dataset / "report.md").is_file()
         assert list((out / "eval" / dataset).glob("*.png"))
     # training never saw the evaluation prompts: held-out sets are MT-Bench / HumanEval, training is ShareGPT
     ids = [json.loads(line)["id"] for line in (out / "data" / "tokens.jsonl").read_text().splitlines()]
     assert ids and all(not i.startswith(("mtbench", "humaneval")) for i in ids)
+    calibration = state["done"]["budget"]["prompts"]  # held-out ShareGPT: neither trained on nor evaluated
+    assert len(calibration) == 2 and not {i.removeprefix("orig-") for i in ids} & set(calibration)
     # original-text samples: conversations not regenerated, trained on the target's own labels
     regenerated = {json.loads(line)["id"] for line in (out / "data" / "regenerated.jsonl").read_text().splitlines()}
     orig = [i for i in ids if i.startswith("orig-")]
@@ -77,7 +84,7 @@ def test_quickstart_end_to_end_and_rerun(tmp_path, capsys):
     latest = out / "train" / (out / "train" / "latest").read_text().strip()
     assert yaml.safe_load((latest / "train_config.yaml").read_text())["labels"] == "target"
     # a re-run reuses every stage and prints the same screen
-    assert main(["quickstart", "--out", str(out), *TINY]) == 0
+    assert main(argv) == 0
     assert "speedup" in capsys.readouterr().out
     check_sweep_on(out, tmp_path, capsys)
     check_levers_on(out, tmp_path, capsys)

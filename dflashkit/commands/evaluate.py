@@ -3,8 +3,8 @@
     dflashkit generate --drafter CKPT --prompt "…" [--method chain|tree|ar] [--max-new-tokens N]
                        [--temperature T --top-p P --top-k K] [--tree-budget B --tree-top-k K] [--target …]
     dflashkit eval --drafter NAME=CKPT [--drafter …] --dataset mtbench|humaneval|sharegpt-heldout|sharegpt|PATH
-                   [--limit N] [--on-error stop|skip] [--methods ar,chain,ddtree:8] [--max-new-tokens N]
-                   --out DIR [--target …]
+                   [--limit N] [--on-error stop|skip] [--methods ar,chain,ddtree:8,ddtree:auto]
+                   [--budget-prompts DATASET] [--max-new-tokens N] --out DIR [--target …]
     dflashkit simulate --drafter NAME=CKPT [--drafter …] --dataset … --cache DIR [--budgets 4,8,16] --out DIR
     dflashkit report RESULTS.json [MORE.json …] [--out DIR]
 
@@ -250,7 +250,19 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         default="stop",
         help="malformed JSONL lines: stop (default) or skip them (recorded in results.json)",
     )
-    p.add_argument("--methods", default="ar,chain,ddtree:8", help="comma-separated: ar, chain, ddtree:B")
+    p.add_argument(
+        "--methods",
+        default="ar,chain,ddtree:8",
+        help="comma-separated: ar, chain, ddtree:B, ddtree:auto (the budget with the most tokens/s on this machine, "
+        "measured before anything is timed)",
+    )
+    p.add_argument(
+        "--budget-prompts",
+        default=None,
+        metavar="DATASET",
+        help="ddtree:auto: choose the budget on the first two prompts of this dataset or JSONL file instead of the "
+        "first two evaluated (e.g. sharegpt-heldout)",
+    )
     p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
     _sampling_args(p)
     p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override every drafter's block size")
@@ -280,18 +292,31 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from dflashkit.evaluate.evaluate import evaluate
     from dflashkit.evaluate.report import render, summary_table
-    from dflashkit.evaluate.stats import parse_methods
+    from dflashkit.evaluate.stats import load_prompts, parse_methods
     from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
     output_dir(args.out, what="--out", create=False)
     _check_dataset(args.dataset)
+    if args.budget_prompts is not None:
+        if not any(m.is_auto for m in methods):
+            raise ConfigError(f"--budget-prompts is for ddtree:auto, which --methods {args.methods} does not name")
+        _check_dataset(args.budget_prompts)
     specs = _drafter_specs(args.drafter)
     if any(m.kind != "ar" for m in methods) and not specs:
         raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     drafters = _load_drafters(specs, args.device)
     prompts, skipped = _prompts(args, target, drafters)
+    budget_prompts = None
+    if args.budget_prompts is not None:
+        budget_prompts = load_prompts(
+            target,
+            args.budget_prompts,
+            limit=2,
+            max_new_tokens=args.max_new_tokens,
+            chat_template_kwargs=_thinking(args, target, drafters),
+        )[0]
     doc = evaluate(
         target,
         drafters,
@@ -312,6 +337,7 @@ def _eval(args: argparse.Namespace) -> int:
         hf_baseline=args.hf_baseline,
         drafter_sources=specs,
         progress=not args.quiet,
+        budget_prompts=budget_prompts,
     )
     render(doc, Path(args.out))
     print(summary_table(doc))

@@ -8,6 +8,7 @@ Reads: drafters, a target, prompts (bundled datasets or JSONL). Writes an evalua
 Modules and their public functions:
   evaluate.py     `evaluate(target, drafters, prompts, methods=…)`: real decoding, AR baseline, greedy equality
   warm_up.py      `settle(run, max_new_tokens, device)`: untimed runs until the CPU's product choices settle
+  budget_choice.py `choose_tree_budget`: the DDTree budget of `ddtree:auto` (replayed τ × measured round time)
   triage.py       `triage_divergence`: where an output departs from AR, and whether it is a near-tie or a bug
   aggregate.py    `run_record`, `ar_stats`, `method_stats`: run records → the statistics of results.json
   transcripts.py  `build_transcripts`, `TranscriptCache`: the target's greedy transcripts and their features

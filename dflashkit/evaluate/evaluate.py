@@ -10,6 +10,11 @@ every (drafter, method). At temperature 0 each output must equal the AR output; 
 line) and skipped when the run is resumed with the same settings; `out_dir/results.json` (the source of truth for
 reports; statistics from `aggregate.py`) is rewritten at the end. A resumed run aggregates timings measured in
 different sessions; rerun with resume=False for clean timings.
+
+`ddtree:auto` runs DDTree with the budget that gives each drafter the most tokens/s on this machine, chosen before
+anything is timed (`budget_choice.py`: replayed τ per budget × measured round times, on `budget_prompts` — by
+default the first two prompts of the evaluation); the choice is kept in `out_dir/budget_choice.json` (a resumed run
+keeps it) and in results.json next to the method's statistics.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ from dflashkit.decode.sampling import GREEDY, SamplingParams
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
+from dflashkit.evaluate.budget_choice import BudgetChoice, choose_tree_budget
 from dflashkit.evaluate.stats import (
     Method,
     Prompt,
@@ -50,7 +56,7 @@ from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target, check_drafter_fits
 from dflashkit.target.products import stock_products
 
-PROGRESS, RESULTS = "progress.jsonl", "results.json"
+PROGRESS, RESULTS, BUDGET_CHOICE = "progress.jsonl", "results.json", "budget_choice.json"
 AR_METHOD = Method("ar", "ar")  # the baseline every prompt runs first
 
 
@@ -76,8 +82,13 @@ def evaluate(
     drafter_sources: dict[str, str] | None = None,
     progress: bool = True,
     deadline: float | None = None,
+    budget_prompts: Sequence[Prompt] | None = None,
+    budget_choices: dict[str, BudgetChoice] | None = None,
 ) -> dict[str, Any]:
     """Run AR + every (drafter, method) on `prompts`; write progress.jsonl and results.json; return results.
+
+    budget_prompts: the calibration prompts of `ddtree:auto` (default: the first two of `prompts`);
+    budget_choices: drafter name → a choice already made (e.g. by the quickstart for several datasets), not measured.
 
     deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always
     evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how
@@ -121,6 +132,9 @@ def evaluate(
         todo = [p for p in prompts if p.id not in records]
         for d in drafters.values():
             d.eval()
+        if any(m.is_auto for m in session.spec):
+            calibration = budget_prompts or prompts
+            session.auto = _auto_budgets(session, out, key, calibration, budget_choices or {}, resume, progress)
         if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
             session.warm_up(todo[0], seed)
         index = {p.id: i for i, p in enumerate(prompts)}
@@ -156,6 +170,11 @@ class _Session:
     stops: list[int]
     threshold: float
     hf_baseline: bool
+    auto: dict[str, BudgetChoice] = field(default_factory=dict)  # drafter name → the budget of ddtree:auto
+
+    def method_for(self, name: str, m: Method) -> Method:
+        """`m` as drafter `name` runs it: ddtree:auto with that drafter's chosen budget."""
+        return m.with_budget(self.auto[name].budget) if m.is_auto else m
 
     def run(
         self, prompt: Prompt, drafter: DFlashDrafter | None, method: Method, max_new_tokens: int, seed: int | None
@@ -185,7 +204,7 @@ class _Session:
     def warm_up(self, prompt: Prompt, seed: int) -> None:
         """Untimed runs of every method before anything is timed: a few tokens each pay the one-off allocation costs;
         then, on CPU, runs until the products of the method's widths are settled (warm_up.py)."""
-        runs = [(None, AR_METHOD)] + [(d, m) for d in self.drafters.values() for m in self.spec]
+        runs = [(None, AR_METHOD)] + [(d, self.method_for(n, m)) for n, d in self.drafters.items() for m in self.spec]
         for d, m in runs:
             self.run(prompt, d, m, min(4, self.max_new_tokens), seed)
         for d, m in runs:
@@ -202,7 +221,7 @@ class _Session:
         for name, d in self.drafters.items():
             rec["runs"][name] = {}
             for m in self.spec:
-                res, wall = self.run(p, d, m, self.max_new_tokens, seed)
+                res, wall = self.run(p, d, self.method_for(name, m), self.max_new_tokens, seed)
                 r = run_record(res, wall)
                 if self.sampling.greedy:
                     r["divergence"] = triage_divergence(
@@ -232,8 +251,13 @@ class _Session:
             bs = verify_width(d, self.block_size)
             results[name] = {
                 m.name: method_stats(
-                    [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen], m, bs, ar, self.sampling.greedy
+                    [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen],
+                    self.method_for(name, m),
+                    bs,
+                    ar,
+                    self.sampling.greedy,
                 )
+                | ({"budget": self.auto[name].budget, "budget_choice": self.auto[name].as_dict()} if m.is_auto else {})
                 for m in self.spec
             }
         notes = []
@@ -265,6 +289,56 @@ class _Session:
             "results": results,
             "notes": notes,
         }
+
+
+def _auto_budgets(
+    session: _Session,
+    out: Path,
+    key: str,
+    calibration: Sequence[Prompt],
+    given: dict[str, BudgetChoice],
+    resume: bool,
+    progress: bool,
+) -> dict[str, BudgetChoice]:
+    """The ddtree:auto budget of every drafter: given, kept from an earlier run with the same settings
+    (budget_choice.json, when resuming), or measured now (and kept). A given budget that differs from the one the
+    kept records were evaluated with is refused."""
+    path = out / BUDGET_CHOICE
+    kept: dict[str, Any] = {}
+    if resume and path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+            kept = doc["drafters"] if doc.get("key") == key else {}
+        except (ValueError, KeyError, TypeError):
+            kept = {}  # damaged: measured again
+    choices = {}
+    for name, d in session.drafters.items():
+        if name in given:
+            if name in kept and int(kept[name]["budget"]) != given[name].budget and (out / PROGRESS).is_file():
+                raise DataError(
+                    f"{out / PROGRESS}: drafter {name!r} was evaluated with ddtree:auto budget {kept[name]['budget']}, "
+                    f"this run gives {given[name].budget}; use another output directory or disable resume"
+                )
+            choices[name] = given[name]
+        elif name in kept:
+            choices[name] = BudgetChoice.from_dict(kept[name])
+        else:
+            choices[name] = choose_tree_budget(
+                session.target,
+                d,
+                calibration,
+                max_new_tokens=session.max_new_tokens,
+                block_size=session.block_size,
+                tree_top_k=session.tree_top_k,
+                stop_token_ids=session.stops,
+                progress=progress,
+            )
+        if progress:
+            rows = ", ".join(f"{r['budget']}: {r['tokens_per_s']:.1f}" for r in choices[name].rows)
+            print(f"ddtree:auto for {name!r}: budget {choices[name].budget} (tokens/s by budget: {rows})", flush=True)
+    doc = {"key": key, "drafters": {n: c.as_dict() for n, c in choices.items()}}
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    return choices
 
 
 def _check_arguments(session: _Session, prompts: list[Prompt]) -> None:
@@ -368,4 +442,4 @@ def _resumed_records(ppath: Path, key: str, prompts: list[Prompt], resume: bool)
     return records
 
 
-__all__ = ["AR_METHOD", "PROGRESS", "RESULTS", "evaluate", "read_progress"]
+__all__ = ["AR_METHOD", "BUDGET_CHOICE", "PROGRESS", "RESULTS", "evaluate", "read_progress"]

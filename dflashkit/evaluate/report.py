@@ -72,14 +72,47 @@ def summary_table(doc: dict[str, Any]) -> str:
         )
     for name, methods in doc["results"].items():
         for method, st in methods.items():
+            label = f"{method} (B={st['budget']})" if "budget" in st else method  # ddtree:auto: the chosen budget
             rows.append(
-                f"| {name} | {method} | {_f(st.get('tau_micro'))} | {_f(st.get('tau_macro'))} | "
+                f"| {name} | {label} | {_f(st.get('tau_micro'))} | {_f(st.get('tau_macro'))} | "
                 f"{_f(st.get('tok_s'), 1)} | {_f(st.get('speedup_vs_ar'), 2, '×')} | "
                 f"{_f(st.get('predicted_speedup'), 2, '×')} | {_f(st.get('efficiency'))} | "
                 f"{_f(st.get('full_block_fraction'), 3)} | {_f(st.get('zero_accept_fraction'), 3)} | "
                 f"{_f(st.get('greedy_equal_fraction'), 3)} | {st.get('n_prompts', '—')} |"
             )
     return "\n".join(rows)
+
+
+def _budget_choice_lines(doc: dict[str, Any]) -> list[str]:
+    """'## DDTree budget chosen' (ddtree:auto): per drafter, the candidates' τ, round time and tokens/s."""
+    lines = []
+    for name, methods in doc["results"].items():
+        choice = (methods.get("ddtree:auto") or {}).get("budget_choice")
+        if not choice:
+            continue
+        lines += [
+            f"- `{name}`: budget **{choice['budget']}**, calibrated on prompts {', '.join(choice['prompts'])}",
+            "",
+            "| budget | τ (replayed) | round ms | tokens/s |",
+            "|---|---|---|---|",
+            *[
+                f"| {r['budget']}{' ←' if r['budget'] == choice['budget'] else ''} | {r['tau']:.3f} | "
+                f"{r['round_ms']:.1f} | {r['tokens_per_s']:.1f} |"
+                for r in choice["rows"]
+            ],
+            "",
+        ]
+    if not lines:
+        return []
+    return [
+        "## DDTree budget chosen (ddtree:auto)",
+        "",
+        "τ per budget replayed on the calibration prompts' greedy transcripts, round time measured on this machine "
+        "(real DDTree rounds, interleaved), tokens/s = τ ÷ round time; the smallest budget within 2 % of the "
+        "fastest is chosen.",
+        "",
+        *lines,
+    ]
 
 
 def _stage_table(doc: dict[str, Any]) -> str:
@@ -249,6 +282,7 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
             "",
             _stage_table(doc),
             "",
+            *_budget_choice_lines(doc),
         ]
     if series:
         lines += [

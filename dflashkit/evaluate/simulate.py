@@ -134,6 +134,11 @@ def _sim_methods(tree_budgets: Sequence[int], chain: bool, methods: Sequence[str
         out = [m for m in parse_methods(methods) if m.kind != "ar"]
     else:
         out = ([Method("chain", "chain")] if chain else []) + [parse_method(f"ddtree:{b}") for b in tree_budgets]
+    if any(m.is_auto for m in out):
+        raise DataError(
+            "ddtree:auto is chosen from measured round times, which a simulation does not have: give budgets "
+            "(e.g. ddtree:3,ddtree:8) or use `dflashkit eval`"
+        )
     if not out:
         raise DataError("nothing to simulate: give chain and/or tree budgets")
     return out

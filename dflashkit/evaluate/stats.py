@@ -25,22 +25,34 @@ from typing import Any
 from dflashkit.data.jsonl import LineProblem, read_lines
 from dflashkit.errors import ConfigError, DataError
 
-METHOD_FORMS = "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. ddtree:8)"
+METHOD_FORMS = (
+    "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. ddtree:8), ddtree:auto (the budget with the most "
+    "tokens/s on this machine, measured: evaluate/budget_choice.py)"
+)
 
 
 # ---------------------------------------------------------------------------------------------- methods
 @dataclass(frozen=True)
 class Method:
-    name: str  # "ar" | "chain" | "ddtree:8"
+    name: str  # "ar" | "chain" | "ddtree:8" | "ddtree:auto"
     kind: str  # the decode.generate method: "ar" | "chain" | "tree"
-    budget: int | None = None
+    budget: int | None = None  # a tree's budget; None for ddtree:auto until it is chosen (with_budget)
+
+    @property
+    def is_auto(self) -> bool:
+        """ddtree:auto whose budget is not chosen yet."""
+        return self.kind == "tree" and self.budget is None
+
+    def with_budget(self, budget: int) -> Method:
+        """ddtree:auto with its chosen budget (the name stays 'ddtree:auto')."""
+        return Method(self.name, self.kind, int(budget))
 
     def max_length(self, block_size: int) -> int:
         """Largest possible acceptance length L (bonus included) for this method and block size."""
         if self.kind == "ar" or block_size < 2:
             return 1
         if self.kind == "tree":
-            return 1 + min(int(self.budget or 0), block_size - 1)
+            return 1 + min(int(self.budget or block_size), block_size - 1)
         return block_size
 
 
@@ -50,6 +62,8 @@ def parse_method(text: str) -> Method:
         return Method("ar", "ar")
     if s == "chain":
         return Method("chain", "chain")
+    if s in ("ddtree:auto", "ddtree-auto", "tree:auto", "tree-auto"):
+        return Method("ddtree:auto", "tree")
     m = re.fullmatch(r"(?:ddtree|tree)[:\-](\d+)", s)
     if m and int(m.group(1)) >= 1:
         return Method(f"ddtree:{int(m.group(1))}", "tree", int(m.group(1)))

@@ -252,6 +252,29 @@ def _open_manifest(target: Target, out: Path, layers: list[int], max_new_tokens:
     return m
 
 
+@torch.no_grad()
+def transcript_of(
+    target: Target,
+    prompt: Prompt,
+    layer_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+) -> Transcript:
+    """One prompt's transcript in memory: the target's greedy continuation (`decode.generate(method="ar")`) and the
+    features of prompt + continuation at `layer_ids` (one forward), on CPU."""
+    layers = sorted({int(i) for i in layer_ids})
+    try:
+        res = generate(target, prompt.ids, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    except ValueError as e:
+        raise DataError(f"prompt {prompt.id!r}: {e}") from None
+    full = torch.tensor(prompt.ids + res.tokens, dtype=torch.long)[None]  # (1, T)
+    feats = target.forward(full, layer_ids=layers, logits=False).features[0]  # (T, K·H)
+    hidden = target.hidden_size
+    per_layer = {layer: feats[:, j * hidden : (j + 1) * hidden].detach().cpu() for j, layer in enumerate(layers)}
+    return Transcript(prompt.id, full[0].tolist(), len(prompt.ids), res.stop_reason, per_layer)  # layers (T, H)
+
+
 def _write_transcript(
     target: Target, p: Prompt, out: Path, index: int, layers: list[int], max_new_tokens: int, stops: list[int]
 ) -> dict[str, Any]:
@@ -259,16 +282,9 @@ def _write_transcript(
     pNNNNN.safetensors; returns its manifest entry."""
     from safetensors.torch import save_file
 
-    try:
-        res = generate(target, p.ids, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=stops)
-    except ValueError as e:
-        raise DataError(f"prompt {p.id!r}: {e}") from None
-    full = torch.tensor(p.ids + res.tokens, dtype=torch.long)[None]  # (1, T)
-    feats = target.forward(full, layer_ids=layers, logits=False).features[0]  # (T, K·H)
-    hidden = target.hidden_size
-    tensors = {"input_ids": full[0].contiguous()}
-    for j, layer in enumerate(layers):
-        tensors[f"layer{layer}"] = feats[:, j * hidden : (j + 1) * hidden].detach().cpu().contiguous()  # (T, H)
+    tr = transcript_of(target, p, layers, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+    tensors = {"input_ids": torch.tensor(tr.ids, dtype=torch.long)}
+    tensors.update({f"layer{layer}": feats.contiguous() for layer, feats in tr.layers.items()})
     name = f"p{index:05d}.safetensors"
     with atomic_path(out / name) as tmp:
         save_file(tensors, str(tmp), metadata={"id": p.id})
@@ -277,10 +293,10 @@ def _write_transcript(
         "id": p.id,
         "file": name,
         "prompt_len": len(p.ids),
-        "num_tokens": len(res.tokens),
-        "stop_reason": res.stop_reason,
+        "num_tokens": len(tr.ids) - tr.prompt_len,
+        "stop_reason": tr.stop_reason,
         "prompt_sha": prompt_sha(p.ids),
     }
 
 
-__all__ = ["HEAD_FILE", "MANIFEST", "Transcript", "TranscriptCache", "build_transcripts"]
+__all__ = ["HEAD_FILE", "MANIFEST", "Transcript", "TranscriptCache", "build_transcripts", "transcript_of"]

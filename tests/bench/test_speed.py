@@ -151,3 +151,19 @@ def test_paired_ratios_against_a_hand_computed_summary():
     one = bench.paired_ratios([rec(12, 1.0)], [rec(10, 1.0)])
     assert one["median"] == one["q1"] == one["q3"] == 1.2 and one["n"] == 1
     assert bench.paired_ratios([], [])["median"] is None
+
+
+def test_speed_bench_adds_the_budget_ddtree_auto_chooses(tiny_llama_dir, drafter_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    bench = load_bench("speed")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    argv = ["--target", str(tiny_llama_dir), "--drafter", str(drafter_dir), "--dataset", str(prompts)]
+    argv += ["--budget-prompts", str(prompts), "--prompts", "1", "--max-new-tokens", "8", "--threads", "1"]
+    doc = bench.main([*argv, "--budgets", "auto,8"])
+    out = capsys.readouterr().out
+    chosen = doc["ddtree_auto_budget"]
+    assert chosen in (1, 2, 3, 4, 6, 8) and doc["ddtree_auto_choice"]["budget"] == chosen
+    assert [r["budget"] for r in doc["ddtree_auto_choice"]["rows"]] == [1, 2, 3, 4, 6, 8]  # block 4: 3 slots
+    assert set(doc["ddtree"]) == {str(chosen), "8"} and f"ddtree:auto chose budget {chosen}" in out
+    with pytest.raises(SystemExit, match="--budgets"):
+        bench.main([*argv, "--budgets", "auto,0"])

@@ -20,7 +20,7 @@ from dflashkit.evaluate.evaluate import evaluate
 from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods
 from dflashkit.evaluate.triage import first_divergence, logit_margin, triage_divergence
 from dflashkit.target.model import Target
-from helpers.oracles import PositionalOracle, drafter_config, make_prompts
+from helpers.oracles import drafter_config, make_prompts, oracle_for
 
 REQUIRED = (
     "tau_micro",
@@ -46,11 +46,6 @@ REQUIRED = (
 @pytest.fixture(scope="module")
 def llama(tiny_llama_dir):
     return Target.load(tiny_llama_dir)
-
-
-def oracle_for(target, prompts, n_new, **kw):
-    refs = {len(p.ids): p.ids + generate(target, p.ids, method="ar", max_new_tokens=n_new).tokens for p in prompts}
-    return PositionalOracle(drafter_config(), refs, **kw).eval()
 
 
 def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):

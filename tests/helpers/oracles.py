@@ -69,6 +69,14 @@ def make_prompts(n: int, seed: int = 0) -> list[Prompt]:
     return [Prompt(f"p{i}", torch.randint(3, 97, (6 + i,), generator=g).tolist()) for i in range(n)]
 
 
+def oracle_for(target: Target, prompts: list[Prompt], n_new: int, **kw) -> PositionalOracle:
+    """A PositionalOracle that knows the target's greedy continuation (n_new tokens) of every prompt."""
+    from dflashkit.decode.generate import generate
+
+    refs = {len(p.ids): p.ids + generate(target, p.ids, method="ar", max_new_tokens=n_new).tokens for p in prompts}
+    return PositionalOracle(drafter_config(), refs, **kw).eval()
+
+
 def reference_greedy(target: Target, prompt: torch.Tensor, n: int) -> list[int]:
     out = target.model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, prompt.shape[0] :].tolist()
