@@ -178,6 +178,11 @@ def choose_tree_budget(
     bar.update(len(cands))
     longest = max(range(len(prompts)), key=lambda i: len(transcripts[i].ids) - transcripts[i].prompt_len)
     timed = prompts[longest]
+    if len(transcripts[longest].ids) - transcripts[longest].prompt_len < 2:  # no speculative round to time
+        raise DataError(
+            f"budget choice: the target answers calibration prompts {[p.id for p in prompts]} with at most one "
+            f"token before a stop token; give calibration prompts with longer answers"
+        )
 
     def run(budget: int, n: int) -> tuple[GenerationResult, float]:
         _sync(target.device)

@@ -119,6 +119,9 @@ def test_choose_tree_budget_measures_every_candidate(llama, monkeypatch):
     assert BudgetChoice.from_dict(json.loads(json.dumps(choice.as_dict()))) == choice
     with pytest.raises(DataError, match="no calibration prompts"):
         choose_tree_budget(llama, drafter, [], max_new_tokens=8)
+    first = [generate(llama, p.ids, method="ar", max_new_tokens=1).tokens[0] for p in prompts[:2]]
+    with pytest.raises(DataError, match=r"calibration prompts \['p0', 'p1'\] with at most one token"):
+        choose_tree_budget(llama, drafter, prompts, max_new_tokens=8, stop_token_ids=first)  # both stop at once
 
 
 def test_evaluate_with_ddtree_auto(llama, tmp_path, monkeypatch):
