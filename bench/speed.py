@@ -415,8 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         choice = choose_tree_budget(
             target, drafter, calibration, max_new_tokens=args.max_new_tokens, stop_token_ids=stops, progress=True
         )
-        rates = ", ".join(f"{r['budget']}: {r['tokens_per_s']:.1f}" for r in choice.rows)
-        print(f"ddtree:auto chose budget {choice.budget} (tokens/s by budget: {rates})")
+        print(f"ddtree:auto chose {choice.describe()}")
         budgets = sorted({*budgets, choice.budget})
     print(
         f"target {target.source}  drafter {'none' if no_drafter else drafter_dir} (block size {block_size})  "

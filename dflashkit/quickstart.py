@@ -451,8 +451,6 @@ def _run_stages(
         if "budget" not in done:  # ddtree:auto: chosen once (inside the evaluation's minutes), for both datasets
             done["budget"] = stage_budget(target, drafter_dir, s)
             _save_state(out, state)
-        if done["budget"]:
-            _say(f"eval: ddtree:auto budget {done['budget']['budget']} ({done['budget']['rows']})")
         done["eval"] = stage_eval(target, drafter_dir, s, out, end, done["budget"])
         _save_state(out, state)
     state["elapsed_minutes_last_run"] = round((time.monotonic() - t0) / 60, 1)

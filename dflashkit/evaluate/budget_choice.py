@@ -35,6 +35,7 @@ from dflashkit.evaluate.simulate import replay
 from dflashkit.evaluate.stats import Method, Prompt, verify_width
 from dflashkit.evaluate.transcripts import Transcript, transcript_of
 from dflashkit.evaluate.warm_up import settle
+from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target
 
 BUDGET_STEPS = (1, 2, 3, 4, 6, 8, 12, 16)  # candidate budgets, cut to what the block can use (candidate_budgets)
@@ -53,6 +54,11 @@ class BudgetChoice:
     rows: list[dict[str, float]]  # per candidate: budget, tau, round_ms, tokens_per_s (sorted by budget)
     prompts: list[str] = field(default_factory=list)  # the calibration prompts' ids
     rounds: int = 0  # replayed rounds per candidate, summed over the prompts (of the chosen budget)
+
+    def describe(self) -> str:
+        """'budget 3 (tokens/s by budget: 1: 12.6, 2: 10.7, 3: 13.2, …)'."""
+        rates = ", ".join(f"{r['budget']}: {r['tokens_per_s']:.1f}" for r in self.rows)
+        return f"budget {self.budget} (tokens/s by budget: {rates})"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,7 +191,7 @@ def choose_tree_budget(
         )
 
     def run(budget: int, n: int) -> tuple[GenerationResult, float]:
-        _sync(target.device)
+        synchronize(target.device)
         t0 = time.perf_counter()
         res = generate(
             target,
@@ -198,7 +204,7 @@ def choose_tree_budget(
             tree_top_k=tree_top_k,
             stop_token_ids=stop_token_ids,
         )
-        _sync(target.device)
+        synchronize(target.device)
         return res, time.perf_counter() - t0
 
     n_timed = min(TIMED_TOKENS, max_new_tokens)
@@ -224,11 +230,6 @@ def choose_tree_budget(
         for b in cands
     ]
     return BudgetChoice(chosen, rows, [p.id for p in prompts], rounds[chosen])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 __all__ = [

@@ -53,6 +53,7 @@ from dflashkit.evaluate.triage import default_triage_threshold, triage_divergenc
 from dflashkit.evaluate.warm_up import settle
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
+from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
 from dflashkit.target.products import stock_products
 
@@ -180,7 +181,7 @@ class _Session:
         self, prompt: Prompt, drafter: DFlashDrafter | None, method: Method, max_new_tokens: int, seed: int | None
     ) -> tuple[GenerationResult, float]:
         """One `generate` call, timed (CUDA synchronised before and after)."""
-        _sync(self.target.device)
+        synchronize(self.target.device)
         t0 = time.perf_counter()
         try:
             res = generate(
@@ -198,7 +199,7 @@ class _Session:
             )
         except ValueError as e:  # e.g. a prompt too long for the context window (load_prompts skips those)
             raise DataError(f"prompt {prompt.id!r}: {e}") from None
-        _sync(self.target.device)
+        synchronize(self.target.device)
         return res, time.perf_counter() - t0
 
     def warm_up(self, prompt: Prompt, seed: int) -> None:
@@ -334,8 +335,7 @@ def _auto_budgets(
                 progress=progress,
             )
         if progress:
-            rows = ", ".join(f"{r['budget']}: {r['tokens_per_s']:.1f}" for r in choices[name].rows)
-            print(f"ddtree:auto for {name!r}: budget {choices[name].budget} (tokens/s by budget: {rows})", flush=True)
+            print(f"ddtree:auto for {name!r}: {choices[name].describe()}", flush=True)
     doc = {"key": key, "drafters": {n: c.as_dict() for n, c in choices.items()}}
     atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
     return choices
@@ -370,17 +370,12 @@ def _settings_key(settings: dict[str, Any], t_info: dict[str, Any], drafters: di
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def _hf_generate(target: Target, prompt: Prompt, max_new_tokens: int, stops: list[int]) -> tuple[list[int], float]:
     from transformers import GenerationConfig
 
     ids = torch.tensor([prompt.ids], device=target.device)
-    _sync(target.device)
+    synchronize(target.device)
     t0 = time.perf_counter()
     # An explicit config: with no stop ids HF must not fall back to the model's own eos (the AR loop does not stop).
     cfg = GenerationConfig(
@@ -391,7 +386,7 @@ def _hf_generate(target: Target, prompt: Prompt, max_new_tokens: int, stops: lis
     )
     with stock_products():  # HF as users run it: stock F.linear products (dflashkit.target.products)
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-    _sync(target.device)
+    synchronize(target.device)
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - t0
 
 

@@ -4,7 +4,8 @@
 
 A device string torch cannot parse, CUDA on a machine without it (torch's own words: "Torch not compiled with CUDA
 enabled", deep inside the first `.to()`), an index past the last GPU, or MPS where there is none: each is one line
-naming the device and what this machine has, before a model is loaded.
+naming the device and what this machine has, before a model is loaded. `synchronize(device)` waits for a device's
+queued work (a no-op off CUDA), so wall-clock timings include it.
 """
 
 from __future__ import annotations
@@ -36,4 +37,10 @@ def device_problem(spec: str, *, allow_auto: bool = False) -> str | None:
     return None
 
 
-__all__ = ["KINDS", "device_problem"]
+def synchronize(device: torch.device) -> None:
+    """Wait until `device` has finished its queued work (CUDA); nothing to wait for elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["KINDS", "device_problem", "synchronize"]
