@@ -4,7 +4,7 @@ prompts, divergences are triaged (near-tie vs bug), prompts and methods are vali
 from __future__ import annotations
 
 import json
-from itertools import pairwise
+from itertools import count, pairwise
 
 import pytest
 import torch
@@ -157,7 +157,10 @@ def test_warm_up_settles_the_measured_products(tiny_llama_dir, tmp_path, monkeyp
     their trials land in the timed runs."""
     from dflashkit.target import products
 
-    chooser = products.Chooser(store=None, repeats=2)
+    # every step "takes" one tick of this clock: all candidates tie, so no trial is extended for unclear timings
+    # (StepTrial.extend) — on a busy machine real timings could extend trials beyond the warm-up's runs
+    ticks = count()
+    chooser = products.Chooser(store=None, repeats=2, clock=lambda: float(next(ticks)))
     monkeypatch.setattr(products, "chooser", lambda: chooser)
     monkeypatch.setenv(products.ENV, "auto")
     monkeypatch.setattr(warm_up, "SETTLE_RUNS", settle_runs)

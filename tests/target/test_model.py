@@ -74,7 +74,9 @@ def test_vl_wrapper_layout(tiny_target_dirs):
     ids = torch.randint(3, 97, (1, 9))
     ref = vl(input_ids=ids, output_hidden_states=True)
     out = target.forward(ids, layer_ids=[1, 6])
-    torch.testing.assert_close(out.features[..., :64], ref.hidden_states[2], rtol=0, atol=0)
+    # not bit-exact as for Llama: two runs of the hybrid's linear-attention layers may split their work across
+    # threads differently on a busy machine (5e-7 seen); a wrong layer would differ by O(1)
+    torch.testing.assert_close(out.features[..., :64], ref.hidden_states[2], rtol=0, atol=1e-5)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     # and loading the checkpoint directory gives the same text model
     loaded = Target.load(tiny_target_dirs["qwen3_5_vl"])
