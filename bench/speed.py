@@ -52,6 +52,7 @@ from dflashkit.evaluate.triage import triage_divergence
 from dflashkit.evaluate.warm_up import settle
 from dflashkit.quickstart import QuickstartSettings
 from dflashkit.target import product_report
+from dflashkit.target.devices import synchronize
 from dflashkit.target.machine import machine_line
 from dflashkit.target.model import Target
 from dflashkit.target.products import stock_products
@@ -68,11 +69,6 @@ def default_drafter_dir() -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def hf_generate(
     target: Target, ids: Sequence[int], max_new_tokens: int, stops: list[int], prompt_lookup: int | None = None
@@ -89,11 +85,11 @@ def hf_generate(
         pad_token_id=stops[0] if stops else 0,
         prompt_lookup_num_tokens=prompt_lookup,
     )
-    _sync(target.device)
+    synchronize(target.device)
     t0 = time.perf_counter()
     with stock_products():  # HF as users run it: stock F.linear products (dflashkit.target.products)
         out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)  # (1, T + n)
-    _sync(target.device)
+    synchronize(target.device)
     return out[0, x.shape[1] :].tolist(), time.perf_counter() - t0
 
 
@@ -107,7 +103,7 @@ def dk_generate(
     tree_top_k: int | None,
 ) -> tuple[Any, float]:
     """dflashkit `generate` for one Method; returns (GenerationResult, wall seconds)."""
-    _sync(target.device)
+    synchronize(target.device)
     t0 = time.perf_counter()
     res = generate(
         target,
@@ -119,7 +115,7 @@ def dk_generate(
         tree_top_k=tree_top_k,
         stop_token_ids=stops,
     )
-    _sync(target.device)
+    synchronize(target.device)
     return res, time.perf_counter() - t0
 
 

@@ -33,6 +33,7 @@ import torch
 
 from dflashkit.target import product_report, products
 from dflashkit.target.cache import crop
+from dflashkit.target.devices import synchronize
 from dflashkit.target.machine import machine_line, read_bandwidth
 from dflashkit.target.model import Target
 
@@ -79,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = torch.randint(10, target.vocab_size, (1, args.context), generator=g)
     cache = target.new_cache()
     target.forward(ctx, cache=cache, use_cache=True, logits=False)
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
     def timed(fn) -> float:
-        sync()
+        synchronize(target.device)
         t0 = time.perf_counter()
         fn()
-        sync()
+        synchronize(target.device)
         return time.perf_counter() - t0
 
     def forward(n: int, logits: bool) -> float:

@@ -39,6 +39,7 @@ from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DFlashError
 from dflashkit.target import cache as tc
+from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
 from dflashkit.target.products import stock_products
 
@@ -69,16 +70,15 @@ class GenerationResult:
 
 def _clock(device: torch.device, timings: dict[str, float]):
     """`with clock("verify"):` adds the block's wall time to timings["verify"] (synchronising CUDA first)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     @contextmanager
     def stage(name: str) -> Iterator[None]:
-        sync()
+        synchronize(device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            sync()
+            synchronize(device)
             timings[name] += time.perf_counter() - t0
 
     return stage

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
+from dflashkit.target.devices import synchronize
+
 IMPLS = ("fused", "foreach", "default")
 ENV_VAR = "DFLASHKIT_ADAMW"
 _MEASURE_ELEMENTS = 1 << 26  # at most this many scratch elements per candidate (4 copies live: 1 GiB in fp32)
@@ -77,15 +79,12 @@ def time_adamw_step(params: list[Tensor], impl: str, repeats: int = 3) -> float:
     warm-up step that allocates the moments)."""
     scratch = _scratch(params)
     opt = make_adamw(scratch, impl, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    cuda = scratch[0].device.type == "cuda"
     best = float("inf")
     for i in range(repeats + 1):
-        if cuda:
-            torch.cuda.synchronize(scratch[0].device)
+        synchronize(scratch[0].device)
         t0 = time.perf_counter()
         opt.step()
-        if cuda:
-            torch.cuda.synchronize(scratch[0].device)
+        synchronize(scratch[0].device)
         if i:
             best = min(best, time.perf_counter() - t0)
     return best
