@@ -75,10 +75,13 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     _load_commands()
-    parser = _Parser(prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters.")
+    parser = _Parser(
+        prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters.", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, add_args, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # no abbreviations: `convert SRC --out DIR` must not become `--outtype DIR`, nor a typo another flag
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         add_args(p)
         p.set_defaults(func=fn)
     return parser
@@ -94,8 +97,10 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
         and all("=" in x and not x.startswith("-") for x in extra)
     ):
         args.overrides.extend(extra)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # named by the command's own parser: `dflashkit eval: error: … (see dflashkit eval --help)`
+        command = getattr(args, "command", None)
+        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+        choices.get(command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 

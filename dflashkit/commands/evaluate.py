@@ -190,8 +190,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.method != "ar" and not args.drafter:
         raise ConfigError(f"--method {args.method} needs --drafter CKPT (or use --method ar)")
+    drafter = load_drafter(args.drafter, device=args.device) if args.drafter else None  # seconds: before the target
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    drafter = load_drafter(args.drafter, device=args.device) if args.drafter else None
     tok = target.tokenizer
     if args.prompt_ids is not None:
         ids = args.prompt_ids
@@ -305,8 +305,8 @@ def _eval(args: argparse.Namespace) -> int:
     specs = _drafter_specs(args.drafter)
     if any(m.kind != "ar" for m in methods) and not specs:
         raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
+    drafters = _load_drafters(specs, args.device)  # a bad checkpoint fails in seconds, before the target loads
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    drafters = _load_drafters(specs, args.device)
     prompts, skipped = _prompts(args, target, drafters)
     budget_prompts = None
     if args.budget_prompts is not None:
@@ -395,8 +395,8 @@ def _simulate(args: argparse.Namespace) -> int:
     specs = _drafter_specs(args.drafter)
     if not specs:
         raise ConfigError("simulate needs at least one --drafter NAME=CKPT")
+    drafters = _load_drafters(specs, args.device)  # a bad checkpoint fails in seconds, before the target loads
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    drafters = _load_drafters(specs, args.device)
     for name, d in drafters.items():
         check_drafter_fits(d.config, target, source=f"drafter {name!r}")
     prompts, skipped = _prompts(args, target, drafters)

@@ -285,6 +285,31 @@ def test_init_drafter_accepts_target_between_out_and_overrides(tiny_llama_dir, t
     assert "unrecognized arguments: --no-such-option" in _one_line_error(capsys, rc)
 
 
+def test_flags_are_never_abbreviated_and_the_error_names_the_command(tmp_path, capsys):
+    """argparse's prefix matching would read `convert SRC --out DIR` as `--outtype DIR`, and a typo as whatever flag
+    it starts; every command takes its flags whole, and an unknown one is named with the command it was given to."""
+    rc = main(["convert", str(tmp_path / "src"), "--out", str(tmp_path / "o")])
+    line = _one_line_error(capsys, rc)
+    assert line.startswith("dflashkit convert: error: unrecognized arguments: --out"), line
+    assert "(see dflashkit convert --help)" in line
+    rc = main(["eval", "--drafter", "a=b", "--data", "mtbench", "--out", str(tmp_path / "e")])  # --dataset, short
+    assert "the following arguments are required: --dataset" in _one_line_error(capsys, rc)
+    rc = main(["eval", "--drafters", "x", "--dataset", "mtbench", "--out", str(tmp_path / "e")])
+    assert _one_line_error(capsys, rc).startswith("dflashkit eval: error: unrecognized arguments: --drafters x")
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_missing_drafter_is_named_before_the_target_loads(command, tmp_path, capsys, monkeypatch):
+    """A wrong checkpoint path costs seconds, not the minutes a large target takes to load."""
+    monkeypatch.setattr(Target, "load", lambda *a, **k: pytest.fail("the target loaded before the drafter was checked"))
+    args = {
+        "generate": ["generate", "--drafter", str(tmp_path / "nope"), "--prompt", "hi"],
+        "eval": ["eval", "--drafter", f"d={tmp_path / 'nope'}", "--dataset", "mtbench", "--out", str(tmp_path / "e")],
+    }[command]
+    rc = main(args)
+    assert "nope does not exist" in _one_line_error(capsys, rc)
+
+
 @pytest.mark.parametrize("command", ["prepare", "eval", "simulate"])
 def test_every_command_whose_error_hint_says_on_error_has_it(command, tmp_path):
     required = {
