@@ -79,11 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters.", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands: dict[str, argparse.ArgumentParser] = {}
     for name, (fn, add_args, help_text) in _COMMANDS.items():
         # no abbreviations: `convert SRC --out DIR` must not become `--outtype DIR`, nor a typo another flag
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         add_args(p)
         p.set_defaults(func=fn)
+        commands[name] = p
+    parser.command_parsers = commands  # for `_parse`: an unknown flag is named with its command
     return parser
 
 
@@ -98,9 +101,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     ):
         args.overrides.extend(extra)
     elif extra:  # named by the command's own parser: `dflashkit eval: error: … (see dflashkit eval --help)`
-        command = getattr(args, "command", None)
-        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
-        choices.get(command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        own = getattr(parser, "command_parsers", {}).get(getattr(args, "command", None), parser)
+        own.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
