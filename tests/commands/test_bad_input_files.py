@@ -298,13 +298,17 @@ def test_flags_are_never_abbreviated_and_the_error_names_the_command(tmp_path, c
     assert _one_line_error(capsys, rc).startswith("dflashkit eval: error: unrecognized arguments: --drafters x")
 
 
-@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize("command", ["generate", "eval", "simulate"])
 def test_a_missing_drafter_is_named_before_the_target_loads(command, tmp_path, capsys, monkeypatch):
     """A wrong checkpoint path costs seconds, not the minutes a large target takes to load."""
     monkeypatch.setattr(Target, "load", lambda *a, **k: pytest.fail("the target loaded before the drafter was checked"))
     args = {
         "generate": ["generate", "--drafter", str(tmp_path / "nope"), "--prompt", "hi"],
         "eval": ["eval", "--drafter", f"d={tmp_path / 'nope'}", "--dataset", "mtbench", "--out", str(tmp_path / "e")],
+        "simulate": [
+            *("simulate", "--drafter", f"d={tmp_path / 'nope'}", "--dataset", "mtbench"),
+            *("--out", str(tmp_path / "s"), "--cache", str(tmp_path / "c")),
+        ],
     }[command]
     rc = main(args)
     assert "nope does not exist" in _one_line_error(capsys, rc)
