@@ -50,7 +50,7 @@ def plain_forward_seconds(target: Target, samples: list[Sample]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--target", default="default")
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--length", type=int, default=512)

@@ -108,7 +108,9 @@ def table(points: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from dflashkit.quickstart import QuickstartSettings
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base", default=QuickstartSettings().out, help="a finished quickstart run (its data)")
     p.add_argument("--out", default="runs/curve")
     p.add_argument(

@@ -122,7 +122,9 @@ def state_mib_per_node(target: Target) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default=None, help="hybrid model directory (default: a tiny random Qwen3.5 mix)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: a noisy oracle)")
     p.add_argument("--hidden", type=int, default=128, help="tiny target: hidden size")

@@ -41,7 +41,9 @@ def later_turn_prompts(tokenizer: object, record: dict, max_prompt_tokens: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--conversations", type=int, default=32, help="held-out conversations with ≥ 2 user turns")
     p.add_argument("--max-new-tokens", type=int, default=192, help="reply length cap (the quickstart's)")
     p.add_argument(

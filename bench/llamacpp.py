@@ -114,7 +114,7 @@ def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--drafter", default="runs/quickstart/drafter", help="dflashkit drafter checkpoint directory")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n-predict", type=int, default=96)

@@ -81,7 +81,7 @@ def _tau(target: Any, drafter_dir: str, prompts: list[list[int]], n: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--run", default="runs/quickstart")
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--seeds", default="0,1")

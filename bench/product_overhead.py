@@ -70,7 +70,9 @@ def measure(rows: int, d_in: int, d_out: int, rounds: int, calls: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--in", dest="d_in", type=int, default=576)
     p.add_argument("--out", dest="d_out", type=int, default=576)

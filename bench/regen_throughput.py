@@ -116,7 +116,9 @@ def _server_gguf(spec: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="default", help="model directory, .gguf, or 'default' (embedded SmolLM2)")
     p.add_argument("--dataset", default="sharegpt", help="dataset name or pre-tokenised prompts JSONL")
     p.add_argument("--prompts", type=int, default=32, help="number of prompts (each batch size answers all)")

@@ -354,7 +354,7 @@ def summary(stats: dict[str, dict[str, Any]], budgets: list[int], **context: Any
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument(
         "--drafter",
         default=None,

@@ -108,6 +108,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the server route as the quickstart runs it now: slots measured at the start (8 or 16), chunks of 8 × slots
     # cut at the deadline (`regenerate(stop_at=…)`)
     "server_regen_measured": {"server_regen_minutes": 6.0, "server_slots": "measured"},
+    # regularisation at the quickstart's budget (the drafter fits its few tens of K tokens far better than held-out
+    # ones): Gaussian noise on the target features going into fc (absolute std; the five captured layers' median
+    # |x| is 0.8–10 on SmolLM2), and AdamW weight decay
+    "fcnoise0.3": {"train": {"noise_std": 0.3}},
+    "wd0.5": {"train": {"weight_decay": 0.5}},
 }
 _DATA_KEYS = (
     "fraction",
@@ -369,7 +374,9 @@ def _table(rows: list[dict[str, Any]], names: list[str], methods: list[str]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base", default=QuickstartSettings().out, help="a finished quickstart run (its data)")
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")

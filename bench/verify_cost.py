@@ -64,7 +64,9 @@ def _mode(path: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="default", help="model directory, .gguf, or 'default' (embedded SmolLM2)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--context", type=int, default=256, help="cached context length before each pass")

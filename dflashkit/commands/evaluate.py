@@ -76,17 +76,21 @@ def _thinking(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -
     return template_kwargs(args.thinking, target.tokenizer, target.source)
 
 
-def _prompts(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
-    """The dataset's prompts for eval / simulate, rendered in the thinking mode the drafters were trained in."""
-    from dflashkit.evaluate.stats import load_prompts
+def _read(args: argparse.Namespace) -> Any:
+    """The dataset's records, read before anything loads (a malformed line is named in seconds)."""
+    from dflashkit.evaluate.stats import read_prompts
 
-    return load_prompts(
-        target,
-        args.dataset,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        on_error=args.on_error,
-        chat_template_kwargs=_thinking(args, target, drafters),
+    return read_prompts(args.dataset, limit=args.limit, on_error=args.on_error)
+
+
+def _prompts(
+    args: argparse.Namespace, records: Any, target: Any, drafters: dict[str, Any]
+) -> tuple[list[Any], dict[str, str]]:
+    """The dataset's prompts for eval / simulate, rendered in the thinking mode the drafters were trained in."""
+    from dflashkit.evaluate.stats import prompts_for
+
+    return prompts_for(
+        target, records, max_new_tokens=args.max_new_tokens, chat_template_kwargs=_thinking(args, target, drafters)
     )
 
 
@@ -292,7 +296,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from dflashkit.evaluate.evaluate import evaluate
     from dflashkit.evaluate.report import render, summary_table
-    from dflashkit.evaluate.stats import load_prompts, parse_methods
+    from dflashkit.evaluate.stats import parse_methods, prompts_for, read_prompts
     from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
@@ -305,15 +309,16 @@ def _eval(args: argparse.Namespace) -> int:
     specs = _drafter_specs(args.drafter)
     if any(m.kind != "ar" for m in methods) and not specs:
         raise ConfigError(f"--methods {args.methods} needs at least one --drafter NAME=CKPT")
+    records = _read(args)
+    budget_records = None if args.budget_prompts is None else read_prompts(args.budget_prompts, limit=2)
     drafters = _load_drafters(specs, args.device)  # a bad checkpoint fails in seconds, before the target loads
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    prompts, skipped = _prompts(args, target, drafters)
+    prompts, skipped = _prompts(args, records, target, drafters)
     budget_prompts = None
-    if args.budget_prompts is not None:
-        budget_prompts = load_prompts(
+    if budget_records is not None:
+        budget_prompts = prompts_for(
             target,
-            args.budget_prompts,
-            limit=2,
+            budget_records,
             max_new_tokens=args.max_new_tokens,
             chat_template_kwargs=_thinking(args, target, drafters),
         )[0]
@@ -395,11 +400,12 @@ def _simulate(args: argparse.Namespace) -> int:
     specs = _drafter_specs(args.drafter)
     if not specs:
         raise ConfigError("simulate needs at least one --drafter NAME=CKPT")
+    records = _read(args)
     drafters = _load_drafters(specs, args.device)  # a bad checkpoint fails in seconds, before the target loads
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     for name, d in drafters.items():
         check_drafter_fits(d.config, target, source=f"drafter {name!r}")
-    prompts, skipped = _prompts(args, target, drafters)
+    prompts, skipped = _prompts(args, records, target, drafters)
     layers = sorted({i for d in drafters.values() for i in d.config.target_layer_ids})
     cache = build_transcripts(
         target,

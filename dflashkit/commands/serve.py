@@ -43,12 +43,13 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command("serve-check", "run a drafter in vLLM / llama.cpp: does it accept exactly what dflashkit measures?", _args)
 def _serve_check(args: argparse.Namespace) -> int:
-    from dflashkit.evaluate.stats import load_prompts
+    from dflashkit.evaluate.stats import prompts_for, read_prompts
     from dflashkit.export.serve_check import serve_check
     from dflashkit.target.model import Target
 
+    records = read_prompts(args.dataset, limit=args.prompts)  # a malformed file is named before the target loads
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
-    prompts, _ = load_prompts(target, args.dataset, limit=args.prompts, max_new_tokens=args.max_new_tokens)
+    prompts, _ = prompts_for(target, records, max_new_tokens=args.max_new_tokens)
     report = serve_check(
         target,
         args.drafter,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +99,16 @@ def prompt_sha(ids: Sequence[int]) -> str:
 
 
 def _read_pretokenised(
-    path: Path, limit: int | None, vocab_size: int, on_error: str = "stop"
-) -> tuple[list[Prompt], list[str]]:
-    """Prompts of a pre-tokenised JSONL; bad lines raise (on_error="stop") or are returned as problems."""
-    out: list[Prompt] = []
+    path: Path, limit: int | None, on_error: str = "stop"
+) -> tuple[list[tuple[int, Prompt]], list[str]]:
+    """(line number, prompt) of a pre-tokenised JSONL, ids not yet checked against a vocabulary; bad lines raise
+    (on_error="stop") or are returned as problems. With "skip" every line is read (a prompt whose ids the
+    target's vocabulary lacks is skipped later and must not count towards `limit`)."""
+    out: list[tuple[int, Prompt]] = []
     problems: list[str] = []
     seen: set[str] = set()
     for line in read_lines(path):
-        if limit is not None and len(out) >= limit:
+        if limit is not None and on_error == "stop" and len(out) >= limit:
             break
         try:
             rec = line.json()
@@ -114,11 +116,11 @@ def _read_pretokenised(
             if (
                 not isinstance(ids, list)
                 or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
             ):
                 raise ValueError(
-                    f"field 'prompt_ids': expected a non-empty list of token ids in [0, {vocab_size}) "
-                    f"(a file with pre-tokenised prompts needs it on every line)"
+                    "field 'prompt_ids': expected a non-empty list of token ids (a file with pre-tokenised prompts "
+                    "needs it on every line)"
                 )
             pid = str(rec.get("id", f"{path.stem}-{line.number}"))
             if pid in seen:
@@ -129,10 +131,35 @@ def _read_pretokenised(
             problems.append(f"{path}:{line.number}: {e}")
             continue
         seen.add(pid)
-        out.append(Prompt(pid, list(ids)))
+        out.append((line.number, Prompt(pid, list(ids))))
     if not out:
         raise DataError(
             f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0]})" if problems else "")
+        )
+    return out, problems
+
+
+def _in_vocabulary(records: PromptRecords, vocab_size: int) -> tuple[list[Prompt], list[str]]:
+    """The pre-tokenised prompts whose ids all lie in [0, vocab_size), up to the limit; others raise or are
+    recorded as problems, as a malformed line is."""
+    out: list[Prompt] = []
+    problems: list[str] = []
+    for number, prompt in records.pretokenised or []:
+        if records.limit is not None and len(out) >= records.limit:
+            break
+        if all(t < vocab_size for t in prompt.ids):
+            out.append(prompt)
+            continue
+        problem = (
+            f"{records.source}:{number}: field 'prompt_ids': expected token ids in [0, {vocab_size}) "
+            f"(the target's vocabulary); found {max(prompt.ids)}"
+        )
+        if records.on_error == "stop":
+            raise DataError(f"{problem} (use --on-error skip to skip malformed lines)")
+        problems.append(problem)
+    if not out:
+        raise DataError(
+            f"{records.source}: no prompts within the target's vocabulary of {vocab_size} (first: {problems[0]})"
         )
     return out, problems
 
@@ -150,31 +177,51 @@ def _is_pretokenised(path: Path) -> bool:
     return False
 
 
-def load_prompts(
-    target: Any,
-    dataset: str | Path,
-    *,
-    limit: int | None = None,
-    max_new_tokens: int = 128,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    on_error: str = "stop",
-) -> tuple[list[Prompt], dict[str, str]]:
-    """Prompts of a dataset name or JSONL path for `target`. Returns (prompts, skipped: id → reason).
+@dataclass
+class PromptRecords:
+    """A dataset's prompts as read from disk, before any target is at hand: a malformed file fails before a large
+    model loads. `prompts_for` turns them into a target's token ids."""
 
-    on_error="skip": malformed JSONL lines are skipped and recorded in `skipped` ("unreadable-record-K")."""
-    from dflashkit.data.conversations import encode_prompt, prompt_messages
+    source: str  # the dataset name or file
+    limit: int | None
+    on_error: str  # "stop" | "skip"
+    conversations: list[Any] | None = None  # chat records (data.conversations.Conversation), rendered later
+    pretokenised: list[tuple[int, Prompt]] | None = None  # (line number, prompt) of a pre-tokenised file
+    problems: list[str] = field(default_factory=list)  # malformed lines skipped with on_error="skip"
+
+
+def read_prompts(dataset: str | Path, *, limit: int | None = None, on_error: str = "stop") -> PromptRecords:
+    """Read a dataset name or JSONL path (chat records or pre-tokenised lines) without a target."""
     from dflashkit.data.datasets import load_dataset
 
     if limit is not None and limit < 1:
         raise DataError(f"limit={limit}: expected a positive number of prompts")
-    path = Path(str(dataset)).expanduser()
-    skipped: dict[str, str] = {}
     if on_error not in ("stop", "skip"):
         raise DataError(f"on_error={on_error!r}: expected 'stop' or 'skip'")
+    path = Path(str(dataset)).expanduser()
     if _is_pretokenised(path):
-        prompts, problems = _read_pretokenised(path, limit, target.vocab_size, on_error)
+        pretokenised, problems = _read_pretokenised(path, limit, on_error)
+        return PromptRecords(str(path), limit, on_error, pretokenised=pretokenised, problems=problems)
+    conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
+    return PromptRecords(str(dataset), limit, on_error, conversations=conversations, problems=problems)
+
+
+def prompts_for(
+    target: Any,
+    records: PromptRecords,
+    *,
+    max_new_tokens: int = 128,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[Prompt], dict[str, str]]:
+    """The target's prompts of read records. Returns (prompts, skipped: id → reason)."""
+    from dflashkit.data.conversations import encode_prompt, prompt_messages
+
+    skipped: dict[str, str] = {}
+    problems = list(records.problems)
+    if records.conversations is None:
+        prompts, vocab_problems = _in_vocabulary(records, int(target.vocab_size))
+        problems += vocab_problems
     else:
-        conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
         tok = target.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise DataError(
@@ -182,7 +229,7 @@ def load_prompts(
                 f'prompts instead: a JSONL file with lines {{"id": ..., "prompt_ids": [...]}}'
             )
         prompts = []
-        for conv in conversations:
+        for conv in records.conversations:
             try:
                 prompts.append(Prompt(conv.id, encode_prompt(tok, prompt_messages(conv), chat_template_kwargs)))
             except DataError as e:
@@ -201,10 +248,26 @@ def load_prompts(
             kept.append(p)
     if not kept:
         raise DataError(
-            f"dataset {dataset}: no usable prompts ({len(skipped)} skipped; first: "
+            f"dataset {records.source}: no usable prompts ({len(skipped)} skipped; first: "
             f"{next(iter(skipped.values()), 'none')})"
         )
     return kept, skipped
+
+
+def load_prompts(
+    target: Any,
+    dataset: str | Path,
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    on_error: str = "stop",
+) -> tuple[list[Prompt], dict[str, str]]:
+    """Prompts of a dataset name or JSONL path for `target` (`read_prompts`, then `prompts_for`). Returns
+    (prompts, skipped: id → reason). on_error="skip": malformed JSONL lines are skipped and recorded in `skipped`
+    ("unreadable-record-K")."""
+    records = read_prompts(dataset, limit=limit, on_error=on_error)
+    return prompts_for(target, records, max_new_tokens=max_new_tokens, chat_template_kwargs=chat_template_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- statistics

@@ -314,6 +314,24 @@ def test_a_missing_drafter_is_named_before_the_target_loads(command, tmp_path, c
     assert "nope does not exist" in _one_line_error(capsys, rc)
 
 
+@pytest.mark.parametrize("command", ["eval", "simulate", "serve-check"])
+def test_a_malformed_dataset_is_named_before_the_target_loads(command, tmp_path, capsys, monkeypatch):
+    """The prompts file is read before the target loads: its bad line is named in seconds, not after minutes."""
+    monkeypatch.setattr(Target, "load", lambda *a, **k: pytest.fail("the target loaded before the dataset was read"))
+    data = tmp_path / "p.jsonl"
+    data.write_text(CHAT_OK + "\n" + '{"prompt": ' + "\n")
+    args = {
+        "eval": ["eval", "--methods", "ar", "--dataset", str(data), "--out", str(tmp_path / "e")],
+        "simulate": [
+            *("simulate", "--drafter", f"d={tmp_path / 'nope'}", "--dataset", str(data)),
+            *("--out", str(tmp_path / "s"), "--cache", str(tmp_path / "c")),
+        ],
+        "serve-check": ["serve-check", str(tmp_path / "nope"), "--dataset", str(data)],
+    }[command]
+    line = _one_line_error(capsys, main(args))
+    assert f"{data}:2: invalid JSON" in line, line
+
+
 @pytest.mark.parametrize("command", ["prepare", "eval", "simulate"])
 def test_every_command_whose_error_hint_says_on_error_has_it(command, tmp_path):
     required = {

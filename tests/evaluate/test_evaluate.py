@@ -17,7 +17,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError, TargetError
 from dflashkit.evaluate.evaluate import evaluate
-from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods
+from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods, prompts_for, read_prompts
 from dflashkit.evaluate.triage import first_divergence, logit_margin, triage_divergence
 from dflashkit.target.model import Target
 from helpers.oracles import drafter_config, make_prompts, oracle_for
@@ -314,8 +314,17 @@ def test_load_prompts(llama, tmp_path):
     assert list(skipped) == ["prompts-3"] and "context window of 512" in skipped["prompts-3"]
     assert [p.id for p in load_prompts(llama, path, limit=1)[0]] == ["a"]
     path.write_text(json.dumps({"prompt_ids": [3, 4]}) + "\n" + json.dumps({"prompt_ids": [3, 400]}) + "\n")
-    with pytest.raises(DataError, match=r"prompts.jsonl:2: field 'prompt_ids'"):
+    with pytest.raises(DataError, match=r"prompts.jsonl:2: field 'prompt_ids': expected token ids in \[0, 97\)"):
         load_prompts(llama, path)
+    # read without a target; an id outside the vocabulary is found with it, and under "skip" does not count
+    # towards the limit
+    path.write_text("".join(json.dumps({"id": i, "prompt_ids": ids}) + "\n" for i, ids in enumerate([[400], [3], [4]])))
+    records = read_prompts(path, limit=2, on_error="skip")
+    prompts, skipped = prompts_for(llama, records, max_new_tokens=32)
+    assert [p.id for p in prompts] == ["1", "2"] and list(skipped) == ["unreadable-record-0"]
+    assert skipped["unreadable-record-0"].endswith(
+        "prompts.jsonl:1: field 'prompt_ids': expected token ids in [0, 97) (the target's vocabulary); found 400"
+    )
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"prompt": "hello"}) + "\n")
     with pytest.raises(DataError, match="no tokenizer with a chat template; give pre-tokenised"):
