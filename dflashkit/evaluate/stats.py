@@ -100,12 +100,12 @@ def prompt_sha(ids: Sequence[int]) -> str:
 
 def _read_pretokenised(
     path: Path, limit: int | None, on_error: str = "stop"
-) -> tuple[list[tuple[int, Prompt]], list[str]]:
+) -> tuple[list[tuple[int, Prompt]], list[tuple[int, str]]]:
     """(line number, prompt) of a pre-tokenised JSONL, ids not yet checked against a vocabulary; bad lines raise
     (on_error="stop") or are returned as problems. With "skip" every line is read (a prompt whose ids the
-    target's vocabulary lacks is skipped later and must not count towards `limit`)."""
+    target's vocabulary lacks is skipped later and must not count towards `limit`); problems carry their line."""
     out: list[tuple[int, Prompt]] = []
-    problems: list[str] = []
+    problems: list[tuple[int, str]] = []
     seen: set[str] = set()
     for line in read_lines(path):
         if limit is not None and on_error == "stop" and len(out) >= limit:
@@ -128,27 +128,30 @@ def _read_pretokenised(
         except ValueError as e:
             if on_error == "stop":
                 raise DataError(f"{path}:{line.number}: {e} (use --on-error skip to skip malformed lines)") from None
-            problems.append(f"{path}:{line.number}: {e}")
+            problems.append((line.number, f"{path}:{line.number}: {e}"))
             continue
         seen.add(pid)
         out.append((line.number, Prompt(pid, list(ids))))
     if not out:
         raise DataError(
-            f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0]})" if problems else "")
+            f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0][1]})" if problems else "")
         )
     return out, problems
 
 
 def _in_vocabulary(records: PromptRecords, vocab_size: int) -> tuple[list[Prompt], list[str]]:
     """The pre-tokenised prompts whose ids all lie in [0, vocab_size), up to the limit; others raise or are
-    recorded as problems, as a malformed line is."""
+    recorded as problems, as a malformed line is. Problems are those of the lines before the limit was reached,
+    in line order."""
     out: list[Prompt] = []
-    problems: list[str] = []
+    problems: list[tuple[int, str]] = []
+    end = None  # the line of the prompt that reached the limit: lines after it are not the run's
     for number, prompt in records.pretokenised or []:
-        if records.limit is not None and len(out) >= records.limit:
-            break
         if all(t < vocab_size for t in prompt.ids):
             out.append(prompt)
+            if records.limit is not None and len(out) >= records.limit:
+                end = number
+                break
             continue
         problem = (
             f"{records.source}:{number}: field 'prompt_ids': expected token ids in [0, {vocab_size}) "
@@ -156,12 +159,13 @@ def _in_vocabulary(records: PromptRecords, vocab_size: int) -> tuple[list[Prompt
         )
         if records.on_error == "stop":
             raise DataError(f"{problem} (use --on-error skip to skip malformed lines)")
-        problems.append(problem)
+        problems.append((number, problem))
     if not out:
         raise DataError(
-            f"{records.source}: no prompts within the target's vocabulary of {vocab_size} (first: {problems[0]})"
+            f"{records.source}: no prompts within the target's vocabulary of {vocab_size} (first: {problems[0][1]})"
         )
-    return out, problems
+    problems += [p for p in records.line_problems if end is None or p[0] < end]
+    return out, [text for _, text in sorted(problems)]
 
 
 def _is_pretokenised(path: Path) -> bool:
@@ -187,7 +191,8 @@ class PromptRecords:
     on_error: str  # "stop" | "skip"
     conversations: list[Any] | None = None  # chat records (data.conversations.Conversation), rendered later
     pretokenised: list[tuple[int, Prompt]] | None = None  # (line number, prompt) of a pre-tokenised file
-    problems: list[str] = field(default_factory=list)  # malformed lines skipped with on_error="skip"
+    problems: list[str] = field(default_factory=list)  # malformed chat records skipped with on_error="skip"
+    line_problems: list[tuple[int, str]] = field(default_factory=list)  # … pre-tokenised lines, with their line
 
 
 def read_prompts(dataset: str | Path, *, limit: int | None = None, on_error: str = "stop") -> PromptRecords:
@@ -201,7 +206,7 @@ def read_prompts(dataset: str | Path, *, limit: int | None = None, on_error: str
     path = Path(str(dataset)).expanduser()
     if _is_pretokenised(path):
         pretokenised, problems = _read_pretokenised(path, limit, on_error)
-        return PromptRecords(str(path), limit, on_error, pretokenised=pretokenised, problems=problems)
+        return PromptRecords(str(path), limit, on_error, pretokenised=pretokenised, line_problems=problems)
     conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
     return PromptRecords(str(dataset), limit, on_error, conversations=conversations, problems=problems)
 

@@ -318,10 +318,13 @@ def test_load_prompts(llama, tmp_path):
         load_prompts(llama, path)
     # read without a target; an id outside the vocabulary is found with it, and under "skip" does not count
     # towards the limit
-    path.write_text("".join(json.dumps({"id": i, "prompt_ids": ids}) + "\n" for i, ids in enumerate([[400], [3], [4]])))
+    lines = [json.dumps({"id": i, "prompt_ids": ids}) for i, ids in enumerate([[400], [3], [4]])]
+    path.write_text("\n".join([lines[0], "{", *lines[1:], "{", ""]))  # lines 2 and 5: not JSON
     records = read_prompts(path, limit=2, on_error="skip")
     prompts, skipped = prompts_for(llama, records, max_new_tokens=32)
-    assert [p.id for p in prompts] == ["1", "2"] and list(skipped) == ["unreadable-record-0"]
+    assert [p.id for p in prompts] == ["1", "2"]
+    assert list(skipped) == ["unreadable-record-0", "unreadable-record-1"]  # line 5 lies beyond the limit
+    assert "prompts.jsonl:2: invalid JSON" in skipped["unreadable-record-1"]
     assert skipped["unreadable-record-0"].endswith(
         "prompts.jsonl:1: field 'prompt_ids': expected token ids in [0, 97) (the target's vocabulary); found 400"
     )
