@@ -98,17 +98,15 @@ def prompt_sha(ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
 
 
-def _read_pretokenised(
-    path: Path, limit: int | None, on_error: str = "stop"
-) -> tuple[list[tuple[int, Prompt]], list[tuple[int, str]]]:
-    """(line number, prompt) of a pre-tokenised JSONL, ids not yet checked against a vocabulary; bad lines raise
-    (on_error="stop") or are returned as problems. With "skip" every line is read (a prompt whose ids the
-    target's vocabulary lacks is skipped later and must not count towards `limit`); problems carry their line."""
-    out: list[tuple[int, Prompt]] = []
-    problems: list[tuple[int, str]] = []
+def _read_pretokenised(path: Path, limit: int | None, on_error: str = "stop") -> list[tuple[int, Prompt | str]]:
+    """(line number, prompt or problem) per line of a pre-tokenised JSONL, in order; ids are not yet checked
+    against a vocabulary. Bad lines raise (on_error="stop") or are kept as their problem. With "skip" every line is
+    read (a prompt whose ids the target's vocabulary lacks is skipped later and must not count towards `limit`)."""
+    out: list[tuple[int, Prompt | str]] = []
+    prompts = 0
     seen: set[str] = set()
     for line in read_lines(path):
-        if limit is not None and on_error == "stop" and len(out) >= limit:
+        if limit is not None and on_error == "stop" and prompts >= limit:
             break
         try:
             rec = line.json()
@@ -128,30 +126,29 @@ def _read_pretokenised(
         except ValueError as e:
             if on_error == "stop":
                 raise DataError(f"{path}:{line.number}: {e} (use --on-error skip to skip malformed lines)") from None
-            problems.append((line.number, f"{path}:{line.number}: {e}"))
+            out.append((line.number, f"{path}:{line.number}: {e}"))
             continue
         seen.add(pid)
         out.append((line.number, Prompt(pid, list(ids))))
-    if not out:
-        raise DataError(
-            f"{path}: no prompts" + (f" ({len(problems)} malformed lines, first: {problems[0][1]})" if problems else "")
-        )
-    return out, problems
+        prompts += 1
+    if not prompts:
+        raise DataError(f"{path}: no prompts" + (f" ({len(out)} malformed lines, first: {out[0][1]})" if out else ""))
+    return out
 
 
 def _in_vocabulary(records: PromptRecords, vocab_size: int) -> tuple[list[Prompt], list[str]]:
     """The pre-tokenised prompts whose ids all lie in [0, vocab_size), up to the limit; others raise or are
-    recorded as problems, as a malformed line is. Problems are those of the lines before the limit was reached,
-    in line order."""
+    recorded as problems, as a malformed line is: those of the lines up to the limit, in line order."""
     out: list[Prompt] = []
-    problems: list[tuple[int, str]] = []
-    end = None  # the line of the prompt that reached the limit: lines after it are not the run's
+    problems: list[str] = []
     for number, prompt in records.pretokenised or []:
+        if isinstance(prompt, str):  # a malformed line (on_error="skip")
+            problems.append(prompt)
+            continue
         if all(t < vocab_size for t in prompt.ids):
             out.append(prompt)
             if records.limit is not None and len(out) >= records.limit:
-                end = number
-                break
+                break  # lines after it are not the run's
             continue
         problem = (
             f"{records.source}:{number}: field 'prompt_ids': expected token ids in [0, {vocab_size}) "
@@ -159,13 +156,12 @@ def _in_vocabulary(records: PromptRecords, vocab_size: int) -> tuple[list[Prompt
         )
         if records.on_error == "stop":
             raise DataError(f"{problem} (use --on-error skip to skip malformed lines)")
-        problems.append((number, problem))
+        problems.append(problem)
     if not out:
         raise DataError(
-            f"{records.source}: no prompts within the target's vocabulary of {vocab_size} (first: {problems[0][1]})"
+            f"{records.source}: no prompts within the target's vocabulary of {vocab_size} (first: {problems[0]})"
         )
-    problems += [p for p in records.line_problems if end is None or p[0] < end]
-    return out, [text for _, text in sorted(problems)]
+    return out, problems
 
 
 def _is_pretokenised(path: Path) -> bool:
@@ -190,9 +186,8 @@ class PromptRecords:
     limit: int | None
     on_error: str  # "stop" | "skip"
     conversations: list[Any] | None = None  # chat records (data.conversations.Conversation), rendered later
-    pretokenised: list[tuple[int, Prompt]] | None = None  # (line number, prompt) of a pre-tokenised file
+    pretokenised: list[tuple[int, Prompt | str]] | None = None  # (line, prompt or problem) of a pre-tokenised file
     problems: list[str] = field(default_factory=list)  # malformed chat records skipped with on_error="skip"
-    line_problems: list[tuple[int, str]] = field(default_factory=list)  # … pre-tokenised lines, with their line
 
 
 def read_prompts(dataset: str | Path, *, limit: int | None = None, on_error: str = "stop") -> PromptRecords:
@@ -205,8 +200,7 @@ def read_prompts(dataset: str | Path, *, limit: int | None = None, on_error: str
         raise DataError(f"on_error={on_error!r}: expected 'stop' or 'skip'")
     path = Path(str(dataset)).expanduser()
     if _is_pretokenised(path):
-        pretokenised, problems = _read_pretokenised(path, limit, on_error)
-        return PromptRecords(str(path), limit, on_error, pretokenised=pretokenised, line_problems=problems)
+        return PromptRecords(str(path), limit, on_error, pretokenised=_read_pretokenised(path, limit, on_error))
     conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
     return PromptRecords(str(dataset), limit, on_error, conversations=conversations, problems=problems)
 
