@@ -82,14 +82,18 @@ def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
     from dflashkit.target.machine import describe_machine
     from dflashkit.target.product_report import choices_by_rows, choices_report
+    from dflashkit.target.product_store import DAY, max_age_seconds
     from dflashkit.target.products import CANDIDATES, FUSED, mode
 
     report = choices_report()
+    stamps = [e["measured_at"] for e in report["choices"].values() if isinstance(e.get("measured_at"), int | float)]
     return {
         **describe_machine(),
         "products_mode": mode(),
         "products_candidates": [*CANDIDATES, *([f"{FUSED} (the target's layers)"] if "onednn" in CANDIDATES else [])],
         "products_store": report["store"],
+        "products_max_age_days": max_age_seconds() / DAY,
+        "products_oldest_days": round((time.time() - min(stamps)) / DAY, 2) if stamps else None,
         "products_by_rows": {str(k): v for k, v in choices_by_rows(report).items()},
     }
 
@@ -155,7 +159,17 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         f"  BLAS              {m['blas']} (torch {m['torch']})",
         f"  decoding products {chosen}",
         f"  timed candidates  {', '.join(m.get('products_candidates', []))}",
+        f"  choices kept      {_kept(m)}",
     ]
+
+
+def _kept(m: dict[str, Any]) -> str:
+    """Where the measured choices are kept and when they are timed again (product_store.py)."""
+    if m.get("products_store") is None:
+        return "in this process only (DFLASHKIT_PRODUCTS_STORE=off or no cache)"
+    oldest = m.get("products_oldest_days")
+    age = f"; the oldest {oldest:g} days old" if oldest is not None else ""
+    return f"{m['products_store']} (timed again after {m['products_max_age_days']:g} days{age})"
 
 
 __all__ = ["gather_info", "render_info"]

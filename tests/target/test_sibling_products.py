@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflashkit.target import products
+from dflashkit.target import product_store, products
 from dflashkit.target.products import CANDIDATES, FUSED, Chooser, route_linears
 from dflashkit.target.sibling_products import FusedSet, sibling_product
 
@@ -186,7 +186,7 @@ def test_a_target_decodes_the_same_with_its_products_fused(tiny_llama_dir, monke
     from dflashkit.target.model import Target
 
     monkeypatch.setenv(products.ENV, FUSED)
-    monkeypatch.setenv(products.STORE_ENV, "off")
+    monkeypatch.setenv(product_store.STORE_ENV, "off")
     target = Target.load(tiny_llama_dir)
     ids = torch.randint(3, target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -1,0 +1,118 @@
+"""Where the measured product choices (products.py) are kept between runs, and for how long they are trusted.
+
+    path = store_path()                            # ~/.cache/dflashkit/products/<machine>.json; None with "off"
+    choices = read_choices(path, names, now=...)   # the stored entries still usable: timed with every current
+                                                   # candidate, and not older than the age limit
+    write_choices(path, choices)                   # atomically, under the machine's description
+    DFLASHKIT_PRODUCTS_STORE=off|DIR               # default: the user cache
+    DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7              # an older choice is timed again (0: every process times anew)
+
+The file is keyed by CPU model, its flags, BLAS, torch version and thread count, so another machine or build never
+reads it. What the key cannot see is the machine's own drift: on a 2-core AMD EPYC VM (AVX2, MKL 2024.2) a 3-row
+verify's choice kept oneDNN at 0.817 of stock against few_rows' 0.877, and on a later day oneDNN was 16 % slower
+than few_rows at that width (docs/benchmarks.md, 2026-12-04). A choice therefore carries the time it was measured
+(`measured_at`, seconds since the epoch) and is timed again after the age limit — a few seconds of trial steps a
+width once a week, against a slower path for good. An entry without that time (stored before it was kept) or
+stamped in the future beyond the limit (a clock that jumped) is timed again too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from dflashkit.errors import ConfigError
+
+STORE_ENV = "DFLASHKIT_PRODUCTS_STORE"  # "off": choices live in the process only; a directory: kept there
+MAX_AGE_ENV = "DFLASHKIT_PRODUCTS_MAX_AGE_DAYS"
+DEFAULT_MAX_AGE_DAYS = 7.0
+DAY = 86400.0
+
+
+def max_age_seconds() -> float:
+    """The age limit of a stored choice, from DFLASHKIT_PRODUCTS_MAX_AGE_DAYS (days, ≥ 0; default 7)."""
+    raw = os.environ.get(MAX_AGE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_AGE_DAYS * DAY
+    try:
+        days = float(raw)
+    except ValueError:
+        days = -1.0
+    if not days >= 0 or days == float("inf"):
+        raise ConfigError(f"{MAX_AGE_ENV}={raw!r}: expected a number of days ≥ 0 (e.g. 7; 0 times every choice anew)")
+    return days * DAY
+
+
+def store_path() -> Path | None:
+    """<machine>.json in ~/.cache/dflashkit/products, or in $DFLASHKIT_PRODUCTS_STORE (None when that is "off" or
+    the cache cannot be used)."""
+    from dflashkit.target.default import cache_root
+    from dflashkit.target.machine import describe_machine
+
+    chosen = os.environ.get(STORE_ENV, "").strip()
+    if chosen.lower() == "off":
+        return None
+    if chosen:
+        folder = Path(chosen).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{STORE_ENV}={chosen!r} is a file; expected 'off' or a directory")
+    else:
+        try:
+            folder = cache_root() / "products"
+        except ConfigError:
+            return None
+    m = describe_machine()
+    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"]])
+    return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+
+def fresh(entry: dict[str, object], now: float, max_age: float) -> bool:
+    """Whether a stored entry was measured within `max_age` seconds of `now` (either side: a clock set back)."""
+    measured = entry.get("measured_at")
+    if isinstance(measured, bool) or not isinstance(measured, int | float):
+        return False
+    return abs(now - float(measured)) <= max_age
+
+
+def read_choices(
+    path: Path | None, names: Callable[[str], list[str]], *, now: float, max_age: float
+) -> dict[str, dict[str, object]]:
+    """The entries of the store at `path` that may be used as they are: each timed with every candidate `names(key)`
+    gives (one stored before a candidate joined is timed again, with it), choosing one of them, and `fresh`. A
+    missing or damaged file gives none: it is measured again, never trusted."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        choices = data.get("choices", {}) if isinstance(data, dict) else {}
+        return {
+            key: entry
+            for key, entry in choices.items()
+            if isinstance(entry, dict)
+            and all(f"{n}_ms" in entry for n in names(key))
+            and entry.get("choice") in names(key)
+            and fresh(entry, now, max_age)
+        }
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def write_choices(path: Path | None, choices: dict[str, dict[str, object]]) -> None:
+    """The choices, atomically, with the machine they were measured on; a read-only cache only costs the timing
+    again next time."""
+    if path is None:
+        return
+    try:
+        from dflashkit.io_utils import atomic_write_text
+        from dflashkit.target.machine import describe_machine
+
+        doc = {"machine": describe_machine(), "choices": choices}
+        atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass
+
+
+__all__ = ["DEFAULT_MAX_AGE_DAYS", "MAX_AGE_ENV", "STORE_ENV", "fresh", "max_age_seconds", "read_choices", "store_path"]

@@ -1,0 +1,139 @@
+"""Where measured product choices are kept and for how long: DFLASHKIT_PRODUCTS_STORE picks the file, each choice is
+stamped with when it was measured and timed again past DFLASHKIT_PRODUCTS_MAX_AGE_DAYS (a machine drifts), an entry
+without a stamp or stamped in the future beyond the limit is timed again, a bad limit is refused by name."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflashkit.errors import ConfigError
+from dflashkit.target import product_store
+from dflashkit.target.product_store import DAY, fresh, max_age_seconds, read_choices
+from dflashkit.target.products import CANDIDATES, Chooser
+
+N = len(CANDIDATES)
+T0 = 1_800_000_000.0  # a wall-clock time (2027): the injected `now` of the choosers below
+
+
+def _timer(speeds: dict[str, float], calls: list[str]):
+    def timer(name, fn):
+        fn()
+        calls.append(name)
+        return speeds.get(name, 50.0)
+
+    return timer
+
+
+def _settle(c: Chooser, x, w) -> str:
+    c.choose(x, w, None)  # first sight: stock, unmeasured
+    return c.choose(x, w, None)
+
+
+def test_where_choices_are_kept_follows_the_store_variable(monkeypatch, tmp_path):
+    """DFLASHKIT_PRODUCTS_STORE: "off" keeps choices in the process (the suite sets it, so processes it starts inherit
+    it); a directory holds the machine's file; a file there is refused by name; unset: the user cache."""
+    assert os.environ["DFLASHKIT_PRODUCTS_STORE"] == "off" and product_store.store_path() is None
+    child = "from dflashkit.target.product_store import store_path; print(store_path())"
+    assert subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120).stdout == "None\n"
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
+    path = product_store.store_path()
+    assert path.parent == tmp_path / "choices" and path.suffix == ".json"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match=r"DFLASHKIT_PRODUCTS_STORE=.* is a file; expected 'off' or a directory"):
+        product_store.store_path()
+    monkeypatch.delenv("DFLASHKIT_PRODUCTS_STORE")
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
+    assert product_store.store_path().parent == tmp_path / "cache" / "products"
+
+
+def test_a_stored_choice_is_used_for_a_week_then_timed_again(monkeypatch, tmp_path):
+    monkeypatch.delenv(product_store.MAX_AGE_ENV, raising=False)
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(200, 32, generator=g), torch.randn(2, 32, generator=g)
+    store, key = tmp_path / "c.json", "2x32x200:float32"
+    first = Chooser(timer=_timer({"stock": 1.0, "few_rows": 0.5}, calls := []), store=store, repeats=3, now=lambda: T0)
+    assert _settle(first, x, w) == "few_rows" and len(calls) == 3 * N
+    assert json.loads(store.read_text())["choices"][key]["measured_at"] == int(T0)
+
+    six_days = Chooser(
+        timer=_timer({"stock": 0.5, "few_rows": 1.0}, calls := []), store=store, now=lambda: T0 + 6 * DAY
+    )
+    assert six_days.choose(x, w, None) == "few_rows" and calls == []  # from the store, untimed (no first sight)
+
+    later = T0 + 8 * DAY  # past the default week: the machine may have changed its mind
+    eight_days = Chooser(
+        timer=_timer({"stock": 0.5, "few_rows": 1.0}, calls), store=store, repeats=3, now=lambda: later
+    )
+    assert _settle(eight_days, x, w) == "stock" and len(calls) == 3 * N  # timed again: stock is faster now
+    saved = json.loads(store.read_text())["choices"][key]
+    assert saved["choice"] == "stock" and saved["measured_at"] == int(later)
+
+
+def test_the_age_limit_follows_its_variable_and_refuses_a_bad_one(monkeypatch, tmp_path):
+    monkeypatch.delenv(product_store.MAX_AGE_ENV, raising=False)
+    assert max_age_seconds() == 7 * DAY
+    monkeypatch.setenv(product_store.MAX_AGE_ENV, "0.5")
+    assert max_age_seconds() == 0.5 * DAY
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(200, 32, generator=g), torch.randn(2, 32, generator=g)
+    store = tmp_path / "c.json"
+    _settle(Chooser(timer=_timer({"stock": 1.0, "few_rows": 0.5}, []), store=store, repeats=3, now=lambda: T0), x, w)
+    day_later = Chooser(timer=_timer({"stock": 1.0, "few_rows": 0.5}, calls := []), store=store, now=lambda: T0 + DAY)
+    assert day_later.choose(x, w, None) == "stock" and calls == []  # older than half a day: first sight again
+    monkeypatch.setenv(product_store.MAX_AGE_ENV, "0")
+    assert max_age_seconds() == 0.0
+    for bad in ("a week", "-1", "nan", "inf"):
+        monkeypatch.setenv(product_store.MAX_AGE_ENV, bad)
+        with pytest.raises(ConfigError, match=rf"DFLASHKIT_PRODUCTS_MAX_AGE_DAYS='{bad}': expected a number of days"):
+            max_age_seconds()
+        with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS_MAX_AGE_DAYS"):
+            Chooser(store=store).choose(x, w, None)  # named when the store is read, not a traceback from inside
+
+
+def test_entries_without_a_time_from_the_future_or_damaged_are_timed_again(tmp_path):
+    names = lambda key: ["stock", "few_rows"]  # noqa: E731
+    good = {"choice": "few_rows", "stock_ms": 2.0, "few_rows_ms": 1.0, "measured_at": int(T0)}
+    choices = {
+        "1x8x8:float32": good,
+        "2x8x8:float32": {k: v for k, v in good.items() if k != "measured_at"},  # stored before times were kept
+        "3x8x8:float32": {**good, "measured_at": int(T0 + 30 * DAY)},  # a clock that was set far ahead
+        "4x8x8:float32": {**good, "measured_at": True},  # not a time
+        "5x8x8:float32": {**good, "measured_at": int(T0 - DAY)},  # a day old: kept
+        "6x8x8:float32": {k: v for k, v in good.items() if k != "few_rows_ms"},  # a candidate not timed
+        "7x8x8:float32": {**good, "choice": "gone"},  # a candidate this build lacks
+        "8x8x8:float32": "few_rows",  # not an entry
+    }
+    store = tmp_path / "c.json"
+    store.write_text(json.dumps({"machine": {}, "choices": choices}))
+    got = read_choices(store, names, now=T0, max_age=7 * DAY)
+    assert sorted(got) == ["1x8x8:float32", "5x8x8:float32"]
+    assert fresh({"measured_at": T0 + DAY}, T0, 7 * DAY)  # a clock set back a little: still within the limit
+    store.write_text('{"choices": [1, 2]}')
+    assert read_choices(store, names, now=T0, max_age=7 * DAY) == {}
+    store.write_text("{not json")
+    assert read_choices(store, names, now=T0, max_age=7 * DAY) == {}
+    assert read_choices(None, names, now=T0, max_age=7 * DAY) == {}
+
+
+def test_info_says_where_choices_are_kept_and_how_old_they_are(monkeypatch, tmp_path):
+    import time
+
+    from dflashkit.diagnose.info import _machine, _machine_lines
+    from dflashkit.target import products
+
+    monkeypatch.setattr(products, "_CHOOSERS", {})  # choosers read the store variable when made
+    lines = "\n".join(_machine_lines(_machine()))
+    assert "choices kept      in this process only (DFLASHKIT_PRODUCTS_STORE=off" in lines  # as the suite runs
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
+    monkeypatch.setenv(product_store.MAX_AGE_ENV, "10")
+    monkeypatch.setattr(products, "_CHOOSERS", {})
+    entry = {"choice": "stock", **{f"{n}_ms": 1.0 for n in CANDIDATES}, "measured_at": int(time.time() - 2 * DAY)}
+    product_store.write_choices(product_store.store_path(), {"3x8x8:float32": entry})
+    lines = "\n".join(_machine_lines(_machine()))
+    assert f"choices kept      {product_store.store_path()} (timed again after 10 days; the oldest 2 days old)" in lines
+    assert "3 rows: stock 1" in lines
