@@ -54,7 +54,7 @@ def trials_pending(device: torch.device | str = "cpu") -> bool:
     Never where products are not measured."""
     if not products_measured(device):
         return False
-    return bool(products.chooser()._trials)
+    return products.chooser().trial_running()
 
 
 __all__ = ["choices_by_rows", "choices_report", "products_measured", "trials_pending"]

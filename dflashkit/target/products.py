@@ -155,7 +155,7 @@ class Chooser:
         self._trials: dict[str, StepTrial] = {}  # pass groups' row counts being timed in real steps
         self._failed: dict[str, list[str]] = {}  # … and the candidates that could not run there
         self._last_opening: dict[str, tuple[str, int] | None] = {}  # per group: (key, epoch) of its latest opening
-        self._openings = 0  # openings of passes not settled yet, counted to notice a trial that stalls
+        self._openings = 0  # openings of passes while a trial runs (settled widths too), to notice one that stalls
         self._advanced: dict[str, int] = {}  # per trial: the opening count when it last recorded a step
         self._paused: dict[str, StepTrial] = {}  # trials that stalled, resumed when their width opens with none running
         self._pauses: dict[str, int] = {}  # … how often each stalled
@@ -226,6 +226,10 @@ class Chooser:
         self.choices[key] = entry
         self._save()
         return str(entry["choice"])
+
+    def trial_running(self) -> bool:
+        """Whether a pass group's width is being timed now; a trial that stalled is paused first (`_busy`)."""
+        return self._busy()
 
     def _busy(self) -> bool:
         """Whether a trial runs. One without a recorded step in the last 2 × its schedule's openings is paused (stock
@@ -377,6 +381,8 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     how = c.settled.get(memo)
     if c._trials and group is not None and group.linears[0].weight is weight and how is not None:
         c._last_opening[group.signature] = None  # a settled width of the group between two timed steps: not one step
+        c._openings += 1  # … and an opening the running trial made no progress in (else a width that stops coming
+        # would hold its trial, and `trials_pending`, for good once every other width is settled)
     if how is None:
         how, settled = _choose(c, x, weight, bias, group)
         if settled:

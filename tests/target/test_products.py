@@ -465,3 +465,31 @@ def test_a_trial_whose_steps_are_always_broken_ends_in_stock(monkeypatch):
         seen.clear()
         net(a), net(b)
     assert [n for n, _ in seen] == ["stock"] * 4
+
+
+def test_a_width_that_stops_coming_is_paused_while_settled_widths_run(monkeypatch):
+    """A width met once more after the others settled (a chain's 2-row verify at the end of a generation) starts a
+    trial; when only settled widths follow, their openings count: after 2 × its schedule's openings without a step it
+    is paused, so `trials_pending` (an evaluation's warm-up waits on it) turns False instead of staying True for the
+    whole process (seen: a 2-row trial at step 0 of 28 through six passes of AR, chain and DDTree-3)."""
+    net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
+    route_linears(net)
+    now = [0.0]
+    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
+    monkeypatch.setattr(products, "chooser", lambda: fake)
+    monkeypatch.setenv(products.ENV, "auto")
+    rare, common = torch.randn(2, 8), torch.randn(4, 8)
+    key2, key4 = (f"{r}x{net[0]._pass_group.signature}:float32" for r in (2, 4))
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {"stock": 1.0, "few_rows": 0.5}, now, [])
+        for _ in range(2 * N + 2):
+            net(common)
+        assert key4 in fake.choices and not product_report.trials_pending()
+        net(rare), net(common), net(rare)  # seen once, then again: its trial starts
+        assert key2 in fake._trials and product_report.trials_pending()
+        schedule = len(fake._trials[key2].schedule)
+        for _ in range(2 * schedule + 1):
+            net(common)  # settled: no step of the 2-row trial in between
+        assert not product_report.trials_pending() and key2 in fake._paused and key2 not in fake._trials
+        net(rare), net(rare)  # when it comes again with no trial running, it resumes
+        assert key2 in fake._trials
