@@ -70,7 +70,7 @@ def _diff(args: argparse.Namespace) -> int:
         target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     report = diff_checkpoints(args.a, args.b, target=target, weights=not args.no_weights)
     print(_dump(report.to_json()) if args.json else render_diff(report))
-    return 0
+    return 0 if report.compared else 1  # 1: a side that is not a drafter (as `inspect` on it)
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:

@@ -65,11 +65,13 @@ class DiffReport:
     same: list[str] = field(default_factory=list)
     weights: dict[str, Any] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=dict)
+    compared: bool = True  # False: A or B could not be read as a drafter, so nothing was compared
 
     def to_json(self) -> dict[str, Any]:
         return {
             "a": self.a,
             "b": self.b,
+            "compared": self.compared,
             "differences": self.differences,
             "same": self.same,
             "weights": self.weights,
@@ -245,6 +247,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, target: Any = None, weight
         if bad:
             report.problems[name] = bad
     if not ra.facts or not rb.facts:
+        report.compared = False  # never "no differences" between a drafter and something that is not one
         return report
     fa, fb = ra.facts, rb.facts
     report.differences += _fc_lines(fa, fb)
@@ -260,6 +263,10 @@ def render_diff(report: DiffReport) -> str:
     for name, bad in report.problems.items():
         lines.append(f"{name} has problems of its own:")
         lines += [f"  {x}" for x in bad]
+    if not report.compared:
+        unread = " and ".join(n for n, r in (("A", report.a), ("B", report.b)) if n in report.problems) or "A or B"
+        lines.append(f"Not compared: {unread} could not be read as a drafter checkpoint (above)")
+        return "\n".join(lines)
     lines.append(
         "Architecture: " + ("no differences" if not report.differences else f"{len(report.differences)} difference(s)")
     )

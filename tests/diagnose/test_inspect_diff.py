@@ -118,6 +118,19 @@ def test_diff_names_the_left_out_layer(tmp_path, capsys):
     assert "A leaves out layer 7" in capsys.readouterr().out
 
 
+def test_diff_with_a_side_that_is_not_a_drafter_says_not_compared(tmp_path, capsys):
+    """Never "no differences" between a drafter and a file that is not one: the side is named, exit 1."""
+    a = write_checkpoint(tmp_path / "a", small_config())
+    (tmp_path / "config.json").write_text("{}")
+    d = diff_checkpoints(a, tmp_path / "config.json")
+    assert not d.compared and "B" in d.problems and "A" not in d.problems and d.differences == []
+    assert main(["diff", str(a), str(tmp_path / "config.json")]) == 1
+    out = capsys.readouterr().out
+    assert "Not compared: B could not be read as a drafter checkpoint" in out and "no differences" not in out
+    assert main(["diff", str(tmp_path / "missing"), str(a), "--json"]) == 1
+    assert '"compared": false' in capsys.readouterr().out
+
+
 def test_diff_four_of_five_against_healthy(tmp_path):
     a = write_checkpoint(tmp_path / "a", small_config(), fc_features=4)
     b = write_checkpoint(tmp_path / "b", small_config())
