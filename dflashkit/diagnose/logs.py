@@ -71,7 +71,7 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
         raise DataError(f"{file}: no such file (expected a training run directory holding {METRICS_NAME})")
     log = RunLog(name=name or (path.name if path.is_dir() else path.parent.name) or str(path), path=str(file))
     lines = file.read_text(errors="replace").splitlines()  # a non-UTF-8 byte spoils one value, not the file
-    bad = []
+    bad: list[int] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -84,13 +84,14 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
             continue
         rec = _normalise(rec)
         (log.val if rec.get("split") == "val" else log.train).append(rec)
+    if not log.train and not log.val:
+        unread = f" (line(s) {bad[:5]} of {len(lines)} are not JSON objects)" if bad else " (the file is empty)"
+        raise DataError(f"{file}: no metric records{unread}; expected one JSON object per line, as train writes")
     if bad and bad[-1] == len(lines):
         log.notes.append(f"skipped 1 incomplete line at the end of {file} (a run still writing, or killed)")
         bad = bad[:-1]
     if bad:
         log.notes.append(f"skipped {len(bad)} malformed line(s) in {file}: {bad[:5]}")
-    if not log.train and not log.val:
-        raise DataError(f"{file}: no metric records")
     return log
 
 

@@ -132,6 +132,16 @@ def test_missing_file_is_named(tmp_path, capsys):
     assert f"{tmp_path / 'nope' / 'metrics.jsonl'}: no such file" in capsys.readouterr().err
 
 
+def test_a_file_without_records_says_why(tmp_path, capsys):
+    """An empty file, or one whose lines are not JSON objects (a CSV, a YAML): named, with the lines."""
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"empty.jsonl: no metric records \(the file is empty\); expected one JSON"):
+        read_run(tmp_path / "empty.jsonl")
+    (tmp_path / "m.csv").write_text("step,loss\n1,2.0\n")
+    assert main(["logs", str(tmp_path / "m.csv")]) == 2
+    assert "m.csv: no metric records (line(s) [1, 2] of 2 are not JSON objects)" in capsys.readouterr().err
+
+
 def test_runs_with_different_metric_sets_are_compared(tmp_path, capsys):
     fast = synthetic_run(tmp_path / "fast", speed=30.0)
     slow = synthetic_run(tmp_path / "slow", speed=90.0, keys=("loss", "accuracy", "tau", "lr"))
