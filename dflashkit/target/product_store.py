@@ -115,4 +115,14 @@ def write_choices(path: Path | None, choices: dict[str, dict[str, object]]) -> N
         pass
 
 
-__all__ = ["DEFAULT_MAX_AGE_DAYS", "MAX_AGE_ENV", "STORE_ENV", "fresh", "max_age_seconds", "read_choices", "store_path"]
+__all__ = [
+    "DAY",
+    "DEFAULT_MAX_AGE_DAYS",
+    "MAX_AGE_ENV",
+    "STORE_ENV",
+    "fresh",
+    "max_age_seconds",
+    "read_choices",
+    "store_path",
+    "write_choices",
+]
