@@ -28,6 +28,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @command("train", "train (or resume) a DFlash drafter from captured or online target features", _train_args)
 def _train(args: argparse.Namespace) -> int:
+    import torch
+
     from dflashkit.train.config import TrainConfig
     from dflashkit.train.distributed import read_env
     from dflashkit.train.loop import train
@@ -41,6 +43,9 @@ def _train(args: argparse.Namespace) -> int:
             f"dflashkit train: {args.config if args.config != '-' else 'command-line options'}\n{cfg.summary()}",
             flush=True,
         )
+        note = cfg.cpu_sizing_note(cuda_available=torch.cuda.is_available())
+        if note:
+            print(f"  note        {note}", flush=True)
     result = train(cfg)
     if main:
         m = result.train_metrics

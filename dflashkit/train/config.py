@@ -323,6 +323,22 @@ class TrainConfig:
             ]
         )
 
+    def cpu_sizing_note(self, *, cuda_available: bool) -> str | None:
+        """A line for a run on CPU that keeps the paper's GPU-sized batch geometry — `max_tokens` and `max_anchors`
+        at their defaults, set neither by the config file nor by an override — where one step can take minutes;
+        None when the run is on a GPU or both were chosen."""
+        on_cpu = self.drafter_device == "cpu" or (self.drafter_device == "auto" and not cuda_available)
+        unset = [n for n in CPU_SIZED if n not in self.sources]
+        if not on_cpu or not unset:
+            return None
+        kept = ", ".join(f"{n} {getattr(self, n)}" for n in unset)
+        sized = " ".join(f"{n}={v}" for n, v in CPU_SIZED.items())
+        return (
+            f"training on CPU with the GPU-sized default{'s' if len(unset) > 1 else ''} {kept} (the paper's "
+            f"batch geometry): one step can take minutes here. configs/smollm2.yaml is sized for a CPU ({sized}); "
+            f"or set {' '.join(f'{n}=…' for n in unset)}."
+        )
+
     def _weights_summary(self) -> str:
         if self.position_weights == "dpace":
             return f"D-PACE position weights (α {self.dpace_alpha:g})"
@@ -333,6 +349,10 @@ class TrainConfig:
             return ""
         k = f"top-{self.topk}" if self.topk else f"top-{DEFAULT_ONLINE_TOPK}" if self.online else "captured top-k"
         return f" (KL to the target's {k}, renormalised; CE weight {self.topk_ce_weight:g})"
+
+
+# the batch geometry of configs/smollm2.yaml, the CPU config (tests check the two agree)
+CPU_SIZED = {"max_tokens": 1024, "max_anchors": 64}
 
 
 def apply_overrides(
@@ -393,4 +413,11 @@ def check_resume_compatible(saved: dict[str, Any], now: TrainConfig, *, where: s
             )
 
 
-__all__ = ["DEFAULT_ONLINE_TOPK", "RESUME_LOCKED", "TrainConfig", "apply_overrides", "check_resume_compatible"]
+__all__ = [
+    "CPU_SIZED",
+    "DEFAULT_ONLINE_TOPK",
+    "RESUME_LOCKED",
+    "TrainConfig",
+    "apply_overrides",
+    "check_resume_compatible",
+]

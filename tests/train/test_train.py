@@ -8,6 +8,7 @@ The feature source is built here: a list of Samples whose features come from a t
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from itertools import pairwise
 from pathlib import Path
@@ -24,7 +25,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
 from dflashkit.train.blocks import build_blocks
-from dflashkit.train.config import TrainConfig
+from dflashkit.train.config import CPU_SIZED, TrainConfig
 from dflashkit.train.loop import train
 from dflashkit.train.metrics import RollingStats, read_metrics
 from dflashkit.train.packing import collate_rows, pack_row
@@ -319,13 +320,34 @@ def test_train_config_yaml_overrides_and_errors(tmp_path: Path) -> None:
         TrainConfig.load(path, ["batch_rows=0"])
 
 
+def test_a_cpu_run_with_the_gpu_sized_geometry_gets_a_note() -> None:
+    import yaml
+
+    note = TrainConfig.load(None, ["features=f"]).cpu_sizing_note(cuda_available=False)
+    assert note is not None and "max_tokens 3072, max_anchors 512" in note and "configs/smollm2.yaml" in note
+    assert TrainConfig.load(None, ["features=f"]).cpu_sizing_note(cuda_available=True) is None
+    assert TrainConfig.load(None, ["features=f", "drafter_device=cpu"]).cpu_sizing_note(cuda_available=True)
+    on_gpu = dataclasses.replace(TrainConfig.load(None, ["features=f"]), drafter_device="cuda:0")  # not validated
+    assert on_gpu.cpu_sizing_note(cuda_available=False) is None
+    # one of the two chosen: the note names the other only; both chosen (even at the defaults): no note
+    one = TrainConfig.load(None, ["features=f", "max_tokens=1024"]).cpu_sizing_note(cuda_available=False)
+    assert one is not None and "default max_anchors 512" in one and "max_tokens 1024" not in one
+    both = TrainConfig.load(None, ["features=f", "max_tokens=3072", "max_anchors=512"])
+    assert both.cpu_sizing_note(cuda_available=False) is None
+    # the CPU config needs no note, and the note's advice is what that file says
+    config = Path(__file__).parents[2] / "configs" / "smollm2.yaml"
+    assert TrainConfig.load(config).cpu_sizing_note(cuda_available=False) is None
+    raw = yaml.safe_load(config.read_text())
+    assert {n: raw[n] for n in CPU_SIZED} == CPU_SIZED
+
+
 def yaml_roundtrip(cfg: TrainConfig) -> dict:
     import yaml
 
     return yaml.safe_load(cfg.to_yaml())
 
 
-def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Path) -> None:
+def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Path, capsys) -> None:
 
     tokens = write_tokens_file(tmp_path / "tokens.jsonl", 3)
     out = tmp_path / "run"
@@ -346,3 +368,6 @@ def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Pat
         ]
     )
     assert rc == 0 and (out / "final" / "model.safetensors").is_file()
+    # on CPU the paper's 512 anchors per document (left at its default here) are named before any model loads
+    lines = capsys.readouterr().out.splitlines()
+    assert any("note        training on CPU with the GPU-sized default max_anchors 512" in line for line in lines[:10])
