@@ -36,6 +36,13 @@ def test_every_candidate_equals_f_linear_within_rounding(name):
         assert ((got_b - F.linear(x, w, b)).abs() <= _bound(x, w) + 1e-6 * b.abs()).all(), rows
 
 
+def _use(monkeypatch, chooser: Chooser) -> Chooser:
+    """Make `chooser` the process's product chooser, in auto mode, for this test."""
+    monkeypatch.setattr(products, "chooser", lambda: chooser)
+    monkeypatch.setenv(products.ENV, "auto")
+    return chooser
+
+
 def _fake_timer(speeds: dict[str, float], calls: list[str]):
     def timer(name, fn):
         fn()  # the candidate still runs: a broken candidate would fail here
@@ -99,9 +106,7 @@ def test_auto_mode_runs_the_chosen_candidate(monkeypatch):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200, 16, generator=g)
     x = torch.randn(3, 16, generator=g)
-    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.1}, []), store=None, repeats=3)
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.1}, []), store=None, repeats=3))
     assert torch.equal(linear_product(x, w), F.linear(x, w))  # first sight: stock
     assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
     assert product_report.choices_by_rows({"choices": fake.choices}) == {3: {"few_rows": 1}}
@@ -140,9 +145,10 @@ def test_a_pass_without_a_cache_is_never_measured(tiny_llama_dir, monkeypatch, t
     from dflashkit.target.model import Target
 
     calls: list[str] = []
-    fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, calls), store=tmp_path / "c.json", repeats=1)
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(
+        monkeypatch,
+        Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, calls), store=tmp_path / "c.json", repeats=1),
+    )
     target = Target.load(str(tiny_llama_dir))
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 8]])  # 7 rows, within MAX_ROWS
     with torch.no_grad():
@@ -188,9 +194,9 @@ def test_a_pass_group_is_chosen_by_timing_real_steps(monkeypatch, tmp_path):
         "pass3-"
     )
     now, seen = [0.0], []
-    fake = Chooser(timer=_fake_timer({}, []), store=tmp_path / "c.json", repeats=3, clock=lambda: now[0])
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(
+        monkeypatch, Chooser(timer=_fake_timer({}, []), store=tmp_path / "c.json", repeats=3, clock=lambda: now[0])
+    )
     x = torch.randn(2, 16)
     with torch.no_grad():
         ref = F.linear(F.linear(F.silu(F.linear(x, net[0].weight, net[0].bias)), net[2].weight), net[3].weight)
@@ -219,9 +225,7 @@ def _trial_with_lost_rounds(monkeypatch, lost: set[int], repeats: int = 4) -> tu
     route_linears(net)
     key = f"2x{net._pass_group.signature}:float32"
     now, seen, ran = [0.0], [], [0]
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=repeats, clock=lambda: now[0])
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=repeats, clock=lambda: now[0]))
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         _clocked_candidates(mp, dict.fromkeys([*CANDIDATES, "stock"], 0.0), now, seen)
         for _ in range(400):
@@ -265,9 +269,7 @@ def test_a_step_with_something_else_inside_is_not_timed(monkeypatch):
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
     now, seen = [0.0], []
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0]))
     x2, x3, long = torch.randn(2, 8), torch.randn(3, 8), torch.randn(MAX_ROWS + 1, 8)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         _clocked_candidates(mp, {"stock": 1.0, "few_rows": 2.0}, now, seen)
@@ -292,9 +294,7 @@ def test_a_candidate_that_cannot_run_is_left_out_of_the_steps(monkeypatch):
 
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=iter(range(100)).__next__)
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=iter(range(100)).__next__))
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         mp.setitem(CANDIDATES, "onednn", broken)
         for _ in range(2 + (N - 1)):
@@ -312,8 +312,7 @@ def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
     asked: list[str] = []
     choose = fake.choose
     monkeypatch.setattr(fake, "choose", lambda *a: asked.append("choose") or choose(*a))
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    _use(monkeypatch, fake)
     with torch.no_grad():
         assert torch.equal(linear_product(x, w), F.linear(x, w))  # first sight: stock, not settled
         assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))  # measured: settled
@@ -400,9 +399,7 @@ def test_two_groups_in_one_loop_are_timed_one_after_the_other(monkeypatch):
     target, drafter = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8)), nn.Sequential(nn.Linear(8, 16))
     route_linears(target), route_linears(drafter)
     now, seen = [0.0], []
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0]))
     x = torch.randn(3, 8)
     keys = [f"3x{m[0]._pass_group.signature}:float32" for m in (target, drafter)]
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
@@ -424,9 +421,7 @@ def test_a_trial_that_stalls_is_paused_lets_the_others_run_and_resumes(monkeypat
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
     now = [0.0]
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=2, clock=lambda: now[0])
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=2, clock=lambda: now[0]))
     sometimes, common = torch.randn(3, 8), torch.randn(2, 8)
     key3, key2 = (f"{r}x{net[0]._pass_group.signature}:float32" for r in (3, 2))
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
@@ -453,9 +448,7 @@ def test_a_trial_whose_steps_are_always_broken_ends_in_stock(monkeypatch):
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
     seen: list[tuple[str, int]] = []
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: 0.0)
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: 0.0))
     a, b = torch.randn(2, 8), torch.randn(3, 8)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         _clocked_candidates(mp, {}, [0.0], seen)
@@ -475,9 +468,7 @@ def test_a_width_that_stops_coming_is_paused_while_settled_widths_run(monkeypatc
     net = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 8))
     route_linears(net)
     now = [0.0]
-    fake = Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0])
-    monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=1, clock=lambda: now[0]))
     rare, common = torch.randn(2, 8), torch.randn(4, 8)
     key2, key4 = (f"{r}x{net[0]._pass_group.signature}:float32" for r in (2, 4))
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
