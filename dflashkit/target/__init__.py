@@ -21,7 +21,8 @@ Modules and their public functions:
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)
   machine.py    `describe_machine()` (CPU model, flags, BLAS, threads), `read_bandwidth()`
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
-  devices.py    `device_problem(spec)`: whether a device string names a device this machine has
+  devices.py    `device_problem(spec)`: whether a device string names a device this machine has;
+                `resolve_device(spec, rank)`: what "auto" means here
   files.py      `check_model_dir`, `check_gguf`: a target's config.json / GGUF header checked before loading
   distributed.py `DistContext.from_env()`, `read_env()`: torchrun's ranks and collectives (training, capture)
 """

@@ -4,8 +4,9 @@
 
 A device string torch cannot parse, CUDA on a machine without it (torch's own words: "Torch not compiled with CUDA
 enabled", deep inside the first `.to()`), an index past the last GPU, or MPS where there is none: each is one line
-naming the device and what this machine has, before a model is loaded. `synchronize(device)` waits for a device's
-queued work (a no-op off CUDA), so wall-clock timings include it.
+naming the device and what this machine has, before a model is loaded. `resolve_device("auto", rank)` is the one
+place "auto" becomes a device (this rank's GPU when CUDA is there, else the CPU). `synchronize(device)` waits for a
+device's queued work (a no-op off CUDA), so wall-clock timings include it.
 """
 
 from __future__ import annotations
@@ -37,10 +38,19 @@ def device_problem(spec: str, *, allow_auto: bool = False) -> str | None:
     return None
 
 
+def resolve_device(spec: str, local_rank: int = 0, *, cuda_available: bool | None = None) -> torch.device:
+    """The device `spec` means here: "auto" is `cuda:<local_rank>` when CUDA is available (`cuda_available`, asked of
+    torch when None), else the CPU; any other spec as torch parses it."""
+    if spec == "auto":
+        cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+        return torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
+    return torch.device(spec)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until `device` has finished its queued work (CUDA); nothing to wait for elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-__all__ = ["KINDS", "device_problem", "synchronize"]
+__all__ = ["KINDS", "device_problem", "resolve_device", "synchronize"]

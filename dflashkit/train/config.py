@@ -25,6 +25,7 @@ import yaml
 from pydantic import Field
 
 from dflashkit.errors import ConfigError
+from dflashkit.target.devices import resolve_device
 from dflashkit.validation import (
     AdamBetas,
     Bool,
@@ -327,7 +328,7 @@ class TrainConfig:
         """A line for a run on CPU that keeps the paper's GPU-sized batch geometry — `max_tokens` and `max_anchors`
         at their defaults, set neither by the config file nor by an override — where one step can take minutes;
         None when the run is on a GPU or both were chosen."""
-        on_cpu = self.drafter_device == "cpu" or (self.drafter_device == "auto" and not cuda_available)
+        on_cpu = resolve_device(self.drafter_device, cuda_available=cuda_available).type == "cpu"
         unset = [n for n in CPU_SIZED if n not in self.sources]
         if not on_cpu or not unset:
             return None

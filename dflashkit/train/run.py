@@ -29,6 +29,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
+from dflashkit.target.devices import resolve_device
 from dflashkit.train.distributed import DistContext, drop_reducer, read_env
 from dflashkit.train.dspark_loss import dspark_slot_weights
 from dflashkit.train.losses import decay_weights, draft_slot_weights
@@ -99,12 +100,6 @@ def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) ->
     # DSpark with a reduced draft vocabulary reads the log-sum-exp of the target's logits (formed here anyway)
     lse = capture_target_lse(drafter_config, target)
     return OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size), store_target_lse=lse)
-
-
-def _resolve_device(spec: str, local_rank: int) -> torch.device:
-    if spec == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(spec)
 
 
 def _check_same_drafter(saved: DrafterConfig, wanted: DrafterConfig, where: str) -> None:
@@ -228,7 +223,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     from dflashkit.target.model import Target
 
     cfg.validate()
-    device = _resolve_device(cfg.drafter_device, read_env()[2])
+    device = resolve_device(cfg.drafter_device, read_env()[2])
     dist = DistContext.from_env(use_cuda=device.type == "cuda")
     if cfg.fsdp and not dist.distributed:
         raise ConfigError(
