@@ -5,7 +5,8 @@
     dflashkit logs runs/a --out plots/          # loss.png, grad_norm.png, lr.png, tau.png, accuracy.png
 
 Reads train records (`"split": "train"`, the default when absent) and validation records (`"split": "val"`);
-every key is optional and runs with different metric sets are compared on what they share.
+every key is optional and runs with different metric sets are compared on what they share. A line whose `step` is
+not an integer is skipped, an `accuracy` that is not a list of numbers ignored (null is NaN), each with a note.
 Definitions (design lesson 8):
 - warmup ends at the step of the peak learning rate (the first 4% of records when no lr is logged).
 - grad-norm collapse: after warmup, the grad norm stays below 1e-3 × its early median (the median of the first
@@ -72,6 +73,8 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
     log = RunLog(name=name or (path.name if path.is_dir() else path.parent.name) or str(path), path=str(file))
     lines = file.read_text(errors="replace").splitlines()  # a non-UTF-8 byte spoils one value, not the file
     bad: list[int] = []
+    bad_step: list[int] = []
+    bad_accuracy: list[int] = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -82,9 +85,19 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
         except ValueError:
             bad.append(n)
             continue
+        if not _clean_step(rec):
+            bad_step.append(n)
+            continue
+        if not _clean_accuracy(rec):
+            bad_accuracy.append(n)
         rec = _normalise(rec)
         (log.val if rec.get("split") == "val" else log.train).append(rec)
     if not log.train and not log.val:
+        if bad_step and not bad:
+            raise DataError(
+                f"{file}: no metric records (line(s) {bad_step[:5]} have a step that is not an integer); expected "
+                f'"step": an integer (the optimizer step), as train writes'
+            )
         unread = f" (line(s) {bad[:5]} of {len(lines)} are not JSON objects)" if bad else " (the file is empty)"
         raise DataError(f"{file}: no metric records{unread}; expected one JSON object per line, as train writes")
     if bad and bad[-1] == len(lines):
@@ -92,7 +105,50 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
         bad = bad[:-1]
     if bad:
         log.notes.append(f"skipped {len(bad)} malformed line(s) in {file}: {bad[:5]}")
+    if bad_step:
+        log.notes.append(f"skipped {len(bad_step)} line(s) of {file} whose step is not an integer: {bad_step[:5]}")
+    if bad_accuracy:
+        log.notes.append(
+            f"ignored the accuracy of {len(bad_accuracy)} line(s) of {file} (expected a list of numbers, one per "
+            f"block slot): {bad_accuracy[:5]}"
+        )
     return log
+
+
+def _number(v: Any) -> float | None:
+    """A JSON metric value as a float (null → NaN), or None when it is not a number."""
+    if v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def _clean_step(rec: dict[str, Any]) -> bool:
+    """Make `step` an int in place (1.0 → 1); False when it is there but not an integer (a string, 1.5, null)."""
+    if "step" not in rec:
+        return True
+    v = _number(rec["step"])
+    if v is None or not math.isfinite(v) or not v.is_integer():
+        return False
+    rec["step"] = int(v)
+    return True
+
+
+def _clean_accuracy(rec: dict[str, Any]) -> bool:
+    """Per-slot accuracies as floats in place (null → NaN, `acc_slotNN` likewise); False (and `accuracy` dropped)
+    when `accuracy` is there but is not a list of numbers."""
+    for k in [k for k in rec if _ACC_KEY.match(k)]:
+        rec[k] = math.nan if _number(rec[k]) is None else _number(rec[k])
+    if "accuracy" not in rec:
+        return True
+    acc = rec["accuracy"]
+    values = [_number(a) for a in acc] if isinstance(acc, list) else [None]
+    if any(v is None for v in values):
+        del rec["accuracy"]
+        return False
+    rec["accuracy"] = values
+    return True
 
 
 def _normalise(rec: dict[str, Any]) -> dict[str, Any]:
@@ -331,7 +387,10 @@ def render(analyses: list[dict[str, Any]], comparison: dict[str, Any] | None) ->
             lines.append(f"  noise std   {n['first']:.3g} → {n['last']:.3g}")
         lines += ["  " + f.line() for f in a["findings"]]
     if comparison:
-        lines.append(f"Compared on {len(comparison['shared'])} shared metrics: {', '.join(comparison['shared'])}")
+        if len(analyses) > 1:
+            lines.append(f"Compared on {len(comparison['shared'])} shared metrics: {', '.join(comparison['shared'])}")
+        else:
+            lines.append(f"Metrics logged: {', '.join(comparison['shared'])}")
         for name, miss in comparison["missing"].items():
             lines.append(f"  {name} lacks {', '.join(miss)}")
         lines.append(f"Steps to reach accuracy {comparison['acc_threshold']} ({comparison['acc_on']}):")

@@ -165,3 +165,37 @@ def test_runs_with_different_metric_sets_are_compared(tmp_path, capsys):
     assert main(["logs", str(fast), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["runs"][0]["findings"][0]["status"] == "OK"
+
+
+def test_values_of_the_wrong_type_are_named_not_a_crash(tmp_path, capsys):
+    """A metrics file written by another tool (or by hand): a step that is not an integer skips its line, an accuracy
+    that is not a list of numbers is ignored, each with a note; text, JSON and plots still come out."""
+    f = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 1, "loss": 1.0, "accuracy": [0, 0.2, None], "lr": "x"},
+        {"step": "x", "loss": 0.9},
+        {"step": 3.0, "loss": 0.8, "accuracy": [0, "a", 0.3]},
+        {"step": 4, "loss": 0.7, "accuracy": {"slot1": 0.4}, "acc_slot01": "z"},
+        {"step": 5, "loss": 0.6, "accuracy": [0, 0.5, 0.4], "grad_norm": [1]},
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = read_run(f)
+    assert [r["step"] for r in log.train] == [1, 3, 4, 5]
+    assert math.isnan(log.train[0]["accuracy"][2]) and "accuracy" not in log.train[1]
+    assert log.notes == [
+        f"skipped 1 line(s) of {f} whose step is not an integer: [2]",
+        f"ignored the accuracy of 2 line(s) of {f} (expected a list of numbers, one per block slot): [3, 4]",
+    ]
+    assert log.series("lr") == ([], []) and log.series("loss")[0] == [1, 3, 4, 5]
+    # slot 1 reads 0.2 (step 1) and 0.5 (step 5), NaN and dropped values skipped: a centred mean of 0.35 at both
+    assert steps_to_accuracy(log, 0.3, slot=1) == 1 and steps_to_accuracy(log, 0.4, slot=1) is None
+    out_dir = tmp_path / "plots"
+    assert main(["logs", str(f), "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "whose step is not an integer: [2]" in out and "Metrics logged: " in out
+    assert (out_dir / "accuracy.png").is_file() and (out_dir / "loss.png").is_file()
+    assert main(["logs", str(f), "--json"]) == 0
+    json.loads(capsys.readouterr().out)
+    (tmp_path / "steps.jsonl").write_text('{"step": "x", "loss": 1.0}\n{"step": 1.5, "loss": 0.5}\n')
+    assert main(["logs", str(tmp_path / "steps.jsonl")]) == 2
+    assert '(line(s) [1, 2] have a step that is not an integer); expected "step": an integer' in capsys.readouterr().err
