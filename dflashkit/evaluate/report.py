@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import DataError
+from dflashkit.evaluate.results_schema import check_results
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
 PLOTS = ("acceptance_histogram.png", "survival.png", "per_position_acceptance.png", "comparison.png")
@@ -41,10 +42,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
         ) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), dict):
         raise DataError(f"{path}: expected an object with a 'results' field ({{drafter: {{method: stats}}}})")
-    for name, methods in doc["results"].items():
-        for method, st in methods.items() if isinstance(methods, dict) else [(None, None)]:
-            if not isinstance(st, dict) or "tau_micro" not in st or "histogram" not in st:
-                raise DataError(f"{path}: results.{name}.{method}: expected stats with 'tau_micro' and 'histogram'")
+    check_results(doc, str(path))  # every field the tables and plots read, with its type
     doc["_path"] = str(path)
     return doc
 
@@ -128,7 +126,7 @@ def _stage_table(doc: dict[str, Any]) -> str:
             "| (baseline) | ar | "
             + " | ".join(_f(per[s] * 1e3 if per.get(s) is not None else None, 3) for s in stages)
             + f" | {_f(ar['t_step_s'] * 1e3 if ar.get('t_step_s') else None, 3)} | "
-            f"{_f(ar['timings_s'].get('prefill'), 3)} |"
+            f"{_f((ar.get('timings_s') or {}).get('prefill'), 3)} |"
         )
     for name, methods in doc["results"].items():
         for method, st in methods.items():

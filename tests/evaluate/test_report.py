@@ -112,5 +112,43 @@ def test_bad_results_files(tmp_path):
     with pytest.raises(DataError, match="not valid JSON"):
         load_results(bad)
     bad.write_text(json.dumps({"results": {"a": {"chain": {"tau": 1}}}}))
-    with pytest.raises(DataError, match=r"results.a.chain: expected stats with 'tau_micro'"):
+    with pytest.raises(DataError, match=r"bad.json: results.a.chain.tau_micro: missing \(a required field\)"):
         load_results(bad)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda d: d["results"]["a"]["chain"].update(tau_micro="x"),
+            'results.a.chain.tau_micro = "x": expected a number',
+        ),
+        (lambda d: d["results"]["a"]["chain"].update(histogram=[0, "a"]), 'histogram[1] = "a": expected a number'),
+        (lambda d: d["results"]["a"]["chain"].update(histogram=[0, -2]), "histogram[1] = -2: expected a count ≥ 0"),
+        (lambda d: d["results"]["a"]["chain"].update(speedup_vs_ar=True), "speedup_vs_ar = true: expected a number"),
+        (lambda d: d["results"]["a"].update(chain=3), "results.a.chain = 3: expected an object"),
+        (lambda d: d.update(ar=5), "ar = 5: expected an object"),
+        (lambda d: d["results"]["a"]["chain"].update(per_position_acceptance=[0.5, "z"]), 'acceptance[1] = "z"'),
+        (lambda d: d["results"]["a"]["chain"].update(divergences=[{"index": 1}]), "divergences[0].ar_token: missing"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_named_with_its_path(tmp_path, change, message):
+    """A hand-edited or merged results.json: the first field the report cannot read, by its path in the JSON, before
+    any table or plot is drawn (these were tracebacks from the plot and table code)."""
+    doc = fake_results()
+    change(doc)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(DataError) as e:
+        render(path)
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_fields_the_report_does_not_read_may_hold_anything(tmp_path):
+    doc = fake_results()
+    doc["results"]["a"]["chain"].update(budget="x", something={"nested": [1, "a"]}, tok_s=None, tau_macro=float("nan"))
+    doc["extra"] = "kept"
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    assert "| a | chain (B=x) |" in render(path)
