@@ -108,6 +108,8 @@ _GENERIC = {
     "string_type": "a string",
     "list_type": "a list",
     "dict_type": "a mapping",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
     "missing": "a value (required)",
 }
 
@@ -120,6 +122,10 @@ def _phrase(error: dict[str, Any], expect: str | None) -> str:
         return f"expected {expect}"
     if error["type"] in _GENERIC:
         return f"expected {_GENERIC[error['type']]}"
+    bound = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"), "less_than_equal": ("le", "≤")}
+    if error["type"] in bound:
+        key, sign = bound[error["type"]]
+        return f"expected a number {sign} {error.get('ctx', {}).get(key):g}"
     return "expected " + re.sub(r"^Input should be ", "", error["msg"])
 
 
@@ -135,6 +141,38 @@ def problem(t: Any, value: Any) -> str | None:
 @functools.cache
 def _adapter(t: Any) -> TypeAdapter:
     return TypeAdapter(t)
+
+
+# ---------------------------------------------------------------------------------------------- JSON documents
+def json_problem(model: Any, doc: Any) -> str | None:
+    """Why a parsed JSON document does not fit `model` (a strict pydantic model of the fields a reader uses), as
+    'runs.a.chain.n_tokens = "x": expected an integer' — the first wrong field by its path in the document — or
+    None when it fits. Fields the model does not declare may hold anything."""
+    try:
+        model.model_validate(doc, strict=True)
+    except ValidationError as e:
+        error = max(e.errors(), key=lambda err: len(err["loc"]))  # a union repeats the value per member: go deepest
+        if error["type"] == "missing":
+            where, _ = _locate(doc, error["loc"][:-1])
+            return f"{where + '.' if where else ''}{error['loc'][-1]}: missing (a required field)"
+        where, value = _locate(doc, error["loc"])
+        return f"{where or 'the document'} = {show(value)}: {_phrase(error, None)}"
+    return None
+
+
+def _locate(doc: Any, loc: tuple[Any, ...]) -> tuple[str, Any]:
+    """The dotted path of a pydantic error location as far as it names keys and indices of `doc` (a union's member
+    tags are not keys: dropped), and the value found there."""
+    where, node = "", doc
+    for key in loc:
+        if isinstance(node, dict) and key in node:
+            where += f".{key}" if where else str(key)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            where += f"[{key}]"
+        else:
+            continue
+        node = node[key]
+    return where, node
 
 
 # ---------------------------------------------------------------------------------------------- dataclass fields
@@ -363,6 +401,7 @@ __all__ = [
     "finite",
     "flag",
     "int_list",
+    "json_problem",
     "load_yaml",
     "memory_available",
     "optional",

@@ -21,6 +21,7 @@ from dflashkit.validation import (
     choice,
     flag,
     int_list,
+    json_problem,
     load_yaml,
     optional,
     parse_yaml_value,
@@ -106,3 +107,25 @@ def test_flags_parse_and_check_with_the_same_types():
         ids("1,-2")
     with pytest.raises(argparse.ArgumentTypeError, match="at least one"):
         ids(",")
+
+
+def test_json_problem_names_the_first_wrong_field_by_its_path():
+    from pydantic import BaseModel, ConfigDict
+
+    class Inner(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        n: int
+        xs: list[float] | None = None
+
+    class Doc(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        runs: dict[str, Inner]
+        note: str | None = None
+
+    assert json_problem(Doc, {"runs": {"a": {"n": 1, "xs": [0.5, 2]}}, "other": [1]}) is None  # ints are numbers
+    assert json_problem(Doc, {"runs": {"a": {"n": "1"}}}) == 'runs.a.n = "1": expected an integer'  # strict
+    assert json_problem(Doc, {"runs": {"a": {"n": True}}}) == "runs.a.n = true: expected an integer"
+    assert json_problem(Doc, {"runs": {"a": {"n": 1, "xs": [0.5, "z"]}}}) == 'runs.a.xs[1] = "z": expected a number'
+    assert json_problem(Doc, {"runs": {"a": {}}}) == "runs.a.n: missing (a required field)"
+    assert json_problem(Doc, {}) == "runs: missing (a required field)"
+    assert json_problem(Doc, [1]) == "the document = [1]: expected an object"

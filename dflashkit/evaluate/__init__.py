@@ -15,5 +15,6 @@ Modules and their public functions:
   simulate.py     `simulate_many`, `replay`: teacher-forced τ from those transcripts, no target forward
   stats.py        `load_prompts`, `parse_methods`, `acceptance_stats` (τ micro/macro, histogram, survival)
   report.py       `render(results.json)`, `compare([...])`
-  results_schema.py `check_results(doc, path)`: every field the report reads, with its type (one-line errors)
+  file_schemas.py `check_results(doc, path)`, `progress_problem(record)`: every field of results.json and of a
+                  progress record that a reader uses, with its type (one-line errors naming the field's path)
 """

@@ -39,6 +39,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
 from dflashkit.evaluate.budget_choice import BudgetChoice, choose_tree_budget
+from dflashkit.evaluate.file_schemas import progress_problem
 from dflashkit.evaluate.stats import (
     Method,
     Prompt,
@@ -405,8 +406,13 @@ def read_progress(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
             rec = json.loads(line)
             if not isinstance(rec, dict) or not {"key", "id", "prompt_sha", "ar", "runs"} <= set(rec):
                 raise ValueError("expected an object with key, id, prompt_sha, ar and runs")
+            why = progress_problem(rec)
+            if why:
+                raise ValueError(why)
         except ValueError as e:
-            raise DataError(f"{path}:{lineno}: damaged progress record ({e}); delete the file to start over") from None
+            raise DataError(
+                f"{path}:{lineno}: damaged progress record ({e}); delete that line (its prompt runs again) or the file"
+            ) from None
         out.append(rec)
     if repair and tail:
         with open(path, "r+b") as f:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import DataError
-from dflashkit.evaluate.results_schema import check_results
+from dflashkit.evaluate.file_schemas import check_results
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
 PLOTS = ("acceptance_histogram.png", "survival.png", "per_position_acceptance.png", "comparison.png")

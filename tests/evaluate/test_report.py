@@ -124,7 +124,7 @@ def test_bad_results_files(tmp_path):
             'results.a.chain.tau_micro = "x": expected a number',
         ),
         (lambda d: d["results"]["a"]["chain"].update(histogram=[0, "a"]), 'histogram[1] = "a": expected a number'),
-        (lambda d: d["results"]["a"]["chain"].update(histogram=[0, -2]), "histogram[1] = -2: expected a count ≥ 0"),
+        (lambda d: d["results"]["a"]["chain"].update(histogram=[0, -2]), "histogram[1] = -2: expected a number ≥ 0"),
         (lambda d: d["results"]["a"]["chain"].update(speedup_vs_ar=True), "speedup_vs_ar = true: expected a number"),
         (lambda d: d["results"]["a"].update(chain=3), "results.a.chain = 3: expected an object"),
         (lambda d: d.update(ar=5), "ar = 5: expected an object"),

@@ -1,0 +1,153 @@
+"""The files an evaluation reads back, declared: results.json (`report`) and progress.jsonl records (a resumed `eval`).
+
+    check_results(doc, "runs/eval/results.json")  # DataError: "…: results.d.chain.tau_micro = "x": expected a number"
+    progress_problem(record)                      # 'runs.d.chain.n_tokens = "many": expected an integer' or None
+
+`dflashkit eval` and `dflashkit simulate` write these files; users also hand-edit results.json, merge several, or write
+them from other tools, and a progress file can be damaged. Each field a reader uses is declared here (pydantic,
+strict: a string is not a number, true is not a count; null where the report shows "—"); fields no reader uses may
+hold anything. A file that does not fit stops with one line naming the file, the field's path in the JSON and what
+was expected (`dflashkit.validation.json_problem`) — never a traceback from deep inside the table, plot or
+statistics code.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflashkit.errors import DataError
+from dflashkit.validation import json_problem
+
+# ---------------------------------------------------------------------------------------------- results.json
+Number = float | None  # null: not measured (shown as "—")
+Count = Annotated[float, Field(ge=0)]
+
+
+class _Read(BaseModel):
+    """The fields a reader uses; others are left alone. Fields without a default are required."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Divergence(_Read):
+    index: int
+    ar_token: int
+    spec_token: int
+    margin: float
+    verdict: str
+
+
+class _BudgetRow(_Read):
+    budget: int
+    tau: float
+    round_ms: float
+    tokens_per_s: float
+
+
+class _BudgetChoice(_Read):
+    budget: int
+    rows: list[_BudgetRow]
+    prompts: list[str] | None = None
+
+
+class _Prefill(_Read):
+    prefill: Number = None
+
+
+class _Stats(_Read):
+    tau_micro: Number  # null when no round was decoded
+    histogram: list[Count]  # rounds with acceptance length L = 0, 1, 2, …
+    rounds: int | None = None
+    tau_macro: Number = None
+    tok_s: Number = None
+    speedup_vs_ar: Number = None
+    predicted_speedup: Number = None
+    efficiency: Number = None
+    full_block_fraction: Number = None
+    zero_accept_fraction: Number = None
+    greedy_equal_fraction: Number = None
+    round_s: Number = None
+    survival: list[Number] | None = None
+    per_position_acceptance: list[Number] | None = None
+    timings_per_round_s: dict[str, Number] | None = None
+    timings_s: _Prefill | None = None
+    divergences: list[_Divergence] | None = None
+    budget_choice: _BudgetChoice | None = None
+
+
+class _AR(_Read):
+    tok_s: Number = None
+    t_step_s: Number = None
+    timings_per_round_s: dict[str, Number] | None = None
+    timings_s: _Prefill | None = None
+
+
+class _Sampling(_Read):
+    temperature: float | None = None
+
+
+class _Settings(_Read):
+    sampling: _Sampling | None = None
+
+
+class _Dataset(_Read):
+    skipped: list[Any] | dict[str, Any] | None = None
+
+
+class _DrafterInfo(_Read):
+    parameters: int = 0
+
+
+class _Results(_Read):
+    results: dict[str, dict[str, _Stats]]  # {drafter: {method: stats}}
+    ar: _AR | None = None
+    settings: _Settings | None = None
+    dataset: _Dataset | None = None
+    target: dict[str, Any] | None = None
+    drafters: dict[str, _DrafterInfo] | None = None
+    notes: list[Any] | None = None
+    kind: str | None = None
+
+
+def check_results(doc: Any, path: str) -> None:
+    """Raise DataError naming `path`, the first field of `doc` that the report cannot read, and what it expects."""
+    why = json_problem(_Results, doc)
+    if why:
+        raise DataError(f"{path}: {why}")
+
+
+# ---------------------------------------------------------------------------------------------- progress.jsonl
+class _Run(_Read):
+    """One prompt × method as `aggregate.run_record` keeps it (+ the greedy triage of a speculative method)."""
+
+    n_tokens: Annotated[int, Field(ge=0)]
+    acceptance_lengths: list[Annotated[int, Field(ge=1)]]  # tokens committed per round (the bonus included)
+    wall_s: float
+    timings: dict[str, float]
+    divergence: _Divergence | None = None
+    greedy_equal: bool | None = None
+
+
+class _HFRun(_Read):
+    n_tokens: Annotated[int, Field(ge=0)]
+    wall_s: float
+    equal_to_ar: bool
+
+
+class _ProgressRecord(_Read):
+    key: str
+    id: str
+    prompt_sha: str
+    ar: _Run
+    runs: dict[str, dict[str, _Run]]  # {drafter: {method: run}}
+    hf: _HFRun | None = None
+
+
+def progress_problem(record: Any) -> str | None:
+    """Why one progress.jsonl record cannot be resumed from ("runs.d.chain.n_tokens = …: expected …"), or None."""
+    return json_problem(_ProgressRecord, record)
+
+
+__all__ = ["check_results", "progress_problem"]
