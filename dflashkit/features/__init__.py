@@ -10,6 +10,8 @@ Modules and their public functions:
   captured.py  `CapturedFeatures(dir)[i]`: read it back (checked against the target and the drafter's layers)
   online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
   manifest.py  `Manifest.load(dir)`, `target_fingerprint`, `bytes_per_token`, `plan_shards`, `format_bytes`
+  manifest_schema.py `manifest_problem(raw)`: a manifest's fields, plain shard names inside the directory, and
+               shards that tile the samples, checked before any shard is read or written
   shards.py    `shard_problem(path, entry)`: a shard on disk checked against its manifest entry
   rank_shards.py  capture over torchrun ranks: `owned_by`, `record_finished`, `fold_rank_records` (one manifest)
 """

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflashkit.errors import DataError
+from dflashkit.features.manifest_schema import manifest_problem
 from dflashkit.io_utils import atomic_write_text
 
 if TYPE_CHECKING:
@@ -172,12 +173,11 @@ class Manifest:
                 raise DataError(
                     f"{path}: format_version {version!r}, expected {FORMAT_VERSION}; recapture it with this dflashkit"
                 )
+            why = manifest_problem(raw)
+            if why:
+                raise DataError(f"{path}: malformed manifest ({why}); {what}")
             topk = raw.get("store_topk", 0)  # absent in manifests written before the option
-            if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
-                raise TypeError(f"'store_topk' = {topk!r}")
             lse = raw.get("store_target_lse", False)  # absent in manifests written before the option
-            if not isinstance(lse, bool):
-                raise TypeError(f"'store_target_lse' = {lse!r}")
             return cls(
                 **{
                     k: raw[k]

@@ -149,15 +149,15 @@ def test_features_from_wrong_layers(tmp_path, target):
     feats = tmp_path / "features"
     feats.mkdir()
     Manifest(
-        target={"fingerprint": target_fingerprint(target), "source": "tiny"},
+        target={"fingerprint": target_fingerprint(target), "source": "tiny", "hidden_size": 64},
         layer_ids=[0, 2, 4, 6, 7],
         dtype="fp32",
         store_target_tokens=False,
         shard_max_tokens=1,
         samples_sha256="",
         tokens_file=None,
-        shards=[],
-        samples=[],
+        shards=[{"first": 0, "count": 1, "tokens": 1, "file": "shard-00000.safetensors", "done": False, "bytes": 0}],
+        samples=[{"id": "s0", "shard": 0, "length": 1, "supervised": 1}],
     ).save(feats)
     report = run_doctor(
         target, write_checkpoint(tmp_path / "ok", small_config()), prompts=1, max_new_tokens=4, features=feats
