@@ -15,6 +15,7 @@ Modules and their public functions:
   simulate.py     `simulate_many`, `replay`: teacher-forced τ from those transcripts, no target forward
   stats.py        `load_prompts`, `parse_methods`, `acceptance_stats` (τ micro/macro, histogram, survival)
   report.py       `render(results.json)`, `compare([...])`
-  file_schemas.py `check_results(doc, path)`, `progress_problem(record)`: every field of results.json and of a
-                  progress record that a reader uses, with its type (one-line errors naming the field's path)
+  file_schemas.py `check_results`, `progress_problem`, `budget_choice_problem`, `transcripts_problem`: every
+                  field a reader uses of results.json, progress records, budget_choice.json and a transcript
+                  cache's manifest, with its type (one-line errors naming the field's path)
 """

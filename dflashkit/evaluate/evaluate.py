@@ -39,7 +39,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
 from dflashkit.evaluate.budget_choice import BudgetChoice, choose_tree_budget
-from dflashkit.evaluate.file_schemas import progress_problem
+from dflashkit.evaluate.file_schemas import budget_choice_problem, progress_problem
 from dflashkit.evaluate.stats import (
     Method,
     Prompt,
@@ -311,7 +311,8 @@ def _auto_budgets(
         try:
             doc = json.loads(path.read_text())
             kept = doc["drafters"] if doc.get("key") == key else {}
-        except (ValueError, KeyError, TypeError):
+            kept = {name: e for name, e in kept.items() if budget_choice_problem(e) is None}  # damaged: measured again
+        except (ValueError, KeyError, TypeError, AttributeError):
             kept = {}  # damaged: measured again
     choices = {}
     for name, d in session.drafters.items():

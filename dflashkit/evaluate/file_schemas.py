@@ -1,7 +1,10 @@
-"""The files an evaluation reads back, declared: results.json (`report`) and progress.jsonl records (a resumed `eval`).
+"""The files an evaluation reads back, declared: results.json (`report`), progress.jsonl records and
+budget_choice.json (a resumed `eval`), a transcript cache's manifest.json (`simulate`).
 
     check_results(doc, "runs/eval/results.json")  # DataError: "…: results.d.chain.tau_micro = "x": expected a number"
     progress_problem(record)                      # 'runs.d.chain.n_tokens = "many": expected an integer' or None
+    budget_choice_problem(entry)                  # a kept ddtree:auto choice that cannot be reused (then: measured)
+    transcripts_problem(manifest)                 # 'prompts[3].file = "../x": expected a file name …' or None
 
 `dflashkit eval` and `dflashkit simulate` write these files; users also hand-edit results.json, merge several, or write
 them from other tools, and a progress file can be damaged. Each field a reader uses is declared here (pydantic,
@@ -150,4 +153,43 @@ def progress_problem(record: Any) -> str | None:
     return json_problem(_ProgressRecord, record)
 
 
-__all__ = ["check_results", "progress_problem"]
+def budget_choice_problem(entry: Any) -> str | None:
+    """Why a drafter's entry of budget_choice.json cannot be reused (it is measured again then), or None."""
+    return json_problem(_BudgetChoice, entry)
+
+
+# ---------------------------------------------------------------------------------------------- transcript cache
+PlainName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")]  # a file in the cache dir
+
+
+class _Transcript(_Read):
+    id: str
+    file: PlainName
+    prompt_len: Annotated[int, Field(ge=0)]
+    num_tokens: Annotated[int, Field(ge=0)]
+    prompt_sha: str
+    stop_reason: str | None = None
+
+
+class _TranscriptTarget(_Read):
+    hidden_size: Annotated[int, Field(ge=1)]
+    fingerprint: str | None = None
+
+
+class _Transcripts(_Read):
+    target: _TranscriptTarget
+    layer_ids: list[Annotated[int, Field(ge=0)]]
+    max_new_tokens: Annotated[int, Field(ge=1)]
+    stop_token_ids: list[int]
+    prompts: list[_Transcript]
+
+
+def transcripts_problem(manifest: Any) -> str | None:
+    """Why a transcript cache's manifest.json cannot be read (the first wrong field by its path), or None."""
+    why = json_problem(_Transcripts, manifest)
+    if why and ".file = " in why:
+        return why.split(": expected")[0] + ": expected a file name in the cache directory (pNNNNN.safetensors)"
+    return why
+
+
+__all__ = ["budget_choice_problem", "check_results", "progress_problem", "transcripts_problem"]

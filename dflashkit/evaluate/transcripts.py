@@ -25,6 +25,7 @@ from torch import Tensor
 from dflashkit.decode.generate import generate
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DataError, TargetError
+from dflashkit.evaluate.file_schemas import transcripts_problem
 from dflashkit.evaluate.stats import Prompt, prompt_sha, target_info
 from dflashkit.io_utils import atomic_path, atomic_write_text
 from dflashkit.target.model import Target
@@ -81,6 +82,9 @@ class TranscriptCache:
                 f"{mpath}: transcript cache version {m.get('version')}, this dflashkit reads {VERSION}; "
                 f"delete {self.path} to rebuild it"
             )
+        why = transcripts_problem(m)
+        if why:
+            raise DataError(f"{mpath}: damaged transcript manifest ({why}); delete {self.path} to rebuild it")
         self.manifest: dict[str, Any] = m
 
     @property

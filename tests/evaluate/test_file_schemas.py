@@ -11,7 +11,12 @@ import pytest
 from dflashkit.errors import DataError
 from dflashkit.evaluate.aggregate import run_record
 from dflashkit.evaluate.evaluate import read_progress
-from dflashkit.evaluate.file_schemas import check_results, progress_problem
+from dflashkit.evaluate.file_schemas import (
+    budget_choice_problem,
+    check_results,
+    progress_problem,
+    transcripts_problem,
+)
 
 
 def record(prompt_id: str = "p1") -> dict:
@@ -77,3 +82,51 @@ def test_results_may_hold_null_where_nothing_was_measured():
     check_results({"results": {"d": {"chain": {"tau_micro": None, "histogram": [0, 0]}}}}, "r.json")
     with pytest.raises(DataError, match=r"^r.json: results.d.chain.tau_micro: missing \(a required field\)$"):
         check_results({"results": {"d": {"chain": {"histogram": [0, 0]}}}}, "r.json")
+
+
+@pytest.fixture(scope="module")
+def transcripts(tiny_llama_dir, tmp_path_factory):
+    """A transcript cache as `simulate --cache` builds it: 2 prompts of the tiny Llama."""
+    from dflashkit.evaluate.stats import Prompt
+    from dflashkit.evaluate.transcripts import build_transcripts
+    from dflashkit.target.model import Target
+
+    out = tmp_path_factory.mktemp("transcripts")
+    prompts = [Prompt("a", [5, 6, 7, 8]), Prompt("b", [9, 8, 7])]
+    build_transcripts(Target.load(tiny_llama_dir), prompts, out, max_new_tokens=6, layer_ids=[1, 3], progress=False)
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda m: m["prompts"][1].update(file="../tokens.jsonl"),
+            'prompts[1].file = "../tokens.jsonl": expected a file',
+        ),
+        (lambda m: m["prompts"][1].update(num_tokens="6"), 'prompts[1].num_tokens = "6": expected an integer'),
+        (lambda m: m.update(layer_ids=["1"]), 'layer_ids[0] = "1": expected an integer'),
+        (lambda m: m.update(max_new_tokens=None), "max_new_tokens = null: expected an integer"),
+        (lambda m: m["target"].pop("hidden_size"), "target.hidden_size: missing (a required field)"),
+    ],
+)
+def test_a_damaged_transcript_manifest_is_named_by_field(transcripts, tmp_path, change, message):
+    from dflashkit.evaluate.transcripts import TranscriptCache
+
+    manifest = json.loads((transcripts / "manifest.json").read_text())
+    assert transcripts_problem(manifest) is None  # as build_transcripts writes it
+    change(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError) as e:
+        TranscriptCache(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'manifest.json'}: damaged transcript manifest (")
+    assert message in str(e.value) and str(e.value).endswith(f"delete {tmp_path} to rebuild it")
+
+
+def test_a_kept_budget_choice_is_reused_only_when_it_reads_as_one():
+    from dflashkit.evaluate.budget_choice import BudgetChoice
+
+    kept = BudgetChoice(3, [{"budget": 3, "tau": 1.4, "round_ms": 50.0, "tokens_per_s": 28.0}], ["p1"], 12).as_dict()
+    assert budget_choice_problem(kept) is None
+    assert budget_choice_problem(dict(kept, budget="x")) == 'budget = "x": expected an integer'
+    assert budget_choice_problem(dict(kept, rows=[{"budget": 3}])).startswith("rows[0].tau: missing")
