@@ -91,15 +91,30 @@ def checkpoint_name(step: int) -> str:
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The checkpoint named by `out/latest`, or None for a fresh run directory."""
+    """The checkpoint named by `out/latest`, or None for a fresh run directory. CheckpointError when `latest` names
+    no checkpoint, or when it is missing but checkpoints are there (a run killed between saving its first checkpoint
+    and naming it, or a removed pointer): a fresh run would keep those stale files as its own steps."""
     out = Path(out_dir)
     pointer = out / LATEST_NAME
+    saved = sorted(p for p in (out / "checkpoints").glob("step-*") if (p / STATE_NAME).is_file())
+    fresh = f"use a new `out` directory (or remove {pointer} and {out / 'checkpoints'}) to start over"
     if not pointer.is_file():
+        if saved:
+            raise CheckpointError(
+                f"{out / 'checkpoints'} holds saved checkpoints (newest {saved[-1].name}) but {pointer}, which names "
+                f"the one to resume, is missing: write {saved[-1].relative_to(out)} into {pointer} to resume from it, "
+                f"or {fresh}"
+            )
         return None
-    rel = pointer.read_text().strip()
+    rel = pointer.read_text(errors="replace").strip()
     path = out / rel
     if not (path / STATE_NAME).is_file():
-        raise CheckpointError(f"{pointer} names {rel}, which has no {STATE_NAME}; remove {pointer} to start over")
+        newest = (
+            f"the newest saved checkpoint here is {saved[-1].relative_to(out)}: write that into {pointer} to resume "
+        )
+        raise CheckpointError(
+            f"{pointer} names {rel!r}, which has no {STATE_NAME}; " + (f"{newest}from it, or " if saved else "") + fresh
+        )
     return path
 
 

@@ -163,3 +163,32 @@ def test_cli_sigint_from_background_saves_and_exits_130(tmp_path: Path, tiny_lla
         proc.wait()
     assert proc.returncode == 130, text[-2000:]
     assert "interrupted at step" in text and latest_checkpoint(out) is not None
+
+
+def test_a_run_directory_whose_latest_pointer_is_lost_is_not_restarted_over_its_checkpoints(
+    tmp_path: Path, target: Target, samples: list[Sample]
+) -> None:
+    """`latest` missing while checkpoints are there (a run killed between saving its first checkpoint and naming it,
+    or a removed pointer): a fresh run would keep those files as its own steps ("same step twice: keep the first"),
+    so it is refused, naming the newest checkpoint to resume from; a `latest` naming nothing says the same."""
+    from dflashkit.errors import CheckpointError
+
+    train(cfg_for(tmp_path, save_every=2, max_steps=4), dataset=samples, target=target)
+    pointer = tmp_path / "latest"
+    pointer.unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds saved checkpoints \(newest step-000004\) but .*latest.* missing: "
+        r"write checkpoints/step-000004 into .*latest to resume from it, or use a new `out`",
+    ):
+        train(cfg_for(tmp_path, save_every=2, max_steps=6), dataset=samples, target=target)
+    pointer.write_text("checkpoints/step-000009\n")
+    with pytest.raises(
+        CheckpointError,
+        match=r"names 'checkpoints/step-000009', which has no train_state.pt; the "
+        r"newest saved checkpoint here is checkpoints/step-000004",
+    ):
+        latest_checkpoint(tmp_path)
+    pointer.write_text("checkpoints/step-000004\n")  # the fix the message gives: resumes
+    assert train(cfg_for(tmp_path, save_every=2, max_steps=6), dataset=samples, target=target) is not None
+    assert latest_checkpoint(tmp_path).name == "step-000006"
