@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,7 +84,8 @@ def read_choices(
 ) -> dict[str, dict[str, object]]:
     """The entries of the store at `path` that may be used as they are: each timed with every candidate `names(key)`
     gives (one stored before a candidate joined is timed again, with it), choosing one of them, and `fresh`. A
-    missing or damaged file gives none: it is measured again, never trusted."""
+    missing or damaged file gives none, a damaged entry (a key not of the shape-key form, a timing that is not a
+    number) is dropped: measured again, never trusted."""
     if path is None or not path.is_file():
         return {}
     try:
@@ -91,13 +94,22 @@ def read_choices(
         return {
             key: entry
             for key, entry in choices.items()
-            if isinstance(entry, dict)
-            and all(f"{n}_ms" in entry for n in names(key))
+            if _KEY.match(key)
+            and isinstance(entry, dict)
+            and all(f"{n}_ms" in entry and _timing(entry[f"{n}_ms"]) for n in names(key))
             and entry.get("choice") in names(key)
             and fresh(entry, now, max_age)
         }
     except (OSError, ValueError, AttributeError):
         return {}
+
+
+_KEY = re.compile(r"^\d+x[^:]+:\w+(:b)?$")  # ROWSx…:dtype[:b], as products.shape_key and pass groups write them
+
+
+def _timing(ms: object) -> bool:
+    """A stored timing: milliseconds, or null for a candidate that failed on this shape."""
+    return ms is None or (isinstance(ms, int | float) and not isinstance(ms, bool) and math.isfinite(ms) and ms >= 0)
 
 
 def write_choices(path: Path | None, choices: dict[str, dict[str, object]]) -> None:

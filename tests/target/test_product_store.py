@@ -107,11 +107,15 @@ def test_entries_without_a_time_from_the_future_or_damaged_are_timed_again(tmp_p
         "6x8x8:float32": {k: v for k, v in good.items() if k != "few_rows_ms"},  # a candidate not timed
         "7x8x8:float32": {**good, "choice": "gone"},  # a candidate this build lacks
         "8x8x8:float32": "few_rows",  # not an entry
+        "9x8x8:float32": {**good, "stock_ms": "x"},  # a timing that is not a number
+        "10x8x8:float32": {**good, "few_rows_ms": -1.0},  # … or negative
+        "11x8x8:float32:b": {**good, "stock_ms": None},  # a candidate that failed on this shape: kept
+        "abc": good,  # not a shape key (`dflashkit info` read its row count from the key)
     }
     store = tmp_path / "c.json"
     store.write_text(json.dumps({"machine": {}, "choices": choices}))
     got = read_choices(store, names, now=T0, max_age=7 * DAY)
-    assert sorted(got) == ["1x8x8:float32", "5x8x8:float32"]
+    assert sorted(got) == ["11x8x8:float32:b", "1x8x8:float32", "5x8x8:float32"]
     assert fresh({"measured_at": T0 + DAY}, T0, 7 * DAY)  # a clock set back a little: still within the limit
     store.write_text('{"choices": [1, 2]}')
     assert read_choices(store, names, now=T0, max_age=7 * DAY) == {}
