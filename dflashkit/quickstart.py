@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict
+
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
 from dflashkit.quickstart_eval import stage_budget, stage_eval
@@ -41,6 +43,7 @@ from dflashkit.validation import (
     Text,
     check_fields,
     choice,
+    json_problem,
 )
 
 # A DSpark drafter at the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1
@@ -132,9 +135,32 @@ def _state_path(out: Path) -> Path:
     return out / "quickstart.json"
 
 
+class _State(BaseModel):
+    """What a re-run reads of quickstart.json: the finished stages' records and the measured rates."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    done: dict[str, dict[str, Any]]
+    rates: dict[str, Any] | None = None
+
+
 def _load_state(out: Path) -> dict[str, Any]:
+    """quickstart.json of an earlier run (what is done), or a fresh state; DataError when it is damaged."""
+    from dflashkit.errors import DataError
+
     p = _state_path(out)
-    return json.loads(p.read_text()) if p.is_file() else {"done": {}}
+    if not p.is_file():
+        return {"done": {}}
+    try:
+        state = json.loads(p.read_text())
+        why = json_problem(_State, state)
+    except (ValueError, UnicodeDecodeError) as e:
+        why = f"not valid JSON: {e}"
+    if why:
+        raise DataError(
+            f"{p}: damaged quickstart state ({why}); delete it and re-run: the rates are measured again and each "
+            f"stage continues from its own files"
+        )
+    return state
 
 
 def _save_state(out: Path, state: dict[str, Any]) -> None:

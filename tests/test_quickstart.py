@@ -273,3 +273,24 @@ def check_curve_on(base, tmp_path, capsys):
     assert (out / "curve.png").stat().st_size > 1000 and "| 0.5 |" in (out / "curve.md").read_text()
     assert curve.main(args) == 0  # resumable: both points are on record, nothing is retrained
     assert len(curve.read_points(out / "curve.jsonl")) == 2
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("{garbage", "not valid JSON: Expecting property name"),
+        ("[1]", "the document = [1]: expected an object"),
+        ('{"done": 3}', "done = 3: expected a mapping"),
+        ('{"done": {"train": 5}}', "done.train = 5: expected a mapping"),
+    ],
+)
+def test_a_damaged_state_file_is_named_before_anything_runs(tmp_path, capsys, text, why):
+    """quickstart.json is what a re-run reads to skip finished stages: damaged, it is one line (and the way out), not a
+    traceback — and the target is never loaded for it."""
+    from dflashkit.cli import main
+
+    (tmp_path / "quickstart.json").write_text(text)
+    assert main(["quickstart", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'quickstart.json'}: damaged quickstart state ({why}" in err
+    assert "delete it and re-run: the rates are measured again and each stage continues from its own files" in err
