@@ -37,9 +37,10 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from dflashkit.data.conversations import Conversation, end_of_turn_ids
@@ -48,6 +49,7 @@ from dflashkit.data.turns import TurnState
 from dflashkit.errors import DataError
 from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target, TargetText
+from dflashkit.validation import json_problem
 
 
 @dataclass
@@ -73,6 +75,24 @@ class RegenStats:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str
+    content: str
+
+
+class _Record(BaseModel):
+    """The fields of a regeneration record that resuming and tokenising read."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | int
+    messages: list[_Message]
+    response_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    turn_token_ids: list[list[Annotated[int, Field(ge=0)]]] | None = None
+    finished: bool | None = None
+    generation: dict[str, Any] | None = None
+
+
 def read_regenerated(path: str | Path, *, repair: bool = False) -> list[dict[str, Any]]:
     """Records of a regeneration file. A last line without its newline (cut by a kill mid-write) is ignored, and
     removed from the file when `repair`; a damaged complete line raises DataError naming file:line."""
@@ -89,6 +109,9 @@ def read_regenerated(path: str | Path, *, repair: bool = False) -> list[dict[str
             rec = json.loads(raw)
             if not isinstance(rec, dict) or "id" not in rec or "messages" not in rec:
                 raise ValueError("expected an object with 'id' and 'messages'")
+            why = json_problem(_Record, rec)
+            if why:
+                raise ValueError(why)
         except ValueError as e:
             raise DataError(
                 f"{path}:{lineno}: damaged regeneration record ({e}); delete the line or the file to regenerate it"

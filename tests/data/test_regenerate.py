@@ -4,6 +4,7 @@ and `dflashkit prepare` end to end."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -96,6 +97,17 @@ def test_resume_after_kill(tiny, tmp_path):
     bad.write_text(lines[0] + "{oops\n" + lines[1])
     with pytest.raises(DataError, match=r"bad.jsonl:2: damaged"):
         read_regenerated(bad)
+    # … and so is a line whose fields are of the wrong type, named by its path (tokenising it would crash later)
+    for change, why in (
+        (lambda r: r.update(response_token_ids=[1, "x"]), 'response_token_ids[1] = "x": expected an integer'),
+        (lambda r: r["messages"][0].update(content=None), "messages[0].content = null: expected a string"),
+        (lambda r: r.update(turn_token_ids=[[1, -2]]), "turn_token_ids[0][1] = -2: expected a number ≥ 0"),
+    ):
+        rec = json.loads(lines[1])
+        change(rec)
+        bad.write_text(lines[0] + json.dumps(rec) + "\n")
+        with pytest.raises(DataError, match=rf"bad.jsonl:2: damaged regeneration record \({re.escape(why)}\)"):
+            read_regenerated(bad)
 
 
 def test_prepare_end_to_end(tiny_dir, tmp_path, capsys):
