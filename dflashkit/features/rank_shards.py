@@ -44,10 +44,15 @@ def fold_rank_records(out_dir: Path, manifest: Manifest, *, verify: str, log: Ca
     for path in sorted(out_dir.glob(RANK_RECORD.replace("{:05d}", "*"))):
         try:
             rows: dict[str, Any] = json.loads(path.read_text())["shards"]
+            if not isinstance(rows, dict):
+                raise TypeError
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             log(f"capture: {path.name} is damaged; its shards are captured again")
             rows = {}
         for key, row in rows.items():
+            if not _readable(key, row):
+                log(f"capture: {path.name} has a damaged entry for shard {key!r}; it is captured again")
+                continue
             j = int(key)
             if not 0 <= j < len(manifest.shards) or manifest.shards[j]["file"] != row.get("file"):
                 continue  # another plan (cannot happen after the resume checks; never trusted)
@@ -61,6 +66,20 @@ def fold_rank_records(out_dir: Path, manifest: Manifest, *, verify: str, log: Ca
             manifest.shards[j].update(done=True, bytes=sh["bytes"], sha256=sh["sha256"])
         path.unlink()
     return taken
+
+
+def _readable(key: str, row: Any) -> bool:
+    """A rank record's entry as `record_finished` writes it: a shard index, its file name, size and sha256."""
+    size = row.get("bytes") if isinstance(row, dict) else None
+    return (
+        key.isdigit()
+        and isinstance(row, dict)
+        and isinstance(row.get("file"), str)
+        and isinstance(size, int)
+        and not isinstance(size, bool)
+        and size >= 0
+        and isinstance(row.get("sha256"), str)
+    )
 
 
 __all__ = ["RANK_RECORD", "fold_rank_records", "owned_by", "record_finished"]
