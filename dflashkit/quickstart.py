@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
-
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
 from dflashkit.quickstart_eval import stage_budget, stage_eval
@@ -35,6 +33,7 @@ from dflashkit.validation import (
     BlockSize,
     Bool,
     Expect,
+    JsonFields,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -135,10 +134,9 @@ def _state_path(out: Path) -> Path:
     return out / "quickstart.json"
 
 
-class _State(BaseModel):
+class _State(JsonFields):
     """What a re-run reads of quickstart.json: the finished stages' records and the measured rates."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
     done: dict[str, dict[str, Any]]
     rates: dict[str, Any] | None = None
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dflashkit.errors import ConfigError
 
@@ -144,6 +144,17 @@ def _adapter(t: Any) -> TypeAdapter:
 
 
 # ---------------------------------------------------------------------------------------------- JSON documents
+class JsonFields(BaseModel):
+    """Base of a declared JSON document (a file dflashkit reads back): the fields a reader uses, strictly typed;
+    fields without a default are required, others may hold anything."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# a file named by a document, inside the directory that holds the document: no path separators, no leading dot
+SafetensorsName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")]
+
+
 def json_problem(model: Any, doc: Any) -> str | None:
     """Why a parsed JSON document does not fit `model` (a strict pydantic model of the fields a reader uses), as
     'runs.a.chain.n_tokens = "x": expected an integer' — the first wrong field by its path in the document — or
@@ -385,12 +396,14 @@ __all__ = [
     "Bool",
     "Expect",
     "Fraction",
+    "JsonFields",
     "LayerIds",
     "NonNegativeFloat",
     "NonNegativeInt",
     "PositiveFloat",
     "PositiveInt",
     "Probability",
+    "SafetensorsName",
     "Seed",
     "Text",
     "UnitInterval",

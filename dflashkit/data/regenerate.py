@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from tqdm import tqdm
 
 from dflashkit.data.conversations import Conversation, end_of_turn_ids
@@ -49,7 +49,7 @@ from dflashkit.data.turns import TurnState
 from dflashkit.errors import DataError
 from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target, TargetText
-from dflashkit.validation import json_problem
+from dflashkit.validation import JsonFields, json_problem
 
 
 @dataclass
@@ -75,16 +75,14 @@ class RegenStats:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _Message(JsonFields):
     role: str
     content: str
 
 
-class _Record(BaseModel):
+class _Record(JsonFields):
     """The fields of a regeneration record that resuming and tokenising read."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
     id: str | int
     messages: list[_Message]
     response_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

@@ -18,23 +18,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from dflashkit.errors import DataError
-from dflashkit.validation import json_problem
+from dflashkit.validation import JsonFields, SafetensorsName, json_problem
 
 # ---------------------------------------------------------------------------------------------- results.json
 Number = float | None  # null: not measured (shown as "—")
 Count = Annotated[float, Field(ge=0)]
 
 
-class _Read(BaseModel):
-    """The fields a reader uses; others are left alone. Fields without a default are required."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class _Divergence(_Read):
+class _Divergence(JsonFields):
     index: int
     ar_token: int
     spec_token: int
@@ -42,24 +36,24 @@ class _Divergence(_Read):
     verdict: str
 
 
-class _BudgetRow(_Read):
+class _BudgetRow(JsonFields):
     budget: int
     tau: float
     round_ms: float
     tokens_per_s: float
 
 
-class _BudgetChoice(_Read):
+class _BudgetChoice(JsonFields):
     budget: int
     rows: list[_BudgetRow]
     prompts: list[str] | None = None
 
 
-class _Prefill(_Read):
+class _Prefill(JsonFields):
     prefill: Number = None
 
 
-class _Stats(_Read):
+class _Stats(JsonFields):
     tau_micro: Number  # null when no round was decoded
     histogram: list[Count]  # rounds with acceptance length L = 0, 1, 2, …
     rounds: int | None = None
@@ -80,30 +74,30 @@ class _Stats(_Read):
     budget_choice: _BudgetChoice | None = None
 
 
-class _AR(_Read):
+class _AR(JsonFields):
     tok_s: Number = None
     t_step_s: Number = None
     timings_per_round_s: dict[str, Number] | None = None
     timings_s: _Prefill | None = None
 
 
-class _Sampling(_Read):
+class _Sampling(JsonFields):
     temperature: float | None = None
 
 
-class _Settings(_Read):
+class _Settings(JsonFields):
     sampling: _Sampling | None = None
 
 
-class _Dataset(_Read):
+class _Dataset(JsonFields):
     skipped: list[Any] | dict[str, Any] | None = None
 
 
-class _DrafterInfo(_Read):
+class _DrafterInfo(JsonFields):
     parameters: int = 0
 
 
-class _Results(_Read):
+class _Results(JsonFields):
     results: dict[str, dict[str, _Stats]]  # {drafter: {method: stats}}
     ar: _AR | None = None
     settings: _Settings | None = None
@@ -122,7 +116,7 @@ def check_results(doc: Any, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- progress.jsonl
-class _Run(_Read):
+class _Run(JsonFields):
     """One prompt × method as `aggregate.run_record` keeps it (+ the greedy triage of a speculative method)."""
 
     n_tokens: Annotated[int, Field(ge=0)]
@@ -133,13 +127,13 @@ class _Run(_Read):
     greedy_equal: bool | None = None
 
 
-class _HFRun(_Read):
+class _HFRun(JsonFields):
     n_tokens: Annotated[int, Field(ge=0)]
     wall_s: float
     equal_to_ar: bool
 
 
-class _ProgressRecord(_Read):
+class _ProgressRecord(JsonFields):
     key: str
     id: str
     prompt_sha: str
@@ -159,24 +153,23 @@ def budget_choice_problem(entry: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- transcript cache
-PlainName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")]  # a file in the cache dir
 
 
-class _Transcript(_Read):
+class _Transcript(JsonFields):
     id: str
-    file: PlainName
+    file: SafetensorsName
     prompt_len: Annotated[int, Field(ge=0)]
     num_tokens: Annotated[int, Field(ge=0)]
     prompt_sha: str
     stop_reason: str | None = None
 
 
-class _TranscriptTarget(_Read):
+class _TranscriptTarget(JsonFields):
     hidden_size: Annotated[int, Field(ge=1)]
     fingerprint: str | None = None
 
 
-class _Transcripts(_Read):
+class _Transcripts(JsonFields):
     target: _TranscriptTarget
     layer_ids: list[Annotated[int, Field(ge=0)]]
     max_new_tokens: Annotated[int, Field(ge=1)]

@@ -13,42 +13,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from dflashkit.validation import json_problem
+from dflashkit.validation import JsonFields, SafetensorsName, json_problem
 
 Count = Annotated[int, Field(ge=0)]
-ShardFile = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")]
 
 
-class _Read(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class _Target(_Read):
+class _Target(JsonFields):
     hidden_size: Annotated[int, Field(ge=1)]
     num_layers: Annotated[int, Field(ge=1)] | None = None
     fingerprint: str | None = None
 
 
-class _Shard(_Read):
+class _Shard(JsonFields):
     first: Count
     count: Annotated[int, Field(ge=1)]
     tokens: Count
-    file: ShardFile
+    file: SafetensorsName
     done: bool
     bytes: Count
     sha256: str | None = None
 
 
-class _Sample(_Read):
+class _Sample(JsonFields):
     id: str
     shard: Count
     length: Annotated[int, Field(ge=1)]
     supervised: Count
 
 
-class _Manifest(_Read):
+class _Manifest(JsonFields):
     target: _Target
     layer_ids: Annotated[list[Count], Field(min_length=1)]
     dtype: Literal["bf16", "fp16", "fp32"]
