@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dflashkit.errors import ConfigError
 
@@ -151,8 +151,20 @@ class JsonFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-# a file named by a document, inside the directory that holds the document: no path separators, no leading dot
-SafetensorsName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors$")]
+_PLAIN_SAFETENSORS = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors")
+
+
+def safetensors_name(where: str, example: str) -> Any:
+    """The type of a file name a document gives for a file beside it, in `where` ("the capture directory"): a plain
+    `*.safetensors` name — no path separator, no leading dot — so nothing read or rewritten from it leaves that
+    directory; a bad one reads "expected a file name in <where> (<example>)"."""
+
+    def check(name: str) -> str:
+        if not _PLAIN_SAFETENSORS.fullmatch(name):
+            raise ValueError(f"expected a file name in {where} ({example})")
+        return name
+
+    return Annotated[str, AfterValidator(check)]
 
 
 def json_problem(model: Any, doc: Any) -> str | None:
@@ -403,7 +415,6 @@ __all__ = [
     "PositiveFloat",
     "PositiveInt",
     "Probability",
-    "SafetensorsName",
     "Seed",
     "Text",
     "UnitInterval",
@@ -421,5 +432,6 @@ __all__ = [
     "parse_assignments",
     "parse_yaml_value",
     "problem",
+    "safetensors_name",
     "show",
 ]

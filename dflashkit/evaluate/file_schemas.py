@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from dflashkit.errors import DataError
-from dflashkit.validation import JsonFields, SafetensorsName, json_problem
+from dflashkit.validation import JsonFields, json_problem, safetensors_name
 
 # ---------------------------------------------------------------------------------------------- results.json
 Number = float | None  # null: not measured (shown as "—")
@@ -157,7 +157,7 @@ def budget_choice_problem(entry: Any) -> str | None:
 
 class _Transcript(JsonFields):
     id: str
-    file: SafetensorsName
+    file: safetensors_name("the cache directory", "pNNNNN.safetensors")
     prompt_len: Annotated[int, Field(ge=0)]
     num_tokens: Annotated[int, Field(ge=0)]
     prompt_sha: str
@@ -179,10 +179,7 @@ class _Transcripts(JsonFields):
 
 def transcripts_problem(manifest: Any) -> str | None:
     """Why a transcript cache's manifest.json cannot be read (the first wrong field by its path), or None."""
-    why = json_problem(_Transcripts, manifest)
-    if why and ".file = " in why:
-        return why.split(": expected")[0] + ": expected a file name in the cache directory (pNNNNN.safetensors)"
-    return why
+    return json_problem(_Transcripts, manifest)
 
 
 __all__ = ["budget_choice_problem", "check_results", "progress_problem", "transcripts_problem"]

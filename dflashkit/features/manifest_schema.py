@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from dflashkit.validation import JsonFields, SafetensorsName, json_problem
+from dflashkit.validation import JsonFields, json_problem, safetensors_name
 
 Count = Annotated[int, Field(ge=0)]
 
@@ -30,7 +30,7 @@ class _Shard(JsonFields):
     first: Count
     count: Annotated[int, Field(ge=1)]
     tokens: Count
-    file: SafetensorsName
+    file: safetensors_name("the capture directory", "shard-NNNNN.safetensors")
     done: bool
     bytes: Count
     sha256: str | None = None
@@ -63,10 +63,6 @@ def manifest_problem(raw: Any) -> str | None:
     samples), or None when it can."""
     why = json_problem(_Manifest, raw)
     if why:
-        if ".file = " in why:
-            why = (
-                why.split(": expected")[0] + ": expected a file name in the capture directory (shard-NNNNN.safetensors)"
-            )
         return why
     shards, samples = raw["shards"], raw["samples"]
     start = 0

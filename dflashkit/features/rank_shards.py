@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from dflashkit.features.manifest import Manifest
 from dflashkit.features.shards import shard_problem
 from dflashkit.io_utils import atomic_write_text
+from dflashkit.validation import JsonFields, json_problem
 
 RANK_RECORD = "capture-rank-{:05d}.json"
 
@@ -68,18 +71,16 @@ def fold_rank_records(out_dir: Path, manifest: Manifest, *, verify: str, log: Ca
     return taken
 
 
+class _Finished(JsonFields):
+    """A rank record's entry as `record_finished` writes it (keyed by the shard's index)."""
+
+    file: str
+    bytes: Annotated[int, Field(ge=0)]
+    sha256: str
+
+
 def _readable(key: str, row: Any) -> bool:
-    """A rank record's entry as `record_finished` writes it: a shard index, its file name, size and sha256."""
-    size = row.get("bytes") if isinstance(row, dict) else None
-    return (
-        key.isdigit()
-        and isinstance(row, dict)
-        and isinstance(row.get("file"), str)
-        and isinstance(size, int)
-        and not isinstance(size, bool)
-        and size >= 0
-        and isinstance(row.get("sha256"), str)
-    )
+    return key.isdigit() and json_problem(_Finished, row) is None
 
 
 __all__ = ["RANK_RECORD", "fold_rank_records", "owned_by", "record_finished"]
