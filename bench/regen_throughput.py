@@ -9,6 +9,9 @@ on a CPU: the quickstart spends 6 of its minutes there. This runs the same promp
 prompts of at most `--max-prompt-tokens` tokens, as the quickstart picks them; or a pre-tokenised JSONL file)
 through `regenerate.generate_longest_first` at each batch size (longest first into batches, as `regenerate` does).
 Batch sizes alternate within every repeat (order reversed on odd repeats), so machine drift hits all alike.
+With `--kv-caches growing,dynamic` each in-process run also runs with transformers' DynamicCache (run label
+`PRODUCTS+dynamic-kv`): dflashkit's decoding cache writes each step's K/V in place (target/kv_buffer.py), the
+DynamicCache copies the whole batch's cache every step.
 With `--products auto,stock,few_rows,onednn` each batch size also runs with each way of computing the products:
 `auto` (dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF
 runs), `few_rows` (weight-stationary everywhere: what dflashkit did on every CPU before it measured) and `onednn`
@@ -45,6 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.data.regenerate import generate_longest_first
@@ -55,6 +59,8 @@ from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints
+
+KV_CACHES = ("growing", "dynamic")
 
 
 def run_batches(
@@ -129,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--products", default="auto", help="comma-separated: auto, stock, few_rows, onednn, onednn_fused (side by side)"
     )
+    p.add_argument(
+        "--kv-caches",
+        default="growing",
+        help="comma-separated: growing (dflashkit's, appends in place), dynamic (transformers' DynamicCache, as HF"
+        " generate): each in-process run with each (side by side)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: leave as is)")
     p.add_argument(
         "--server-slots",
@@ -172,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens)  max_new_tokens {args.max_new_tokens}\nmachine: {machine_line()}",
         flush=True,
     )
-    runs = [(w, b) for w in ways for b in sizes]  # (products, batch size)
+    kv_caches = [k.strip() for k in args.kv_caches.split(",") if k.strip()]
+    if not kv_caches or any(k not in KV_CACHES for k in kv_caches):
+        p.error(f"--kv-caches {args.kv_caches!r}: expected a comma-separated subset of {','.join(KV_CACHES)}")
+    ways = [w if k == "growing" else f"{w}+{k}-kv" for w in ways for k in kv_caches]
+    runs = [(w, b) for w in ways for b in sizes]  # (products[+dynamic-kv], batch size)
     slots = positive_ints(args.server_slots, "--server-slots", "1,4,8") if args.server_slots else []
     ggufs = {g.strip(): _server_gguf(g.strip()) for g in args.server_gguf.split(",") if g.strip()} if slots else {}
     runs += [(f"server-{g}", n) for g in ggufs for n in slots]  # (llama-server GGUF, parallel slots)
@@ -198,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     int(chunk or 0),
                 )
             else:
-                with _products(run[0]):
+                way, _, kv = run[0].partition("+")
+                with _products(way), _kv_cache(target, kv.removesuffix("-kv") or "growing"):
                     s, outputs[run] = run_batches(target, prompts, run[1], args.max_new_tokens)
             seconds[run] += s
     tokens = {run: sum(map(len, outputs[run])) * args.repeats for run in runs}
@@ -250,6 +267,20 @@ def _engine_ceiling(
             served = doc["tok_s"][doc["runs"].index(f"server-{name}@{n}")]
             print(f"{name:>12} {n:>6} {rates[n]:>8.1f} {served:>7.1f} {served / rates[n]:>6.2f}")
     return ceiling
+
+
+@contextlib.contextmanager
+def _kv_cache(target: Target, kind: str) -> Iterator[None]:
+    """Decoding caches of the block: dflashkit's growing one (target/kv_buffer.py), or transformers' DynamicCache
+    (`dynamic`: what plain HF `generate` uses, each step copying the whole cache)."""
+    if kind == "growing":
+        yield
+        return
+    target.new_cache = lambda: DynamicCache(config=target.model.config)  # shadows the method on this instance
+    try:
+        yield
+    finally:
+        del target.new_cache
 
 
 @contextlib.contextmanager

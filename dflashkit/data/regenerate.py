@@ -191,7 +191,10 @@ def generate_batch(
         pad_token_id=pad,
     )
     out = target.model.generate(
-        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), generation_config=cfg
+        input_ids=ids.to(target.device),
+        attention_mask=mask.to(target.device),
+        generation_config=cfg,
+        cache=target.new_cache(),  # appends in place: DynamicCache copies the batch's whole cache a step
     )
     new = out[:, width:].tolist()  # (B, ≤ max_new_tokens)
     stops = set(stop_ids)

@@ -11,6 +11,7 @@ Modules and their public functions:
   default.py    `ensure_default_target()`, `cache_root()`, `gguf_path()`
   cache.py      the target's KV cache during verification: `crop`, `keep_positions`, `snapshot` / `restore`
                 (recurrent states of hybrid Gated DeltaNet layers)
+  kv_buffer.py  `growing_cache(config)`: attention K/V in buffers with room, a step's tokens written in place
   products.py   a decoding step's matrix products, each shape the way this CPU does it fastest (measured):
                 `linear_product`, `route_linears`, `stock_products()`
   product_store.py `store_path()`, `read_choices()`, `write_choices()`: where choices are kept, and for how long

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.target.kv_buffer import in_place_compact
+
 
 def _kv_layers(cache: Any) -> list[Any]:
     return [layer for layer in getattr(cache, "layers", []) if isinstance(getattr(layer, "keys", None), Tensor)]
@@ -43,6 +45,8 @@ def keep_positions(cache: Any, base: int, rows: Tensor) -> None:
     """Compact after tree verification: keep tokens [0, base) plus tree nodes `rows` (indices into the tree)."""
     idx = torch.cat([torch.arange(base), base + rows.cpu()])  # (base + len(rows),)
     for layer in _kv_layers(cache):
+        if in_place_compact(layer, base, rows.cpu()):
+            continue  # moved inside its own buffers (kv_buffer.py)
         i = idx.to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, i)
         layer.values = layer.values.index_select(-2, i)

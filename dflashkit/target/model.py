@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dflashkit.errors import TargetError
 from dflashkit.target.files import check_gguf, check_model_dir
+from dflashkit.target.kv_buffer import growing_cache
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.target.products import linear_product, route_linears, stock_products
 from dflashkit.target.products import mode as products_mode
@@ -287,9 +288,8 @@ class Target:
         )
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        """An empty KV cache for decoding: a `DynamicCache` whose attention layers append in place (kv_buffer.py)."""
+        return growing_cache(self.model.config)
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
