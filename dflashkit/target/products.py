@@ -69,6 +69,7 @@ MODES = ("auto", "stock", "few_rows", "onednn", FUSED)
 ENV = "DFLASHKIT_PRODUCTS"
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
+_ENV_NOW = [os.environ.get(ENV)]  # DFLASHKIT_PRODUCTS as read when the current pass opened (linear_product)
 _EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
 
 
@@ -327,6 +328,9 @@ class PassGroup:
         digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:10]
         self.signature = f"pass{len(linears)}-{digest}{'-fuse' if fuse else ''}"
         self.siblings = Siblings(linears) if fuse and "onednn" in CANDIDATES else None  # fused once a pass was seen
+        # (leading shape, dtype, CPU or not, choice) of the pass under way when its opening found the width settled:
+        # the group's other products in that pass take it without a lookup (~3 µs a call, ~200 calls a step)
+        self.this_pass: tuple[tuple[int, ...], torch.dtype, bool, str] | None = None
 
     def key(self, rows: int, dtype: torch.dtype) -> str:
         return f"{rows}x{self.signature}:{str(dtype).removeprefix('torch.')}"
@@ -369,24 +373,20 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     A decoding step runs ~200 of these, so a settled choice (measured, or forced by DFLASHKIT_PRODUCTS) is looked
     up by (group or weight shape, input shape, dtype, CPU or not, the variable's value) in the thread count's
     chooser before any other work: the full path cost ~20 µs more than F.linear per call on a 2-core EPYC (~4 ms
-    of a ~110 ms SmolLM2 step there), the lookup path ~6 µs (bench/product_overhead.py)."""
+    of a ~110 ms SmolLM2 step there), the lookup path ~6 µs (bench/product_overhead.py). DFLASHKIT_PRODUCTS is
+    read when a pass opens (its group's first linear) and by every lone product: a change takes effect at the next
+    pass."""
     if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     siblings = group.siblings if group is not None else None
     if siblings is not None and not siblings.done and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]:
         siblings.observe(weight, x)  # a decoding pass (a prefill's inputs are not held to watch it)
-    c = chooser()
-    memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
-    memo += (x.is_cpu, os.environ.get(ENV))  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
-    how = c.settled.get(memo)
-    if c._trials and group is not None and group.linears[0].weight is weight and how is not None:
-        c._last_opening[group.signature] = None  # a settled width of the group between two timed steps: not one step
-        c._openings += 1  # … and an opening the running trial made no progress in (else a width that stops coming
-        # would hold its trial, and `trials_pending`, for good once every other width is settled)
-    if how is None:
-        how, settled = _choose(c, x, weight, bias, group)
-        if settled:
-            c.settled[memo] = how
+    opening = group is None or group.linears[0].weight is weight
+    fast = None if opening else group.this_pass
+    if fast is not None and fast[0] == x.shape[:-1] and fast[1] == x.dtype and fast[2] == x.is_cpu:
+        how = fast[3]  # the rest of a pass whose opening found its width settled: no lookup
+    else:
+        how = _settled_or_chosen(x, weight, bias, group, opening)
     if how == "stock":
         return F.linear(x, weight, bias)
     if how == FUSED:
@@ -394,6 +394,30 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     rows = x.numel() // x.shape[-1]
     out = CANDIDATES[how](x.reshape(rows, x.shape[-1]), weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
+
+
+def _settled_or_chosen(x: Tensor, weight: Tensor, bias: Tensor | None, group: PassGroup | None, opening: bool) -> str:
+    """The candidate for this call: a settled choice looked up by (group or weight shape, input shape, dtype, CPU or
+    not, the variable's value), else `_choose`. A pass's opening also records, for the rest of the pass, the
+    choice when it is settled (`PassGroup.this_pass`)."""
+    c = chooser()
+    memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
+    if opening:  # the variable read once a pass (~2 µs a read)
+        _ENV_NOW[0] = os.environ.get(ENV)
+    memo += (x.is_cpu, _ENV_NOW[0])  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
+    how = c.settled.get(memo)
+    if c._trials and group is not None and opening and how is not None:
+        c._last_opening[group.signature] = None  # a settled width of the group between two timed steps: not one step
+        c._openings += 1  # … and an opening the running trial made no progress in (else a width that stops coming
+        # would hold its trial, and `trials_pending`, for good once every other width is settled)
+    if how is None:
+        how, settled = _choose(c, x, weight, bias, group)
+        if settled:
+            c.settled[memo] = how
+    if group is not None and opening:
+        settled_now = c.settled.get(memo) == how
+        group.this_pass = (x.shape[:-1], x.dtype, x.is_cpu, how) if settled_now else None
+    return how
 
 
 def _choose(c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: PassGroup | None) -> tuple[str, bool]:

@@ -484,3 +484,44 @@ def test_a_width_that_stops_coming_is_paused_while_settled_widths_run(monkeypatc
         assert not product_report.trials_pending() and key2 in fake._paused and key2 not in fake._trials
         net(rare), net(rare)  # when it comes again with no trial running, it resumes
         assert key2 in fake._trials
+
+
+def test_the_rest_of_a_pass_takes_its_openings_settled_choice(monkeypatch):
+    """A pass group's other products skip the lookup when the pass's opening found its width settled; a forced
+    DFLASHKIT_PRODUCTS takes effect at the next pass, every product of a pass runs one path, and a width not settled
+    (a trial under way) leaves the rest of the pass to the chooser."""
+    torch.manual_seed(7)
+    net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16, bias=False), nn.Linear(16, 8))
+    route_linears(net)
+    group = net[0]._pass_group
+    now, seen = [0.0], []
+    fake = _use(monkeypatch, Chooser(timer=_fake_timer({}, []), store=None, repeats=3, clock=lambda: now[0]))
+    x = torch.randn(1, 2, 16)
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        _clocked_candidates(mp, {"stock": 1.0, "few_rows": 0.2}, now, seen)
+        net(x)  # first sight: stock, not settled
+        assert group.this_pass is None
+        net(x)  # a trial opens: not settled either
+        assert group.this_pass is None
+        looked_up: list[int] = []
+        real = products._settled_or_chosen
+        mp.setattr(products, "_settled_or_chosen", lambda *a: looked_up.append(1) or real(*a))
+        while f"2x{group.signature}:float32" not in fake.choices:
+            net(x)
+        seen.clear()
+        looked_up.clear()
+        for _ in range(3):
+            net(x)
+        assert group.this_pass == ((1, 2), torch.float32, True, "few_rows")
+        assert [n for n, _ in seen] == ["few_rows"] * 9 and len(looked_up) == 3  # one lookup a pass: its opening
+        monkeypatch.setenv(products.ENV, "stock")
+        seen.clear()
+        net(x)
+        assert [n for n, _ in seen] == ["stock"] * 3 and group.this_pass[3] == "stock"
+        monkeypatch.setenv(products.ENV, "auto")
+        seen.clear()
+        net(torch.randn(1, 5, 16))  # another width met for the first time: stock, and its pass not settled
+        assert [n for n, _ in seen] == ["stock"] * 3 and group.this_pass is None
+        seen.clear()
+        net(x)
+        assert [n for n, _ in seen] == ["few_rows"] * 3
