@@ -4,7 +4,7 @@ measurement, never by a rule from another CPU.
     logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
-    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused   # measured (default), or forced
+    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed   # measured (default), or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
     DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (product_store.py)
 
@@ -20,6 +20,8 @@ every weight matrix. Ways to compute the same float32 products, whose speed depe
               (few_rows), while on the layers' 1–4 MB matrices it was no faster; only where torch has oneDNN
   onednn_fused the same over the stacked weights of a layer's products of one input (q/k/v, gate/up): a target's
               layers only (sibling_products.py); one product of 2–7 MB instead of two or three of 0.4–3.5 MB
+  mkl_packed  MKL's packed GEMM: each weight packed once per row count instead of on every sgemm call; a copy of
+              the weights per width it runs, within a memory budget (packed_weights.py); where torch has MKL
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
 Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
 other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError
+from dflashkit.target import packed_weights
 from dflashkit.target.machine import last_level_cache_bytes
 from dflashkit.target.product_store import max_age_seconds, read_choices, store_path, write_choices
 from dflashkit.target.sibling_products import Siblings, sibling_product
@@ -65,7 +68,8 @@ from dflashkit.target.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, dec
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
 FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
-MODES = ("auto", "stock", "few_rows", "onednn", FUSED)
+PACKED = "mkl_packed"  # MKL's packed GEMM, a copy of the weights per row count (packed_weights.py)
+MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED)
 ENV = "DFLASHKIT_PRODUCTS"
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
@@ -104,6 +108,8 @@ def _no_siblings(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 CANDIDATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {"stock": _stock, "few_rows": _few_rows}
 if onednn_available():
     CANDIDATES["onednn"] = _onednn
+if packed_weights.available():
+    CANDIDATES[PACKED] = packed_weights.packed_product
 
 
 def group_candidates(group: PassGroup) -> dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
@@ -130,7 +136,8 @@ def mode() -> str:
     if value not in MODES:
         raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
     if value != "auto" and value not in CANDIDATES and not (value == FUSED and "onednn" in CANDIDATES):
-        raise ConfigError(f"{ENV}={value}: this torch build has no oneDNN (torch.backends.mkldnn); use auto or stock")
+        lacks = "MKL's packed GEMM (torch.ops.mkl)" if value == PACKED else "oneDNN (torch.backends.mkldnn)"
+        raise ConfigError(f"{ENV}={value}: this torch build has no {lacks}; use auto or stock")
     return value
 
 
@@ -161,6 +168,7 @@ class Chooser:
         self._paused: dict[str, StepTrial] = {}  # trials that stalled, resumed when their width opens with none running
         self._pauses: dict[str, int] = {}  # … how often each stalled
         self._rare: set[str] = set()  # widths whose trial stalled MAX_PAUSES times: stock for the process
+        self._trial_of: dict[str, tuple[PassGroup, int]] = {}  # trials' groups and widths (to release packed copies)
         self.choices: dict[str, dict[str, float | str | None]] = {}
         self._seen: set[str] = set()  # keys met once: measured when met again
         self.settled: dict[tuple[object, ...], str] = {}  # linear_product's per-call lookup of settled choices
@@ -175,6 +183,8 @@ class Chooser:
             if self._first_sight(key):
                 return "stock"
             entry = self.measure(x, w, b)
+            if entry["choice"] != PACKED:
+                packed_weights.release([w], x.shape[0])  # the trial's copy
             self.choices[key] = {**entry, "measured_at": int(self.now())}
             self._save()
         return str(entry["choice"])
@@ -211,6 +221,7 @@ class Chooser:
             else:
                 usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), group_candidates(group))
                 trial = self._trials[key] = StepTrial(usable, self.repeats)
+                self._trial_of[key] = (group, rows)
             self._advanced[key] = self._openings
         pos = trial.pos
         trial.opened(self.clock(), unbroken=unbroken)
@@ -223,6 +234,8 @@ class Chooser:
             return trial.current
         entry = {**decide(trial.times), "timed": "steps", **{f"{n}_ms": None for n in self._failed.pop(key)}}
         entry["measured_at"] = int(self.now())
+        if entry["choice"] != PACKED:
+            packed_weights.release([m.weight for m in group.linears], rows)  # copies the trial made
         del self._trials[key]
         self.choices[key] = entry
         self._save()
@@ -245,6 +258,8 @@ class Chooser:
                 if self._pauses[key] >= MAX_PAUSES:
                     self._failed.pop(key, None)
                     self._rare.add(key)
+                    group, rows = self._trial_of[key]
+                    packed_weights.release([m.weight for m in group.linears], rows)
                 else:
                     trial.restart_round()
                     self._paused[key] = trial
