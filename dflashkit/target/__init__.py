@@ -19,6 +19,7 @@ Modules and their public functions:
                 whether a choice is still being timed
   step_trial.py `StepTrial`: a pass group's candidates timed in turn inside the real decoding steps; `decide`
   sibling_products.py `Siblings`, `sibling_product`: a layer's products of one input (q/k/v, gate/up) as one
+  packed_weights.py `packed_product`, `release`: MKL's packed GEMM, a packed copy per weight and row count (budgeted)
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)
   machine.py    `describe_machine()` (CPU model, flags, BLAS, threads), `read_bandwidth()`
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
