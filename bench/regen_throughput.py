@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     kv_caches = [k.strip() for k in args.kv_caches.split(",") if k.strip()]
     if not kv_caches or any(k not in KV_CACHES for k in kv_caches):
-        p.error(f"--kv-caches {args.kv_caches!r}: expected a comma-separated subset of {','.join(KV_CACHES)}")
+        raise SystemExit(
+            f"error: --kv-caches {args.kv_caches!r}: expected a comma-separated subset of {','.join(KV_CACHES)}"
+        )
     ways = [w if k == "growing" else f"{w}+{k}-kv" for w in ways for k in kv_caches]
     runs = [(w, b) for w in ways for b in sizes]  # (products[+dynamic-kv], batch size)
     slots = positive_ints(args.server_slots, "--server-slots", "1,4,8") if args.server_slots else []

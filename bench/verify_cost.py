@@ -11,6 +11,8 @@ pays n = 1 per token. For each n this times (all interleaved, on the same cache,
   few_rows       the same pass with every product weight-stationary (DFLASHKIT_PRODUCTS=few_rows)
   onednn         the same pass with every product through oneDNN (DFLASHKIT_PRODUCTS=onednn; where torch has it)
   onednn_fused   the same, a layer's products of one input (q/k/v, gate/up) as one (DFLASHKIT_PRODUCTS=onednn_fused)
+  mkl_packed     the same pass with every product through MKL's packed GEMM (DFLASHKIT_PRODUCTS=mkl_packed; where
+                 torch has MKL)
   body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
 and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
 the product chosen per width (how many of the pass's weight shapes took each path) and the physical floor: the
@@ -106,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             with _mode(path):
                 for _ in range(settle if path == "forward" else 1):
                     forward(n, True)
+        with _mode("forward"):  # a trial that was unclear runs more rounds (twice at most): until it has decided
+            for _ in range(2 * settle):
+                if not products.chooser().trial_running():
+                    break
+                forward(n, True)
     for _ in range(args.repeats):
         for n in sizes:  # interleaved, so slow phases of the machine hit every size and path alike
             for path in PATHS:
@@ -163,7 +170,7 @@ def _print_table(args, target, sizes, med, floor, weight_bytes, chosen) -> None:
     others = PATHS[1:]  # stock, few_rows, onednn, onednn_fused
     print(
         f"{'tokens':>6} {'forward ms':>11} {'× fwd(1)':>9} {'× floor':>8} "
-        + "".join(f"{name + ' ms':>12}" for name in others)
+        + "".join(f"{name + ' ms':>{max(12, len(name) + 4)}}" for name in others)
         + f" {'body ms':>8} {'head ms':>8}  chosen"
     )
     for i, n in enumerate(sizes):
@@ -171,7 +178,7 @@ def _print_table(args, target, sizes, med, floor, weight_bytes, chosen) -> None:
         fl = f"{med['forward'][i] / floor:.2f}" if floor else "—"
         print(
             f"{n:>6} {1e3 * med['forward'][i]:>11.1f} {r:>9} {fl:>8} "
-            + "".join(f"{1e3 * med[name][i]:>12.1f}" for name in others)
+            + "".join(f"{1e3 * med[name][i]:>{max(12, len(name) + 4)}.1f}" for name in others)
             + f" {1e3 * med['body'][i]:>8.1f} {1e3 * med['head'][i]:>8.1f}  {chosen[str(n)]}"
         )
 

@@ -69,6 +69,18 @@ def test_products_side_by_side(tiny_llama_dir, tmp_path, capsys):
         bench.main([*args, "--products", "fast"])
 
 
+def test_kv_caches_side_by_side(tiny_llama_dir, tmp_path, capsys):
+    """dflashkit's growing cache next to transformers' DynamicCache (as HF generate runs): the same responses."""
+    bench = load_bench("regen_throughput")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [5, 9, 7])
+    args = ["--target", str(tiny_llama_dir), "--dataset", str(prompts), "--prompts", "3", "--max-new-tokens", "5"]
+    assert bench.main([*args, "--batch-sizes", "2", "--kv-caches", "growing,dynamic", "--threads", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["runs"] == ["auto@2", "auto+dynamic-kv@2"] and doc["same_as_first"] == [1.0, 1.0]
+    with pytest.raises(SystemExit, match="--kv-caches"):
+        bench.main([*args, "--kv-caches", "static"])
+
+
 def test_responses_come_back_in_input_order(tiny_llama_dir):
     from dflashkit.data.regenerate import generate_batch
     from dflashkit.target.model import Target
