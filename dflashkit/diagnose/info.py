@@ -81,9 +81,10 @@ def gather_info(
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
     from dflashkit.target.machine import describe_machine
+    from dflashkit.target.packed_weights import budget_bytes
     from dflashkit.target.product_report import choices_by_rows, choices_report
     from dflashkit.target.product_store import DAY, max_age_seconds
-    from dflashkit.target.products import CANDIDATES, FUSED, mode
+    from dflashkit.target.products import CANDIDATES, FUSED, PACKED, mode
 
     report = choices_report()
     stamps = [e["measured_at"] for e in report["choices"].values() if isinstance(e.get("measured_at"), int | float)]
@@ -91,6 +92,7 @@ def _machine() -> dict[str, Any]:
         **describe_machine(),
         "products_mode": mode(),
         "products_candidates": [*CANDIDATES, *([f"{FUSED} (the target's layers)"] if "onednn" in CANDIDATES else [])],
+        "products_packed_budget_gib": round(budget_bytes() / (1 << 30), 2) if PACKED in CANDIDATES else None,
         "products_store": report["store"],
         "products_max_age_days": max_age_seconds() / DAY,
         "products_oldest_days": round((time.time() - min(stamps)) / DAY, 2) if stamps else None,
@@ -159,6 +161,11 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         f"  BLAS              {m['blas']} (torch {m['torch']})",
         f"  decoding products {chosen}",
         f"  timed candidates  {', '.join(m.get('products_candidates', []))}",
+        *(
+            [f"  packed copies     up to {m['products_packed_budget_gib']:g} GiB (DFLASHKIT_PACKED_MAX_GB)"]
+            if m.get("products_packed_budget_gib") is not None
+            else []
+        ),
         f"  choices kept      {_kept(m)}",
     ]
 

@@ -54,3 +54,5 @@ def test_info_command_runs(capsys):
     assert "choices kept      in this process only" in out  # the suite keeps no store (DFLASHKIT_PRODUCTS_STORE=off)
     if "onednn" in CANDIDATES:
         assert "onednn_fused (the target's layers)" in out
+    if "mkl_packed" in CANDIDATES:  # the memory its copies may take
+        assert "packed copies     up to " in out and "GiB (DFLASHKIT_PACKED_MAX_GB)" in out
