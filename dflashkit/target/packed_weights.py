@@ -46,6 +46,9 @@ def available() -> bool:
     )
 
 
+_AVAILABLE = available()
+
+
 def budget_bytes() -> int:
     """The most packed copies may hold: DFLASHKIT_PACKED_MAX_GB, else a quarter of physical memory."""
     value = os.environ.get(BUDGET_ENV, "").strip()
@@ -93,7 +96,7 @@ def _copy_for(w: Tensor, rows: int) -> Tensor | None:
 def packed_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x (M, in) · wᵀ (+ b) → (M, out) through MKL's packed GEMM; F.linear for what it cannot take (not float32 CPU
     tensors) or past the memory budget. Raises RuntimeError on a build without it (products.py leaves it out)."""
-    if not available():
+    if not _AVAILABLE:
         raise RuntimeError("this torch build has no MKL packed GEMM")
     rows = x.shape[0]
     if x.dtype != torch.float32 or w.dtype != torch.float32 or not (x.is_cpu and w.is_cpu):
