@@ -39,6 +39,10 @@ torch.set_num_threads(1)
 # real runs measured.
 os.environ["DFLASHKIT_PRODUCTS_STORE"] = "off"
 
+# MKL's packed copies (target/packed_weights.py) default to a quarter of the machine's memory; the suite's processes
+# load SmolLM2 in many modules and would hold GBs of them. 1 GB still lets a decoding width of SmolLM2 pack.
+os.environ["DFLASHKIT_PACKED_MAX_GB"] = "1"
+
 # AdamW's implementation is measured at the start of a run (optimizer_impl: auto); runs a test compares bit for bit
 # must not choose differently on a busy machine, so the suite (and the processes it starts) names one.
 # tests/train/test_optimizer_choice.py measures with this unset.

@@ -15,7 +15,8 @@ runs packed holds a copy of that group's weights: copies are made on first use, 
 budget (a quarter of the machine's memory, `DFLASHKIT_PACKED_MAX_GB` to change it): past it a product is computed by
 `F.linear` instead — the same values, only not faster, so a trial that runs out of budget loses to stock, and no
 decoding step ever fails for want of memory. A copy is tied to its weight object and its in-place version: a weight
-replaced or changed (a drafter in training) is packed again, never multiplied through a stale copy.
+replaced or changed (a drafter in training) is packed again, never multiplied through a stale copy; a weight freed
+(its model unloaded) takes its copies with it.
 """
 
 from __future__ import annotations
@@ -89,8 +90,15 @@ def _copy_for(w: Tensor, rows: int) -> Tensor | None:
         return None
     with torch.inference_mode(False), torch.no_grad():  # a normal tensor: usable in and out of inference mode
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
-    _COPIES[key] = (weakref.ref(w), w._version, packed, need)
+    _COPIES[key] = (weakref.ref(w, lambda ref, key=key: _drop_dead(key, ref)), w._version, packed, need)
     return packed
+
+
+def _drop_dead(key: tuple[int, int], ref: weakref.ref) -> None:
+    """A weight was freed (its model unloaded): its packed copy goes with it, not at the next packing."""
+    entry = _COPIES.get(key)
+    if entry is not None and entry[0] is ref:  # not a newer weight that got the freed one's id
+        del _COPIES[key]
 
 
 def packed_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -51,7 +51,8 @@ def test_a_changed_or_replaced_weight_is_packed_again():
     assert ((again - F.linear(x, w)).abs() <= _bound(x, w)).all()
     assert ((again + 2.0 * first).abs() <= 3 * _bound(x, w)).all()
     assert packed_weights.packed_bytes() == w.numel() * 4  # the stale copy was replaced, not kept beside
-    del w
+    del w, first, again
+    assert not packed_weights._COPIES  # freed with its weight (not at the next packing)
     w2 = torch.randn(50, 32, generator=g)  # may reuse the freed weight's id: never its copy
     assert ((packed_weights.packed_product(x, w2, None) - F.linear(x, w2)).abs() <= _bound(x, w2)).all()
 
