@@ -69,13 +69,7 @@ def budget_bytes() -> int:
 
 def packed_bytes() -> int:
     """Bytes of weights held in packed copies now (each as large as its weight in memory actually touched)."""
-    _forget_dead()
     return sum(entry[3] for entry in _COPIES.values())
-
-
-def _forget_dead() -> None:
-    for key in [k for k, entry in _COPIES.items() if entry[0]() is None]:
-        del _COPIES[key]
 
 
 def _copy_for(w: Tensor, rows: int) -> Tensor | None:
