@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from dflashkit.errors import TargetError
+from dflashkit.target.attention import route_attention
 from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.kv_buffer import growing_cache
 from dflashkit.target.layer_ids import layer_ids_problem
@@ -105,6 +106,7 @@ class Target:
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
         route_linears(self.layers, fuse=True)  # decoding steps' few rows: the measured products (products.py)
         route_linears(self.lm_head, lone=True)  # HF `generate` (regeneration) calls the head module itself
+        route_attention(self.model)  # a verify pass's GQA attention on CPU without copies of K/V (attention.py)
         cfg = self.text_config
         self.layer_types: list[str] = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
 
