@@ -13,6 +13,8 @@ pays n = 1 per token. For each n this times (all interleaved, on the same cache,
   onednn_fused   the same, a layer's products of one input (q/k/v, gate/up) as one (DFLASHKIT_PRODUCTS=onednn_fused)
   mkl_packed     the same pass with every product through MKL's packed GEMM (DFLASHKIT_PRODUCTS=mkl_packed; where
                  torch has MKL)
+  native_rows    the same pass with every product through the few-row kernel compiled for this CPU
+                 (DFLASHKIT_PRODUCTS=native_rows; where a C++ compiler is)
   body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
 and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
 the product chosen per width (how many of the pass's weight shapes took each path) and the physical floor: the

@@ -81,6 +81,7 @@ def gather_info(
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
     from dflashkit.target.machine import describe_machine
+    from dflashkit.target.native_rows import status as native_status
     from dflashkit.target.packed_weights import budget_bytes
     from dflashkit.target.product_report import choices_by_rows, choices_report
     from dflashkit.target.product_store import DAY, max_age_seconds
@@ -93,6 +94,7 @@ def _machine() -> dict[str, Any]:
         "products_mode": mode(),
         "products_candidates": [*CANDIDATES, *([f"{FUSED} (the target's layers)"] if "onednn" in CANDIDATES else [])],
         "products_packed_budget_gib": round(budget_bytes() / (1 << 30), 2) if PACKED in CANDIDATES else None,
+        "products_native": native_status(),  # built now if this machine has none yet (~2 s, once)
         "products_store": report["store"],
         "products_max_age_days": max_age_seconds() / DAY,
         "products_oldest_days": round((time.time() - min(stamps)) / DAY, 2) if stamps else None,
@@ -166,8 +168,16 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
             if m.get("products_packed_budget_gib") is not None
             else []
         ),
+        *([f"  native kernel     {_native(m['products_native'])}"] if "products_native" in m else []),
         f"  choices kept      {_kept(m)}",
     ]
+
+
+def _native(status: dict[str, Any]) -> str:
+    """The few-row kernel compiled for this CPU (native_rows.py): where it is, or why there is none."""
+    if status["available"]:
+        return f"built for this CPU: {status['library']}"
+    return f"not available ({status['reason']}): native_rows is not timed"
 
 
 def _kept(m: dict[str, Any]) -> str:

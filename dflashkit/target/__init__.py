@@ -20,6 +20,9 @@ Modules and their public functions:
   step_trial.py `StepTrial`: a pass group's candidates timed in turn inside the real decoding steps; `decide`
   sibling_products.py `Siblings`, `sibling_product`: a layer's products of one input (q/k/v, gate/up) as one
   packed_weights.py `packed_product`, `release`: MKL's packed GEMM, a packed copy per weight and row count (budgeted)
+  native_rows.py `native_product`, `status()`: a few-row product kernel compiled for this CPU at first use
+                (kernels/rows_linear.cpp)
+  attention.py  `route_attention(model)`: a verify pass's GQA attention on CPU without copying K/V per query head
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)
   machine.py    `describe_machine()` (CPU model, flags, BLAS, threads), `read_bandwidth()`
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name

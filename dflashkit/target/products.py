@@ -4,7 +4,7 @@ measurement, never by a rule from another CPU.
     logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
-    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed   # measured (default), or forced
+    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed|native_rows  # measured (default), or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
     DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (product_store.py)
 
@@ -22,6 +22,8 @@ every weight matrix. Ways to compute the same float32 products, whose speed depe
               layers only (sibling_products.py); one product of 2–7 MB instead of two or three of 0.4–3.5 MB
   mkl_packed  MKL's packed GEMM: each weight packed once per row count instead of on every sgemm call; a copy of
               the weights per width it runs, within a memory budget (packed_weights.py); where torch has MKL
+  native_rows a few-row kernel compiled for this CPU at first use (native_rows.py): each block of weight rows
+              streamed once, every row multiplied by it from L1; where a C++ compiler is
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
 Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
 other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashkit.errors import ConfigError
-from dflashkit.target import packed_weights
+from dflashkit.target import native_rows, packed_weights
 from dflashkit.target.machine import last_level_cache_bytes
 from dflashkit.target.product_store import max_age_seconds, read_choices, store_path, write_choices
 from dflashkit.target.sibling_products import Siblings, sibling_product
@@ -69,7 +71,8 @@ from dflashkit.target.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, dec
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
 FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
 PACKED = "mkl_packed"  # MKL's packed GEMM, a copy of the weights per row count (packed_weights.py)
-MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED)
+NATIVE = "native_rows"  # a few-row kernel compiled for this CPU at first use (native_rows.py)
+MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED, NATIVE)
 ENV = "DFLASHKIT_PRODUCTS"
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
@@ -110,6 +113,8 @@ if onednn_available():
     CANDIDATES["onednn"] = _onednn
 if packed_weights.available():
     CANDIDATES[PACKED] = packed_weights.packed_product
+if native_rows.enabled():
+    CANDIDATES[NATIVE] = native_rows.native_product
 
 
 def group_candidates(group: PassGroup) -> dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
@@ -135,6 +140,8 @@ def mode() -> str:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
+    if value == NATIVE and not native_rows.status()["available"]:
+        raise ConfigError(f"{ENV}={value}: the kernel cannot be had here ({native_rows.status()['reason']})")
     if value != "auto" and value not in CANDIDATES and not (value == FUSED and "onednn" in CANDIDATES):
         lacks = "MKL's packed GEMM (torch.ops.mkl)" if value == PACKED else "oneDNN (torch.backends.mkldnn)"
         raise ConfigError(f"{ENV}={value}: this torch build has no {lacks}; use auto or stock")
@@ -477,6 +484,8 @@ __all__ = [
     "FUSED",
     "MAX_ROWS",
     "MIN_GAIN",
+    "NATIVE",
+    "PACKED",
     "Chooser",
     "PassGroup",
     "decide",

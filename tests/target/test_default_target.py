@@ -56,3 +56,7 @@ def test_info_command_runs(capsys):
         assert "onednn_fused (the target's layers)" in out
     if "mkl_packed" in CANDIDATES:  # the memory its copies may take
         assert "packed copies     up to " in out and "GiB (DFLASHKIT_PACKED_MAX_GB)" in out
+    if "native_rows" in CANDIDATES:  # where the kernel compiled for this CPU is, or why there is none
+        assert "native kernel     built for this CPU: " in out and "rows_linear-" in out
+    else:
+        assert "native kernel     not available (" in out

@@ -1,0 +1,168 @@
+"""A product of a few rows compiled for the CPU at hand, as one more candidate products.py times (`native_rows`).
+
+    y = native_product(x, w, b)      # x (M, in) · wᵀ + b → (M, out); builds the kernel on first use
+    status()                         # {"available": bool, "library": path or None, "reason": why not, or None}
+
+A decoding step reads every weight once and multiplies it by 1–17 rows: bandwidth-bound in principle, but a BLAS's
+GEMM is tuned for large M and its small-M paths differ between CPUs and builds (on a 2-core Intel Xeon with MKL
+2024.2 a 4-row product of SmolLM2's layers cost 1.4× a 1-row one). kernels/rows_linear.cpp streams each block of
+weight rows once and multiplies every row of x by it from L1. It is compiled the first time a trial needs it, with
+the machine's C++ compiler (`$CXX`, else g++, else c++; -O3 -march=native -fopenmp, ~2 s), into the user cache
+under a name that digests the source, the compiler, the CPU model and flags and the torch version — a cache shared
+by two kinds of CPU never hands one the other's instructions. No compiler, or a build that fails: the candidate
+is unusable on this machine (RuntimeError, recorded as such by the chooser: never timed, never chosen) and
+`status()` says why; `dflashkit info` prints it. `DFLASHKIT_NATIVE=off` leaves it out.
+
+Each output is the same dot product as F.linear's, summed in another order (float32 rounding differences only).
+Only contiguous float32 CPU tensors go through the kernel; anything else runs F.linear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("kernels") / "rows_linear.cpp"
+ENV = "DFLASHKIT_NATIVE"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+BUILD_TIMEOUT_S = 300
+
+_STATE: dict[str, object] = {}  # "lib": the loaded kernel function, or "reason": why there is none
+
+
+def enabled() -> bool:
+    """Whether the candidate takes part: not on a machine without a C++ compiler, nor with DFLASHKIT_NATIVE=off."""
+    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "no") and _compiler() is not None
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX", "").strip(), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_version(cxx: str) -> str:
+    try:
+        run = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    return run.stdout.splitlines()[0] if run.stdout else "unknown"
+
+
+def library_path(cxx: str) -> Path:
+    """Where the kernel built by `cxx` for this CPU lives: the user cache, under a digest of everything it
+    depends on (source, compiler, flags, CPU model and instruction-set flags, torch version)."""
+    from dflashkit.target.default import cache_root
+
+    cpu = Path("/proc/cpuinfo")
+    try:
+        text = cpu.read_text(encoding="utf-8", errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        cpu_id = "\n".join(dict.fromkeys(lines))  # one core's description (all cores share it)
+    except OSError:
+        cpu_id = os.uname().machine
+    parts = [SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(FLAGS).encode(), cpu_id.encode()]
+    digest = hashlib.sha256(b"\0".join([*parts, torch.__version__.encode()])).hexdigest()[:16]
+    return cache_root() / "kernels" / f"rows_linear-{digest}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    """Compile the kernel into `target` (a temporary name renamed into place: concurrent builders never see half a
+    file). Raises RuntimeError with the compiler's own message on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *FLAGS, "-o", tmp, str(SOURCE)]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"{' '.join(cmd)}: {e}") from None
+        if run.returncode != 0:
+            tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {run.returncode}): {' | '.join(tail)}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> object:
+    """The kernel's entry point, built first when this machine has none; RuntimeError when it cannot be had."""
+    if "lib" in _STATE:
+        return _STATE["lib"]
+    if "reason" in _STATE:
+        raise RuntimeError(str(_STATE["reason"]))
+    try:
+        if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no"):
+            raise RuntimeError(f"{ENV}=off")
+        cxx = _compiler()
+        if cxx is None:
+            raise RuntimeError("no C++ compiler on this machine ($CXX, g++, c++)")
+        path = library_path(cxx)
+        if not path.is_file():
+            _build(cxx, path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise RuntimeError(f"{path}: {e}") from None
+        fn = lib.dfk_rows_linear
+        fn.restype = None
+        p, n = ctypes.c_void_p, ctypes.c_long
+        fn.argtypes = [p, n, n, p, n, p, p, ctypes.c_int]
+        _STATE["lib"], _STATE["path"] = fn, str(path)
+        return fn
+    except RuntimeError as e:
+        _STATE["reason"] = str(e)
+        raise
+
+
+def status() -> dict[str, object]:
+    """{"available", "library", "reason"} — building the kernel now if it was not tried yet in this process."""
+    with contextlib.suppress(RuntimeError):  # the reason is kept in _STATE
+        _load()
+    return {"available": "lib" in _STATE, "library": _STATE.get("path"), "reason": _STATE.get("reason")}
+
+
+def native_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """x (M, in) · wᵀ (+ b) → (M, out) through the compiled kernel; F.linear for what it does not take (not
+    contiguous float32 CPU tensors). RuntimeError where the kernel cannot be built (products.py: unusable)."""
+    fn = _load()
+    if (
+        x.dtype != torch.float32
+        or w.dtype != torch.float32
+        or not (x.is_cpu and w.is_cpu)
+        or not w.is_contiguous()
+        or (b is not None and (b.dtype != torch.float32 or not b.is_cpu or not b.is_contiguous()))
+        or x.dim() != 2
+    ):
+        return F.linear(x, w, b)
+    x = x.contiguous()  # (M, in)
+    rows, inner = x.shape
+    if w.dim() != 2 or w.shape[1] != inner or (b is not None and b.shape != (w.shape[0],)):
+        return F.linear(x, w, b)  # torch's own error for shapes that do not fit
+    out = torch.empty(rows, w.shape[0], dtype=torch.float32)  # (M, out), row-major as F.linear returns it
+    bias = b.data_ptr() if b is not None else None
+    fn(x.data_ptr(), rows, inner, w.data_ptr(), w.shape[0], bias, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def reset() -> None:
+    """Forget this process's build result (tests: another cache directory, compiler or DFLASHKIT_NATIVE)."""
+    _STATE.clear()
+
+
+__all__ = ["ENV", "SOURCE", "enabled", "library_path", "native_product", "reset", "status"]
