@@ -68,3 +68,31 @@ def test_reduced_vocab_decoding_is_lossless_and_round_trips(tiny_llama_dir, tmp_
     save_drafter(d, tmp_path / "ckpt")
     back = load_drafter(tmp_path / "ckpt")
     assert back.config.draft_vocab_size == 20 and torch.equal(back.draft_to_target, d.draft_to_target)
+
+
+def test_the_reduced_head_is_gathered_once_in_either_mode_and_never_stale():
+    """`logits` reuses the gathered rows across rounds whether or not the drafter was put in eval mode; a head changed
+    in place, another head tensor or another map is gathered again; a head that is trained gets its gradient."""
+    torch.manual_seed(1)
+    d = DFlashDrafter(_cfg())  # train mode, as constructed or loaded without `.eval()`
+    d.draft_to_target.copy_(torch.randperm(97)[:20])
+    head, hidden = torch.randn(97, 64), torch.randn(3, 64)
+    with torch.no_grad():
+        first = d.logits(hidden, head)
+        gathered = d._reduced_head[2]
+        assert torch.allclose(first, hidden @ head[d.draft_to_target].t(), atol=1e-5)
+        d.logits(hidden, head)
+        assert d._reduced_head[2] is gathered  # the second round reuses it
+        head.mul_(2.0)  # in place: a new version
+        assert torch.allclose(d.logits(hidden, head), 2 * first, atol=1e-4)
+        other = torch.randn(97, 64)
+        assert torch.allclose(d.logits(hidden, other), hidden @ other[d.draft_to_target].t(), atol=1e-5)
+        d.draft_to_target.copy_(torch.randperm(97)[:20])
+        assert torch.allclose(d.logits(hidden, other), hidden @ other[d.draft_to_target].t(), atol=1e-5)
+    with torch.inference_mode():  # a gather made in inference mode is a normal tensor: usable for training after
+        d.logits(hidden, other)
+    trained = other.clone().requires_grad_(True)
+    d.logits(hidden, trained).sum().backward()
+    assert trained.grad is not None and trained.grad[d.draft_to_target].abs().sum() > 0
+    d.logits(hidden.requires_grad_(True), other).sum().backward()  # a frozen head: the cached rows, grads to hidden
+    assert hidden.grad is not None
