@@ -157,7 +157,13 @@ def _logs(args: argparse.Namespace) -> int:
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (speculators, z-lab or dflashkit format; detected)")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", help="output directory (new or empty; --to gguf: a new .gguf file)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty output directory (its config.json / model.safetensors are replaced, other files "
+        "stay) or over an existing .gguf file",
+    )
     p.add_argument(
         "--to",
         choices=("zlab", "speculators", "vllm", "deepspec", "gguf"),
@@ -212,7 +218,12 @@ def _convert(args: argparse.Namespace) -> int:
             raise ConfigError("--to gguf needs --target: the target's GGUF file (or 'default')")
         print(
             export_gguf(
-                args.src, args.out, target=args.target, outtype=args.outtype, num_target_layers=args.num_target_layers
+                args.src,
+                args.out,
+                target=args.target,
+                outtype=args.outtype,
+                num_target_layers=args.num_target_layers,
+                overwrite=args.overwrite,
             ).render()
         )
         return 0
@@ -222,7 +233,13 @@ def _convert(args: argparse.Namespace) -> int:
 
         target = Target.load(args.target)
     report = convert(
-        args.src, args.out, to=args.to, dtype=args.dtype, num_target_layers=args.num_target_layers, target=target
+        args.src,
+        args.out,
+        to=args.to,
+        dtype=args.dtype,
+        num_target_layers=args.num_target_layers,
+        target=target,
+        overwrite=args.overwrite,
     )
     print(report.render())
     return 0

@@ -122,6 +122,28 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- entry points
+def check_output(out: Path, *, overwrite: bool, writes: str = "config.json and model.safetensors") -> None:
+    """Refuse an output that would replace what is there: a non-empty directory, or (a file export) an existing
+    file — unless `overwrite`. A file where a directory is expected is refused either way."""
+    if not out.exists():
+        return
+    if out.suffix == ".gguf":
+        if not out.is_file():
+            raise ConfigError(f"output {out} exists and is not a file; expected a new .gguf file name")
+        if not overwrite:
+            raise ConfigError(f"output {out} exists; choose a new file name, or pass --overwrite to replace it")
+        return
+    if not out.is_dir():
+        raise ConfigError(f"output {out} is a file; expected a directory (new or empty)")
+    present = sorted(p.name for p in out.iterdir())
+    if present and not overwrite:
+        shown = ", ".join(present[:4]) + (f", … ({len(present)} entries)" if len(present) > 4 else "")
+        raise ConfigError(
+            f"output {out} is not empty ({shown}); convert writes {writes} there — choose a new or empty "
+            "directory, or pass --overwrite to replace them"
+        )
+
+
 def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     return {
         k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous() for k, v in tensors.items()
@@ -179,10 +201,12 @@ def convert(
     dtype: str | torch.dtype | None = None,
     num_target_layers: int | None = None,
     target: Any = None,
+    overwrite: bool = False,
 ) -> ConversionReport:
     """Convert a z-lab, speculators or serving-layout checkpoint to `to` ('zlab', 'speculators' or 'vllm': the
     serving layout, export/serving.py; `target`, a loaded Target, gives a reduced vocabulary its LM-head rows);
-    returns what was done."""
+    returns what was done. `out` must be new or empty unless `overwrite` (a typo must not replace a model's own
+    config.json and weights)."""
     if to not in FORMATS:
         raise ConfigError(f"unknown output format {to!r}; expected one of {', '.join(FORMATS)}")
     if isinstance(dtype, str):
@@ -192,6 +216,7 @@ def convert(
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise ConfigError(f"output {out} is the source checkpoint; choose another directory")
+    check_output(out, overwrite=overwrite)
     notes: list[str] = []
     cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes, target=target)
     tensors = _cast(tensors, dtype)
@@ -287,6 +312,7 @@ __all__ = [
     "KEY_SUBSTRINGS",
     "SPECULATORS_LAYER_IDS",
     "ConversionReport",
+    "check_output",
     "config_from_speculators",
     "config_to_speculators",
     "convert",

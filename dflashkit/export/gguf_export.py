@@ -45,7 +45,7 @@ import torch
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.errors import CheckpointError, ConfigError, TargetError
-from dflashkit.export.convert import ConversionReport, load_any
+from dflashkit.export.convert import ConversionReport, check_output, load_any
 
 ARCH = "dflash"
 # GGUF key templates (src/llama-arch.cpp LLM_KV_NAMES; "%s" = the architecture).
@@ -397,20 +397,31 @@ def _write(
 
 
 def export_gguf(
-    src: str | Path, out: str | Path, *, target: str | Path, outtype: str = "f16", num_target_layers: int | None = None
+    src: str | Path,
+    out: str | Path,
+    *,
+    target: str | Path,
+    outtype: str = "f16",
+    num_target_layers: int | None = None,
+    overwrite: bool = False,
 ) -> ConversionReport:
-    """Write the drafter checkpoint `src` (z-lab, dflashkit or speculators) as a llama.cpp dflash GGUF `out`."""
+    """Write the drafter checkpoint `src` (z-lab, dflashkit or speculators) as a llama.cpp dflash GGUF `out` (a new
+    file unless `overwrite`; never the target's own GGUF)."""
     if outtype not in OUTTYPES:
         raise ConfigError(f"unknown --outtype {outtype!r}; expected one of {list(OUTTYPES)}")
     out = Path(out)
     if out.suffix != ".gguf":
         raise ConfigError(f"output {out}: a GGUF export is one file; name it *.gguf")
+    target_file = resolve_target_gguf(target)
+    if out.exists() and out.resolve() == Path(target_file).resolve():
+        raise ConfigError(f"output {out} is the target's GGUF (--target); choose another file name")
+    check_output(out, overwrite=overwrite)
     notes: list[str] = []
     cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes)
     problems = export_problems(cfg)
     if problems:
         raise CheckpointError(f"{src}: llama.cpp cannot run this drafter: " + "; ".join(problems))
-    tgt = read_target_gguf(resolve_target_gguf(target))
+    tgt = read_target_gguf(target_file)
     check_target_fits(cfg, tgt)
     exp = build_export(cfg, tensors, tgt, outtype=outtype)
     notes += exp.notes

@@ -268,3 +268,25 @@ def test_speculators_export_names_the_verifier_and_the_window_and_says_what_spec
     (tmp_path / "spec/config.json").write_text(json.dumps(raw))
     off = convert(tmp_path / "spec", tmp_path / "back2")
     assert any("use_sliding_window is not true" in n for n in off.notes)
+
+
+def test_an_output_that_holds_something_is_refused_unless_overwrite(tmp_path, capsys):
+    """A typo must not replace a model's own config.json and weights: a non-empty directory is refused with what it
+    holds; --overwrite replaces config.json / model.safetensors and leaves the rest; a file is refused either way."""
+    src = write_checkpoint(tmp_path / "ours", small_config())
+    model_dir = tmp_path / "someones_model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}\n')
+    (model_dir / "tokenizer.json").write_text("{}\n")
+    assert main(["convert", str(src), str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"output {model_dir} is not empty (config.json, tokenizer.json)" in err and "--overwrite" in err
+    assert json.loads((model_dir / "config.json").read_text()) == {"model_type": "llama"}  # untouched
+    assert main(["convert", str(src), str(model_dir), "--overwrite"]) == 0
+    load_drafter(model_dir)
+    assert (model_dir / "tokenizer.json").read_text() == "{}\n"  # other files stay
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(src), str(tmp_path / "empty")]) == 0  # an empty directory is a new one
+    (tmp_path / "a_file").write_text("x")
+    assert main(["convert", str(src), str(tmp_path / "a_file"), "--overwrite"]) == 2
+    assert "is a file; expected a directory" in capsys.readouterr().err

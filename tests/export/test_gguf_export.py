@@ -327,3 +327,20 @@ def test_dspark_heads_and_keys(tmp_path, target_gguf, vocab):
     ):
         assert np.array_equal(dequant(tensors[name]).reshape(sd[key].shape), sd[key].numpy()), key
     assert any("draft-dspark --spec-draft-n-max 4" in n for n in report.notes)
+
+
+def test_an_existing_gguf_is_refused_unless_overwrite_and_the_targets_never(tmp_path, target_gguf):
+    cfg = small_config(learned_mask_embedding=False, mask_token_id=90, target_layer_ids=[1, 3, 5])
+    ckpt = write_checkpoint(tmp_path / "d", cfg)
+    out = tmp_path / "d.gguf"
+    export_gguf(ckpt, out, target=target_gguf, outtype="f32")
+    first = out.read_bytes()
+    with pytest.raises(ConfigError, match="exists; choose a new file name, or pass --overwrite"):
+        export_gguf(ckpt, out, target=target_gguf, outtype="f16")
+    assert out.read_bytes() == first
+    export_gguf(ckpt, out, target=target_gguf, outtype="f16", overwrite=True)
+    assert out.read_bytes() != first  # replaced by the f16 export
+    before = target_gguf.read_bytes()
+    with pytest.raises(ConfigError, match="is the target's GGUF"):
+        export_gguf(ckpt, target_gguf, target=target_gguf, outtype="f32", overwrite=True)
+    assert target_gguf.read_bytes() == before
