@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflashkit.errors import DFlashError
+
 SOURCE = Path(__file__).with_name("kernels") / "rows_linear.cpp"
 ENV = "DFLASHKIT_NATIVE"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
@@ -112,9 +114,12 @@ def _load() -> object:
         cxx = _compiler()
         if cxx is None:
             raise RuntimeError("no C++ compiler on this machine ($CXX, g++, c++)")
-        path = library_path(cxx)
-        if not path.is_file():
-            _build(cxx, path)
+        try:
+            path = library_path(cxx)
+            if not path.is_file():
+                _build(cxx, path)
+        except (OSError, DFlashError) as e:  # a cache that cannot be written (read-only home, a file in its place)
+            raise RuntimeError(f"cannot build the kernel in the user cache: {e}") from None
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as e:

@@ -122,6 +122,18 @@ def test_without_a_working_compiler_it_is_unusable_and_says_why(monkeypatch, tmp
         native_rows.reset()
 
 
+@needs_kernel
+def test_a_cache_that_cannot_be_written_makes_it_unusable_not_an_error(monkeypatch, tmp_path):
+    (tmp_path / "blocked").write_text("a file where the cache directory should be")
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "blocked"))
+    native_rows.reset()
+    try:
+        info = native_rows.status()
+        assert not info["available"] and "cannot build the kernel in the user cache" in info["reason"]
+    finally:
+        native_rows.reset()
+
+
 def test_off_leaves_it_out(monkeypatch):
     monkeypatch.setenv(native_rows.ENV, "off")
     assert not native_rows.enabled()
