@@ -5,13 +5,14 @@
 
 A decoding step reads every weight once and multiplies it by 1–17 rows: bandwidth-bound in principle, but a BLAS's
 GEMM is tuned for large M and its small-M paths differ between CPUs and builds (on a 2-core Intel Xeon with MKL
-2024.2 a 4-row product of SmolLM2's layers cost 1.4× a 1-row one). kernels/rows_linear.cpp streams each block of
-weight rows once and multiplies every row of x by it from L1. It is compiled the first time a trial needs it, with
-the machine's C++ compiler (`$CXX`, else g++, else c++; -O3 -march=native -fopenmp, ~2 s), into the user cache
-under a name that digests the source, the compiler, the CPU model and flags and the torch version — a cache shared
-by two kinds of CPU never hands one the other's instructions. No compiler, or a build that fails: the candidate
-is unusable on this machine (RuntimeError, recorded as such by the chooser: never timed, never chosen) and
-`status()` says why; `dflashkit info` prints it. `DFLASHKIT_NATIVE=off` leaves it out.
+2024.2 the products of a 4-row SmolLM2 pass took 36.5 ms against 21.2 for one row; this kernel 26.0 and 20.2).
+kernels/rows_linear.cpp streams each block of weight rows once and multiplies every row of x by it from L1. It is
+compiled the first time a trial needs it, with the machine's C++ compiler (`$CXX`, else g++, else c++; -O3
+-march=native -fopenmp, ~2 s), into the user cache under a name that digests the source, the compiler, the CPU
+model and flags and the torch version — a cache shared by two kinds of CPU never hands one the other's
+instructions. No compiler, a build that fails or a cache that cannot be written: the candidate is unusable on this
+machine (RuntimeError, recorded as such by the chooser: never timed, never chosen) and `status()` says why;
+`dflashkit info` prints it. `DFLASHKIT_NATIVE=off` leaves it out.
 
 Each output is the same dot product as F.linear's, summed in another order (float32 rounding differences only).
 Only contiguous float32 CPU tensors go through the kernel; anything else runs F.linear.
@@ -45,7 +46,11 @@ _STATE: dict[str, object] = {}  # "lib": the loaded kernel function, or "reason"
 
 def enabled() -> bool:
     """Whether the candidate takes part: not on a machine without a C++ compiler, nor with DFLASHKIT_NATIVE=off."""
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "no") and _compiler() is not None
+    return not _switched_off() and _compiler() is not None
+
+
+def _switched_off() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("off", "0", "no")
 
 
 def _compiler() -> str | None:
@@ -109,7 +114,7 @@ def _load() -> object:
     if "reason" in _STATE:
         raise RuntimeError(str(_STATE["reason"]))
     try:
-        if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no"):
+        if _switched_off():
             raise RuntimeError(f"{ENV}=off")
         cxx = _compiler()
         if cxx is None:
