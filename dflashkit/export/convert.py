@@ -122,7 +122,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- entry points
-def check_output(out: Path, *, overwrite: bool, writes: str = "config.json and model.safetensors") -> None:
+def check_output(out: Path, *, overwrite: bool) -> None:
     """Refuse an output that would replace what is there: a non-empty directory, or (a file export) an existing
     file — unless `overwrite`. A file where a directory is expected is refused either way."""
     if not out.exists():
@@ -139,8 +139,8 @@ def check_output(out: Path, *, overwrite: bool, writes: str = "config.json and m
     if present and not overwrite:
         shown = ", ".join(present[:4]) + (f", … ({len(present)} entries)" if len(present) > 4 else "")
         raise ConfigError(
-            f"output {out} is not empty ({shown}); convert writes {writes} there — choose a new or empty "
-            "directory, or pass --overwrite to replace them"
+            f"output {out} is not empty ({shown}); convert writes config.json and model.safetensors there — "
+            "choose a new or empty directory, or pass --overwrite to replace them"
         )
 
 

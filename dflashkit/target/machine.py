@@ -21,16 +21,31 @@ FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"
 
 
 @functools.lru_cache(maxsize=1)
-def _cpuinfo() -> tuple[str, tuple[str, ...]]:
-    model, flags = platform.processor() or platform.machine(), ()
+def _cpu_lines() -> tuple[str, str]:
+    """(model name, the whole flags line) of the first core in /proc/cpuinfo (all cores share them); the platform's
+    processor or machine name and no flags where there is no /proc."""
+    model = platform.processor() or platform.machine()
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return model, flags
+        return model, ""
     m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     f = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", text, re.M)
-    have = set(f.group(1).split()) if f else set()
-    return (m.group(1).strip() if m else model), tuple(x for x in FLAGS if x in have)
+    return (m.group(1).strip() if m else model), (f.group(1).strip() if f else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, tuple[str, ...]]:
+    model, flags = _cpu_lines()
+    have = set(flags.split())
+    return model, tuple(x for x in FLAGS if x in have)
+
+
+def cpu_signature() -> str:
+    """The CPU model and every instruction-set flag it reports: what a binary built with -march=native depends on
+    (native_rows.py keys its compiled kernel by it)."""
+    model, flags = _cpu_lines()
+    return f"{model}\n{flags}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,4 +104,4 @@ def read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-__all__ = ["blas", "describe_machine", "last_level_cache_bytes", "machine_line", "read_bandwidth"]
+__all__ = ["blas", "cpu_signature", "describe_machine", "last_level_cache_bytes", "machine_line", "read_bandwidth"]

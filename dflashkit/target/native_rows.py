@@ -73,15 +73,9 @@ def library_path(cxx: str) -> Path:
     """Where the kernel built by `cxx` for this CPU lives: the user cache, under a digest of everything it
     depends on (source, compiler, flags, CPU model and instruction-set flags, torch version)."""
     from dflashkit.target.default import cache_root
+    from dflashkit.target.machine import cpu_signature
 
-    cpu = Path("/proc/cpuinfo")
-    try:
-        text = cpu.read_text(encoding="utf-8", errors="replace")
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        cpu_id = "\n".join(dict.fromkeys(lines))  # one core's description (all cores share it)
-    except OSError:
-        cpu_id = os.uname().machine
-    parts = [SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(FLAGS).encode(), cpu_id.encode()]
+    parts = [SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(FLAGS).encode(), cpu_signature().encode()]
     digest = hashlib.sha256(b"\0".join([*parts, torch.__version__.encode()])).hexdigest()[:16]
     return cache_root() / "kernels" / f"rows_linear-{digest}.so"
 

@@ -140,8 +140,9 @@ def mode() -> str:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
-    if value == NATIVE and not native_rows.status()["available"]:
-        raise ConfigError(f"{ENV}={value}: the kernel cannot be had here ({native_rows.status()['reason']})")
+    native = native_rows.status() if value == NATIVE else None
+    if native is not None and not native["available"]:
+        raise ConfigError(f"{ENV}={value}: the kernel cannot be had here ({native['reason']})")
     if value != "auto" and value not in CANDIDATES and not (value == FUSED and "onednn" in CANDIDATES):
         lacks = "MKL's packed GEMM (torch.ops.mkl)" if value == PACKED else "oneDNN (torch.backends.mkldnn)"
         raise ConfigError(f"{ENV}={value}: this torch build has no {lacks}; use auto or stock")
