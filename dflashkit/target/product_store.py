@@ -7,8 +7,8 @@
     DFLASHKIT_PRODUCTS_STORE=off|DIR               # default: the user cache
     DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7              # an older choice is timed again (0: every process times anew)
 
-The file is keyed by CPU model, its flags, BLAS, torch version and thread count, so another machine or build never
-reads it. What the key cannot see is the machine's own drift: on a 2-core AMD EPYC VM (AVX2, MKL 2024.2) a 3-row
+The file is keyed by CPU model, its flags, BLAS, torch version, thread count and the source of the compiled
+candidate (native_rows.py: a changed kernel is timed anew), so another machine, build or kernel never reads it. What the key cannot see is the machine's own drift: on a 2-core AMD EPYC VM (AVX2, MKL 2024.2) a 3-row
 verify's choice kept oneDNN at 0.817 of stock against few_rows' 0.877, and on a later day oneDNN was 16 % slower
 than few_rows at that width (docs/benchmarks.md, 2026-12-04). A choice therefore carries the time it was measured
 (`measured_at`, seconds since the epoch) and is timed again after the age limit — a few seconds of trial steps a
@@ -66,8 +66,11 @@ def store_path() -> Path | None:
             folder = cache_root() / "products"
         except ConfigError:
             return None
+    from dflashkit.target.native_rows import SOURCE
+
     m = describe_machine()
-    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"]])
+    kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"], kernel])
     return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 

@@ -1,7 +1,7 @@
 """The few-row kernel compiled for this CPU (target/native_rows.py): equal to F.linear within float32 rounding on
-every shape a tile boundary can cut, NaN and infinities as in any product, the same values at any thread count,
-F.linear for what it does not take — and, where it cannot be built, a candidate the chooser records unusable with
-the reason."""
+every shape a tile boundary can cut, NaN and infinities as in any product, the same values at any thread count and
+whatever the other rows, F.linear for what it does not take — and, where it cannot be built, a candidate the chooser
+records unusable with the reason."""
 
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ def test_equal_to_f_linear_within_rounding(rows):
             assert got.shape == (rows, outer) and got.is_contiguous() and got.dtype == torch.float32
             assert ((got - want).abs() <= _bound(x, w) + 1e-6 * want.abs()).all(), (rows, inner, outer)
             assert ((F.linear(x, w, bias) - want).abs() <= _bound(x, w) + 1e-6 * want.abs()).all()
+
+
+@needs_kernel
+def test_a_rows_values_do_not_depend_on_the_other_rows():
+    """Every row count takes other register tiles (1 × 8 … 6 × 4, with rests), yet each output is summed in the same
+    order: a row's values are bit-equal whether it is multiplied alone or with 1–17 others (a verify pass's logits
+    do not depend on its width)."""
+    g = torch.Generator().manual_seed(3)
+    for inner, outer in ((576, 200), (577, 35), (64, 12), (40, 13)):
+        w, b = torch.randn(outer, inner, generator=g), torch.randn(outer, generator=g)
+        for rows in range(1, 18):
+            x = torch.randn(rows, inner, generator=g)
+            alone = torch.cat([native_rows.native_product(x[i : i + 1].clone(), w, b) for i in range(rows)])
+            assert torch.equal(native_rows.native_product(x, w, b), alone), (inner, outer, rows)
 
 
 @needs_kernel

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflashkit.errors import ConfigError
-from dflashkit.target import product_store
+from dflashkit.target import native_rows, product_store
 from dflashkit.target.product_store import DAY, fresh, max_age_seconds, read_choices
 from dflashkit.target.products import CANDIDATES, Chooser
 
@@ -49,6 +49,17 @@ def test_where_choices_are_kept_follows_the_store_variable(monkeypatch, tmp_path
     monkeypatch.delenv("DFLASHKIT_PRODUCTS_STORE")
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
     assert product_store.store_path().parent == tmp_path / "cache" / "products"
+
+
+def test_a_changed_kernel_source_reads_another_file(monkeypatch, tmp_path):
+    """Choices timed with one version of the compiled kernel are not those of the next (an upgrade re-times them)."""
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
+    before = product_store.store_path()
+    source = tmp_path / "rows_linear.cpp"
+    source.write_bytes(native_rows.SOURCE.read_bytes() + b"// changed\n")
+    monkeypatch.setattr(native_rows, "SOURCE", source)
+    after = product_store.store_path()
+    assert after.parent == before.parent and after != before
 
 
 def test_a_stored_choice_is_used_for_a_week_then_timed_again(monkeypatch, tmp_path):

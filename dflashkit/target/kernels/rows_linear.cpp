@@ -2,24 +2,26 @@
 // (dflashkit/target/native_rows.py compiles this file for the CPU at hand, -O3 -march=native, at first use).
 //
 // A decoding step multiplies 1–17 rows by every weight matrix of the model: the weights (hundreds of MB) are read
-// from memory once a step, the rows are tiny. So the loop streams a block of NT weight rows once and multiplies
-// every x row by it while it is in L1 (x itself, M × K floats, stays in L2), in register tiles of MT x rows × NT
-// weight rows; each output is one dot product over K, summed in VW lanes and then pairwise across the lanes. The
-// weight blocks are split over OpenMP threads (torch's own OpenMP runtime: the process loads one libgomp.so.1).
-// Plain GCC vector extensions: the compiler emits AVX-512, AVX2 or NEON as -march=native allows; no fast-math
-// (NaN and infinities propagate as in any float32 product). Row-major, contiguous float32 arrays only.
+// from memory once a step, the rows are tiny. So the loop streams a block of TN weight rows once and multiplies x
+// rows by it in register tiles of TM x rows × TN weight rows, asking for the next block's lines while it computes
+// (a software prefetch one block ahead: memory stays busy while a tile's FMAs run — without it a second pass of x
+// rows over a block left the memory idle, and 4 rows cost 1.3× one row). As many x rows as the registers hold go
+// through a block in one pass; each output is one dot product over K, summed in VW lanes and then pairwise across
+// the lanes. The weight blocks are split over OpenMP threads (torch's own OpenMP runtime: the process loads one
+// libgomp.so.1). Plain GCC vector extensions: the compiler emits AVX-512, AVX2 or NEON as -march=native allows; no
+// fast-math (NaN and infinities propagate as in any float32 product). Row-major, contiguous float32 arrays only.
 #include <string.h>
 
-// Register tiles measured on a 2-core Intel Xeon (AVX-512; the AVX2 build of the same source on it for the other
-// branch): MT x rows × NT weight rows, chosen among 1×8 … 4×6 by a pass over SmolLM2's 30 layers and head.
+// Register tiles (rows of x × rows of w) by M, measured on a 2-core Intel Xeon over SmolLM2's 30 layers and head
+// (AVX-512; the AVX2 build of this source on it for the other branch): with 32 vector registers, 1 × 8, 2 × 8, 3 × 8
+// and from 4 rows 6 × 4 tiles (4 rows: 20.6 ms against 24.9 in 2 × 8 passes and 19.3 for one row; 9 rows 23.9
+// against 30.5); with 16, 1 × 8 and 3 × 4 tiles.
 #if defined(__AVX512F__)
 #define VW 16  // floats per vector register
-#define MT 2   // 16 accumulators + 8 weight vectors + 1 x vector of 32 registers
 #else
-#define VW 8
-#define MT 1   // 16 registers (AVX2, NEON as two): 8 accumulators + 8 weight vectors, x from L1
+#define VW 8  // AVX2, or NEON as two registers
 #endif
-#define NT 8  // weight rows per block
+#define PREFETCH_LOCALITY 2  // into L2 and L3 (prefetcht1); 1 and 3 measured the same
 
 typedef float vec __attribute__((vector_size(VW * 4)));
 
@@ -71,9 +73,30 @@ static inline v8 sums8(const vec* a) {
 #endif
 }
 
-// TM x rows (stride K) times TN weight rows (stride K) → y (stride N); b: TN biases or null
+// the 4 sums of 4 accumulators as one vector, in the same pairwise order as sums8
+static inline v4 sums4(const vec* a) {
+#if VW == 16
+  vec r0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  vec r1 = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2], a[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  vec s = __builtin_shufflevector(r0, r1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+          __builtin_shufflevector(r0, r1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  v8 t = __builtin_shufflevector(s, s, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(s, s, 2, 3, 6, 7, 10, 11, 14, 15);
+#else
+  vec r0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[0], a[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  vec r1 = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2], a[3], 4, 5, 6, 7, 12, 13, 14, 15);
+  v8 t = __builtin_shufflevector(r0, r1, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(r0, r1, 2, 3, 6, 7, 10, 11, 14, 15);
+#endif
+  return __builtin_shufflevector(t, t, 0, 2, 4, 6) + __builtin_shufflevector(t, t, 1, 3, 5, 7);
+}
+
+// TM x rows (stride K) times TN weight rows (stride K) → y (stride N); b: TN biases or null. `ahead`: the next
+// block's first weight row, whose lines are asked for while this block is multiplied (null: none).
 template <int TM, int TN>
-static inline void tile(const float* x, long K, const float* w, float* y, long N, const float* b) {
+static inline void tile(const float* x, long K, const float* w, float* y, long N, const float* b, const float* ahead) {
   vec acc[TM][TN];
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = vec{};
@@ -81,20 +104,32 @@ static inline void tile(const float* x, long K, const float* w, float* y, long N
   for (; k + VW <= K; k += VW) {
     vec wv[TN];
     for (int j = 0; j < TN; ++j) wv[j] = load(w + j * K + k);
+    if (ahead)
+      for (int j = 0; j < TN; ++j) __builtin_prefetch(ahead + j * K + k, 0, PREFETCH_LOCALITY);
     for (int i = 0; i < TM; ++i) {
       vec xv = load(x + i * K + k);
       for (int j = 0; j < TN; ++j) acc[i][j] += xv * wv[j];
     }
   }
-  if (TN == 8 && k == K) {  // the common case: 8 sums at once, stored as one vector
+  if ((TN == 8 || TN == 4) && k == K) {  // the common case: TN sums at once, stored as one vector
     for (int i = 0; i < TM; ++i) {
-      v8 s = sums8(acc[i]);
-      if (b) {
-        v8 bias;
-        memcpy(&bias, b, sizeof bias);  // unaligned
-        s += bias;
+      if constexpr (TN == 8) {
+        v8 s = sums8(acc[i]);
+        if (b) {
+          v8 bias;
+          memcpy(&bias, b, sizeof bias);  // unaligned
+          s += bias;
+        }
+        memcpy(y + i * N, &s, sizeof s);
+      } else {
+        v4 s = sums4(acc[i]);
+        if (b) {
+          v4 bias;
+          memcpy(&bias, b, sizeof bias);
+          s += bias;
+        }
+        memcpy(y + i * N, &s, sizeof s);
       }
-      memcpy(y + i * N, &s, sizeof s);
     }
     return;
   }
@@ -106,27 +141,56 @@ static inline void tile(const float* x, long K, const float* w, float* y, long N
     }
 }
 
-// all M rows of x times one block of TN weight rows
-template <int TN>
-static void block(const float* x, long M, long K, const float* w, float* y, long N, const float* b) {
+// all M rows of x times one block of TN weight rows: tiles of TM rows, the rest (fewer than TM) in one tile
+template <int TM, int TN>
+static void block(const float* x, long M, long K, const float* w, float* y, long N, const float* b, const float* ahead) {
   long m = 0;
-  for (; m + MT <= M; m += MT) tile<MT, TN>(x + m * K, K, w, y + m * N, N, b);
-  static_assert(MT <= 2, "one row left at most");
-  if (m < M) tile<1, TN>(x + m * K, K, w, y + m * N, N, b);
+  for (; m + TM <= M; m += TM) tile<TM, TN>(x + m * K, K, w, y + m * N, N, b, ahead);
+  static_assert(TM <= 6, "a rest of at most 5 rows");
+  const float* xs = x + m * K;
+  float* ys = y + m * N;
+  switch (M - m) {
+    case 1: tile<1, TN>(xs, K, w, ys, N, b, ahead); break;
+    case 2: if constexpr (TM > 2) tile<2, TN>(xs, K, w, ys, N, b, ahead); break;
+    case 3: if constexpr (TM > 3) tile<3, TN>(xs, K, w, ys, N, b, ahead); break;
+    case 4: if constexpr (TM > 4) tile<4, TN>(xs, K, w, ys, N, b, ahead); break;
+    case 5: if constexpr (TM > 5) tile<5, TN>(xs, K, w, ys, N, b, ahead); break;
+    default: break;
+  }
+}
+
+// y = x · wᵀ (+ b) in TM × TN tiles, the blocks of TN weight rows split over the threads
+template <int TM, int TN>
+static void rows_linear(const float* x, long M, long K, const float* w, long N, const float* b, float* y, int threads) {
+  long blocks = (N + TN - 1) / TN;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long nb = 0; nb < blocks; ++nb) {
+    long n0 = nb * TN;
+    if (n0 + TN <= N) {
+      const float* ahead = n0 + 2 * TN <= N ? w + (n0 + TN) * K : nullptr;  // the next whole block, if any
+      block<TM, TN>(x, M, K, w + n0 * K, y + n0, N, b ? b + n0 : nullptr, ahead);
+    } else {  // the last, partial block: one weight row at a time
+      for (long n = n0; n < N; ++n) block<TM, 1>(x, M, K, w + n * K, y + n, N, b ? b + n : nullptr, nullptr);
+    }
+  }
 }
 
 extern "C" int dfk_rows_vector_width(void) { return VW; }
 
 extern "C" void dfk_rows_linear(const float* x, long M, long K, const float* w, long N, const float* b, float* y,
                                 int threads) {
-  long blocks = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (long nb = 0; nb < blocks; ++nb) {
-    long n0 = nb * NT;
-    if (n0 + NT <= N) {
-      block<NT>(x, M, K, w + n0 * K, y + n0, N, b ? b + n0 : nullptr);
-    } else {  // the last, partial block: one weight row at a time
-      for (long n = n0; n < N; ++n) block<1>(x, M, K, w + n * K, y + n, N, b ? b + n : nullptr);
-    }
+#if VW == 16
+  switch (M) {  // 32 registers: TM × TN accumulators + TN weight vectors + x
+    case 1: rows_linear<1, 8>(x, M, K, w, N, b, y, threads); return;
+    case 2: rows_linear<2, 8>(x, M, K, w, N, b, y, threads); return;
+    case 3: rows_linear<3, 8>(x, M, K, w, N, b, y, threads); return;
+    default: rows_linear<6, 4>(x, M, K, w, N, b, y, threads); return;  // 4–6 rows in one pass over a block
   }
+#else
+  if (M == 1) {
+    rows_linear<1, 8>(x, M, K, w, N, b, y, threads);  // 16 registers: 8 accumulators + 8 weight vectors
+  } else {
+    rows_linear<3, 4>(x, M, K, w, N, b, y, threads);  // 12 accumulators + 4 weight vectors
+  }
+#endif
 }
