@@ -152,3 +152,32 @@ def test_info_says_where_choices_are_kept_and_how_old_they_are(monkeypatch, tmp_
     lines = "\n".join(_machine_lines(_machine()))
     assert f"choices kept      {product_store.store_path()} (timed again after 10 days; the oldest 2 days old)" in lines
     assert "3 rows: stock 1" in lines
+
+
+def test_a_lone_products_unclear_verdict_is_timed_for_more_rounds_before_stock_is_kept():
+    """A candidate ahead of stock in the median but behind it in more than a quarter of the first rounds (a noisy
+    machine) is timed further, as a pass's trial is; it is kept when the further rounds confirm the lead."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(40, 16, generator=g), torch.randn(1, 16, generator=g)
+    ms = 1e-3
+    first = [0.7, 0.8, 1.2, 0.8, 1.3, 0.9, 1.1]  # median 0.9, lost in 3 of 7 rounds: unclear
+    calls: list[str] = []
+
+    def timer(name, fn):
+        fn()
+        calls.append(name)
+        if name == "stock":
+            return 1 * ms
+        if name != "few_rows":
+            return 2 * ms
+        round_ = calls.count(name) - 1
+        return (first[round_] if round_ < len(first) else 0.8) * ms
+
+    c = Chooser(timer=timer, store=None, repeats=7)
+    assert _settle(c, x, w) == "few_rows"
+    assert calls.count("stock") == 14  # one extension of 7 rounds
+    entry = c.choices["1x16x40:float32"]
+    assert entry["few_rows_vs_stock"] == 0.8
+    steady: list[str] = []
+    c2 = Chooser(timer=_timer({"stock": 1.0, "few_rows": 0.8}, steady), store=None, repeats=7)
+    assert _settle(c2, x, w) == "few_rows" and steady.count("stock") == 7  # clear at once: no extension
