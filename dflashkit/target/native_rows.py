@@ -5,8 +5,9 @@
 
 A decoding step reads every weight once and multiplies it by 1–17 rows: bandwidth-bound in principle, but a BLAS's
 GEMM is tuned for large M and its small-M paths differ between CPUs and builds (on a 2-core Intel Xeon with MKL
-2024.2 the products of a 4-row SmolLM2 pass took 36.5 ms against 21.2 for one row; this kernel 26.0 and 20.2).
-kernels/rows_linear.cpp streams each block of weight rows once and multiplies every row of x by it from L1. It is
+2024.2 the products of a 4-row SmolLM2 pass took 36.0 ms against 20.8 for one row; this kernel 22.0 and 20.2).
+kernels/rows_linear.cpp streams each block of weight rows once, asks for the next block's lines while up to 6 rows
+of x are multiplied by it in registers, and sums each output in the same order whatever the other rows. It is
 compiled the first time a trial needs it, with the machine's C++ compiler (`$CXX`, else g++, else c++; -O3
 -march=native -fopenmp, ~2 s), into the user cache under a name that digests the source, the compiler, the CPU
 model and flags and the torch version — a cache shared by two kinds of CPU never hands one the other's
@@ -42,6 +43,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 BUILD_TIMEOUT_S = 300
 
 _STATE: dict[str, object] = {}  # "lib": the loaded kernel function, or "reason": why there is none
+_F32 = torch.float32
 
 
 def enabled() -> bool:
@@ -143,25 +145,28 @@ def status() -> dict[str, object]:
 
 def native_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x (M, in) · wᵀ (+ b) → (M, out) through the compiled kernel; F.linear for what it does not take (not
-    contiguous float32 CPU tensors). RuntimeError where the kernel cannot be built (products.py: unusable)."""
-    fn = _load()
+    contiguous float32 CPU tensors). RuntimeError where the kernel cannot be built (products.py: unusable).
+    A decoding pass makes ~200 of these calls: the checks are kept to attribute reads (~3 µs over the ctypes call)."""
+    fn = _STATE.get("lib") or _load()
     if (
-        x.dtype != torch.float32
-        or w.dtype != torch.float32
-        or not (x.is_cpu and w.is_cpu)
-        or not w.is_contiguous()
-        or (b is not None and (b.dtype != torch.float32 or not b.is_cpu or not b.is_contiguous()))
-        or x.dim() != 2
+        x.dtype == _F32
+        and w.dtype == _F32
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.is_cpu
+        and w.is_cpu
+        and w.is_contiguous()
+        and (b is None or (b.dtype == _F32 and b.is_cpu and b.is_contiguous() and b.dim() == 1))
     ):
-        return F.linear(x, w, b)
-    x = x.contiguous()  # (M, in)
-    rows, inner = x.shape
-    if w.dim() != 2 or w.shape[1] != inner or (b is not None and b.shape != (w.shape[0],)):
-        return F.linear(x, w, b)  # torch's own error for shapes that do not fit
-    out = torch.empty(rows, w.shape[0], dtype=torch.float32)  # (M, out), row-major as F.linear returns it
-    bias = b.data_ptr() if b is not None else None
-    fn(x.data_ptr(), rows, inner, w.data_ptr(), w.shape[0], bias, out.data_ptr(), torch.get_num_threads())
-    return out
+        rows, inner = x.shape
+        outer, k = w.shape
+        if k == inner and (b is None or b.shape[0] == outer):
+            x = x.contiguous()  # (M, in)
+            out = torch.empty((rows, outer), dtype=_F32)  # (M, out), row-major as F.linear returns it
+            bias = None if b is None else b.data_ptr()
+            fn(x.data_ptr(), rows, inner, w.data_ptr(), outer, bias, out.data_ptr(), torch.get_num_threads())
+            return out
+    return F.linear(x, w, b)  # other dtypes, devices, layouts; torch's own error for shapes that do not fit
 
 
 def reset() -> None:

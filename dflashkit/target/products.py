@@ -27,7 +27,7 @@ every weight matrix. Ways to compute the same float32 products, whose speed depe
 Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
 Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
 other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
-in three rounds of four); otherwise stock:
+in three rounds of four; ahead in the median only: more rounds first, twice at most); otherwise stock:
   a model's layers   (the linears one `route_linears` call routed: a pass group) get one choice per row count,
                      timed in the real decoding steps (step_trial.py: why not the products alone), each candidate
                      running whole steps in turn.
@@ -39,8 +39,8 @@ runs the prefill and the first draft round inside `stock_products()` — measure
 landed in the middle of a timed decode (bench/speed.py: dflashkit AR 0.92× HF before, see docs/benchmarks.md).
 Likewise `Target.forward` without a cache (capture, online features, checks: whole sequences, once) takes stock
 products — the quickstart's capture met two samples of 42 and two of 57 tokens and timed those widths.
-A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU model, BLAS, torch
-version and threads, so later runs skip the timing for a week; then it is timed again (product_store.py: the machine
+A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU, BLAS, torch, threads and
+kernel source, so later runs skip the timing for a week; then it is timed again (product_store.py: the machine
 drifts; what was chosen, and whether a timing is under way: product_report.py).
 All compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
@@ -284,12 +284,7 @@ class Chooser:
     def measure(self, x: Tensor, w: Tensor, b: Tensor | None) -> dict[str, float | str | None]:
         """Time every candidate on these very tensors, cache-cold and interleaved (ABBA …), and pick by `decide`;
         a verdict that is stock only for want of rounds (`unclear`) is timed for more rounds first, as a pass's."""
-        return self._interleaved(lambda fn: fn(x, w, b))
-
-    def _interleaved(
-        self, run: Callable[[Callable[[Tensor, Tensor, Tensor | None], Tensor]], object]
-    ) -> dict[str, float | str | None]:
-        names, failed = _runnable(run)  # also the warm-up: first calls pay allocations
+        names, failed = _runnable(run := lambda fn: fn(x, w, b))  # also the warm-up: first calls pay allocations
         times: dict[str, list[float]] = {name: [] for name in names}
         rounds, extensions = self.repeats, 0
         with torch.no_grad():
