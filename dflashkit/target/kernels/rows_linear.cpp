@@ -14,8 +14,8 @@
 
 // Register tiles (rows of x × rows of w) by M, measured on a 2-core Intel Xeon over SmolLM2's 30 layers and head
 // (AVX-512; the AVX2 build of this source on it for the other branch): with 32 vector registers, 1 × 8, 2 × 8, 3 × 8
-// and from 4 rows 6 × 4 tiles (4 rows: 20.6 ms against 24.9 in 2 × 8 passes and 19.3 for one row; 9 rows 23.9
-// against 30.5); with 16, 1 × 8 and 3 × 4 tiles.
+// and from 4 rows 6 × 4 tiles (4 rows: 22.0 ms against 25.8 in 2 × 8 passes and 20.2 for one row; 9 rows 23.4
+// against 30.6; docs/benchmarks.md); with 16, 1 × 8 and 3 × 4 tiles.
 #if defined(__AVX512F__)
 #define VW 16  // floats per vector register
 #else
