@@ -93,6 +93,17 @@ static inline v4 sums4(const vec* a) {
   return __builtin_shufflevector(t, t, 0, 2, 4, 6) + __builtin_shufflevector(t, t, 1, 3, 5, 7);
 }
 
+// y[0 .. lanes) = sums (+ b[0 .. lanes) when b is not null); unaligned
+template <typename V>
+static inline void store(V sums, const float* b, float* y) {
+  if (b) {
+    V bias;
+    memcpy(&bias, b, sizeof bias);
+    sums += bias;
+  }
+  memcpy(y, &sums, sizeof sums);
+}
+
 // TM x rows (stride K) times TN weight rows (stride K) → y (stride N); b: TN biases or null. `ahead`: the next
 // block's first weight row, whose lines are asked for while this block is multiplied (null: none).
 template <int TM, int TN>
@@ -111,27 +122,17 @@ static inline void tile(const float* x, long K, const float* w, float* y, long N
       for (int j = 0; j < TN; ++j) acc[i][j] += xv * wv[j];
     }
   }
-  if ((TN == 8 || TN == 4) && k == K) {  // the common case: TN sums at once, stored as one vector
-    for (int i = 0; i < TM; ++i) {
-      if constexpr (TN == 8) {
-        v8 s = sums8(acc[i]);
-        if (b) {
-          v8 bias;
-          memcpy(&bias, b, sizeof bias);  // unaligned
-          s += bias;
+  if constexpr (TN == 8 || TN == 4) {
+    if (k == K) {  // the common case: TN sums at once, stored as one vector
+      for (int i = 0; i < TM; ++i) {
+        if constexpr (TN == 8) {
+          store(sums8(acc[i]), b, y + i * N);
+        } else {
+          store(sums4(acc[i]), b, y + i * N);
         }
-        memcpy(y + i * N, &s, sizeof s);
-      } else {
-        v4 s = sums4(acc[i]);
-        if (b) {
-          v4 bias;
-          memcpy(&bias, b, sizeof bias);
-          s += bias;
-        }
-        memcpy(y + i * N, &s, sizeof s);
       }
+      return;
     }
-    return;
   }
   for (int i = 0; i < TM; ++i)
     for (int j = 0; j < TN; ++j) {
