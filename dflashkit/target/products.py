@@ -286,15 +286,12 @@ class Chooser:
         a verdict that is stock only for want of rounds (`unclear`) is timed for more rounds first, as a pass's."""
         names, failed = _runnable(run := lambda fn: fn(x, w, b))  # also the warm-up: first calls pay allocations
         times: dict[str, list[float]] = {name: [] for name in names}
-        rounds, extensions = self.repeats, 0
         with torch.no_grad():
-            while True:
-                for r in range(len(times[names[0]]), rounds):  # the rounds not timed yet
-                    for name in names if r % 2 == 0 else names[::-1]:
-                        times[name].append(self.timer(name, lambda name=name: run(CANDIDATES[name])))
-                if extensions == MAX_EXTENSIONS or not unclear(times):
-                    break
-                rounds, extensions = rounds + self.repeats, extensions + 1
+            for r in range(self.repeats * (1 + MAX_EXTENSIONS)):
+                if r and r % self.repeats == 0 and not unclear(times):
+                    break  # clear after these rounds (unclear: `repeats` more, MAX_EXTENSIONS times at most)
+                for name in names if r % 2 == 0 else names[::-1]:
+                    times[name].append(self.timer(name, lambda name=name: run(CANDIDATES[name])))
         entry = decide(times)
         entry.update({f"{name}_ms": None for name in failed})  # tried and unusable: not re-tried from the store
         return entry
