@@ -14,7 +14,8 @@ different sessions; rerun with resume=False for clean timings.
 `ddtree:auto` runs DDTree with the budget that gives each drafter the most tokens/s on this machine, chosen before
 anything is timed (`budget_choice.py`: replayed τ per budget × measured round times, on `budget_prompts` — by
 default the first two prompts of the evaluation); the choice is kept in `out_dir/budget_choice.json` (a resumed run
-keeps it) and in results.json next to the method's statistics.
+keeps it) and in results.json next to the method's statistics. Each ddtree:auto run records its budget in
+progress.jsonl; a resumed run whose choice differs (measured again after damage) runs those prompts again.
 """
 
 from __future__ import annotations
@@ -131,12 +132,15 @@ def evaluate(
     with one_writer(out, "dflashkit eval"):
         ppath = out / PROGRESS
         records = _resumed_records(ppath, key, prompts, resume)
-        todo = [p for p in prompts if p.id not in records]
         for d in drafters.values():
             d.eval()
         if any(m.is_auto for m in session.spec):
             calibration = budget_prompts or prompts
-            session.auto = _auto_budgets(session, out, key, calibration, budget_choices or {}, resume, progress)
+            session.auto, measured = _auto_budgets(
+                session, out, key, calibration, budget_choices or {}, resume, progress
+            )
+            records = _records_of_these_budgets(records, session, measured, ppath, progress)
+        todo = [p for p in prompts if p.id not in records]
         if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
             session.warm_up(todo[0], seed)
         index = {p.id: i for i, p in enumerate(prompts)}
@@ -225,6 +229,8 @@ class _Session:
             for m in self.spec:
                 res, wall = self.run(p, d, self.method_for(name, m), self.max_new_tokens, seed)
                 r = run_record(res, wall)
+                if m.is_auto:
+                    r["budget"] = self.auto[name].budget  # a resumed run re-runs the prompt if the choice changed
                 if self.sampling.greedy:
                     r["divergence"] = triage_divergence(
                         self.target, p.ids, ar_res.tokens, res.tokens, threshold=self.threshold
@@ -301,10 +307,10 @@ def _auto_budgets(
     given: dict[str, BudgetChoice],
     resume: bool,
     progress: bool,
-) -> dict[str, BudgetChoice]:
+) -> tuple[dict[str, BudgetChoice], set[str]]:
     """The ddtree:auto budget of every drafter: given, kept from an earlier run with the same settings
-    (budget_choice.json, when resuming), or measured now (and kept). A given budget that differs from the one the
-    kept records were evaluated with is refused."""
+    (budget_choice.json, when resuming), or measured now (and kept); and the names of the drafters measured now. A
+    given budget that differs from the one the kept records were evaluated with is refused."""
     path = out / BUDGET_CHOICE
     kept: dict[str, Any] = {}
     if resume and path.is_file():
@@ -314,7 +320,7 @@ def _auto_budgets(
             kept = {name: e for name, e in kept.items() if budget_choice_problem(e) is None}  # damaged: measured again
         except (ValueError, KeyError, TypeError, AttributeError):
             kept = {}  # damaged: measured again
-    choices = {}
+    choices, measured = {}, set()
     for name, d in session.drafters.items():
         if name in given:
             if name in kept and int(kept[name]["budget"]) != given[name].budget and (out / PROGRESS).is_file():
@@ -336,11 +342,36 @@ def _auto_budgets(
                 stop_token_ids=session.stops,
                 progress=progress,
             )
+            measured.add(name)
         if progress:
             print(f"ddtree:auto for {name!r}: {choices[name].describe()}", flush=True)
     doc = {"key": key, "drafters": {n: c.as_dict() for n, c in choices.items()}}
     atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
-    return choices
+    return choices, measured
+
+
+def _records_of_these_budgets(
+    records: dict[str, dict[str, Any]], session: _Session, measured: set[str], ppath: Path, progress: bool
+) -> dict[str, dict[str, Any]]:
+    """The resumed records whose ddtree:auto runs used the budgets chosen now. A record whose run names another
+    budget — or names none (written before runs kept it) while that drafter's budget was measured anew, e.g. after a
+    damaged budget_choice.json — is left out: its prompt runs again, so no statistic mixes two budgets."""
+    auto = [m.name for m in session.spec if m.is_auto]
+    kept, again = {}, 0
+    for pid, rec in records.items():
+        same = all(
+            run.get("budget", None if name in measured else session.auto[name].budget) == session.auto[name].budget
+            for name in session.auto
+            for m, run in rec["runs"].get(name, {}).items()
+            if m in auto
+        )
+        if same:
+            kept[pid] = rec
+        else:
+            again += 1
+    if again and progress:
+        print(f"{ppath}: {again} prompt(s) were evaluated with another ddtree:auto budget; they run again", flush=True)
+    return kept
 
 
 def _check_arguments(session: _Session, prompts: list[Prompt]) -> None:

@@ -125,6 +125,7 @@ class _Run(JsonFields):
     timings: dict[str, float]
     divergence: _Divergence | None = None
     greedy_equal: bool | None = None
+    budget: Annotated[int, Field(ge=1)] | None = None  # ddtree:auto's budget for this run
 
 
 class _HFRun(JsonFields):

@@ -212,3 +212,51 @@ def test_cli_eval_ddtree_auto(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     assert f"| a | ddtree:auto (B={st['budget']}) |" in out
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "## DDTree budget chosen (ddtree:auto)" in report and f"| {st['budget']} ← |" in report
+
+
+def test_a_resumed_run_reruns_the_prompts_of_another_budget(llama, tmp_path, monkeypatch):
+    """budget_choice.json damaged between two runs → the budget is measured again; where it comes out different,
+    the prompts evaluated with the old one run again (no statistic mixes two budgets); where it is the same, or the
+    choice was kept, nothing runs again — records written before runs kept their budget included."""
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    prompts = make_prompts(3, seed=7)
+    drafter = oracle_for(llama, prompts, 12, p_correct=0.8, seed=2)
+    row = {"tau": 1.5, "round_ms": 10.0, "tokens_per_s": 150.0}
+    choice = {"budget": 2}
+    monkeypatch.setattr(
+        ev, "choose_tree_budget", lambda *a, **k: BudgetChoice(choice["budget"], [dict(row, budget=choice["budget"])])
+    )
+    budgets = []
+    real_generate = ev.generate
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: _record(budgets, k) or real_generate(*a, **k))
+    kw = dict(methods="ar,ddtree:auto", max_new_tokens=12, progress=False, stop_token_ids=(), warmup=False)
+    evaluate(llama, {"o": drafter}, prompts, out_dir=tmp_path, **kw)
+    progress = tmp_path / ev.PROGRESS
+    assert [json.loads(x)["runs"]["o"]["ddtree:auto"]["budget"] for x in progress.read_text().splitlines()] == [2] * 3
+
+    def damage_and_resume(budget):
+        (tmp_path / ev.BUDGET_CHOICE).write_text("{damaged")
+        choice["budget"] = budget
+        budgets.clear()
+        return evaluate(llama, {"o": drafter}, prompts, out_dir=tmp_path, **kw)
+
+    doc = damage_and_resume(2)  # measured again, the same budget: every record resumed, nothing runs
+    assert budgets == [] and doc["results"]["o"]["ddtree:auto"]["n_prompts"] == 3
+    doc = damage_and_resume(3)  # another budget: all three prompts run again with it
+    assert budgets == [3] * 3 and doc["results"]["o"]["ddtree:auto"]["budget"] == 3
+    assert doc["results"]["o"]["ddtree:auto"]["n_prompts"] == 3
+    latest = {}
+    for line in progress.read_text().splitlines():
+        rec = json.loads(line)
+        latest[rec["id"]] = rec["runs"]["o"]["ddtree:auto"]["budget"]
+    assert latest == {p.id: 3 for p in prompts}
+
+    # records without a budget (written before runs kept it): trusted with the kept choice, run again when re-measured
+    lines = [json.loads(x) for x in progress.read_text().splitlines()][-3:]
+    for rec in lines:
+        del rec["runs"]["o"]["ddtree:auto"]["budget"]
+    progress.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    budgets.clear()
+    evaluate(llama, {"o": drafter}, prompts, out_dir=tmp_path, **kw)  # budget_choice.json kept: budget 3
+    assert budgets == []
+    assert damage_and_resume(3)["results"]["o"]["ddtree:auto"]["n_prompts"] == 3 and budgets == [3] * 3
