@@ -357,15 +357,15 @@ def _records_of_these_budgets(
     budget — or names none (written before runs kept it) while that drafter's budget was measured anew, e.g. after a
     damaged budget_choice.json — is left out: its prompt runs again, so no statistic mixes two budgets."""
     auto = [m.name for m in session.spec if m.is_auto]
+
+    def ran_with_the_choice(name: str, run: dict[str, Any]) -> bool:
+        recorded = run.get("budget")
+        return name not in measured if recorded is None else recorded == session.auto[name].budget
+
     kept, again = {}, 0
     for pid, rec in records.items():
-        same = all(
-            run.get("budget", None if name in measured else session.auto[name].budget) == session.auto[name].budget
-            for name in session.auto
-            for m, run in rec["runs"].get(name, {}).items()
-            if m in auto
-        )
-        if same:
+        runs = [(name, rec["runs"].get(name, {}).get(m)) for name in session.auto for m in auto]
+        if all(run is None or ran_with_the_choice(name, run) for name, run in runs):
             kept[pid] = rec
         else:
             again += 1
