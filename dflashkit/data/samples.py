@@ -47,14 +47,15 @@ class Sample:
 def read_tokens(path: str | Path, *, on_error: str = "stop") -> tuple[list[Sample], list[str]]:
     """Read `tokens.jsonl`; returns (samples, problems). on_error="stop" raises on the first bad line.
 
-    Lines are read through `dflashkit.data.jsonl` (size cap, UTF-8 check); each sample remembers its "file:line" in
-    `origin`, so later checks (e.g. token ids against the target's vocabulary: `check_token_ids`) can name it."""
+    Lines are read through `dflashkit.data.jsonl` (size cap, UTF-8 check); a sample id seen on an earlier line is a
+    bad line (the first one is kept). Each sample remembers its "file:line" in `origin`, so later checks (e.g. token ids against the target's vocabulary: `check_token_ids`) can name it."""
     path = Path(path)
     if not path.is_file():
         found = "is a directory" if path.is_dir() else "file not found"
         raise DataError(f"{path}: {found} (expected tokens.jsonl written by `dflashkit prepare`)")
     samples: list[Sample] = []
     problems: list[str] = []
+    first_line: dict[str, int] = {}  # sample id → the line that holds it (ids must be unique)
     for line in read_lines(path):
         try:
             rec = line.json()
@@ -67,9 +68,16 @@ def read_tokens(path: str | Path, *, on_error: str = "stop") -> tuple[list[Sampl
                 raise ValueError("empty input_ids")
             if bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError("loss_mask holds values other than 0 and 1")
+            sid = str(rec.get("id", f"{path.name}:{line.number}"))
+            if sid in first_line:
+                raise LineProblem(
+                    f"field 'id': duplicate id {sid!r} (line {first_line[sid]} has it too; ids must be unique — "
+                    f"were two files concatenated? a repeated sample could land in training and in validation)"
+                )
+            first_line[sid] = line.number
             samples.append(
                 Sample(
-                    id=str(rec.get("id", f"{path.name}:{line.number}")),
+                    id=sid,
                     input_ids=ids,
                     loss_mask=mask.bool(),
                     origin=f"{path}:{line.number}",

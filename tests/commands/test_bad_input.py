@@ -125,6 +125,25 @@ def test_malformed_tokens_records(case, tmp_path):
     assert f"{path}:2: " in str(e.value) and says in str(e.value)
 
 
+def test_a_duplicated_sample_id_names_both_lines_and_skip_keeps_the_first(tmp_path):
+    path = tmp_path / "tokens.jsonl"
+    again = json.loads(_tokens_line(1))
+    again["id"] = "s0"  # another sequence under an id line 1 already holds (e.g. two files concatenated)
+    path.write_text(_tokens_line(0) + "\n" + _tokens_line(2) + "\n" + json.dumps(again) + "\n")
+    with pytest.raises(DataError) as e:
+        read_tokens(path)
+    assert str(e.value).startswith(f"{path}:3: field 'id': duplicate id 's0' (line 1 has it too")
+    samples, problems = read_tokens(path, on_error="skip")
+    assert [s.id for s in samples] == ["s0", "s2"] and samples[0].input_ids.tolist() == json.loads(_tokens_line(0))[
+        "input_ids"
+    ]
+    assert len(problems) == 1 and problems[0].startswith(f"{path}:3: field 'id': duplicate id 's0'")
+    nameless = tmp_path / "nameless.jsonl"  # records without ids get "file:line" ids, unique by construction
+    lines = [json.loads(_tokens_line(i)) for i in range(3)]
+    nameless.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "id"}) + "\n" for r in lines))
+    assert [s.id for s in read_tokens(nameless)[0]] == ["nameless.jsonl:1", "nameless.jsonl:2", "nameless.jsonl:3"]
+
+
 # ---------------------------------------------------------------------------------------------- token ids
 @pytest.mark.parametrize("bad_id", [97, 500, -1])
 def test_token_ids_outside_the_vocabulary_name_file_and_line(bad_id, target, tmp_path):
