@@ -48,7 +48,8 @@ def read_tokens(path: str | Path, *, on_error: str = "stop") -> tuple[list[Sampl
     """Read `tokens.jsonl`; returns (samples, problems). on_error="stop" raises on the first bad line.
 
     Lines are read through `dflashkit.data.jsonl` (size cap, UTF-8 check); a sample id seen on an earlier line is a
-    bad line (the first one is kept). Each sample remembers its "file:line" in `origin`, so later checks (e.g. token ids against the target's vocabulary: `check_token_ids`) can name it."""
+    bad line (the first one is kept). Each sample remembers its "file:line" in `origin`, so later checks (e.g. token
+    ids against the target's vocabulary: `check_token_ids`) can name it."""
     path = Path(path)
     if not path.is_file():
         found = "is a directory" if path.is_dir() else "file not found"
