@@ -106,7 +106,7 @@ def table(points: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflashkit.quickstart import QuickstartSettings
+    from dflashkit.quickstart.run import QuickstartSettings
 
     p = argparse.ArgumentParser(
         allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     convs = [c for c in load_dataset("sharegpt-heldout", None)[0] if len(turn_segments(c, "all")) >= 2]
     convs = convs[: args.conversations]
     target = Target.load("default")
-    from dflashkit.quickstart_server import regen_pool, server_built
+    from dflashkit.quickstart.server import regen_pool, server_built
 
     route = "llama-server" if server_built() else "in-process"
     with regen_pool({"regen_route": route}) as pool:

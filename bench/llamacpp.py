@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
+from dflashkit.cpu_products.machine import machine_line
 from dflashkit.export import llamacpp
-from dflashkit.target.machine import machine_line
 
 
 def _prompts(tokenizer: Any, n: int) -> list[str]:

@@ -26,9 +26,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflashkit.target.machine import describe_machine
-from dflashkit.target.product_report import choices_report
-from dflashkit.target.products import linear_product, route_linears
+from dflashkit.cpu_products.machine import describe_machine
+from dflashkit.cpu_products.products import linear_product, route_linears
+from dflashkit.cpu_products.report import choices_report
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:

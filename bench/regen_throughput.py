@@ -50,11 +50,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from dflashkit.cpu_products import products
+from dflashkit.cpu_products.machine import machine_line
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.data.regenerate import generate_longest_first
 from dflashkit.evaluate.stats import load_prompts
-from dflashkit.target import products
-from dflashkit.target.machine import machine_line
 from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -42,6 +42,9 @@ from typing import Any
 
 import torch
 
+from dflashkit.cpu_products import report as product_report
+from dflashkit.cpu_products.machine import machine_line
+from dflashkit.cpu_products.products import stock_products
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.decode.generate import generate
 from dflashkit.drafter.checkpoint import load_drafter
@@ -50,12 +53,9 @@ from dflashkit.evaluate.budget_choice import choose_tree_budget
 from dflashkit.evaluate.stats import Method, Prompt, load_prompts
 from dflashkit.evaluate.triage import triage_divergence
 from dflashkit.evaluate.warm_up import settle
-from dflashkit.quickstart import QuickstartSettings
-from dflashkit.target import product_report
+from dflashkit.quickstart.run import QuickstartSettings
 from dflashkit.target.devices import synchronize
-from dflashkit.target.machine import machine_line
 from dflashkit.target.model import Target
-from dflashkit.target.products import stock_products
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints
@@ -87,7 +87,7 @@ def hf_generate(
     )
     synchronize(target.device)
     t0 = time.perf_counter()
-    with stock_products():  # HF as users run it: stock F.linear products (dflashkit.target.products)
+    with stock_products():  # HF as users run it: stock F.linear products (dflashkit.cpu_products.products)
         out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)  # (1, T + n)
     synchronize(target.device)
     return out[0, x.shape[1] :].tolist(), time.perf_counter() - t0

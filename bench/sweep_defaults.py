@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.data.original_text import ID_PREFIX, used_conversation_ids, write_original_text
-from dflashkit.quickstart import QuickstartSettings, stage_capture, stage_prepare, stage_train, step_seconds
+from dflashkit.quickstart.run import QuickstartSettings, stage_capture, stage_prepare, stage_train, step_seconds
 
 # name → (settings changes, data plan, TrainConfig changes). Data plan: "fraction" keeps that share of the base
 # responses, "more_regen_minutes" regenerates that much more, "capture_topk" captures the base tokens again with
@@ -75,7 +75,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dpace": {"train": {"position_weights": "dpace"}},
     # a DSpark drafter (issue 23) at the same block size (so 4 drafts a round to DFlash's 3), same data; its loss
     # needs the target's final layer, captured again with the base tokens. DeepSpec's defaults (rank 256, CE 0.1),
-    # named explicitly: the quickstart's own DSpark preset (dflashkit.quickstart.DSPARK_*_PRESET) is dspark_r64_ce1
+    # named explicitly: the quickstart's own DSpark preset (dflashkit.quickstart.run.DSPARK_*_PRESET) is dspark_r64_ce1
     "dspark": {
         "settings": {"drafter_extra": {"kind": "dspark", "markov_rank": 256}},
         "train": {"dspark_ce_weight": 0.1},
@@ -136,8 +136,8 @@ def _link(src: Path, dst: Path) -> None:
 
 def _measured_slots(target: Any, s: QuickstartSettings) -> int:
     """The llama-server slot count the quickstart would choose on this machine (its first 32 training prompts)."""
-    from dflashkit.quickstart import _train_prompts
-    from dflashkit.quickstart_server import server_rates
+    from dflashkit.quickstart.run import _train_prompts
+    from dflashkit.quickstart.server import server_rates
 
     prompts = [ids for _, (_, ids) in zip(range(32), _train_prompts(target, s), strict=False)]
     rates = server_rates(target, prompts)

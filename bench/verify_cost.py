@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
-from dflashkit.target import product_report, products
+from dflashkit.cpu_products import products
+from dflashkit.cpu_products import report as product_report
+from dflashkit.cpu_products.machine import machine_line, read_bandwidth
 from dflashkit.target.cache import crop
 from dflashkit.target.devices import synchronize
-from dflashkit.target.machine import machine_line, read_bandwidth
 from dflashkit.target.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,6 +1,6 @@
 """Small file helpers: atomic writes (temp file + rename) so a kill never leaves a half-written file; clear
 messages for failed writes (a full disk); removal of temp leftovers (`.NAME.tmp-PID`) of dead processes, and of
-the temp files an interrupted atomic write leaves in a directory its caller has locked."""
+the temp files an interrupted atomic write leaves in a directory its caller has locked; the user cache directory."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from dflashkit.errors import TargetError
 
 
 @contextmanager
@@ -119,3 +121,19 @@ def write_failure(path: str | Path, error: BaseException) -> str:
     if torn:
         return f"the write failed, most likely a full disk ({text[:160]}; {room})"
     return f"the write failed ({type(error).__name__}: {text[:160]}; {room})"
+
+
+def cache_root() -> Path:
+    """Where dflashkit keeps converted models and other large derived files ($DFLASHKIT_CACHE, else
+    $XDG_CACHE_HOME/dflashkit, else ~/.cache/dflashkit); a variable pointing at a file is an error naming it."""
+    if os.environ.get("DFLASHKIT_CACHE"):
+        root, var = Path(os.environ["DFLASHKIT_CACHE"]).expanduser(), "DFLASHKIT_CACHE"
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root, var = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dflashkit", "XDG_CACHE_HOME"
+    else:
+        root, var = Path.home() / ".cache" / "dflashkit", None
+    for p in (root, *root.parents):
+        if p.exists() and not p.is_dir():
+            where = f"{var}={os.environ[var]}" if var else f"the cache directory {root}"
+            raise TargetError(f"{where}: {p} is a file; expected a directory for dflashkit's cache")
+    return root

@@ -76,7 +76,7 @@ def choice(*values: str) -> Any:
 
 def optional(t: Any, meaning: str) -> Any:
     """`t` or null; `meaning` says what null means ("null = all captured")."""
-    inner = _expect_text(t) or "a value"
+    inner = expected_text(t) or "a value"
     return Annotated[t | None, Expect(f"{inner}, or null ({meaning})")]
 
 
@@ -91,7 +91,8 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _expect_text(t: Any) -> str | None:
+def expected_text(t: Any) -> str | None:
+    """What a declared type accepts, in the words its error messages use (None when it declares none)."""
     for meta in getattr(t, "__metadata__", ()):
         if isinstance(meta, Expect):
             return meta.text
@@ -134,7 +135,7 @@ def problem(t: Any, value: Any) -> str | None:
     try:
         _adapter(t).validate_python(value, strict=True)
     except ValidationError as e:
-        return _phrase(e.errors()[0], _expect_text(t))
+        return _phrase(e.errors()[0], expected_text(t))
     return None
 
 
@@ -247,7 +248,7 @@ def flag(t: Any, *, name: str = "") -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"{show(text) if isinstance(value, str) else show(value)}: {why}")
         return value
 
-    parse.__name__ = name or (_expect_text(t) or "value")
+    parse.__name__ = name or (expected_text(t) or "value")
     return parse
 
 

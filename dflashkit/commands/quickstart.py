@@ -10,7 +10,7 @@ from dflashkit.validation import field_types, flag, parse_assignments
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    from dflashkit.quickstart import QuickstartSettings
+    from dflashkit.quickstart.run import QuickstartSettings
 
     defaults = QuickstartSettings()
     types = field_types(QuickstartSettings)
@@ -52,8 +52,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 @command("quickstart", "the whole job on the embedded default target: data → features → drafter → evaluation", _args)
 def _quickstart(args: argparse.Namespace) -> int:
     from dflashkit.drafter.defaults import parse_overrides
-    from dflashkit.quickstart import QuickstartSettings, run_quickstart
-    from dflashkit.quickstart_screen import summary_screen
+    from dflashkit.quickstart.run import QuickstartSettings, run_quickstart
+    from dflashkit.quickstart.screen import summary_screen
 
     values = {f.name: getattr(args, f.name) for f in fields(QuickstartSettings)}
     values["drafter_extra"] = parse_overrides(values["drafter_extra"])

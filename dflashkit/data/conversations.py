@@ -273,7 +273,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _truncate(ids: list[int], mask: list[bool], max_length: int) -> TokenizedSample:
+def truncate_sample(ids: list[int], mask: list[bool], max_length: int) -> TokenizedSample:
     if max_length < 1:
         raise DataError(f"max_length={max_length}: expected a positive number of tokens")
     truncated = len(ids) > max_length
@@ -316,7 +316,7 @@ def tokenize_for_training(
             end = boundary if boundary > start else len(full)
         for j in range(start, end):
             mask[j] = True
-    return _truncate(full, mask, max_length)
+    return truncate_sample(full, mask, max_length)
 
 
 def tokenize_regenerated(
@@ -335,4 +335,4 @@ def tokenize_regenerated(
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs)
     ids = prompt_ids + [int(t) for t in response_token_ids]
     mask = [False] * len(prompt_ids) + [True] * len(response_token_ids)
-    return _truncate(ids, mask, max_length)
+    return truncate_sample(ids, mask, max_length)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashkit.data.conversations import Conversation, TokenizedSample, _truncate, encode_prompt, prompt_messages
+from dflashkit.data.conversations import Conversation, TokenizedSample, encode_prompt, prompt_messages, truncate_sample
 from dflashkit.data.thinking import THINKING_MODES, split_reasoning
 from dflashkit.errors import DataError
 
@@ -150,9 +150,9 @@ def tokenize_turns(
         for ctx, reply in zip(contexts, turn_token_ids, strict=True):
             for j in range(len(ctx), len(ctx) + len(reply)):
                 mask[j] = True
-        return [_truncate(ids, mask, max_length)]
+        return [truncate_sample(ids, mask, max_length)]
     return [
-        _truncate(ctx + reply, [False] * len(ctx) + [True] * len(reply), max_length)
+        truncate_sample(ctx + reply, [False] * len(ctx) + [True] * len(reply), max_length)
         for ctx, reply in zip(contexts, turn_token_ids, strict=True)
     ]
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.cpu_products import stock_products
 from dflashkit.decode.dspark_draft import draft_dspark, dspark_conditional
 from dflashkit.decode.hybrid_tree import resolve_mode, verify_tree
 from dflashkit.decode.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
@@ -41,7 +42,6 @@ from dflashkit.errors import DFlashError
 from dflashkit.target import cache as tc
 from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
-from dflashkit.target.products import stock_products
 
 METHODS = ("ar", "chain", "tree")
 

@@ -8,7 +8,6 @@ Modules and their public functions:
   info.py                `gather_info(target)`, `render_info`: the target, its default drafter, cache paths
   inspect_checkpoint.py  `inspect_checkpoint(path)`, `render_report`: facts read from the tensors
   diff.py                `diff_checkpoints(a, b)`, `render_diff`
-  doctor.py              `run_doctor(target, drafter, …)`: checks before anyone spends GPU hours
-  doctor_checks.py       the checks themselves, one function each (`config_fit`, `mask_finding`, …)
+  doctor.py              `run_doctor(target, drafter, …)` and its checks, one function each (`config_fit`, …)
   logs.py                `read_run`, `analyze`, `compare`, `plot`: training health from metrics.jsonl
 """

@@ -7,7 +7,8 @@ weight statistics where shapes match.
 Architecture comes from `inspect_checkpoint` (so the fc width is the one the fc weight really has). The target's
 attention geometry is known when `--target` is given, from `extra.target_geometry` recorded in a checkpoint, or
 from `KNOWN_TARGET_GEOMETRY` when the checkpoint records its target architecture and hidden size; a drafter
-whose heads and head_dim equal its target's is called out (design lesson 4), never guessed without a target.
+whose heads and head_dim equal its target's is called out (docs/troubleshooting.md#pitfall-geometry), never
+guessed without a target.
 Weight statistics: per shared tensor, cosine similarity and norm ratio ‖B‖/‖A‖; the most different are listed.
 """
 
@@ -25,7 +26,7 @@ from dflashkit.diagnose.inspect_checkpoint import CheckpointReport, inspect_chec
 
 # Standard attention geometry (heads, head_dim) of common target families, by (architecture prefix, hidden size).
 KNOWN_TARGET_GEOMETRY: dict[tuple[str, int], tuple[int, int]] = {
-    ("Qwen3_5", 5120): (24, 256),  # Qwen3.6-27B / Qwen3.5 27B (lesson 4's 24 heads × 256)
+    ("Qwen3_5", 5120): (24, 256),  # Qwen3.6-27B / Qwen3.5 27B (its 24 heads × 256, the copy to catch)
     ("Qwen3", 4096): (32, 128),  # Qwen3-8B
     ("Qwen3", 2560): (32, 128),  # Qwen3-4B
     ("Llama", 4096): (32, 128),  # Llama-3.1-8B
@@ -137,7 +138,8 @@ def _geometry_lines(fa: dict[str, Any], fb: dict[str, Any], target: Any) -> list
     elif copied["A"]:
         out.append(
             f"both A and B use their target's attention geometry (head_dim {fa['head_dim']}, "
-            f"{fa['num_attention_heads']} heads) — a drafter should have its own (design lesson 4)"
+            f"{fa['num_attention_heads']} heads) — a drafter should have its own "
+            "(docs/troubleshooting.md#pitfall-geometry)"
         )
     if ga[:3] != gb[:3] and not out:
         out.append(

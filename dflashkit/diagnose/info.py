@@ -23,7 +23,8 @@ def gather_info(
     from dflashkit.drafter.checkpoint import CONFIG_NAME, describe, load_drafter
     from dflashkit.drafter.config import stores_target_layer_ids
     from dflashkit.drafter.model import DFlashDrafter
-    from dflashkit.target.default import DEFAULT_ALIASES, cache_root, default_target_dir
+    from dflashkit.io_utils import cache_root
+    from dflashkit.target.default import DEFAULT_ALIASES, default_target_dir
     from dflashkit.target.model import Target
 
     is_default = target_spec is None or str(target_spec).lower() in DEFAULT_ALIASES
@@ -80,12 +81,12 @@ def gather_info(
 
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
-    from dflashkit.target.machine import describe_machine
-    from dflashkit.target.native_rows import status as native_status
-    from dflashkit.target.packed_weights import budget_bytes
-    from dflashkit.target.product_report import choices_by_rows, choices_report
-    from dflashkit.target.product_store import DAY, max_age_seconds
-    from dflashkit.target.products import CANDIDATES, FUSED, PACKED, mode
+    from dflashkit.cpu_products.machine import describe_machine
+    from dflashkit.cpu_products.native_rows import status as native_status
+    from dflashkit.cpu_products.packed_weights import budget_bytes
+    from dflashkit.cpu_products.products import CANDIDATES, FUSED, PACKED, mode
+    from dflashkit.cpu_products.report import choices_by_rows, choices_report
+    from dflashkit.cpu_products.store import DAY, max_age_seconds
 
     report = choices_report()
     stamps = [e["measured_at"] for e in report["choices"].values() if isinstance(e.get("measured_at"), int | float)]

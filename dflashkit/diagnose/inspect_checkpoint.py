@@ -5,7 +5,8 @@ with its config.json.
     dflashkit inspect z-lab/Qwen3-8B-DFlash-b16 --json  # any z-lab, dflashkit or speculators checkpoint
 
 The number of target features is read from the **fc weight** (fc.weight.shape[1] / hidden), never from the
-config alone: a drafter whose config names 5 target layers while its fc reads 4 (design lesson 1) is reported.
+config alone: a drafter whose config names 5 target layers while its fc reads 4 is reported
+(docs/troubleshooting.md#pitfall-fc-layers).
 Shapes come from the safetensors headers (nothing is loaded but for the finiteness check), so a partial or
 unreadable checkpoint is described as far as it can be, naming the missing file or tensor.
 Also home of `Finding`, the one-line result used by inspect, diff and doctor.
@@ -289,7 +290,8 @@ def _consistency(report: CheckpointReport) -> None:
                 "FAIL",
                 "fc width",
                 what,
-                "retrain with an fc over every named layer (design lesson 1), or correct target_layer_ids "
+                "retrain with an fc over every named layer (docs/troubleshooting.md#pitfall-fc-layers), or correct "
+                "target_layer_ids "
                 "to the layers the fc was trained on",
             )
         else:

@@ -7,7 +7,7 @@
 Reads train records (`"split": "train"`, the default when absent) and validation records (`"split": "val"`);
 every key is optional and runs with different metric sets are compared on what they share. A line whose `step` is
 not an integer is skipped, an `accuracy` that is not a list of numbers ignored (null is NaN), each with a note.
-Definitions (design lesson 8):
+Definitions (docs/troubleshooting.md#pitfall-training-health):
 - warmup ends at the step of the peak learning rate (the first 4% of records when no lr is logged).
 - grad-norm collapse: after warmup, the grad norm stays below 1e-3 × its early median (the median of the first
   quarter of post-warmup records), or at 0, for at least max(5, 5% of the records) consecutive records.

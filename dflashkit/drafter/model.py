@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from dflashkit.cpu_products import linear_product, route_linears
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead, markov_chain
-from dflashkit.target.products import linear_product, route_linears
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").

@@ -7,9 +7,10 @@
 
     dflashkit init-drafter OUT --target T --warm-start [--warm-start-layers 28,29] [--warm-start-fc last|mean|random]
 
-It is an option, not the default: the drafter's geometry is normally its own (design lesson 4), and a warm-started
-drafter has to take the target's (heads, kv heads, head_dim, MLP width, norm ε, RoPE θ, attention bias) so that the
-tensors can be copied. Whether it buys more accepted drafts per training minute is measured (README, lever table).
+It is an option, not the default: the drafter's geometry is normally its own
+(docs/troubleshooting.md#pitfall-geometry), and a warm-started drafter has to take the target's (heads, kv heads,
+head_dim, MLP width, norm ε, RoPE θ, attention bias) so that the tensors can be copied. Whether it buys more accepted
+drafts per training minute is measured (docs/studies.md).
 
 What is copied, drafter layer i ← target decoder layer `source_layers[i]`:
 - `self_attn.{q,k,v,o}_proj` (biases too: Qwen2 has q/k/v biases and none on o, which is set to zero),

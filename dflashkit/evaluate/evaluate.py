@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from dflashkit.cpu_products import stock_products
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.decode.generate import GenerationResult, generate
 from dflashkit.decode.hybrid_tree import resolve_mode
@@ -57,7 +58,6 @@ from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
 from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
-from dflashkit.target.products import stock_products
 
 PROGRESS, RESULTS, BUDGET_CHOICE = "progress.jsonl", "results.json", "budget_choice.json"
 AR_METHOD = Method("ar", "ar")  # the baseline every prompt runs first
@@ -417,7 +417,7 @@ def _hf_generate(target: Target, prompt: Prompt, max_new_tokens: int, stops: lis
         eos_token_id=list(stops) or None,
         pad_token_id=stops[0] if stops else 0,
     )
-    with stock_products():  # HF as users run it: stock F.linear products (dflashkit.target.products)
+    with stock_products():  # HF as users run it: stock F.linear products (dflashkit.cpu_products.products)
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     synchronize(target.device)
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - t0

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dflashkit.target.product_report import products_measured, trials_pending
+from dflashkit.cpu_products.report import products_measured, trials_pending
 
 SETTLE_TOKENS = 24  # a run: enough steps at the method's widths for a products trial to start and advance
 SETTLE_RUNS = 8  # … repeated while a trial is under way (7 rounds of up to 6 candidates a width, one width at a time)

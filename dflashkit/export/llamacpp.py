@@ -42,7 +42,7 @@ class LlamaCppError(DFlashError):
 def home() -> Path:
     if os.environ.get("LLAMACPP_HOME"):
         return Path(os.environ["LLAMACPP_HOME"]).expanduser()
-    from dflashkit.target.default import cache_root
+    from dflashkit.io_utils import cache_root
 
     return cache_root() / f"llama.cpp-{VERSION}"
 

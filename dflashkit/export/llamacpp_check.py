@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from dflashkit.cpu_products import stock_products
 from dflashkit.errors import DFlashError
 from dflashkit.export import llamacpp
-from dflashkit.target.products import stock_products
 
 TIE = 0.02  # |top-1 − top-2| logit margin under which two engines' F32 sums may rank the pair either way
 

@@ -352,8 +352,8 @@ def target_tie(target: Any, prompt: list[int], ours: list[int], theirs: list[int
     (PyTorch, fp32); None when they agree or differ clearly."""
     import torch
 
+    from dflashkit.cpu_products import stock_products
     from dflashkit.export.llamacpp_check import TIE
-    from dflashkit.target.products import stock_products
 
     k = next((j for j, (x, y) in enumerate(zip(ours, theirs, strict=False)) if x != y), None)
     if k is None:

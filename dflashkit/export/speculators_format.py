@@ -106,7 +106,7 @@ def config_from_speculators(
     if raw.get("shift_label"):
         raise refuse(
             "shift_label: true — this drafter was trained to predict the token one position later than "
-            "DFlash's slot k → token a+k; it would draft shifted tokens (design lesson 6)"
+            "DFlash's slot k → token a+k; it would draft shifted tokens (docs/troubleshooting.md#pitfall-label-shift)"
         )
     if kind == "dflash" and raw.get("sample_from_anchor"):
         raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0")

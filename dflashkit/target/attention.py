@@ -40,14 +40,14 @@ def cpu_gqa_attention(
     `sdpa_attention_forward` returns it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from dflashkit.target.products import _STOCK
+    from dflashkit.cpu_products import stock_active
 
     groups = getattr(module, "num_key_value_groups", 1)
     if (
         groups > 1
         and attention_mask is not None
         and query.device.type == "cpu"
-        and not _STOCK[0]
+        and not stock_active()
         and dropout == 0.0
         and key.shape[-1] == value.shape[-1]
         and kwargs.get("position_bias") is None

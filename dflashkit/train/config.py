@@ -96,10 +96,11 @@ class TrainConfig:
     tokens: optional(Text, "no tokens file") = None  # tokens.jsonl from `dflashkit prepare` (with online: true)
     online: Bool = False  # compute target features on the fly from `tokens`
     target: Text = "default"  # model dir, .gguf, or "default" (embedded SmolLM2-135M-Instruct)
-    trust_remote_code: Bool = False
+    trust_remote_code: Bool = False  # allow code from the target's directory (off: nothing in a checkpoint runs)
+    # drafter config fields over the target's default drafter (`dflashkit info`), e.g. num_hidden_layers, block_size
     drafter: Annotated[dict[str, Any], Expect("a mapping of drafter config fields")] = field(default_factory=dict)
     init_from: optional(Text, "a fresh drafter") = None  # start from these drafter weights instead of random
-    out: Text = "runs/dflash"
+    out: Text = "runs/dflash"  # run directory: checkpoints, final/, metrics.jsonl; re-running resumes from it
     # ---- batch geometry
     max_tokens: PositiveInt = 3072  # tokens per packed row
     packing: choice("bfd", "greedy") = "bfd"  # "bfd" best-fit-decreasing, "greedy" in seeded order
@@ -122,28 +123,28 @@ class TrainConfig:
     # drafter.kind: dspark — the weights of its loss terms (DeepSpec's defaults): CE to the label, L1 distance to
     # the target's distribution, BCE of the confidence head against the acceptance rate 1 − L1/2
     dspark_ce_weight: NonNegativeFloat = 0.1
-    dspark_l1_weight: NonNegativeFloat = 0.9
-    dspark_confidence_weight: NonNegativeFloat = 1.0
+    dspark_l1_weight: NonNegativeFloat = 0.9  # drafter.kind: dspark — weight of the L1 term
+    dspark_confidence_weight: NonNegativeFloat = 1.0  # drafter.kind: dspark — weight of the confidence BCE
     noise_std: NonNegativeFloat = 0.0  # Gaussian noise on the fc inputs (target features) only
     noise_schedule: choice("constant", "cosine") = "constant"  # cosine decays to 0 over the run
     # ---- optimiser
-    lr: PositiveFloat = 6e-4
+    lr: PositiveFloat = 6e-4  # peak learning rate of AdamW
     min_lr_ratio: UnitInterval = 0.0  # cosine floor as a fraction of lr
-    warmup_ratio: Fraction = 0.04
-    weight_decay: NonNegativeFloat = 0.0
-    adam_betas: AdamBetas = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: Fraction = 0.04  # linear warmup over this fraction of the schedule, then cosine
+    weight_decay: NonNegativeFloat = 0.0  # AdamW's decoupled weight decay
+    adam_betas: AdamBetas = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (β1, β2)
     grad_clip: NonNegativeFloat = 1.0  # 0 = no clipping
     # AdamW's implementation: "auto" times fused and foreach on this machine at the start of a run (kept on resume;
     # `dflashkit.train.optimizer_choice`), or one of them / "default" (torch's own pick) named
     optimizer_impl: choice("auto", "fused", "foreach", "default") = "auto"
-    epochs: PositiveInt = 6
+    epochs: PositiveInt = 6  # passes over the training rows (anchors resampled each epoch)
     max_steps: optional(PositiveInt, "by epochs") = None  # overrides epochs: the schedule spans this many steps
     time_budget_minutes: optional(PositiveFloat, "no budget") = None  # stop cleanly (checkpoint + final/)
     # warmup + cosine span this much training time (step times summed over sessions) instead of steps; the run
     # completes when it is spent (max_steps, if set, still caps it; epochs do not)
     schedule_minutes: optional(PositiveFloat, "by steps") = None
     # ---- validation, logging, checkpoints
-    val_fraction: Fraction = 0.0
+    val_fraction: Fraction = 0.0  # fraction of samples held out for validation (val τ, loss)
     val_samples: optional(NonNegativeInt, "by val_fraction") = None  # held-out sample count
     eval_every: NonNegativeInt = 0  # steps between validation passes (0: only at the end)
     # also export the drafter of the validation pass with the highest val τ to OUT/best (needs held-out samples
@@ -151,16 +152,16 @@ class TrainConfig:
     keep_best: Bool = False
     save_every: NonNegativeInt = 500  # 0: only at the end
     keep_checkpoints: NonNegativeInt = 3  # newest step checkpoints kept (0 keeps all)
-    log_every: PositiveInt = 1
+    log_every: PositiveInt = 1  # steps between lines of metrics.jsonl
     rolling_window: PositiveInt = 100  # steps in the rolling loss percentiles
-    tensorboard: Bool = True
-    progress: Bool = True
+    tensorboard: Bool = True  # also write TensorBoard events to OUT/tb
+    progress: Bool = True  # a progress bar on the terminal
     # ---- execution
-    seed: Seed = 0
+    seed: Seed = 0  # seeds init, packing order and anchors (per epoch and row: a resume repeats them)
     dtype: choice("auto", "fp32", "bf16") = "auto"  # auto: fp32 on CPU, bf16 autocast on CUDA
     drafter_device: _Device = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     target_device: _Device = "auto"  # auto: the drafter's device
-    compile: Bool = False
+    compile: Bool = False  # torch.compile the drafter
     fsdp: Bool = False  # shard the drafter with FSDP2 (distributed runs)
     num_workers: NonNegativeInt = 0  # DataLoader workers for offline features (online needs 0)
     loss_chunk_size: optional(PositiveInt, "automatic") = None  # blocks per LM-head chunk in the loss

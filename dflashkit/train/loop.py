@@ -1,9 +1,7 @@
 """DFlash drafter training: setup → loop → save, resumable, single process or under torchrun (DDP / FSDP2).
 
+    from dflashkit.train.config import TrainConfig
     from dflashkit.train.loop import train
-    from dflashkit.output_dir import one_writer
-from dflashkit.train.config import TrainConfig
-from dflashkit.train.distributed import read_env
     result = train(TrainConfig.load("configs/smollm2.yaml", ["max_steps=100"]))
     # or: dflashkit train configs/smollm2.yaml max_steps=100
     # or: torchrun --nproc_per_node 2 $(which dflashkit) train configs/smollm2.yaml

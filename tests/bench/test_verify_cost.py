@@ -16,7 +16,7 @@ def test_verify_cost_reports_every_size(tiny_llama_dir, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
     assert doc["tokens"] == [1, 3, 5] and doc["context"] == 16
-    from dflashkit.target.products import CANDIDATES
+    from dflashkit.cpu_products.products import CANDIDATES
 
     for key in ("forward_s", *(f"{name}_s" for name in CANDIDATES), "body_s", "head_s"):
         assert len(doc[key]) == 3 and all(t > 0 for t in doc[key])

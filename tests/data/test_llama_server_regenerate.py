@@ -126,8 +126,8 @@ def test_killed_prepare_resumes_through_llama_server(gguf, tmp_path):
 
 
 def test_quickstart_measures_and_takes_the_server_route(tmp_path):
-    from dflashkit.quickstart import QuickstartSettings, stage_prepare, stage_rates
-    from dflashkit.quickstart_server import SERVER_CHUNK, SLOT_CHOICES
+    from dflashkit.quickstart.run import QuickstartSettings, stage_prepare, stage_rates
+    from dflashkit.quickstart.server import SERVER_CHUNK, SLOT_CHOICES
 
     target = Target.load(None)
     s = QuickstartSettings(out=str(tmp_path), regen_minutes=0.01, max_new_tokens_regen=16, original_text=0)

@@ -235,10 +235,10 @@ def test_original_text_keeps_its_order_and_fits_a_token_budget(tmp_path):
 
 
 def test_quickstart_in_process_rate_does_the_servers_job(tiny, monkeypatch):
-    """The quickstart's in-process side of its route choice (dflashkit/quickstart_server.py), real `generate` on a
+    """The quickstart's in-process side of its route choice (dflashkit/quickstart/server.py), real `generate` on a
     tiny target: the prompts answered in batches, at most RATE_TOKENS new tokens each, a
     closing stop token not counted (the server may not return it) — so the count equals the replies' content."""
-    import dflashkit.quickstart_server as server_mod
+    import dflashkit.quickstart.server as server_mod
     from dflashkit.data.conversations import default_stop_token_ids
 
     prompts = [

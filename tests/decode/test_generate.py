@@ -334,7 +334,7 @@ def test_the_prompts_width_is_never_measured(tiny_llama_dir, monkeypatch):
     """The prefill and the first draft round run at the prompt's width, a one-off per prompt: they take stock
     products and never a measured choice, so no timing of the product candidates lands inside a decode of the
     same prompt run twice (a benchmark's repeat). Decoding widths (1 row, a block) are still measured."""
-    from dflashkit.target import products
+    from dflashkit.cpu_products import products
 
     measured: list[int] = []
     chooser = products.Chooser(timer=lambda name, fn: (fn(), 1.0)[1], store=None, repeats=1)

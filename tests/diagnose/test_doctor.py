@@ -1,4 +1,4 @@
-"""`doctor`: each design-lesson bug built on purpose is flagged with the right line; a healthy drafter passes.
+"""`doctor`: each known DFlash pitfall built on purpose is flagged with the right line; a healthy drafter passes.
 
 Shifted labels are built by construction: an oracle drafter that knows the target's greedy transcripts and
 puts the token at anchor + k (healthy) or anchor + k + 1 (trained with labels shifted by one) in slot k.
@@ -11,13 +11,13 @@ import json
 import torch
 
 from dflashkit.cli import main
-from dflashkit.diagnose.doctor import run_doctor
-from dflashkit.diagnose.doctor_checks import (
+from dflashkit.diagnose.doctor import (
     capture_findings,
     chat_template_findings,
     geometry_finding,
     greedy_reference,
     mask_finding,
+    run_doctor,
 )
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.target.model import Target
@@ -101,7 +101,7 @@ def test_four_of_five_fc_fails(tmp_path, tiny_llama_dir, capsys):
     assert code == 1
     assert (
         "FAIL fc width: fc reads 4 target layers, config names 5 — fix: retrain with an fc over every named "
-        "layer (design lesson 1)" in out
+        "layer (docs/troubleshooting.md#pitfall-fc-layers)" in out
     )
     assert "FAIL load:" in out and "WARN draft-and-verify: not run" in out
 
@@ -120,12 +120,13 @@ def test_geometry_copied_from_target(tmp_path, wide_head_target):
     own = small_config(num_target_layers=4, target_layer_ids=[0, 1, 2])
     report = run_doctor(target, write_checkpoint(tmp_path / "own", own), prompts=1, max_new_tokens=4)
     assert "OK geometry: drafter has its own attention geometry (4 heads × 16; target 2 heads × 32)" in lines(report)
-    # a large target: lesson 4's 24 heads × 256 copied from Qwen3.6-27B is a FAIL; z-lab's 32 × 128 is fine
+    # a large target: Qwen3.6-27B's own 24 heads × 256 copied from Qwen3.6-27B is a FAIL; z-lab's 32 × 128 is fine
     assert (
         geometry_finding(24, 256, 24, 256, 5120)
         .line()
         .startswith(
-            "FAIL geometry: drafter attention geometry (24 heads × 256) was copied from the target (design lesson 4)"
+            "FAIL geometry: drafter attention geometry (24 heads × 256) was copied from the target "
+            "(docs/troubleshooting.md#pitfall-geometry)"
         )
     )
     assert geometry_finding(32, 128, 32, 128, 4096).status == "OK"
@@ -202,7 +203,7 @@ def test_shifted_labels_are_detected(target):
             "FAIL label shift: slot k predicts the token at a+k+1 far better than the one at a+k "
             "(teacher-forced accuracy a+k-1:"
         )
-        and "labels or features shifted by one (lesson 6)" in x
+        and "labels or features shifted by one (docs/troubleshooting.md#pitfall-label-shift)" in x
         for x in lines(shifted)
     )
     # decoding stays lossless (the verifier rejects the shifted drafts), only τ collapses

@@ -187,7 +187,7 @@ def test_refusals(targets, tiny_hybrid_dir):
 
 
 def test_checkpoint_round_trip_keeps_the_report(targets, tmp_path):
-    from dflashkit.diagnose.doctor_checks import config_fit
+    from dflashkit.diagnose.doctor import config_fit
     from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint, render_report
 
     target = targets["qwen2"]
@@ -256,7 +256,7 @@ def _tokens_file(path, n_rows=6):
 
 
 def test_quickstart_build_initial_drafter(targets, tmp_path):
-    from dflashkit.quickstart import QuickstartSettings, build_initial_drafter
+    from dflashkit.quickstart.run import QuickstartSettings, build_initial_drafter
 
     target = targets["llama"]
     tokens = _tokens_file(tmp_path / "tokens.jsonl")
@@ -308,7 +308,7 @@ def test_quickstart_build_initial_drafter(targets, tmp_path):
 
 def test_real_smollm2_default_target():
     """The embedded SmolLM2 (only when already built in the cache: building it takes ~30 s)."""
-    from dflashkit.quickstart import QuickstartSettings
+    from dflashkit.quickstart.run import QuickstartSettings
     from dflashkit.target.default import default_target_dir
 
     if not (default_target_dir() / "model.safetensors").is_file():

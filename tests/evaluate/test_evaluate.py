@@ -155,7 +155,7 @@ def test_warm_up_settles_the_measured_products(tiny_llama_dir, tmp_path, monkeyp
     (1 row) and the chain's verify of a block (6 rows) — are settled before anything is timed, as every later run
     on the machine gets them from the store. Without the settling runs (the warm-up before: 4 tokens a method)
     their trials land in the timed runs."""
-    from dflashkit.target import products
+    from dflashkit.cpu_products import products
 
     # every step "takes" one tick of this clock: all candidates tie, so no trial is extended for unclear timings
     # (StepTrial.extend) — on a busy machine real timings could extend trials beyond the warm-up's runs

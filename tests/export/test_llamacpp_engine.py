@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.cpu_products.machine import machine_line
 from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.export import llamacpp
 from dflashkit.export.gguf_export import export_gguf
 from dflashkit.export.llamacpp_check import TIE, reference_drafts
-from dflashkit.target.machine import machine_line
 
 pytestmark = [
     pytest.mark.llamacpp,

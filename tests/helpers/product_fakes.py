@@ -3,8 +3,8 @@ one test, an injected timer, and candidates that advance a fake clock."""
 
 import torch.nn.functional as F
 
-from dflashkit.target import products
-from dflashkit.target.products import CANDIDATES, Chooser
+from dflashkit.cpu_products import products
+from dflashkit.cpu_products.products import CANDIDATES, Chooser
 
 
 def use_chooser(monkeypatch, chooser: Chooser) -> Chooser:

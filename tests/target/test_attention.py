@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflashkit.cpu_products.products import stock_products
 from dflashkit.target import attention
 from dflashkit.target.model import Target
-from dflashkit.target.products import stock_products
 
 
 @pytest.fixture

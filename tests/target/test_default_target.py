@@ -48,7 +48,7 @@ def test_info_command_runs(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out and "target embedding row 16 ('<empty_output>'" in out and "Cache" in out
-    from dflashkit.target.products import CANDIDATES
+    from dflashkit.cpu_products.products import CANDIDATES
 
     assert f"timed candidates  {', '.join(CANDIDATES)}" in out and "BLAS" in out  # what the products choose from
     assert "choices kept      in this process only" in out  # the suite keeps no store (DFLASHKIT_PRODUCTS_STORE=off)

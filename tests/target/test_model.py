@@ -38,7 +38,7 @@ def test_forced_products_hold_in_passes_without_a_cache(tiny_target_dirs, monkey
     """DFLASHKIT_PRODUCTS=<way> forces every routed product, a pass without a cache (capture, checks) included: its
     features are exactly the model's own hidden states under the same forced way (under auto such a pass takes stock
     products, so a short sample is never timed as a decoding width)."""
-    from dflashkit.target import products
+    from dflashkit.cpu_products import products
 
     if way not in products.CANDIDATES:
         pytest.skip(f"this torch build has no {way}")

@@ -120,7 +120,7 @@ def test_keep_best_without_validation_passes_is_refused(kw, tmp_path: Path) -> N
 
 
 def test_quickstart_screen_names_the_chosen_step() -> None:
-    from dflashkit.quickstart_screen import _chosen_step
+    from dflashkit.quickstart.screen import _chosen_step
 
     assert _chosen_step({"steps": 700, "final": "f"}) == ""
     assert (

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflashkit.cpu_products import products
+from dflashkit.cpu_products import report as product_report
+from dflashkit.cpu_products.products import CANDIDATES, MAX_ROWS, Chooser, linear_product, route_linears
 from dflashkit.errors import ConfigError
-from dflashkit.target import product_report, products
-from dflashkit.target.products import CANDIDATES, MAX_ROWS, Chooser, linear_product, route_linears
 from helpers.product_fakes import fake_timer as _fake_timer
 from helpers.product_fakes import use_chooser as _use
 

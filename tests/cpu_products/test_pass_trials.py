@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflashkit.target import product_report, products
-from dflashkit.target.products import CANDIDATES, MAX_ROWS, Chooser, route_linears
+from dflashkit.cpu_products import products
+from dflashkit.cpu_products import report as product_report
+from dflashkit.cpu_products.products import CANDIDATES, MAX_ROWS, Chooser, route_linears
 from helpers.product_fakes import clocked_candidates as _clocked_candidates
 from helpers.product_fakes import fake_timer as _fake_timer
 from helpers.product_fakes import use_chooser as _use
@@ -92,7 +93,7 @@ def test_an_unclear_trial_is_timed_further_before_stock_is_kept(monkeypatch, los
     """A candidate ahead of stock in the median that lost a round too many is timed for more rounds (up to
     MAX_EXTENSIONS sets) instead of keeping stock at once: one noisy round must not cost a verify width its faster
     product for good (on the EPYC VM a 4-row verify kept stock, 1.16× slower, and chain ran at 0.71× of AR)."""
-    from dflashkit.target.step_trial import MAX_EXTENSIONS
+    from dflashkit.cpu_products.step_trial import MAX_EXTENSIONS
 
     assert MAX_EXTENSIONS == 2
     got, ran = _trial_with_lost_rounds(monkeypatch, lost)

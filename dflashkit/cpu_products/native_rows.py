@@ -74,8 +74,8 @@ def _compiler_version(cxx: str) -> str:
 def library_path(cxx: str) -> Path:
     """Where the kernel built by `cxx` for this CPU lives: the user cache, under a digest of everything it
     depends on (source, compiler, flags, CPU model and instruction-set flags, torch version)."""
-    from dflashkit.target.default import cache_root
-    from dflashkit.target.machine import cpu_signature
+    from dflashkit.cpu_products.machine import cpu_signature
+    from dflashkit.io_utils import cache_root
 
     parts = [SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(FLAGS).encode(), cpu_signature().encode()]
     digest = hashlib.sha256(b"\0".join([*parts, torch.__version__.encode()])).hexdigest()[:16]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflashkit.quickstart_rates import shortfall_notes
+from dflashkit.quickstart.rates import shortfall_notes
 
 
 def summary_screen(state: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflashkit.target.step_trial import StepTrial, decide, unclear
+from dflashkit.cpu_products.step_trial import StepTrial, decide, unclear
 
 
 def test_decide_picks_the_faster_only_when_it_wins_round_by_round():

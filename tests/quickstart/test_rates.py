@@ -1,4 +1,4 @@
-"""The quickstart's start-of-run measurements and last-screen notes (`dflashkit.quickstart_rates`): the regeneration
+"""The quickstart's start-of-run measurements and last-screen notes (`dflashkit.quickstart.rates`): the regeneration
 batch size changes only when another is clearly faster, the decode rate leaves the prefill out, a DSpark run's
 capture rate includes its log-sum-exp pass, and a stage is named when it got much less than at its own start."""
 
@@ -10,7 +10,7 @@ import pytest
 def test_quickstart_shortfall_notes_compare_each_stage_with_its_own_start():
     """The last screen names a stage that got much less over its budget than at its start on this very machine
     (regeneration's first chunk, training's first steps) — no constant from another CPU."""
-    from dflashkit.quickstart_rates import shortfall_notes
+    from dflashkit.quickstart.rates import shortfall_notes
 
     steady = {
         "done": {
@@ -37,7 +37,7 @@ def test_quickstart_shortfall_notes_compare_each_stage_with_its_own_start():
 
 
 def test_rates_pick_a_batch_size_only_when_it_is_clearly_faster(monkeypatch):
-    from dflashkit import quickstart_rates as qr
+    from dflashkit.quickstart import rates as qr
 
     speeds = {8: 40.0, 16: 50.0, 32: 54.0}  # 32 is 8 % faster: within BATCH_GAIN, keep 16
     calls = []
@@ -59,7 +59,7 @@ def test_rates_pick_a_batch_size_only_when_it_is_clearly_faster(monkeypatch):
 def test_the_capture_rate_of_a_dspark_run_includes_the_log_sum_exp(tiny_llama_dir, monkeypatch):
     """A DSpark quickstart's capture also stores the target's log-sum-exp (one more LM-head pass): the start-of-run
     capture rate, which sizes the original-text data, times that pass too."""
-    from dflashkit import quickstart_rates as qr
+    from dflashkit.quickstart import rates as qr
     from dflashkit.target import logsumexp as lse_mod
     from dflashkit.target.model import Target
 
@@ -80,7 +80,7 @@ def test_the_capture_rate_of_a_dspark_run_includes_the_log_sum_exp(tiny_llama_di
 def test_the_decode_rate_leaves_the_prefill_out(monkeypatch):
     """Runs of 2 and 2 + CALIBRATION_TOKENS new tokens: the rate is the extra tokens over the extra seconds, so a
     slow prefill (here 10 s) does not count; prompts are cut to their last CALIBRATION_PROMPT tokens."""
-    from dflashkit import quickstart_rates as qr
+    from dflashkit.quickstart import rates as qr
 
     seen = []
 

@@ -1,5 +1,5 @@
 // y (M, N) = x (M, K) · wᵀ (+ b) for a few rows M: dflashkit's `native_rows` product candidate
-// (dflashkit/target/native_rows.py compiles this file for the CPU at hand, -O3 -march=native, at first use).
+// (dflashkit/cpu_products/native_rows.py compiles this file for the CPU at hand, -O3 -march=native, at first use).
 //
 // A decoding step multiplies 1–17 rows by every weight matrix of the model: the weights (hundreds of MB) are read
 // from memory once a step, the rows are tiny. So the loop streams a block of TN weight rows once and multiplies x

@@ -61,12 +61,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import dflashkit.cpu_products.native_rows as native_rows
+import dflashkit.cpu_products.packed_weights as packed_weights
+from dflashkit.cpu_products.machine import last_level_cache_bytes
+from dflashkit.cpu_products.siblings import Siblings, sibling_product
+from dflashkit.cpu_products.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, decide, unclear
+from dflashkit.cpu_products.store import max_age_seconds, read_choices, store_path, write_choices
 from dflashkit.errors import ConfigError
-from dflashkit.target import native_rows, packed_weights
-from dflashkit.target.machine import last_level_cache_bytes
-from dflashkit.target.product_store import max_age_seconds, read_choices, store_path, write_choices
-from dflashkit.target.sibling_products import Siblings, sibling_product
-from dflashkit.target.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, decide, unclear
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
 FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
@@ -134,6 +135,11 @@ def stock_products() -> Iterator[None]:
         yield
     finally:
         _STOCK[0] -= 1
+
+
+def stock_active() -> bool:
+    """Whether the current code runs inside `stock_products()` (stock baselines compute everything as HF does)."""
+    return _STOCK[0] > 0
 
 
 def mode() -> str:

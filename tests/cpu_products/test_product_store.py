@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
+from dflashkit.cpu_products import native_rows
+from dflashkit.cpu_products import store as product_store
+from dflashkit.cpu_products.products import CANDIDATES, Chooser
+from dflashkit.cpu_products.store import DAY, fresh, max_age_seconds, read_choices
 from dflashkit.errors import ConfigError
-from dflashkit.target import native_rows, product_store
-from dflashkit.target.product_store import DAY, fresh, max_age_seconds, read_choices
-from dflashkit.target.products import CANDIDATES, Chooser
 
 N = len(CANDIDATES)
 T0 = 1_800_000_000.0  # a wall-clock time (2027): the injected `now` of the choosers below
@@ -37,7 +38,7 @@ def test_where_choices_are_kept_follows_the_store_variable(monkeypatch, tmp_path
     """DFLASHKIT_PRODUCTS_STORE: "off" keeps choices in the process (the suite sets it, so processes it starts inherit
     it); a directory holds the machine's file; a file there is refused by name; unset: the user cache."""
     assert os.environ["DFLASHKIT_PRODUCTS_STORE"] == "off" and product_store.store_path() is None
-    child = "from dflashkit.target.product_store import store_path; print(store_path())"
+    child = "from dflashkit.cpu_products.store import store_path; print(store_path())"
     assert subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120).stdout == "None\n"
     monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
     path = product_store.store_path()
@@ -138,8 +139,8 @@ def test_entries_without_a_time_from_the_future_or_damaged_are_timed_again(tmp_p
 def test_info_says_where_choices_are_kept_and_how_old_they_are(monkeypatch, tmp_path):
     import time
 
+    from dflashkit.cpu_products import products
     from dflashkit.diagnose.info import _machine, _machine_lines
-    from dflashkit.target import products
 
     monkeypatch.setattr(products, "_CHOOSERS", {})  # choosers read the store variable when made
     lines = "\n".join(_machine_lines(_machine()))

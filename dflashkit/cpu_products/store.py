@@ -52,8 +52,8 @@ def max_age_seconds() -> float:
 def store_path() -> Path | None:
     """<machine>.json in ~/.cache/dflashkit/products, or in $DFLASHKIT_PRODUCTS_STORE (None when that is "off" or
     the cache cannot be used)."""
-    from dflashkit.target.default import cache_root
-    from dflashkit.target.machine import describe_machine
+    from dflashkit.cpu_products.machine import describe_machine
+    from dflashkit.io_utils import cache_root
 
     chosen = os.environ.get(STORE_ENV, "").strip()
     if chosen.lower() == "off":
@@ -67,7 +67,7 @@ def store_path() -> Path | None:
             folder = cache_root() / "products"
         except ConfigError:
             return None
-    from dflashkit.target.native_rows import SOURCE
+    from dflashkit.cpu_products.native_rows import SOURCE
 
     m = describe_machine()
     kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
@@ -122,8 +122,8 @@ def write_choices(path: Path | None, choices: dict[str, dict[str, object]]) -> N
     if path is None:
         return
     try:
+        from dflashkit.cpu_products.machine import describe_machine
         from dflashkit.io_utils import atomic_write_text
-        from dflashkit.target.machine import describe_machine
 
         doc = {"machine": describe_machine(), "choices": choices}
         atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")

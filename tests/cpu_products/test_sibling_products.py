@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflashkit.target import product_store, products
-from dflashkit.target.products import CANDIDATES, FUSED, Chooser, route_linears
-from dflashkit.target.sibling_products import FusedSet, sibling_product
+from dflashkit.cpu_products import products
+from dflashkit.cpu_products import store as product_store
+from dflashkit.cpu_products.products import CANDIDATES, FUSED, Chooser, route_linears
+from dflashkit.cpu_products.siblings import FusedSet, sibling_product
 
 pytestmark = pytest.mark.skipif("onednn" not in CANDIDATES, reason="this torch build has no oneDNN")
 

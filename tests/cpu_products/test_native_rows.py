@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflashkit.cpu_products import native_rows, products
+from dflashkit.cpu_products.products import NATIVE, Chooser, route_linears
 from dflashkit.errors import ConfigError
-from dflashkit.target import native_rows, products
-from dflashkit.target.products import NATIVE, Chooser, route_linears
 
 needs_kernel = pytest.mark.skipif(not native_rows.enabled(), reason="no C++ compiler here")
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from dflashkit.target import products
+import dflashkit.cpu_products.products as products
 
 
 def choices_report() -> dict[str, object]:
     """What was chosen so far (this process and the store), for `dflashkit info` and the benchmarks."""
-    from dflashkit.target.machine import describe_machine
+    from dflashkit.cpu_products.machine import describe_machine
 
     c = products.chooser()
     if not c._loaded:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-import dflashkit.quickstart_rates as rates_mod
-import dflashkit.quickstart_server as server_mod
-from dflashkit.quickstart import QuickstartSettings, stage_rates
+import dflashkit.quickstart.rates as rates_mod
+import dflashkit.quickstart.server as server_mod
+from dflashkit.quickstart.run import QuickstartSettings, stage_rates
 
 
 class _Target:
@@ -30,7 +30,7 @@ def measured(monkeypatch):
 
     monkeypatch.setattr(rates_mod, "measure_rates", fake_measure)
     monkeypatch.setattr(server_mod, "in_process_rate", fake_in_process)
-    monkeypatch.setattr("dflashkit.quickstart._train_prompts", lambda target, s: iter([("c", [1, 2, 3])] * 40))
+    monkeypatch.setattr("dflashkit.quickstart.run._train_prompts", lambda target, s: iter([("c", [1, 2, 3])] * 40))
 
     def with_server(rate: float, built: bool = True, per_slot: dict[int, float] | None = None):
         """The server's rate: `rate` at its best slot count (16 unless `per_slot` says otherwise)."""
@@ -85,7 +85,7 @@ def test_regen_server_setting_is_checked():
 
 
 def test_the_screen_names_the_route():
-    from dflashkit.quickstart_screen import _data_line
+    from dflashkit.quickstart.screen import _data_line
 
     prep = {"conversations": 5, "supervised_tokens": 100}
     assert "(llama-server)" not in _data_line(prep)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflashkit.cpu_products import packed_weights, products
+from dflashkit.cpu_products.products import PACKED, Chooser, route_linears
 from dflashkit.errors import ConfigError
-from dflashkit.target import packed_weights, products
-from dflashkit.target.products import PACKED, Chooser, route_linears
 
 pytestmark = pytest.mark.skipif(not packed_weights.available(), reason="this torch build has no MKL packed GEMM")
 

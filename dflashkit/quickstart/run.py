@@ -27,8 +27,8 @@ from typing import Annotated, Any
 
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
-from dflashkit.quickstart_eval import stage_budget, stage_eval
-from dflashkit.quickstart_rates import step_rates, step_seconds
+from dflashkit.quickstart.evaluation import stage_budget, stage_eval
+from dflashkit.quickstart.rates import step_rates, step_seconds
 from dflashkit.validation import (
     BlockSize,
     Bool,
@@ -191,8 +191,8 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
     """This machine's regeneration tokens/s at a few batch sizes (the best becomes the batch size when it beats the
     default clearly), through llama-server when it is built (`regen_server`: the route when clearly faster) and its
     capture tokens/s — measured in about a minute on 2 cores, product choices included (quickstart_rates.py)."""
-    from dflashkit.quickstart_rates import BATCH_GAIN, measure_rates
-    from dflashkit.quickstart_server import in_process_rate, server_built, server_rates
+    from dflashkit.quickstart.rates import BATCH_GAIN, measure_rates
+    from dflashkit.quickstart.server import in_process_rate, server_built, server_rates
 
     batches = (s.regen_batch,) if s.regen_batch else (8, 16, 32)  # a batch size given is kept (and measured)
     prompts = [ids for _, (_, ids) in zip(range(max(batches, default=16)), _train_prompts(target, s), strict=False)]
@@ -221,7 +221,7 @@ def stage_prepare(
     original-text conversations whose capture fits this machine's budget (`rates`)."""
     from dflashkit.data.regenerate import read_regenerated
     from dflashkit.data.tokens_file import write_tokens
-    from dflashkit.quickstart_server import regen_pool, regenerate_until, server_slots
+    from dflashkit.quickstart.server import regen_pool, regenerate_until, server_slots
 
     tok = target.tokenizer
     batch = int(s.regen_batch or rates.get("regen_batch", 16))
@@ -258,7 +258,7 @@ def stage_prepare(
     }
     if s.original_text:
         from dflashkit.data.original_text import write_original_text
-        from dflashkit.quickstart_rates import original_token_budget
+        from dflashkit.quickstart.rates import original_token_budget
 
         orig_file = out / "data" / "original.jsonl"
         orig = write_original_text(

@@ -1,0 +1,32 @@
+"""CPU matrix products of a decoding step, each shape computed the way this machine does it fastest — chosen by
+measurement at run time, kept in the user cache, overridable by `DFLASHKIT_PRODUCTS` (docs/cpu-performance.md).
+
+Reads: nothing but the tensors it is handed and its store of choices. Writes: the choices
+(`~/.cache/dflashkit/products/<machine>.json`) and the compiled kernel (`~/.cache/dflashkit/kernels/`), both in the
+user cache (`io_utils.cache_root()`).
+
+The one entry point for the stages above (the target's decoder layers, the drafter, the decoding baselines):
+
+    route_linears(model.layers)            # every nn.Linear inside goes through linear_product
+    logits = linear_product(hidden, w)     # hidden (..., H), w (V, H) → (..., V): a lone product (an LM head)
+    with stock_products(): ...             # F.linear everywhere (HF's way: stock baselines, prefills)
+    stock_active()                         # inside stock_products()?
+    mode()                                 # "auto" (measured) or the candidate DFLASHKIT_PRODUCTS forces
+
+Modules:
+  products.py     the candidates and the `Chooser` that times them (ABBA-interleaved, kept only when faster)
+  step_trial.py   a pass group's candidates timed inside real decoding steps; `decide`
+  siblings.py     a layer's products of one input (q/k/v, gate/up) as one product over stacked weights
+  packed_weights.py MKL's packed GEMM, one packed copy per weight and row count, within a memory budget
+  native_rows.py  a few-row kernel compiled for this CPU at first use (kernels/rows_linear.cpp)
+  store.py        where the choices are kept between runs (`~/.cache/dflashkit/products/`), and for how long
+  report.py       what was chosen so far (`dflashkit info`), and whether a choice is still being timed
+  machine.py      the CPU, its vector extensions, BLAS and threads, and a measured memory bandwidth
+
+Training, long prefills and GPUs always run `F.linear`: only CPU tensors of a few rows without autograd take part.
+This package imports no stage; `target` and `drafter` import it.
+"""
+
+from dflashkit.cpu_products.products import linear_product, mode, route_linears, stock_active, stock_products
+
+__all__ = ["linear_product", "mode", "route_linears", "stock_active", "stock_products"]
