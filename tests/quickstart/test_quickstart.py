@@ -116,7 +116,7 @@ def test_quickstart_with_a_dspark_drafter(tmp_path, capsys):
 
 def test_the_quickstart_dspark_preset_and_what_overrides_it():
     """A DSpark drafter in the quickstart gets the small-budget preset (Markov rank 64, CE weight 1.0; measured in
-    docs/benchmarks.md), given values win, and DFlash runs are untouched."""
+    docs/studies.md), given values win, and DFlash runs are untouched."""
     from dflashkit.quickstart.run import QuickstartSettings
     from dflashkit.train.config import TrainConfig
 
