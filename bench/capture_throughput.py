@@ -23,7 +23,7 @@ import torch
 
 from dflashkit.data.samples import Sample
 from dflashkit.drafter.defaults import default_drafter_config
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.features.manifest import format_bytes
 from dflashkit.target.model import Target
@@ -81,13 +81,12 @@ def main() -> None:
             target,
             samples,
             tmp,
-            layer_ids=layer_ids,
-            dtype=args.dtype,
-            shard_max_tokens=args.length,
-            store_target_lse=args.target_lse,
             progress=False,
             log=None,
             on_shard=interleave,
+            settings=CaptureSettings(
+                layer_ids=layer_ids, dtype=args.dtype, shard_max_tokens=args.length, store_target_lse=args.target_lse
+            ),
         )
         starts = [t0, *resumed[:-1]]
         per_capture = [end - start for start, end in zip(starts, marks, strict=True)]  # capture + write of one sequence

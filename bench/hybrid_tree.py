@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from dflashkit.decode import generate as decode_mod
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.target.model import LINEAR_ATTENTION, Target
@@ -184,11 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             target,
             prompt,
             drafter=drafter,
-            method=method,
-            max_new_tokens=n,
-            block_size=args.block_size,
-            tree_budget=budget or 1,
-            hybrid_tree=mode,
+            settings=DecodeSettings(
+                method=method, max_new_tokens=n, block_size=args.block_size, tree_budget=budget or 1, hybrid_tree=mode
+            ),
         )
 
     names = [r[0] for r in runs]
@@ -204,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     equal = True
     for i, prompt in enumerate(prompts):
-        ref = generate(target, prompt, method="ar", max_new_tokens=args.max_new_tokens).tokens
+        ref = generate(target, prompt, settings=DecodeSettings(method="ar", max_new_tokens=args.max_new_tokens)).tokens
         NoisyOracle.reference = prompt + ref
         if i == 0:
             for name in names:  # warm-up

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dflashkit.data.conversations import encode_prompt
 from dflashkit.data.datasets import load_dataset
-from dflashkit.data.regenerate import read_regenerated, regenerate
+from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
 from dflashkit.data.turns import turn_segments
 from dflashkit.target.model import Target
 
@@ -61,9 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     route = "llama-server" if server_built() else "in-process"
     with regen_pool({"regen_route": route}) as pool:
         stats = regenerate(
-            target, convs, out / "regenerated.jsonl", max_new_tokens=args.max_new_tokens, turns="all",
-            max_prompt_length=args.max_prompt_tokens, servers=pool, concurrency=8, batch_size=8,
-        )  # fmt: skip
+            target,
+            convs,
+            out / "regenerated.jsonl",
+            servers=pool,
+            settings=RegenSettings(
+                max_new_tokens=args.max_new_tokens,
+                turns="all",
+                max_prompt_length=args.max_prompt_tokens,
+                concurrency=8,
+                batch_size=8,
+            ),
+        )
     prompts = [q for r in read_regenerated(out / "regenerated.jsonl") for q in later_turn_prompts(
         target.tokenizer, r, args.max_prompt_tokens)]  # fmt: skip
     (out / "later_turns.jsonl").write_text("".join(json.dumps(q) + "\n" for q in prompts))

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dflashkit.cpu_products.machine import machine_line
+from dflashkit.decode.generate import DecodeSettings
 from dflashkit.export import llamacpp
 
 
@@ -67,7 +68,12 @@ def _torch_row(target: Any, drafter: Any, prompt: str, method: str, n_predict: i
 
     ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     t0 = time.perf_counter()
-    res = generate(target, ids, drafter=drafter if method == "chain" else None, method=method, max_new_tokens=n_predict)
+    res = generate(
+        target,
+        ids,
+        drafter=drafter if method == "chain" else None,
+        settings=DecodeSettings(method=method, max_new_tokens=n_predict),
+    )
     wall = time.perf_counter() - t0
     pre = res.timings.get("prefill", 0.0)
     row = {"tok_s": len(res.tokens) / max(wall - pre, 1e-9), "tokens": len(res.tokens), "seconds": wall - pre}

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dflashkit.decode.generate import DecodeSettings
+
 
 def _row_variant(init: Path, out: Path, mask_id: int) -> Path:
     from dflashkit.drafter.checkpoint import load_drafter, save_drafter
@@ -76,7 +78,9 @@ def _tau(target: Any, drafter_dir: str, prompts: list[list[int]], n: int) -> flo
     from dflashkit.drafter.checkpoint import load_drafter
 
     d = load_drafter(drafter_dir)
-    taus = [generate(target, p, drafter=d, method="chain", max_new_tokens=n).tau for p in prompts]
+    taus = [
+        generate(target, p, drafter=d, settings=DecodeSettings(method="chain", max_new_tokens=n)).tau for p in prompts
+    ]
     return statistics.fmean(taus)
 
 

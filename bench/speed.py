@@ -46,7 +46,7 @@ from dflashkit.cpu_products import report as product_report
 from dflashkit.cpu_products.machine import machine_line
 from dflashkit.cpu_products.products import stock_products
 from dflashkit.data.conversations import default_stop_token_ids
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.checkpoint import load_drafter
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
 from dflashkit.evaluate.budget_choice import choose_tree_budget
@@ -109,11 +109,13 @@ def dk_generate(
         target,
         list(ids),
         drafter=None if method.kind == "ar" else drafter,
-        method=method.kind,
-        max_new_tokens=max_new_tokens,
-        tree_budget=method.budget or 16,
-        tree_top_k=tree_top_k,
-        stop_token_ids=stops,
+        settings=DecodeSettings(
+            method=method.kind,
+            max_new_tokens=max_new_tokens,
+            tree_budget=method.budget or 16,
+            tree_top_k=tree_top_k,
+            stop_token_ids=stops,
+        ),
     )
     synchronize(target.device)
     return res, time.perf_counter() - t0

@@ -164,7 +164,7 @@ def _shared_data(
     """Data + features of a top-k / original-text plan, built once under OUT/_data/PLAN (all seeds share it)."""
     from dflashkit.data.regenerate import read_regenerated
     from dflashkit.data.samples import read_tokens
-    from dflashkit.features.capture import capture
+    from dflashkit.features.capture import CaptureSettings, capture
 
     keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
     plan = {k: spec[k] for k in (*keys, "server_regen_minutes", "regen_turns", "server_slots") if k in spec}
@@ -228,12 +228,14 @@ def _shared_data(
         target,
         samples,
         d / "features",
-        layer_ids=layer_ids,
-        dtype="bf16",
-        store_topk=int(plan.get("capture_topk", 0)),
-        store_target_lse=bool(plan.get("target_lse")),
         tokens_file=d / "data" / "tokens.jsonl",
         log=_say,
+        settings=CaptureSettings(
+            layer_ids=layer_ids,
+            dtype="bf16",
+            store_topk=int(plan.get("capture_topk", 0)),
+            store_target_lse=bool(plan.get("target_lse")),
+        ),
     )
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
     info_file.write_text(json.dumps(info, indent=1) + "\n")

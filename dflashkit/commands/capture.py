@@ -112,7 +112,7 @@ def _layer_ids(args: argparse.Namespace, target: object, data: dict) -> tuple[li
 def _capture(args: argparse.Namespace) -> int:
     from dflashkit.data.samples import read_tokens
     from dflashkit.data.thinking import data_info
-    from dflashkit.features.capture import capture
+    from dflashkit.features.capture import CaptureSettings, capture
     from dflashkit.features.manifest import format_bytes
     from dflashkit.target.distributed import DistContext
     from dflashkit.target.model import Target
@@ -132,18 +132,20 @@ def _capture(args: argparse.Namespace) -> int:
         target,
         samples,
         args.out,
-        layer_ids=layer_ids,
-        dtype=args.dtype,
-        store_target_tokens=not args.no_target_tokens,
-        store_topk=args.topk,
-        store_target_lse=store_lse,
-        shard_max_tokens=args.shard_tokens,
-        batch_tokens=args.batch_tokens,
         tokens_file=args.tokens,
         progress=not args.quiet,
-        verify=args.verify,
         data=data,
         dist=dist,
+        settings=CaptureSettings(
+            layer_ids=layer_ids,
+            dtype=args.dtype,
+            store_target_tokens=not args.no_target_tokens,
+            store_topk=args.topk,
+            store_target_lse=store_lse,
+            shard_max_tokens=args.shard_tokens,
+            batch_tokens=args.batch_tokens,
+            verify=args.verify,
+        ),
     )
     dist.close()
     if not dist.is_main:

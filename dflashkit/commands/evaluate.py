@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.cli import command, target_args
+from dflashkit.decode.generate import DecodeSettings
 from dflashkit.errors import ConfigError
 from dflashkit.output_dir import output_dir
 from dflashkit.validation import (
@@ -214,15 +215,17 @@ def _generate(args: argparse.Namespace) -> int:
             target,
             ids,
             drafter=drafter,
-            method=args.method,
-            max_new_tokens=args.max_new_tokens,
-            block_size=args.block_size,
-            tree_budget=args.tree_budget,
-            tree_top_k=args.tree_top_k,
-            sampling=sampling,
-            stop_token_ids=_stops(args, target),
-            seed=args.seed,
-            confidence_min=args.confidence_min,
+            settings=DecodeSettings(
+                method=args.method,
+                max_new_tokens=args.max_new_tokens,
+                block_size=args.block_size,
+                tree_budget=args.tree_budget,
+                tree_top_k=args.tree_top_k,
+                sampling=sampling,
+                stop_token_ids=_stops(args, target),
+                seed=args.seed,
+                confidence_min=args.confidence_min,
+            ),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -294,7 +297,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     "eval", "evaluate drafters (τ, speedup vs AR, greedy equality) on a dataset; write results + report", _eval_args
 )
 def _eval(args: argparse.Namespace) -> int:
-    from dflashkit.evaluate.evaluate import evaluate
+    from dflashkit.evaluate.evaluate import EvalSettings, evaluate
     from dflashkit.evaluate.report import render, summary_table
     from dflashkit.evaluate.stats import parse_methods, prompts_for, read_prompts
     from dflashkit.target.model import Target
@@ -326,23 +329,25 @@ def _eval(args: argparse.Namespace) -> int:
         target,
         drafters,
         prompts,
-        methods=[m.name for m in methods],
-        max_new_tokens=args.max_new_tokens,
-        sampling=_sampling(args),
         out_dir=args.out,
-        resume=not args.no_resume,
-        block_size=args.block_size,
-        tree_top_k=args.tree_top_k,
-        stop_token_ids=_stops(args, target),
         dataset=args.dataset,
         skipped=skipped,
-        triage_threshold=args.triage_threshold,
-        seed=args.seed,
-        warmup=not args.no_warmup,
-        hf_baseline=args.hf_baseline,
         drafter_sources=specs,
-        progress=not args.quiet,
         budget_prompts=budget_prompts,
+        settings=EvalSettings(
+            methods=[m.name for m in methods],
+            max_new_tokens=args.max_new_tokens,
+            sampling=_sampling(args),
+            resume=not args.no_resume,
+            block_size=args.block_size,
+            tree_top_k=args.tree_top_k,
+            stop_token_ids=_stops(args, target),
+            triage_threshold=args.triage_threshold,
+            seed=args.seed,
+            warmup=not args.no_warmup,
+            hf_baseline=args.hf_baseline,
+            progress=not args.quiet,
+        ),
     )
     render(doc, Path(args.out))
     print(summary_table(doc))

@@ -108,7 +108,7 @@ def _template_kwargs(args: argparse.Namespace, target: Any) -> dict[str, Any]:
 @command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
 def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
-    from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
     from dflashkit.data.server_client import ServerPool
     from dflashkit.data.tokens_file import write_tokens
     from dflashkit.errors import ConfigError, DataError
@@ -140,18 +140,20 @@ def _prepare(args: argparse.Namespace) -> int:
                 target,
                 conversations,
                 regen_path,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                batch_size=args.batch_size,
-                chat_template_kwargs=kwargs,
-                seed=args.seed,
-                max_prompt_length=args.max_length,
-                turns=args.turns,
-                thinking=args.thinking,
                 servers=servers,
-                concurrency=args.concurrency,
                 stop_at=None if budget_s is None else time.monotonic() + budget_s,
+                settings=RegenSettings(
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    batch_size=args.batch_size,
+                    chat_template_kwargs=kwargs,
+                    seed=args.seed,
+                    max_prompt_length=args.max_length,
+                    turns=args.turns,
+                    thinking=args.thinking,
+                    concurrency=args.concurrency,
+                ),
             )
             regen_stats = stats.to_dict()
             skipped.update(stats.skipped)

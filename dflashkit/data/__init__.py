@@ -11,7 +11,7 @@ Modules and their public functions:
   datasets.py       `load_dataset(name_or_path)`, `load_sharegpt`, `load_mtbench`, `load_humaneval`
   jsonl.py          `read_lines(path)`: user JSONL read safely (size cap, UTF-8 checked, line numbers)
   samples.py        `Sample`, `read_tokens(tokens.jsonl)`, `check_token_ids`
-  regenerate.py     `regenerate(target, conversations, out)` (in process or through servers), `generate_batch`,
+  regenerate.py     `regenerate(target, conversations, out, settings=RegenSettings(…))`, `generate_batch`,
                     `read_regenerated`
   server_client.py  `ServerPool(urls)`: OpenAI-compatible servers (vLLM, SGLang, llama-server) from token ids
   turns.py          `TurnState`, `turn_segments`, `tokenize_turns`: the first or every assistant turn

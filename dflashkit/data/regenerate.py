@@ -261,40 +261,56 @@ def _write(f: Any, records: list[dict[str, Any]]) -> None:
     os.fsync(f.fileno())
 
 
+@dataclass(frozen=True)
+class RegenSettings:
+    """How `regenerate` asks the target for replies.
+
+    max_new_tokens: reply length cap. temperature / top_p: 0 = greedy. batch_size: conversations per in-process
+    `generate` batch; concurrency: conversations in flight through servers. chat_template_kwargs: passed to the chat
+    template. max_prompt_length: prompts longer than this are skipped. turns: "first" (the first assistant turn) or
+    "all" (every assistant turn, each prompted with the replies before it). thinking: "off" | "on" | "keep" for
+    templates with `enable_thinking` (None: the template's own default).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 8
+    chat_template_kwargs: dict[str, Any] | None = None
+    seed: int = 0
+    max_prompt_length: int | None = None
+    turns: str = "first"
+    thinking: str | None = None
+    concurrency: int = 8
+
+
 def regenerate(
     target: Target | TargetText,
     conversations: list[Conversation],
     out_path: str | Path,
     *,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    batch_size: int = 8,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    seed: int = 0,
-    max_prompt_length: int | None = None,
-    turns: str = "first",
-    thinking: str | None = None,
+    settings: RegenSettings = RegenSettings(),
     servers: ServerPool | None = None,
-    concurrency: int = 8,
     progress: bool = True,
     stop_at: float | None = None,
 ) -> RegenStats:
-    """Write the target's replies (`turns`: the first assistant turn, or every one) to `out_path` (JSONL).
+    """Write the target's replies (`settings.turns`: the first assistant turn, or every one) to `out_path` (JSONL).
 
-    In process (HF `generate`, `batch_size` conversations a batch) or, with `servers`, through OpenAI-compatible
-    servers (`concurrency` conversations in flight, spread over the servers: dflashkit.data.server_client).
+    In process (HF `generate`, `settings.batch_size` conversations a batch) or, with `servers`, through
+    OpenAI-compatible servers (`settings.concurrency` conversations in flight, spread over the servers:
+    dflashkit.data.server_client).
     `stop_at` (a `time.monotonic()` time): no batch, no conversation starts after it — the first batch or the first
-    `concurrency` conversations always do — and those under way finish and are written; the rest are counted in
+    `settings.concurrency` conversations always do — and those under way finish and are written; the rest are counted in
     `not_started` (a later call with the same file takes them up, as a resume does).
     """
+    rs = settings
     if target.tokenizer is None:
         raise DataError(f"target {target.source}: no tokenizer found (regeneration needs one with a chat template)")
     if servers is None and isinstance(target, TargetText):
         raise DataError(f"target {target.source}: regenerating in process needs the model (Target.load), not only text")
-    if max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
+    if rs.max_new_tokens < 1 or rs.batch_size < 1 or rs.concurrency < 1:
         raise DataError(
-            f"max_new_tokens={max_new_tokens}, batch_size={batch_size}, concurrency={concurrency}: "
+            f"max_new_tokens={rs.max_new_tokens}, batch_size={rs.batch_size}, concurrency={rs.concurrency}: "
             f"expected positive integers"
         )
     out_path = Path(out_path)
@@ -304,36 +320,43 @@ def regenerate(
         if servers is not None:
             stats.servers = servers.connect(target.tokenizer)
             generator = {"kind": "server", "models": sorted({s["model"] for s in stats.servers if s["model"]})}
-        settings = _settings(
-            target, max_new_tokens, temperature, top_p, chat_template_kwargs, turns, thinking, generator
+        recorded = _settings(
+            target,
+            rs.max_new_tokens,
+            rs.temperature,
+            rs.top_p,
+            rs.chat_template_kwargs,
+            rs.turns,
+            rs.thinking,
+            generator,
         )
         existing = read_regenerated(out_path, repair=True)
         for k, rec in enumerate(existing, start=1):
-            if rec.get("generation") != settings:
+            if rec.get("generation") != recorded:
                 raise DataError(
                     f"{out_path}:{k}: written with generation settings {rec.get('generation')}, but this run "
-                    f"uses {settings}; use another output directory or delete the file"
+                    f"uses {recorded}; use another output directory or delete the file"
                 )
         todo = _plan(
             target,
             conversations,
             {str(r["id"]) for r in existing},
             stats,
-            turns=turns,
-            thinking=thinking,
-            chat_template_kwargs=chat_template_kwargs,
-            max_prompt_length=max_prompt_length,
+            turns=rs.turns,
+            thinking=rs.thinking,
+            chat_template_kwargs=rs.chat_template_kwargs,
+            max_prompt_length=rs.max_prompt_length,
         )
         eos = target.eos_token_id if isinstance(target, TargetText) else target.model.generation_config.eos_token_id
         stop_ids = end_of_turn_ids(target.tokenizer, eos)
-        job = _Job(target, settings, stats, stop_ids, chat_template_kwargs, max_prompt_length, seed, stop_at)
+        job = _Job(target, recorded, stats, stop_ids, rs.chat_template_kwargs, rs.max_prompt_length, rs.seed, stop_at)
         start = time.perf_counter()
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
         with open(out_path, "a", encoding="utf-8") as f:
             if servers is None:
-                _in_process(job, todo, f, bar, batch_size, start)
+                _in_process(job, todo, f, bar, rs.batch_size, start)
             else:
-                _through_servers(job, todo, f, bar, servers, concurrency, start)
+                _through_servers(job, todo, f, bar, servers, rs.concurrency, start)
         bar.close()
         stats.seconds = time.perf_counter() - start
         if servers is not None:

@@ -5,7 +5,7 @@ Reads: a loaded target and drafter, a prompt's token ids. Writes nothing: `gener
 acceptance length of every round and the time spent per stage.
 
 Modules and their public functions:
-  generate.py     `generate(target, prompt_ids, drafter=…, method="ar"|"chain"|"tree", …)` → `GenerationResult`
+  generate.py     `generate(target, ids, drafter=…, settings=DecodeSettings(method="chain", …))` → `GenerationResult`
   tree.py         `build_tree` (DDTree best-first over per-depth marginals), `follow_tree`,
                   `tree_attention_bias`, `chain_tree`
   hybrid_tree.py  `verify_tree`: exact DDTree verification on hybrid (Gated DeltaNet) targets, `resolve_mode`

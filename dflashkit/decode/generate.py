@@ -17,7 +17,7 @@ left to right through the Markov head (dspark_draft.py); optionally cut where th
 prefix acceptance falls below `confidence_min`.
 The acceptance length L = accepted + 1 counts the bonus token. `method="ar"` (or no drafter) runs plain
 autoregressive decoding through the same loop: verify one token, commit it.
-Decoding policy (block size, tree budget, sampling) is arguments, never model state.
+Decoding policy (block size, tree budget, sampling) is a `DecodeSettings` argument, never model state.
 """
 
 from __future__ import annotations
@@ -88,59 +88,70 @@ def _pick(logits: Tensor, params: SamplingParams, gen: torch.Generator | None) -
     return int(logits.argmax(-1)) if params.greedy else int(sample(probs(logits, params), gen))
 
 
-@torch.no_grad()
-def generate(
-    target: Target,
-    prompt_ids: Tensor | list[int],
-    *,
-    drafter: DFlashDrafter | None = None,
-    method: str = "chain",
-    max_new_tokens: int = 128,
-    block_size: int | None = None,
-    tree_budget: int = 16,
-    tree_top_k: int | None = None,
-    force_spine: bool = False,
-    sampling: SamplingParams = GREEDY,
-    draft_sampling: bool = False,
-    stop_token_ids: list[int] | tuple[int, ...] = (),
-    seed: int | None = None,
-    hybrid_tree: str = "auto",
-    check_invariants: bool = False,
-    confidence_min: float | None = None,
-) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt_ids` (batch 1). See the module docstring for the loop.
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How `generate` decodes — the decoding policy, never model state.
 
     method: "ar" | "chain" | "tree" (DDTree with `tree_budget` nodes over the top `tree_top_k` tokens per depth;
     `tree_top_k` None or 0 = the budget, the DDTree reference: exactly the `tree_budget` most probable prefixes).
+    block_size: None = the drafter's own. force_spine: DDTree always keeps the chain of top-1 drafts.
     draft_sampling: at temperature > 0, sample drafts from the drafter (min(1, p/q) rule) instead of argmax
     drafts (sample-and-match). Both are exactly lossless.
     hybrid_tree: how tree verification follows Gated DeltaNet states on hybrid targets, all exact (hybrid_tree.py):
     "scan" (one pass; the recurrence scans every root-to-leaf path), "levels" (one pass; stepped depth by depth),
     "paths" (root-to-leaf paths as batch rows; any recurrent layer), "auto" (scan where the layers allow it).
     confidence_min: DSpark only — draft only while the confidence head's predicted prefix acceptance is ≥ this.
+    check_invariants: assert the caches' lengths after every round (tests).
     """
+
+    method: str = "chain"
+    max_new_tokens: int = 128
+    block_size: int | None = None
+    tree_budget: int = 16
+    tree_top_k: int | None = None
+    force_spine: bool = False
+    sampling: SamplingParams = GREEDY
+    draft_sampling: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    hybrid_tree: str = "auto"
+    check_invariants: bool = False
+    confidence_min: float | None = None
+
+
+@torch.no_grad()
+def generate(
+    target: Target,
+    prompt_ids: Tensor | list[int],
+    *,
+    drafter: DFlashDrafter | None = None,
+    settings: DecodeSettings = DecodeSettings(),
+) -> GenerationResult:
+    """Generate up to `settings.max_new_tokens` after `prompt_ids` (batch 1) as `settings` says (`DecodeSettings`).
+    See the module docstring for the loop."""
+    s = settings
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
     prompt_len = ids.shape[1]
     bs = _checked_block_size(
         target,
         drafter,
-        method=method,
+        method=s.method,
         prompt_len=prompt_len,
-        max_new_tokens=max_new_tokens,
-        block_size=block_size,
-        tree_budget=tree_budget,
-        sampling=sampling,
-        confidence_min=confidence_min,
+        max_new_tokens=s.max_new_tokens,
+        block_size=s.block_size,
+        tree_budget=s.tree_budget,
+        sampling=s.sampling,
+        confidence_min=s.confidence_min,
     )
     use_drafter = bs > 1
     dspark = use_drafter and drafter.is_dspark
     slots = bs if dspark else bs - 1  # drafts a round can propose
-    tree_mode = resolve_mode(target, hybrid_tree) if method == "tree" and target.is_hybrid else None
+    tree_mode = resolve_mode(target, s.hybrid_tree) if s.method == "tree" and target.is_hybrid else None
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
-    gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
+    gen = torch.Generator(device=target.device).manual_seed(s.seed) if s.seed is not None else None
     result = GenerationResult(prompt_len=prompt_len, tokens=[])
     clock = _clock(target.device, result.timings)
-    stops = set(int(t) for t in stop_token_ids)
+    stops = set(int(t) for t in s.stop_token_ids)
 
     cache = target.new_cache()
     # The prompt's width is a one-off: stock products, never a measured choice (whose timing would land here)
@@ -153,7 +164,7 @@ def generate(
             logits_to_keep=1,
             feature_device=drafter.device if use_drafter else None,
         )
-    bonus = _pick(out.logits[0, -1], sampling, gen)
+    bonus = _pick(out.logits[0, -1], s.sampling, gen)
     result.tokens.append(bonus)
     dcache = DrafterCache()
     new_ctx, new_pos = (out.features, torch.arange(prompt_len)[None]) if use_drafter else (None, None)
@@ -161,20 +172,20 @@ def generate(
         result.stop_reason = "stop_token"
         return result
 
-    while len(result.tokens) < max_new_tokens:
+    while len(result.tokens) < s.max_new_tokens:
         start = prompt_len + len(result.tokens) - 1  # position of the bonus token
-        room = max_new_tokens - len(result.tokens)  # tokens we may still add after the bonus
+        room = s.max_new_tokens - len(result.tokens)  # tokens we may still add after the bonus
         n_verify = min(slots, room) if use_drafter else 0  # drafts that can still be committed
         drafts = draft_q = draft_logits = None
         if n_verify > 0:
             one_off = stock_products() if dcache.length == 0 else nullcontext()  # first round: the prompt's width
             with clock("draft"), one_off:  # always the full block (see the module docstring); only n_verify are used
-                a = (target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, sampling)
-                a += (draft_sampling, gen)
+                a = (target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, s.sampling)
+                a += (s.draft_sampling, gen)
                 drafts, draft_q, draft_logits = (
-                    draft_dspark(*a, confidence_min=confidence_min) if dspark else _draft(*a)
+                    draft_dspark(*a, confidence_min=s.confidence_min) if dspark else _draft(*a)
                 )
-        if method == "tree" and drafts is not None:
+        if s.method == "tree" and drafts is not None:
             committed, next_token, feats = _verify_tree(
                 target,
                 cache,
@@ -183,31 +194,31 @@ def generate(
                 drafter,
                 start,
                 layer_ids,
-                tree_budget,
-                tree_top_k,
-                force_spine,
+                s.tree_budget,
+                s.tree_top_k,
+                s.force_spine,
                 tree_mode,
                 clock,
             )
         else:
             block = torch.tensor([[bonus] + ([] if drafts is None else drafts.tolist())])  # (1, bl)
             committed, next_token, feats = _verify_chain(
-                target, cache, block, start, layer_ids, sampling, draft_q, gen, clock, drafter
+                target, cache, block, start, layer_ids, s.sampling, draft_q, gen, clock, drafter
             )
         with clock("commit"):
-            stopped = _commit(result, committed, next_token, stops, max_new_tokens)
+            stopped = _commit(result, committed, next_token, stops, s.max_new_tokens)
             if use_drafter:
                 new_ctx = feats
                 new_pos = torch.arange(start, start + len(committed))[None]
             bonus = next_token
-            if check_invariants:
+            if s.check_invariants:
                 _check(
                     len(committed),
                     tc.kv_length(cache),
                     start,
                     dcache.length if drafts is not None else None,
                     slots + 1,
-                    tree_budget if method == "tree" else None,
+                    s.tree_budget if s.method == "tree" else None,
                 )
         if stopped:
             result.stop_reason = "stop_token"

@@ -548,7 +548,7 @@ def run_doctor(
     features: str | Path | None = None,
 ) -> DoctorReport:
     """Run every check; `drafter` is a checkpoint directory or a loaded `DFlashDrafter`."""
-    from dflashkit.decode.generate import generate
+    from dflashkit.decode.generate import DecodeSettings, generate
 
     report = DoctorReport()
     module: DFlashDrafter | None = None
@@ -591,7 +591,9 @@ def run_doctor(
     report.findings.append(mask_finding(cfg, module, target, transcripts))
     taus, mismatch = [], []
     for p, full in zip(plist, transcripts, strict=True):
-        res = generate(target, p, drafter=module, method="chain", max_new_tokens=max_new_tokens)
+        res = generate(
+            target, p, drafter=module, settings=DecodeSettings(method="chain", max_new_tokens=max_new_tokens)
+        )
         taus.append(res.tau)
         want = full[len(p) :]
         if res.tokens != want:

@@ -6,7 +6,7 @@ Reads: drafters, a target, prompts (bundled datasets or JSONL). Writes an evalua
 `report.md` and PNG plots; `simulate` also writes a transcript cache (`pNNNNN.safetensors` per prompt).
 
 Modules and their public functions:
-  evaluate.py     `evaluate(target, drafters, prompts, methods=…)`: real decoding, AR baseline, greedy equality
+  evaluate.py     `evaluate(target, drafters, prompts, out_dir=…, settings=EvalSettings(…))`: real decoding vs AR
   warm_up.py      `settle(run, max_new_tokens, device)`: untimed runs until the CPU's product choices settle
   budget_choice.py `choose_tree_budget`: the DDTree budget of `ddtree:auto` (replayed τ × measured round time)
   triage.py       `triage_divergence`: where an output departs from AR, and whether it is a near-tie or a bug

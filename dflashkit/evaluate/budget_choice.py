@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dflashkit.decode.generate import GenerationResult, generate
+from dflashkit.decode.generate import DecodeSettings, GenerationResult, generate
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DataError
 from dflashkit.evaluate.simulate import replay
@@ -197,12 +197,14 @@ def choose_tree_budget(
             target,
             timed.ids,
             drafter=drafter,
-            method="tree",
-            max_new_tokens=n,
-            block_size=block_size,
-            tree_budget=budget,
-            tree_top_k=tree_top_k,
-            stop_token_ids=stop_token_ids,
+            settings=DecodeSettings(
+                method="tree",
+                max_new_tokens=n,
+                block_size=block_size,
+                tree_budget=budget,
+                tree_top_k=tree_top_k,
+                stop_token_ids=stop_token_ids,
+            ),
         )
         synchronize(target.device)
         return res, time.perf_counter() - t0

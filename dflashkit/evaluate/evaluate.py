@@ -1,15 +1,15 @@
 """Evaluation: real speculative decoding of many drafters × methods against the AR baseline, on the same prompts.
 
     prompts, skipped = load_prompts(target, "mtbench", limit=20, max_new_tokens=256)
-    results = evaluate(target, {"ours": drafter}, prompts, methods=["ar", "chain", "ddtree:8"],
-                       max_new_tokens=256, out_dir="runs/eval")
+    settings = EvalSettings(methods=["ar", "chain", "ddtree:8"], max_new_tokens=256)
+    results = evaluate(target, {"ours": drafter}, prompts, out_dir="runs/eval", settings=settings)
 
 Per prompt: the AR baseline runs once (drafter-independent) through the same `decode.generate(method="ar")`, then
 every (drafter, method). At temperature 0 each output must equal the AR output; a divergence is triaged
 (`triage.py`: numerical near-tie or bug). Each finished prompt is appended to `out_dir/progress.jsonl` (one JSON
 line) and skipped when the run is resumed with the same settings; `out_dir/results.json` (the source of truth for
 reports; statistics from `aggregate.py`) is rewritten at the end. A resumed run aggregates timings measured in
-different sessions; rerun with resume=False for clean timings.
+different runs; rerun with resume=False for clean timings.
 
 `ddtree:auto` runs DDTree with the budget that gives each drafter the most tokens/s on this machine, chosen before
 anything is timed (`budget_choice.py`: replayed τ per budget × measured round times, on `budget_prompts` — by
@@ -34,7 +34,7 @@ import torch
 
 from dflashkit.cpu_products import stock_products
 from dflashkit.data.conversations import default_stop_token_ids
-from dflashkit.decode.generate import GenerationResult, generate
+from dflashkit.decode.generate import DecodeSettings, GenerationResult, generate
 from dflashkit.decode.hybrid_tree import resolve_mode
 from dflashkit.decode.sampling import GREEDY, SamplingParams
 from dflashkit.drafter.model import DFlashDrafter
@@ -63,107 +63,123 @@ PROGRESS, RESULTS, BUDGET_CHOICE = "progress.jsonl", "results.json", "budget_cho
 AR_METHOD = Method("ar", "ar")  # the baseline every prompt runs first
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How `evaluate` decodes and times each prompt (the prompts, drafters and output directory are its arguments).
+
+    methods: "ar", "chain", "ddtree:B", "ddtree:auto" (comma-separated or a list); AR runs for every prompt anyway.
+    block_size / tree_top_k: None = each drafter's own / the tree budget. stop_token_ids: None = the target's
+    end-of-turn tokens. triage_threshold: the top-2 margin below which a divergence is a numerical near-tie
+    (None: by the target's dtype). warmup: untimed runs first (on CPU they also settle the product choices).
+    hf_baseline: also time HF `generate` as a second AR baseline. resume: continue progress.jsonl when its settings
+    match. deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is
+    always evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of
+    how many. A resumed run continues with the rest.
+    """
+
+    methods: str | Sequence[str] = ("ar", "chain", "ddtree:8")
+    max_new_tokens: int = 128
+    sampling: SamplingParams = GREEDY
+    block_size: int | None = None
+    tree_top_k: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+    triage_threshold: float | None = None
+    seed: int = 0
+    warmup: bool = True
+    hf_baseline: bool = False
+    resume: bool = True
+    progress: bool = True
+    deadline: float | None = None
+
+
 def evaluate(
     target: Target,
     drafters: dict[str, DFlashDrafter],
     prompts: Sequence[Prompt],
     *,
-    methods: str | Sequence[str] = ("ar", "chain", "ddtree:8"),
-    max_new_tokens: int = 128,
-    sampling: SamplingParams = GREEDY,
     out_dir: str | Path,
-    resume: bool = True,
-    block_size: int | None = None,
-    tree_top_k: int | None = None,
-    stop_token_ids: Sequence[int] | None = None,
+    settings: EvalSettings = EvalSettings(),
     dataset: str = "",
     skipped: dict[str, str] | None = None,
-    triage_threshold: float | None = None,
-    seed: int = 0,
-    warmup: bool = True,
-    hf_baseline: bool = False,
     drafter_sources: dict[str, str] | None = None,
-    progress: bool = True,
-    deadline: float | None = None,
     budget_prompts: Sequence[Prompt] | None = None,
     budget_choices: dict[str, BudgetChoice] | None = None,
 ) -> dict[str, Any]:
-    """Run AR + every (drafter, method) on `prompts`; write progress.jsonl and results.json; return results.
+    """Run AR + every (drafter, method) on `prompts` as `settings` says; write progress.jsonl and results.json;
+    return results.
 
     budget_prompts: the calibration prompts of `ddtree:auto` (default: the first two of `prompts`);
     budget_choices: drafter name → a choice already made (e.g. by the quickstart for several datasets), not measured.
-
-    deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always
-    evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how
-    many. A resumed run continues with the rest.
     """
     from tqdm import tqdm
 
-    all_methods = parse_methods(methods)
+    es = settings
+
+    all_methods = parse_methods(es.methods)
     prompts = list(prompts)
-    stops = sorted({int(t) for t in (default_stop_token_ids(target) if stop_token_ids is None else stop_token_ids)})
-    session = _Session(
+    stops = sorted(
+        {int(t) for t in (default_stop_token_ids(target) if es.stop_token_ids is None else es.stop_token_ids)}
+    )
+    ev = _Evaluation(
         target=target,
         drafters=drafters,
         spec=[m for m in all_methods if m.kind != "ar"],
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        block_size=block_size,
-        tree_top_k=tree_top_k,
+        sampling=es.sampling,
+        max_new_tokens=es.max_new_tokens,
+        block_size=es.block_size,
+        tree_top_k=es.tree_top_k,
         stops=stops,
-        threshold=default_triage_threshold(target.dtype) if triage_threshold is None else float(triage_threshold),
-        hf_baseline=hf_baseline,
+        threshold=default_triage_threshold(target.dtype) if es.triage_threshold is None else float(es.triage_threshold),
+        hf_baseline=es.hf_baseline,
     )
-    _check_arguments(session, prompts)
-    settings = {
+    _check_arguments(ev, prompts)
+    recorded = {
         "methods": [m.name for m in all_methods],
-        "max_new_tokens": int(max_new_tokens),
-        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
-        "block_size": block_size,
-        "tree_top_k": int(tree_top_k) if tree_top_k else None,
+        "max_new_tokens": int(es.max_new_tokens),
+        "sampling": {"temperature": es.sampling.temperature, "top_p": es.sampling.top_p, "top_k": es.sampling.top_k},
+        "block_size": es.block_size,
+        "tree_top_k": int(es.tree_top_k) if es.tree_top_k else None,
         "stop_token_ids": stops,
-        "seed": int(seed),
-        "triage_threshold": session.threshold,
-        "hf_baseline": bool(hf_baseline),
+        "seed": int(es.seed),
+        "triage_threshold": ev.threshold,
+        "hf_baseline": bool(es.hf_baseline),
     }
     t_info = target_info(target)
-    key = _settings_key(settings, t_info, drafters)
+    key = _settings_key(recorded, t_info, drafters)
     out = Path(out_dir)
     with one_writer(out, "dflashkit eval"):
         ppath = out / PROGRESS
-        records = _resumed_records(ppath, key, prompts, resume)
+        records = _resumed_records(ppath, key, prompts, es.resume)
         for d in drafters.values():
             d.eval()
-        if any(m.is_auto for m in session.spec):
+        if any(m.is_auto for m in ev.spec):
             calibration = budget_prompts or prompts
-            session.auto, measured = _auto_budgets(
-                session, out, key, calibration, budget_choices or {}, resume, progress
-            )
-            records = _records_of_these_budgets(records, session, measured, ppath, progress)
+            ev.auto, measured = _auto_budgets(ev, out, key, calibration, budget_choices or {}, es.resume, es.progress)
+            records = _records_of_these_budgets(records, ev, measured, ppath, es.progress)
         todo = [p for p in prompts if p.id not in records]
-        if warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
-            session.warm_up(todo[0], seed)
+        if es.warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
+            ev.warm_up(todo[0], es.seed)
         index = {p.id: i for i, p in enumerate(prompts)}
-        bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not progress or not todo)
+        bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not es.progress or not todo)
         with open(ppath, "a", encoding="utf-8") as f:
             for p in bar:
-                s = None if sampling.greedy else seed + index[p.id]
+                s = None if es.sampling.greedy else es.seed + index[p.id]
                 rec = {"key": key, "id": p.id, "prompt_sha": prompt_sha(p.ids), "prompt_len": len(p.ids)}
-                rec.update(session.prompt_record(p, s))
+                rec.update(ev.prompt_record(p, s))
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
                 records[p.id] = rec
-                if deadline is not None and time.monotonic() > deadline:
+                if es.deadline is not None and time.monotonic() > es.deadline:
                     break
         bar.close()
-        doc = session.results_doc(prompts, records, settings, t_info, dataset, skipped, drafter_sources)
+        doc = ev.results_doc(prompts, records, recorded, t_info, dataset, skipped, drafter_sources)
         atomic_write_text(out / RESULTS, json.dumps(doc, indent=1) + "\n")
         return doc
 
 
 @dataclass
-class _Session:
+class _Evaluation:
     """What every run of one evaluation shares: the target, the drafters and methods, the decoding settings."""
 
     target: Target
@@ -193,14 +209,16 @@ class _Session:
                 self.target,
                 prompt.ids,
                 drafter=drafter,
-                method=method.kind,
-                max_new_tokens=max_new_tokens,
-                block_size=self.block_size,
-                tree_budget=method.budget or 16,
-                tree_top_k=self.tree_top_k,
-                sampling=self.sampling,
-                stop_token_ids=self.stops,
-                seed=seed,
+                settings=DecodeSettings(
+                    method=method.kind,
+                    max_new_tokens=max_new_tokens,
+                    block_size=self.block_size,
+                    tree_budget=method.budget or 16,
+                    tree_top_k=self.tree_top_k,
+                    sampling=self.sampling,
+                    stop_token_ids=self.stops,
+                    seed=seed,
+                ),
             )
         except ValueError as e:  # e.g. a prompt too long for the context window (load_prompts skips those)
             raise DataError(f"prompt {prompt.id!r}: {e}") from None
@@ -300,7 +318,7 @@ class _Session:
 
 
 def _auto_budgets(
-    session: _Session,
+    ev: _Evaluation,
     out: Path,
     key: str,
     calibration: Sequence[Prompt],
@@ -321,7 +339,7 @@ def _auto_budgets(
         except (ValueError, KeyError, TypeError, AttributeError):
             kept = {}  # damaged: measured again
     choices, measured = {}, set()
-    for name, d in session.drafters.items():
+    for name, d in ev.drafters.items():
         if name in given:
             if name in kept and int(kept[name]["budget"]) != given[name].budget and (out / PROGRESS).is_file():
                 raise DataError(
@@ -333,13 +351,13 @@ def _auto_budgets(
             choices[name] = BudgetChoice.from_dict(kept[name])
         else:
             choices[name] = choose_tree_budget(
-                session.target,
+                ev.target,
                 d,
                 calibration,
-                max_new_tokens=session.max_new_tokens,
-                block_size=session.block_size,
-                tree_top_k=session.tree_top_k,
-                stop_token_ids=session.stops,
+                max_new_tokens=ev.max_new_tokens,
+                block_size=ev.block_size,
+                tree_top_k=ev.tree_top_k,
+                stop_token_ids=ev.stops,
                 progress=progress,
             )
             measured.add(name)
@@ -351,20 +369,20 @@ def _auto_budgets(
 
 
 def _records_of_these_budgets(
-    records: dict[str, dict[str, Any]], session: _Session, measured: set[str], ppath: Path, progress: bool
+    records: dict[str, dict[str, Any]], ev: _Evaluation, measured: set[str], ppath: Path, progress: bool
 ) -> dict[str, dict[str, Any]]:
     """The resumed records whose ddtree:auto runs used the budgets chosen now. A record whose run names another
     budget — or names none (written before runs kept it) while that drafter's budget was measured anew, e.g. after a
     damaged budget_choice.json — is left out: its prompt runs again, so no statistic mixes two budgets."""
-    auto = [m.name for m in session.spec if m.is_auto]
+    auto = [m.name for m in ev.spec if m.is_auto]
 
     def ran_with_the_choice(name: str, run: dict[str, Any]) -> bool:
         recorded = run.get("budget")
-        return name not in measured if recorded is None else recorded == session.auto[name].budget
+        return name not in measured if recorded is None else recorded == ev.auto[name].budget
 
     kept, again = {}, 0
     for pid, rec in records.items():
-        runs = [(name, rec["runs"].get(name, {}).get(m)) for name in session.auto for m in auto]
+        runs = [(name, rec["runs"].get(name, {}).get(m)) for name in ev.auto for m in auto]
         if all(run is None or ran_with_the_choice(name, run) for name, run in runs):
             kept[pid] = rec
         else:
@@ -374,19 +392,19 @@ def _records_of_these_budgets(
     return kept
 
 
-def _check_arguments(session: _Session, prompts: list[Prompt]) -> None:
-    if session.spec and not session.drafters:
-        raise ConfigError(f"methods {[m.name for m in session.spec]} need at least one drafter")
-    for name, d in session.drafters.items():
-        check_drafter_fits(d.config, session.target, source=f"drafter {name!r}")
-    if not session.sampling.greedy and any(m.kind == "tree" for m in session.spec):
+def _check_arguments(ev: _Evaluation, prompts: list[Prompt]) -> None:
+    if ev.spec and not ev.drafters:
+        raise ConfigError(f"methods {[m.name for m in ev.spec]} need at least one drafter")
+    for name, d in ev.drafters.items():
+        check_drafter_fits(d.config, ev.target, source=f"drafter {name!r}")
+    if not ev.sampling.greedy and any(m.kind == "tree" for m in ev.spec):
         raise ConfigError("ddtree methods support greedy decoding only (temperature 0)")
-    if session.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens = {session.max_new_tokens}: expected an integer ≥ 1")
-    if session.block_size is not None and session.block_size < 2:
-        raise ConfigError(f"block_size = {session.block_size}: expected an integer ≥ 2 (or None: each drafter's own)")
-    if not math.isfinite(session.threshold) or session.threshold < 0:
-        raise ConfigError(f"triage_threshold = {session.threshold}: expected a finite number ≥ 0")
+    if ev.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens = {ev.max_new_tokens}: expected an integer ≥ 1")
+    if ev.block_size is not None and ev.block_size < 2:
+        raise ConfigError(f"block_size = {ev.block_size}: expected an integer ≥ 2 (or None: each drafter's own)")
+    if not math.isfinite(ev.threshold) or ev.threshold < 0:
+        raise ConfigError(f"triage_threshold = {ev.threshold}: expected a finite number ≥ 0")
     if not prompts:
         raise DataError("no prompts to evaluate")
     if len({p.id for p in prompts}) != len(prompts):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DataError, TargetError
 from dflashkit.evaluate.file_schemas import transcripts_problem
@@ -269,7 +269,11 @@ def transcript_of(
     features of prompt + continuation at `layer_ids` (one forward), on CPU."""
     layers = sorted({int(i) for i in layer_ids})
     try:
-        res = generate(target, prompt.ids, method="ar", max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+        res = generate(
+            target,
+            prompt.ids,
+            settings=DecodeSettings(method="ar", max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids),
+        )
     except ValueError as e:
         raise DataError(f"prompt {prompt.id!r}: {e}") from None
     full = torch.tensor(prompt.ids + res.tokens, dtype=torch.long)[None]  # (1, T)

@@ -1,6 +1,6 @@
 """Warm-up before timing: untimed runs of a method until the CPU's product choices for the widths it meets are settled.
 
-    settle(lambda n: generate(target, ids, drafter=d, method="chain", max_new_tokens=n), max_new_tokens, device)
+    settle(lambda n: generate(target, ids, drafter=d, settings=DecodeSettings(max_new_tokens=n)), max_new, device)
 
 On CPU, the products of each decoding width are timed inside the real steps at first use (target/products.py): a
 trial runs every candidate — the slower ones too — for a few steps each. A timing that caught those steps would

@@ -137,10 +137,12 @@ class ServeCheckReport:
 # ---------------------------------------------------------------------------------------------- dflashkit's side
 def dflashkit_counts(target: Any, drafter: Any, prompt: list[int], max_new_tokens: int) -> PromptCounts:
     """Chain decoding with the engines' counting convention (module docstring)."""
-    from dflashkit.decode.generate import generate
+    from dflashkit.decode.generate import DecodeSettings, generate
 
     bs = drafter.config.block_size
-    res = generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=max_new_tokens + bs)
+    res = generate(
+        target, prompt, drafter=drafter, settings=DecodeSettings(method="chain", max_new_tokens=max_new_tokens + bs)
+    )
     slots = bs - drafter.first_draft_slot()  # drafts a round proposes (DSpark: every slot)
     drafts, accepted, per_pos, done = 0, 0, [0] * slots, 1  # the first token comes from prefill
     for length in res.acceptance_lengths:

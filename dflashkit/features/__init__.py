@@ -6,7 +6,7 @@ layer ids, storage dtype, shard plan, per-sample index; resumable shard by shard
 log-probs). Online features compute the same thing in memory, nothing written.
 
 Modules and their public functions:
-  capture.py   `capture(target, samples, out_dir, layer_ids=…)`: write a capture directory, resumable
+  capture.py   `capture(target, samples, out_dir, settings=CaptureSettings(layer_ids=…))`: a capture dir, resumable
   captured.py  `CapturedFeatures(dir)[i]`: read it back (checked against the target and the drafter's layers)
   online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
   manifest.py  `Manifest.load(dir)`, `target_fingerprint`, `bytes_per_token`, `plan_shards`, `format_bytes`

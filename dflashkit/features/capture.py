@@ -1,8 +1,8 @@
 """Target features for training: captured once to sharded safetensors files, or computed online.
 
-    capture(target, samples, out_dir, layer_ids=[1, 8, 14, 20, 27])   # → Manifest; resumable
-    capture(target, samples, out_dir, layer_ids=ids, store_topk=32)   # + top-32 log-probs per position
-    capture(target, samples, out_dir, layer_ids=ids, store_target_lse=True)   # + log-sum-exp of the logits
+    capture(target, samples, out_dir, settings=CaptureSettings(layer_ids=(1, 8, 14, 20, 27)))  # → Manifest; resumable
+    CaptureSettings(layer_ids=ids, store_topk=32)         # + top-32 log-probs per position
+    CaptureSettings(layer_ids=ids, store_target_lse=True) # + log-sum-exp of the logits
     CapturedFeatures(out_dir, ...)[i]       # reading it back: dflashkit.features.captured
     OnlineFeatures(target, samples, ...)[i] # the same features, nothing on disk: dflashkit.features.online
 
@@ -43,6 +43,7 @@ import hashlib
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,51 +211,71 @@ def _capture_shard(
     return tensors
 
 
+@dataclass(frozen=True)
+class CaptureSettings:
+    """What `capture` stores per token, and how it checks a resumed run.
+
+    layer_ids: the target's decoder layers whose outputs are stored (0-based; the drafter's `target_layer_ids`).
+    dtype: storage type of the features ("bf16", "fp16", "fp32").
+    store_target_tokens: also store the target's final-layer argmax per position (`labels: target`).
+    store_topk: K > 0 also stores the target's top-K log-probs per position (for `loss: topk`; 0 = off).
+    store_target_lse: also stores the log-sum-exp of the target's logits per position (DSpark with a reduced draft
+    vocabulary: training then never forms all V logits; costs one more LM-head pass at capture, 4 B per token).
+    shard_max_tokens: tokens per shard (None: ~1 GiB of features; a resumed run keeps the existing plan).
+    batch_tokens: > 0 lets equal-length samples of a shard share one forward of ≤ batch_tokens tokens
+    (0 = one sequence per forward, bit-identical to a plain per-sample forward).
+    verify: how a resumed run checks finished shards: "full" (size, header, sha256) or "size" (no full read of
+    a very large capture); damaged shards are captured again.
+    """
+
+    layer_ids: tuple[int, ...]
+    dtype: str = "bf16"
+    store_target_tokens: bool = True
+    store_topk: int = 0
+    store_target_lse: bool = False
+    shard_max_tokens: int | None = None
+    batch_tokens: int = 0
+    verify: str = "full"
+
+
 def capture(
     target: Target,
     samples: Sequence[Sample],
     out_dir: str | Path,
     *,
-    layer_ids: Sequence[int],
-    dtype: str = "bf16",
-    store_target_tokens: bool = True,
-    store_topk: int = 0,
-    store_target_lse: bool = False,
-    shard_max_tokens: int | None = None,
-    batch_tokens: int = 0,
+    settings: CaptureSettings,
     tokens_file: str | Path | None = None,
+    data: dict[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = print,
     on_shard: Callable[[int, Manifest], None] | None = None,
-    verify: str = "full",
-    data: dict[str, Any] | None = None,
     dist: DistContext | None = None,
 ) -> Manifest:
-    """Capture `layer_ids` features (and final-layer argmax tokens) of every sample into `out_dir`; resumable.
+    """Capture the features `settings` names (and final-layer argmax tokens) of every sample into `out_dir`;
+    resumable.
 
-    store_topk: K > 0 also stores the target's top-K log-probs per position (for `loss: topk`; 0 = off).
-    store_target_lse: also stores the log-sum-exp of the target's logits per position (DSpark with a reduced draft
-    vocabulary: training then never forms all V logits; costs one more LM-head pass at capture, 4 B per token).
-    shard_max_tokens: tokens per shard (default: ~1 GiB of features; a resumed run keeps the existing plan).
-    batch_tokens: > 0 lets equal-length samples of a shard share one forward of ≤ batch_tokens tokens
-    (0 = one sequence per forward, bit-identical to a plain per-sample forward).
-    on_shard(shard_index, manifest) is called after each shard is on disk and the manifest updated.
-    verify: how a resumed run checks finished shards: "full" (size, header, sha256) or "size" (no full read of
-    a very large capture); damaged shards are captured again.
+    tokens_file: the tokens.jsonl the samples came from, recorded in the manifest.
     data: how the tokens were prepared (`dflashkit.data.thinking.data_info`), recorded for training to carry on.
+    on_shard(shard_index, manifest) is called after each shard is on disk and the manifest updated.
     dist: torchrun ranks (`DistContext.from_env`): each captures its share of the shards, rank 0 keeps the one
     manifest (`dflashkit.features.rank_shards`); every rank returns the complete manifest.
     """
+    cs = settings
     log = log or (lambda _msg: None)
     dist = dist or DistContext()
-    layer_ids = [int(i) for i in layer_ids]
-    _check_arguments(target, samples, layer_ids, dtype, verify, store_topk)
+    layer_ids = [int(i) for i in cs.layer_ids]
+    _check_arguments(target, samples, layer_ids, cs.dtype, cs.verify, cs.store_topk)
     out_dir = Path(out_dir)
     main_log = log if dist.is_main else (lambda _msg: None)
     with one_writer(out_dir, "dflashkit capture", enabled=dist.is_main):
         per_token = bytes_per_token(
-            len(layer_ids) * target.hidden_size, dtype, store_target_tokens, store_topk, bool(store_target_lse)
+            len(layer_ids) * target.hidden_size,
+            cs.dtype,
+            cs.store_target_tokens,
+            cs.store_topk,
+            bool(cs.store_target_lse),
         )
+        shard_max_tokens = cs.shard_max_tokens
         if shard_max_tokens is None:
             existing = out_dir / MANIFEST_NAME
             shard_max_tokens = (
@@ -268,17 +289,17 @@ def capture(
             target,
             samples,
             layer_ids=layer_ids,
-            dtype=dtype,
-            store_target_tokens=store_target_tokens,
-            store_topk=store_topk,
+            dtype=cs.dtype,
+            store_target_tokens=cs.store_target_tokens,
+            store_topk=cs.store_topk,
             shard_max_tokens=int(shard_max_tokens),
             tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
             data=data,
-            store_target_lse=bool(store_target_lse),
+            store_target_lse=bool(cs.store_target_lse),
         )
         if dist.is_main:
-            manifest = _resume(out_dir, fresh, log, verify)
-            folded = fold_rank_records(out_dir, manifest, verify=verify, log=log)  # of a killed multi-rank run
+            manifest = _resume(out_dir, fresh, log, cs.verify)
+            folded = fold_rank_records(out_dir, manifest, verify=cs.verify, log=log)  # of a killed multi-rank run
             if folded or (dist.distributed and (out_dir / MANIFEST_NAME).is_file()):
                 manifest.save(out_dir)  # the other ranks read what rank 0 found (damaged shards to redo)
         dist.barrier()  # rank 0 has checked (and maybe repaired) what is on disk
@@ -302,10 +323,8 @@ def capture(
                 log(f"capture: {len(all_todo)} shard(s) over {n} ranks (shard j → rank j mod {n})")
         dist.barrier()  # the manifest is on disk before any rank writes next to it
         _capture_shards(
-            target, samples, out_dir, manifest, mine, dist,
-            layer_ids=layer_ids, dtype=dtype, store_target_tokens=store_target_tokens, store_topk=store_topk,
-            store_target_lse=bool(store_target_lse), batch_tokens=batch_tokens, progress=progress, on_shard=on_shard,
-        )  # fmt: skip
+            target, samples, out_dir, manifest, mine, dist, layer_ids, cs, progress=progress, on_shard=on_shard
+        )
         if dist.distributed:
             dist.barrier()  # every rank's shards and records are on disk
             if dist.is_main:
@@ -326,15 +345,11 @@ def _capture_shards(
     manifest: Manifest,
     todo: list[int],
     dist: DistContext,
-    *,
     layer_ids: list[int],
-    dtype: str,
-    store_target_tokens: bool,
-    store_topk: int,
-    batch_tokens: int,
+    cs: CaptureSettings,
+    *,
     progress: bool,
     on_shard: Callable[[int, Manifest], None] | None,
-    store_target_lse: bool = False,
 ) -> None:
     """Capture this rank's shards `todo`; one process saves the manifest after each, a rank its own record."""
     todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
@@ -357,12 +372,12 @@ def _capture_shards(
                 samples[sh["first"] : sh["first"] + sh["count"]],
                 sh["first"],
                 layer_ids=layer_ids,
-                store=STORAGE_DTYPES[dtype],
-                store_target_tokens=store_target_tokens,
-                store_topk=store_topk,
-                batch_tokens=batch_tokens,
+                store=STORAGE_DTYPES[cs.dtype],
+                store_target_tokens=cs.store_target_tokens,
+                store_topk=cs.store_topk,
+                batch_tokens=cs.batch_tokens,
                 bar=bar,
-                store_target_lse=store_target_lse,
+                store_target_lse=bool(cs.store_target_lse),
             )
             _write_shard(out_dir, sh, tensors)
             finished.append(j)

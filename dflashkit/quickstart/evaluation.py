@@ -44,7 +44,7 @@ def stage_eval(
     is left when it starts, and at least one prompt. `budget`: the ddtree:auto choice (stage_budget)."""
     from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.evaluate.budget_choice import BudgetChoice
-    from dflashkit.evaluate.evaluate import evaluate
+    from dflashkit.evaluate.evaluate import EvalSettings, evaluate
     from dflashkit.evaluate.report import render
     from dflashkit.evaluate.stats import load_prompts
 
@@ -60,14 +60,12 @@ def stage_eval(
             target,
             {"quickstart": drafter},
             prompts,
-            methods=s.methods,
-            max_new_tokens=s.eval_max_new_tokens,
             out_dir=ev_dir,
             dataset=dataset,
             skipped=skipped,
             drafter_sources={"quickstart": str(drafter_dir)},
-            deadline=deadline,
             budget_choices=choices,
+            settings=EvalSettings(methods=s.methods, max_new_tokens=s.eval_max_new_tokens, deadline=deadline),
         )
         render(results, ev_dir)
         summary[dataset] = {

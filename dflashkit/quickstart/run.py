@@ -286,19 +286,16 @@ def stage_prepare(
 
 def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0, lse: bool = False) -> dict[str, Any]:
     from dflashkit.data.samples import read_tokens
-    from dflashkit.features.capture import capture
+    from dflashkit.features.capture import CaptureSettings, capture
 
     samples, _ = read_tokens(out / "data" / "tokens.jsonl")
     manifest = capture(
         target,
         samples,
         out / "features",
-        layer_ids=layer_ids,
-        dtype="bf16",
-        store_topk=topk,
-        store_target_lse=lse,  # DSpark: its loss then never forms all of the target's logits
         tokens_file=out / "data" / "tokens.jsonl",
         log=_say,
+        settings=CaptureSettings(layer_ids=layer_ids, dtype="bf16", store_topk=topk, store_target_lse=lse),
     )
     return {
         "samples": len(samples),

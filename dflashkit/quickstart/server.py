@@ -115,7 +115,7 @@ def regenerate_until(
     (SERVER_CHUNK × `slots`, `slots` in flight) — until `deadline`: nothing starts after it, what is under
     way finishes; the first batch / wave always runs, so training never starts from nothing. Adds the ids written to
     `done`. Returns (new tokens, seconds, the first chunk's tokens/s: the yardstick of the run's notes)."""
-    from dflashkit.data.regenerate import read_regenerated, regenerate
+    from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
 
     chunk: list[Any] = []
     first, new_tokens, seconds, first_rate = True, 0, 0.0, None
@@ -127,10 +127,20 @@ def regenerate_until(
         if not first and time.monotonic() >= deadline:
             break
         stats = regenerate(
-            target, chunk, regen, max_new_tokens=max_new_tokens, batch_size=batch, progress=False, servers=pool,
-            concurrency=slots, turns=turns, max_prompt_length=MAX_CONTEXT if turns == "all" else None,
+            target,
+            chunk,
+            regen,
+            progress=False,
+            servers=pool,
             stop_at=deadline,
-        )  # fmt: skip
+            settings=RegenSettings(
+                max_new_tokens=max_new_tokens,
+                batch_size=batch,
+                concurrency=slots,
+                turns=turns,
+                max_prompt_length=MAX_CONTEXT if turns == "all" else None,
+            ),
+        )
         new_tokens, seconds = new_tokens + stats.new_tokens, seconds + stats.seconds
         first_rate = first_rate if first_rate is not None else stats.tokens_per_s
         done |= {str(r["id"]) for r in read_regenerated(regen)}

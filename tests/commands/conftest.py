@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflashkit.data.samples import Sample, read_tokens
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from helpers.bad_input import LAYERS, _tokens_line
 
 
@@ -17,5 +17,12 @@ def captured(target, tmp_path) -> tuple[Path, list[Sample], dict[str, bytes]]:
     path.write_text("".join(_tokens_line(i, n=14 + i) + "\n" for i in range(3)))
     samples, _ = read_tokens(path)
     out = tmp_path / "feats"
-    capture(target, samples, out, layer_ids=LAYERS, dtype="fp32", shard_max_tokens=16, log=None, progress=False)
+    capture(
+        target,
+        samples,
+        out,
+        log=None,
+        progress=False,
+        settings=CaptureSettings(layer_ids=LAYERS, dtype="fp32", shard_max_tokens=16),
+    )
     return out, samples, {p.name: p.read_bytes() for p in out.glob("shard-*")}

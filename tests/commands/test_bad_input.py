@@ -17,7 +17,7 @@ from dflashkit.data.jsonl import DEFAULT_MAX_LINE_BYTES, MAX_LINE_ENV, read_line
 from dflashkit.data.samples import read_tokens
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.stats import load_prompts
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.features.manifest import Manifest
 from dflashkit.features.online import OnlineFeatures
@@ -157,7 +157,9 @@ def test_token_ids_outside_the_vocabulary_name_file_and_line(bad_id, target, tmp
         match=rf"{path}:3: sample 's1': input_ids\[5\] = {bad_id} is not a token id of "
         rf"the target .*0 ≤ id < 97",
     ):
-        capture(target, samples, tmp_path / "feats", layer_ids=LAYERS, log=None, progress=False)
+        capture(
+            target, samples, tmp_path / "feats", log=None, progress=False, settings=CaptureSettings(layer_ids=LAYERS)
+        )
     assert not (tmp_path / "feats").exists()
     with pytest.raises(DataError, match=rf"{path}:3: sample 's1'"):
         OnlineFeatures(target, samples, layer_ids=LAYERS)

@@ -16,7 +16,7 @@ import pytest
 
 from dflashkit.data.conversations import end_of_turn_ids
 from dflashkit.data.datasets import load_dataset
-from dflashkit.data.regenerate import read_regenerated, regenerate
+from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
 from dflashkit.data.server_client import ServerPool
 from dflashkit.export import llamacpp
 from dflashkit.target.model import Target, TargetText
@@ -55,13 +55,23 @@ def test_every_turn_through_llama_server_matches_the_fp32_target(gguf, text, con
     """The F32 GGUF served by llama.cpp answers (mostly) as the fp32 HF target does; the ids are the server's own."""
     with _server(gguf) as srv:
         stats = regenerate(
-            text, convs, tmp_path / "server.jsonl", max_new_tokens=MAX_NEW, turns="all",
-            servers=ServerPool([srv.url]), concurrency=4, progress=False,
-        )  # fmt: skip
+            text,
+            convs,
+            tmp_path / "server.jsonl",
+            servers=ServerPool([srv.url]),
+            progress=False,
+            settings=RegenSettings(max_new_tokens=MAX_NEW, turns="all", concurrency=4),
+        )
     assert stats.generated == N_CONVS and stats.retokenized == 0
     assert stats.servers[0]["protocol"] == "llama.cpp" and stats.servers[0]["tokenizer_check"] == "same ids"
     target = Target.load(None)
-    regenerate(target, convs, tmp_path / "hf.jsonl", max_new_tokens=MAX_NEW, turns="all", batch_size=5, progress=False)
+    regenerate(
+        target,
+        convs,
+        tmp_path / "hf.jsonl",
+        progress=False,
+        settings=RegenSettings(max_new_tokens=MAX_NEW, turns="all", batch_size=5),
+    )
     server = {r["id"]: r for r in read_regenerated(tmp_path / "server.jsonl")}
     hf = {r["id"]: r for r in read_regenerated(tmp_path / "hf.jsonl")}
     stops = set(end_of_turn_ids(text.tokenizer, text.eos_token_id))
@@ -87,7 +97,12 @@ def test_two_servers_one_killed_mid_run(gguf, text, convs, tmp_path):
         killer.start()
         pool = ServerPool([a.url, b.url], backoff_s=0.05)
         stats = regenerate(
-            text, convs, path, max_new_tokens=MAX_NEW, turns="all", servers=pool, concurrency=4, progress=False
+            text,
+            convs,
+            path,
+            servers=pool,
+            progress=False,
+            settings=RegenSettings(max_new_tokens=MAX_NEW, turns="all", concurrency=4),
         )
         killer.join(timeout=60)
     recs = read_regenerated(path)

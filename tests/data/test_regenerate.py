@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflashkit.data.conversations import Conversation, encode_prompt, end_of_turn_ids
-from dflashkit.data.regenerate import generate_batch, read_regenerated, regenerate
+from dflashkit.data.regenerate import RegenSettings, generate_batch, read_regenerated, regenerate
 from dflashkit.errors import DataError
 from dflashkit.target.model import Target
 
@@ -52,7 +52,7 @@ def test_batched_equals_unbatched_greedy(tiny):
 def test_regenerate_writes_lines(tiny, tmp_path):
     out = tmp_path / "regen.jsonl"
     convs = [*_convs(3), Conversation([{"role": "assistant", "content": "no user"}], "bad", "test")]
-    stats = regenerate(tiny, convs, out, max_new_tokens=6, batch_size=2, progress=False)
+    stats = regenerate(tiny, convs, out, progress=False, settings=RegenSettings(max_new_tokens=6, batch_size=2))
     recs = read_regenerated(out)
     assert sorted(r["id"] for r in recs) == ["c0", "c1", "c2"]
     assert stats.generated == 3 and "bad" in stats.skipped and stats.new_tokens > 0
@@ -73,24 +73,24 @@ def test_regenerate_writes_lines(tiny, tmp_path):
         }
     # settings must match when resuming
     with pytest.raises(DataError, match="generation settings"):
-        regenerate(tiny, convs, out, max_new_tokens=7, progress=False)
+        regenerate(tiny, convs, out, progress=False, settings=RegenSettings(max_new_tokens=7))
 
 
 def test_resume_after_kill(tiny, tmp_path):
     convs = _convs()
     ref = tmp_path / "ref.jsonl"
-    regenerate(tiny, convs, ref, max_new_tokens=8, batch_size=2, progress=False)
+    regenerate(tiny, convs, ref, progress=False, settings=RegenSettings(max_new_tokens=8, batch_size=2))
     out = tmp_path / "regen.jsonl"
     text = ref.read_text()
     lines = text.splitlines(keepends=True)
     out.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed mid-line
     assert len(read_regenerated(out)) == 2
-    stats = regenerate(tiny, convs, out, max_new_tokens=8, batch_size=2, progress=False)
+    stats = regenerate(tiny, convs, out, progress=False, settings=RegenSettings(max_new_tokens=8, batch_size=2))
     assert stats.already_done == 2 and stats.generated == len(convs) - 2
     recs = read_regenerated(out)
     assert len(recs) == len(convs) and len({r["id"] for r in recs}) == len(convs)
     assert {r["id"]: r for r in recs} == {r["id"]: r for r in read_regenerated(ref)}  # greedy: nothing lost
-    again = regenerate(tiny, convs, out, max_new_tokens=8, progress=False)
+    again = regenerate(tiny, convs, out, progress=False, settings=RegenSettings(max_new_tokens=8))
     assert again.generated == 0 and again.already_done == len(convs)
     # a damaged line that is not the last one is an error naming the line
     bad = tmp_path / "bad.jsonl"

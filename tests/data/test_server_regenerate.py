@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dflashkit.data.conversations import Conversation, encode_prompt
-from dflashkit.data.regenerate import read_regenerated, regenerate
+from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
 from dflashkit.data.server_client import ServerError, ServerPool
 from dflashkit.target.model import TargetText
 from tests.helpers.fake_server import FakeServer
@@ -53,7 +53,9 @@ def reference(tiny, tmp_path_factory):
     out = {}
     for turns in ("first", "all"):
         path = tmp_path_factory.mktemp("ref") / "regen.jsonl"
-        regenerate(tiny, _convs(), path, max_new_tokens=6, batch_size=4, turns=turns, progress=False)
+        regenerate(
+            tiny, _convs(), path, progress=False, settings=RegenSettings(max_new_tokens=6, batch_size=4, turns=turns)
+        )
         out[turns] = _strip(read_regenerated(path))
     return out
 
@@ -65,9 +67,13 @@ def test_server_equals_in_process(tiny, tiny_dir, tmp_path, reference, protocol,
     with FakeServer(tiny, protocol=protocol) as srv:
         path = tmp_path / "regen.jsonl"
         stats = regenerate(
-            text_only, _convs(), path, max_new_tokens=6, turns=turns, servers=_pool(srv.url), concurrency=3,
+            text_only,
+            _convs(),
+            path,
+            servers=_pool(srv.url),
             progress=False,
-        )  # fmt: skip
+            settings=RegenSettings(max_new_tokens=6, turns=turns, concurrency=3),
+        )
     recs = read_regenerated(path)
     assert _strip(recs) == reference[turns]
     assert stats.generated == len(QUESTIONS) and stats.retokenized == 0
@@ -87,7 +93,12 @@ def test_text_only_server_is_retokenised_and_counted(tiny, tiny_dir, tmp_path, r
     with FakeServer(tiny, token_ids=False) as srv:
         path = tmp_path / "regen.jsonl"
         stats = regenerate(
-            TargetText.load(tiny_dir), _convs(), path, max_new_tokens=6, servers=_pool(srv.url), progress=False
+            TargetText.load(tiny_dir),
+            _convs(),
+            path,
+            servers=_pool(srv.url),
+            progress=False,
+            settings=RegenSettings(max_new_tokens=6),
         )
     assert stats.retokenized == len(QUESTIONS)
     tok = tiny.tokenizer
@@ -102,9 +113,13 @@ def test_retries_and_failover(tiny, tiny_dir, tmp_path, reference):
     with FakeServer(tiny, failures=["503", "drop", "503"]) as a, FakeServer(tiny, failures=["drop"]) as b:
         path = tmp_path / "regen.jsonl"
         stats = regenerate(
-            TargetText.load(tiny_dir), _convs(), path, max_new_tokens=6, servers=_pool(a.url, b.url), concurrency=2,
+            TargetText.load(tiny_dir),
+            _convs(),
+            path,
+            servers=_pool(a.url, b.url),
             progress=False,
-        )  # fmt: skip
+            settings=RegenSettings(max_new_tokens=6, concurrency=2),
+        )
     assert _strip(read_regenerated(path)) == reference["first"]
     assert a.requests > 0 and b.requests > 0  # spread over both
     assert {s["url"] for s in stats.servers} == {a.url, b.url}
@@ -114,9 +129,13 @@ def test_server_killed_mid_run_the_other_finishes(tiny, tiny_dir, tmp_path, refe
     with FakeServer(tiny) as a, FakeServer(tiny, fail_after=2) as b:  # b stops answering after 2 replies
         path = tmp_path / "regen.jsonl"
         regenerate(
-            TargetText.load(tiny_dir), _convs(), path, max_new_tokens=6, turns="all", servers=_pool(a.url, b.url),
-            concurrency=3, progress=False,
-        )  # fmt: skip
+            TargetText.load(tiny_dir),
+            _convs(),
+            path,
+            servers=_pool(a.url, b.url),
+            progress=False,
+            settings=RegenSettings(max_new_tokens=6, turns="all", concurrency=3),
+        )
         b.stop()
     recs = read_regenerated(path)
     assert len(recs) == len({r["id"] for r in recs}) == len(QUESTIONS)
@@ -133,9 +152,14 @@ def test_stop_at_starts_nothing_new_and_a_later_call_finishes(tiny, tiny_dir, tm
 
         def run(stop_at: float | None):
             return regenerate(
-                target, _convs(), path, max_new_tokens=6, batch_size=2, servers=servers, concurrency=2,
-                progress=False, stop_at=stop_at,
-            )  # fmt: skip
+                target,
+                _convs(),
+                path,
+                servers=servers,
+                progress=False,
+                stop_at=stop_at,
+                settings=RegenSettings(max_new_tokens=6, batch_size=2, concurrency=2),
+            )
 
         first = run(time.monotonic() - 1.0)  # the deadline has passed before the call
         assert (first.generated, first.not_started) == (2, len(QUESTIONS) - 2)
@@ -154,7 +178,14 @@ def test_errors_name_the_url_and_the_reason(tiny, tiny_dir, tmp_path):
     with FakeServer(tiny, failures=["400"]) as srv:
         expected = rf"{srv.url}/v1/completions: HTTP 400: the prompt is too long"
         with pytest.raises(ServerError, match=expected):
-            regenerate(text, _convs(2), tmp_path / "a.jsonl", servers=_pool(srv.url), concurrency=1, progress=False)
+            regenerate(
+                text,
+                _convs(2),
+                tmp_path / "a.jsonl",
+                servers=_pool(srv.url),
+                progress=False,
+                settings=RegenSettings(concurrency=1),
+            )
     with FakeServer(tiny, tokenizer_shift=1) as srv:
         expected = rf"{srv.url} serves tiny-target whose tokenizer differs"
         with pytest.raises(ServerError, match=expected):
@@ -173,9 +204,16 @@ def test_errors_name_the_url_and_the_reason(tiny, tiny_dir, tmp_path):
 
 def test_resume_refuses_another_generator(tiny, tiny_dir, tmp_path):
     path = tmp_path / "regen.jsonl"
-    regenerate(tiny, _convs(2), path, max_new_tokens=4, progress=False)
+    regenerate(tiny, _convs(2), path, progress=False, settings=RegenSettings(max_new_tokens=4))
     with FakeServer(tiny) as srv, pytest.raises(Exception, match="generation settings"):
-        regenerate(TargetText.load(tiny_dir), _convs(), path, max_new_tokens=4, servers=_pool(srv.url), progress=False)
+        regenerate(
+            TargetText.load(tiny_dir),
+            _convs(),
+            path,
+            servers=_pool(srv.url),
+            progress=False,
+            settings=RegenSettings(max_new_tokens=4),
+        )
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dflashkit.data.conversations import Conversation, encode_prompt
-from dflashkit.data.regenerate import generate_batch, read_regenerated, regenerate
+from dflashkit.data.regenerate import RegenSettings, generate_batch, read_regenerated, regenerate
 from dflashkit.data.thinking import split_reasoning
 from dflashkit.data.tokens_file import write_tokens
 from dflashkit.data.turns import TurnState, tokenize_turns, turn_segments
@@ -69,7 +69,9 @@ CONVS = [
 
 def test_every_turn_sees_the_targets_own_replies(tiny, tmp_path):
     path = tmp_path / "regen.jsonl"
-    stats = regenerate(tiny, CONVS, path, max_new_tokens=5, batch_size=2, turns="all", progress=False)
+    stats = regenerate(
+        tiny, CONVS, path, progress=False, settings=RegenSettings(max_new_tokens=5, batch_size=2, turns="all")
+    )
     recs = {r["id"]: r for r in read_regenerated(path)}
     assert stats.turns == sum(len(r["turn_token_ids"]) for r in recs.values())
     for conv in CONVS:
@@ -162,12 +164,17 @@ def test_prepare_thinking_modes(thinking_dir, tmp_path, mode):
 
 def test_a_reply_cut_at_the_cap_does_not_end_the_conversation(tiny, tmp_path):
     path = tmp_path / "regen.jsonl"
-    regenerate(tiny, CONVS, path, max_new_tokens=2, turns="all", progress=False)
+    regenerate(tiny, CONVS, path, progress=False, settings=RegenSettings(max_new_tokens=2, turns="all"))
     for rec in read_regenerated(path):
         users = sum(m["role"] == "user" for m in rec["messages"])
         assert len(rec["turn_token_ids"]) == users and all(len(ids) <= 2 for ids in rec["turn_token_ids"])
     # a context over the prompt limit ends it there, earlier turns kept
     limit = len(encode_prompt(tiny.tokenizer, CONVS[0].messages[:1])) + 4
-    regenerate(tiny, CONVS[:1], tmp_path / "short.jsonl", max_new_tokens=2, turns="all", max_prompt_length=limit)
+    regenerate(
+        tiny,
+        CONVS[:1],
+        tmp_path / "short.jsonl",
+        settings=RegenSettings(max_new_tokens=2, turns="all", max_prompt_length=limit),
+    )
     (rec,) = read_regenerated(tmp_path / "short.jsonl")
     assert len(rec["turn_token_ids"]) == 1

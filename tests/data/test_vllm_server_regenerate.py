@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from dflashkit.data.datasets import load_dataset
-from dflashkit.data.regenerate import read_regenerated, regenerate
+from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
 from dflashkit.data.server_client import ServerPool
 from dflashkit.export.llama_server import free_port
 from dflashkit.export.serve_check import vllm_python
@@ -71,15 +71,25 @@ def test_every_turn_through_vllm_serve(vllm_url, tmp_path):
     convs = load_dataset("mtbench", N_CONVS)[0]
     text = TargetText.load(None)
     stats = regenerate(
-        text, convs, tmp_path / "vllm.jsonl", max_new_tokens=MAX_NEW, turns="all", servers=ServerPool([vllm_url]),
-        concurrency=3, progress=False,
-    )  # fmt: skip
+        text,
+        convs,
+        tmp_path / "vllm.jsonl",
+        servers=ServerPool([vllm_url]),
+        progress=False,
+        settings=RegenSettings(max_new_tokens=MAX_NEW, turns="all", concurrency=3),
+    )
     assert stats.generated == N_CONVS and stats.retokenized == 0  # vLLM returned its ids
     assert stats.servers[0]["protocol"] == "openai" and stats.servers[0]["tokenizer_check"] == "same ids"
     recs = {r["id"]: r for r in read_regenerated(tmp_path / "vllm.jsonl")}
     assert all(r["generation"]["generator"] == {"kind": "server", "models": ["smollm2"]} for r in recs.values())
     target = Target.load(None)
-    regenerate(target, convs, tmp_path / "hf.jsonl", max_new_tokens=MAX_NEW, turns="all", progress=False)
+    regenerate(
+        target,
+        convs,
+        tmp_path / "hf.jsonl",
+        progress=False,
+        settings=RegenSettings(max_new_tokens=MAX_NEW, turns="all"),
+    )
     hf = {r["id"]: r for r in read_regenerated(tmp_path / "hf.jsonl")}
     same = sum(recs[c]["turn_token_ids"][0] == hf[c]["turn_token_ids"][0] for c in recs)
     assert same >= N_CONVS // 2, f"only {same}/{N_CONVS} first replies equal the fp32 HF target's"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflashkit.decode import generate as decode_mod
-from dflashkit.decode.generate import GenerationError, generate
+from dflashkit.decode.generate import DecodeSettings, GenerationError, generate
 from dflashkit.decode.sampling import SamplingParams, probs
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
@@ -84,7 +84,9 @@ def test_greedy_is_lossless_with_random_drafters(target: Target, bs: int) -> Non
         drafter = random_dspark(dspark_config(bs=bs, draft_vocab_size=vocab), seed)
         prompt = torch.randint(3, 97, (6 + seed,), generator=torch.Generator().manual_seed(seed))
         ref = reference_greedy(target, prompt, 23)
-        res = generate(target, prompt, drafter=drafter, max_new_tokens=23, check_invariants=True)
+        res = generate(
+            target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=23, check_invariants=True)
+        )
         assert res.tokens == ref, (bs, seed)
 
 
@@ -92,11 +94,11 @@ def test_oracle_rounds_propose_bs_drafts(target: Target) -> None:
     prompt = torch.tensor([3, 14, 15, 92, 65, 35])
     ref = reference_greedy(target, prompt, 40)
     drafter = OracleDSpark(dspark_config(bs=4), prompt.tolist() + ref, p_correct=1.0).eval()
-    res = generate(target, prompt, drafter=drafter, max_new_tokens=40, check_invariants=True)
+    res = generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=40, check_invariants=True))
     assert res.tokens == ref
     assert max(res.acceptance_lengths) == 5  # bs drafts + the bonus: one more than a DFlash block of 4
     noisy = OracleDSpark(dspark_config(bs=4), prompt.tolist() + ref, p_correct=0.7, seed=2).eval()
-    res = generate(target, prompt, drafter=noisy, max_new_tokens=40, check_invariants=True)
+    res = generate(target, prompt, drafter=noisy, settings=DecodeSettings(max_new_tokens=40, check_invariants=True))
     assert res.tokens == ref and 1.5 < res.tau < 5
 
 
@@ -111,7 +113,7 @@ def test_drafts_are_the_markov_heads_left_to_right_argmax(target: Target, monkey
         return out
 
     monkeypatch.setattr(decode_mod, "draft_dspark", spy)
-    generate(target, torch.tensor([3, 4, 5, 6]), drafter=drafter, max_new_tokens=12)
+    generate(target, torch.tensor([3, 4, 5, 6]), drafter=drafter, settings=DecodeSettings(max_new_tokens=12))
     assert seen
     for bonus, (drafts, q, base) in seen:
         assert q is None
@@ -128,11 +130,17 @@ def test_ddtree_over_dspark_drafts_is_lossless_and_follows_the_markov_head(targe
     ref = reference_greedy(target, prompt, 30)
     for seed, vocab in ((5, None), (6, 40)):
         drafter = random_dspark(dspark_config(bs=4, draft_vocab_size=vocab), seed)
-        res = generate(target, prompt, drafter=drafter, method="tree", tree_budget=6, max_new_tokens=30,
-                       check_invariants=True)  # fmt: skip
+        res = generate(
+            target,
+            prompt,
+            drafter=drafter,
+            settings=DecodeSettings(method="tree", tree_budget=6, max_new_tokens=30, check_invariants=True),
+        )
         assert res.tokens == ref
     oracle = OracleDSpark(dspark_config(bs=4), prompt.tolist() + ref, p_correct=1.0).eval()
-    res = generate(target, prompt, drafter=oracle, method="tree", tree_budget=4, max_new_tokens=30)
+    res = generate(
+        target, prompt, drafter=oracle, settings=DecodeSettings(method="tree", tree_budget=4, max_new_tokens=30)
+    )
     assert res.tokens == ref and max(res.acceptance_lengths) == 5
 
 
@@ -140,27 +148,34 @@ def test_confidence_cut_off_only_shortens_rounds(target: Target) -> None:
     drafter = random_dspark(dspark_config(bs=4), seed=4)
     prompt = torch.tensor([7, 8, 9, 10, 11])
     ref = reference_greedy(target, prompt, 20)
-    full = generate(target, prompt, drafter=drafter, max_new_tokens=20, confidence_min=0.0)
-    none = generate(target, prompt, drafter=drafter, max_new_tokens=20, confidence_min=1.0)  # sigmoid < 1: no draft
+    full = generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=20, confidence_min=0.0))
+    none = generate(
+        target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=20, confidence_min=1.0)
+    )  # sigmoid < 1: no draft
     assert full.tokens == none.tokens == ref
     assert none.tau == 1.0 and none.rounds == 19
     with pytest.raises(GenerationError, match="confidence_min"):
-        generate(target, prompt, drafter=drafter, max_new_tokens=5, confidence_min=1.5)
+        generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=5, confidence_min=1.5))
     plain = DFlashDrafter(dspark_config(bs=4).replace(kind="dflash")).eval()
     with pytest.raises(GenerationError, match="DSpark"):
-        generate(target, prompt, drafter=plain, max_new_tokens=5, confidence_min=0.5)
+        generate(target, prompt, drafter=plain, settings=DecodeSettings(max_new_tokens=5, confidence_min=0.5))
     with pytest.raises(GenerationError, match="chain"):
-        generate(target, prompt, drafter=drafter, method="tree", max_new_tokens=5, confidence_min=0.5)
+        generate(
+            target,
+            prompt,
+            drafter=drafter,
+            settings=DecodeSettings(method="tree", max_new_tokens=5, confidence_min=0.5),
+        )
     headless = random_dspark(dspark_config(bs=4, confidence_head=False))
     with pytest.raises(GenerationError, match="no confidence head"):
-        generate(target, prompt, drafter=headless, max_new_tokens=5, confidence_min=0.5)
+        generate(target, prompt, drafter=headless, settings=DecodeSettings(max_new_tokens=5, confidence_min=0.5))
 
 
 def _joint3(target, drafter, prompt, n, **kw):
     v = target.vocab_size
     counts = torch.zeros(v, v, v)
     for s in range(n):
-        t = generate(target, prompt, drafter=drafter, max_new_tokens=3, seed=s, **kw).tokens
+        t = generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=3, seed=s, **kw)).tokens
         counts[t[0], t[1], t[2]] += 1
     return counts / n
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflashkit.decode import generate as decode_mod
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.decode.sampling import SamplingParams, probs
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
@@ -77,11 +77,9 @@ def test_greedy_is_lossless(tiny_target_dirs, kind):
                 target,
                 prompt,
                 drafter=drafter,
-                method=method,
-                max_new_tokens=40,
-                tree_budget=10,
-                tree_top_k=2,
-                check_invariants=True,
+                settings=DecodeSettings(
+                    method=method, max_new_tokens=40, tree_budget=10, tree_top_k=2, check_invariants=True
+                ),
             )
             assert res.tokens == ref, (kind, method, seed)
             taus.setdefault(method, []).append(res.tau)
@@ -98,9 +96,12 @@ def test_random_drafter_is_lossless_and_stop_tokens(tiny_llama_dir):
     prompt = torch.tensor([3, 14, 15, 92, 65, 35])
     ref = reference_greedy(target, prompt, 25)
     for method in ("chain", "tree"):
-        assert generate(target, prompt, drafter=drafter, method=method, max_new_tokens=25).tokens == ref
+        assert (
+            generate(target, prompt, drafter=drafter, settings=DecodeSettings(method=method, max_new_tokens=25)).tokens
+            == ref
+        )
     stop = ref[10]
-    res = generate(target, prompt, drafter=drafter, max_new_tokens=25, stop_token_ids=[stop])
+    res = generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=25, stop_token_ids=[stop]))
     assert res.stop_reason == "stop_token" and res.tokens == ref[: ref.index(stop) + 1]
 
 
@@ -116,11 +117,9 @@ def test_chain_shaped_tree_equals_chain(tiny_llama_dir):
             target,
             prompt,
             drafter=drafter,
-            method=method,
-            max_new_tokens=30,
-            tree_top_k=1,
-            tree_budget=5,
-            check_invariants=True,
+            settings=DecodeSettings(
+                method=method, max_new_tokens=30, tree_top_k=1, tree_budget=5, check_invariants=True
+            ),
         )
     assert runs["tree"].tokens == runs["chain"].tokens
     assert runs["tree"].acceptance_lengths == runs["chain"].acceptance_lengths
@@ -136,9 +135,9 @@ def test_invariant_violation_is_detected():
 def test_bad_generate_arguments(tiny_llama_dir):
     target = Target.load(tiny_llama_dir)
     with pytest.raises(ValueError, match="valid methods"):
-        generate(target, [3, 4], method="beam")
+        generate(target, [3, 4], settings=DecodeSettings(method="beam"))
     with pytest.raises(ValueError, match="context window of 512"):
-        generate(target, list(range(3, 93)) * 5, method="ar", max_new_tokens=100)
+        generate(target, list(range(3, 93)) * 5, settings=DecodeSettings(method="ar", max_new_tokens=100))
     drafter = DFlashDrafter(drafter_config()).eval()
     # values that used to be replaced or ignored without a word are refused
     for kw, msg in (
@@ -149,13 +148,13 @@ def test_bad_generate_arguments(tiny_llama_dir):
         (dict(method="tree", tree_budget=0), "tree_budget = 0"),
     ):
         with pytest.raises(ValueError, match=msg):
-            generate(target, [3, 4], drafter=drafter, **{"method": "chain", **kw})
+            generate(target, [3, 4], drafter=drafter, settings=DecodeSettings(**{"method": "chain", **kw}))
 
 
 def _joint_counts(target, drafter, prompt, n, **kw):
     counts = torch.zeros(target.vocab_size, target.vocab_size)
     for s in range(n):
-        toks = generate(target, prompt, drafter=drafter, max_new_tokens=2, seed=s, **kw).tokens
+        toks = generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=2, seed=s, **kw)).tokens
         counts[toks[0], toks[1]] += 1
     return counts / n
 
@@ -254,7 +253,12 @@ def test_last_round_drafts_with_the_full_block(tiny_llama_dir, monkeypatch):
 
     monkeypatch.setattr(decode_mod, "_verify_chain", spy_verify)
     n_new = 9
-    res = generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=n_new, check_invariants=True)
+    res = generate(
+        target,
+        prompt,
+        drafter=drafter,
+        settings=DecodeSettings(method="chain", max_new_tokens=n_new, check_invariants=True),
+    )
     assert res.tokens == reference_greedy(target, prompt, n_new)
     assert len(drafter.calls) == len(verified) == res.rounds
     assert all(len(c["block"]) == bs for c in drafter.calls)
@@ -316,10 +320,7 @@ def test_greedy_exact_with_odd_max_new_tokens(tiny_target_dirs, kind, monkeypatc
                 target,
                 prompt,
                 drafter=drafter,
-                method=method,
-                max_new_tokens=n_new,
-                tree_budget=12,
-                check_invariants=True,
+                settings=DecodeSettings(method=method, max_new_tokens=n_new, tree_budget=12, check_invariants=True),
             )
             assert res.tokens == ref[:n_new] and len(res.tokens) == n_new, (kind, method, n_new)
             assert all(len(c["block"]) == bs for c in getattr(drafter, "calls", []))
@@ -352,7 +353,10 @@ def test_the_prompts_width_is_never_measured(tiny_llama_dir, monkeypatch):
     prompt = torch.tensor([3, 14, 15, 92, 65, 35, 8, 9, 10, 11, 12])  # 11 tokens: no decoding width has 11 rows
     ref = reference_greedy(target, prompt, 12)
     for _ in range(3):
-        assert generate(target, prompt, method="ar", max_new_tokens=12).tokens == ref
-        assert generate(target, prompt, drafter=drafter, method="chain", max_new_tokens=12).tokens == ref
+        assert generate(target, prompt, settings=DecodeSettings(method="ar", max_new_tokens=12)).tokens == ref
+        assert (
+            generate(target, prompt, drafter=drafter, settings=DecodeSettings(method="chain", max_new_tokens=12)).tokens
+            == ref
+        )
     assert measured and len(prompt) not in measured and len(prompt) + 6 not in measured, measured
     assert 1 in measured  # the AR step's width is measured as before

@@ -20,7 +20,7 @@ import torch
 
 from dflashkit.data.samples import Sample
 from dflashkit.decode import hybrid_tree as ht
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.decode.tree import DraftTree, build_tree, tree_attention_bias
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
@@ -58,7 +58,9 @@ def train_drafter(target: Target, seqs: list[torch.Tensor], tmp_path) -> DFlashD
     layer_ids = default_drafter_config(target, **drafter_kw).target_layer_ids
     samples = []
     for i, p in enumerate(seqs):
-        ids = torch.cat([p, torch.tensor(generate(target, p, method="ar", max_new_tokens=N_NEW).tokens)])
+        ids = torch.cat(
+            [p, torch.tensor(generate(target, p, settings=DecodeSettings(method="ar", max_new_tokens=N_NEW)).tokens)]
+        )
         mask = torch.arange(len(ids)) >= len(p)
         out = target.forward(ids[None], layer_ids=layer_ids)
         samples.append(Sample(f"s{i}", ids, mask, out.features[0], out.logits[0].argmax(-1)))
@@ -209,7 +211,9 @@ def test_greedy_tree_is_lossless_for_every_budget_and_drafter(targets, trained, 
             "oracle_0.4": lambda full=full, i=i: PositionalOracle(drafter_config(), full, p_correct=0.4, seed=i).eval(),
         }
         for name, make in drafters.items():
-            chain = generate(target, prompt, drafter=make(), method="chain", max_new_tokens=N_NEW)
+            chain = generate(
+                target, prompt, drafter=make(), settings=DecodeSettings(method="chain", max_new_tokens=N_NEW)
+            )
             assert chain.tokens == ref, (kind, name, "chain")
             taus.setdefault((name, "chain"), []).append(chain.tau)
             for budget in BUDGETS:
@@ -217,10 +221,9 @@ def test_greedy_tree_is_lossless_for_every_budget_and_drafter(targets, trained, 
                     target,
                     prompt,
                     drafter=make(),
-                    method="tree",
-                    tree_budget=budget,
-                    max_new_tokens=N_NEW,
-                    check_invariants=True,
+                    settings=DecodeSettings(
+                        method="tree", tree_budget=budget, max_new_tokens=N_NEW, check_invariants=True
+                    ),
                 )
                 assert res.tokens == ref, (kind, name, budget, i)
                 taus.setdefault((name, budget), []).append(res.tau)
@@ -242,11 +245,9 @@ def test_every_mode_is_lossless_and_they_agree(targets):
                     target,
                     prompt,
                     drafter=PositionalOracle(drafter_config(), full, 0.6, seed=i).eval(),
-                    method="tree",
-                    tree_budget=budget,
-                    max_new_tokens=N_NEW,
-                    hybrid_tree=mode,
-                    check_invariants=True,
+                    settings=DecodeSettings(
+                        method="tree", tree_budget=budget, max_new_tokens=N_NEW, hybrid_tree=mode, check_invariants=True
+                    ),
                 )
                 for mode in ("scan", "levels", "paths")
             }
@@ -273,7 +274,12 @@ def test_acceptance_lengths_equal_simulated_ddtree(targets, trained, tmp_path):
     for name, d in drafters.items():
         for budget in budgets:
             for p in ps:
-                real = generate(target, p.ids, drafter=d, method="tree", tree_budget=budget, max_new_tokens=N_NEW)
+                real = generate(
+                    target,
+                    p.ids,
+                    drafter=d,
+                    settings=DecodeSettings(method="tree", tree_budget=budget, max_new_tokens=N_NEW),
+                )
                 assert real.acceptance_lengths == sims[name][f"ddtree:{budget}"]["per_prompt"][p.id], (name, budget)
     oracle = sims["oracle"]
     assert oracle["ddtree:32"]["tau_macro"] > oracle["chain"]["tau_macro"] + 0.3
@@ -291,12 +297,14 @@ def test_chain_shaped_tree_equals_chain_on_hybrid(targets):
             target,
             prompt,
             drafter=d,
-            method=method,
-            tree_top_k=1,
-            tree_budget=5,
-            max_new_tokens=N_NEW,
-            hybrid_tree=mode,
-            check_invariants=True,
+            settings=DecodeSettings(
+                method=method,
+                tree_top_k=1,
+                tree_budget=5,
+                max_new_tokens=N_NEW,
+                hybrid_tree=mode,
+                check_invariants=True,
+            ),
         )
     for mode in ("scan", "levels", "paths"):
         assert runs[mode].tokens == runs["auto"].tokens
@@ -332,7 +340,10 @@ def test_turning_state_handling_off_breaks_greedy_equality(targets, broken, mode
         d = PositionalOracle(drafter_config(), prompt.tolist() + ref, p_correct=0.6, seed=i).eval()
         equal.append(
             generate(
-                target, prompt, drafter=d, method="tree", tree_budget=16, max_new_tokens=N_NEW, hybrid_tree=mode
+                target,
+                prompt,
+                drafter=d,
+                settings=DecodeSettings(method="tree", tree_budget=16, max_new_tokens=N_NEW, hybrid_tree=mode),
             ).tokens
             == ref
         )
@@ -383,7 +394,10 @@ def test_other_recurrent_layers_use_path_batching():
     for budget in (2, 32):
         d = PositionalOracle(drafter_config(), prompt.tolist() + ref, p_correct=0.6, seed=1).eval()
         res = generate(
-            target, prompt, drafter=d, method="tree", tree_budget=budget, max_new_tokens=N_NEW, check_invariants=True
+            target,
+            prompt,
+            drafter=d,
+            settings=DecodeSettings(method="tree", tree_budget=budget, max_new_tokens=N_NEW, check_invariants=True),
         )
         assert res.tokens == ref and (budget == 2 or res.tau > 2)
 
@@ -391,27 +405,31 @@ def test_other_recurrent_layers_use_path_batching():
 def test_bad_hybrid_tree_mode(targets):
     with pytest.raises(ValueError, match="valid modes"):
         generate(
-            targets["qwen3_5"], [3, 4, 5], drafter=DFlashDrafter(drafter_config()), method="tree", hybrid_tree="beam"
+            targets["qwen3_5"],
+            [3, 4, 5],
+            drafter=DFlashDrafter(drafter_config()),
+            settings=DecodeSettings(method="tree", hybrid_tree="beam"),
         )
 
 
 def test_eval_report_says_hybrid_ddtree_verifies_the_whole_tree(targets, tmp_path):
-    from dflashkit.evaluate.evaluate import evaluate
+    from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 
     target = targets["qwen3_5"]
     ps = [Prompt(f"p{i}", p.tolist()) for i, p in enumerate(prompts(2, seed=15))]
-    refs = {len(p.ids): p.ids + generate(target, p.ids, method="ar", max_new_tokens=16).tokens for p in ps}
+    refs = {
+        len(p.ids): p.ids + generate(target, p.ids, settings=DecodeSettings(method="ar", max_new_tokens=16)).tokens
+        for p in ps
+    }
     d = PositionalOracle(drafter_config(), refs, p_correct=0.6, seed=3).eval()
     doc = evaluate(
         target,
         {"oracle": d},
         ps,
-        methods="ar,chain,ddtree:16",
-        max_new_tokens=16,
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
-        warmup=False,
+        settings=EvalSettings(
+            methods="ar,chain,ddtree:16", max_new_tokens=16, progress=False, stop_token_ids=(), warmup=False
+        ),
     )
     assert not any("spine" in n or "chain only" in n for n in doc["notes"])
     assert any("verifies the whole tree exactly" in n and "'scan'" in n for n in doc["notes"])

@@ -317,15 +317,14 @@ def test_every_tree_top_k_default_is_the_budget() -> None:
 
     speed = load_bench("speed")
     for fn in (
-        decode.generate,
         simulate.replay,
         simulate.simulate_many,
         simulate.simulate,
         simulate.simulation_results,
-        evaluate.evaluate,
         speed.run_bench,
     ):
         assert inspect.signature(fn).parameters["tree_top_k"].default is None, fn.__qualname__
+    assert decode.DecodeSettings().tree_top_k is None and evaluate.EvalSettings().tree_top_k is None
     parser = build_parser()
     base = {
         "generate": ["--prompt", "x"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
@@ -58,11 +58,9 @@ def test_reduced_vocab_decoding_is_lossless_and_round_trips(tiny_llama_dir, tmp_
             target,
             prompt,
             drafter=d,
-            method=method,
-            max_new_tokens=20,
-            tree_budget=6,
-            tree_top_k=2,
-            check_invariants=True,
+            settings=DecodeSettings(
+                method=method, max_new_tokens=20, tree_budget=6, tree_top_k=2, check_invariants=True
+            ),
         )
         assert res.tokens == ref, method
     save_drafter(d, tmp_path / "ckpt")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflashkit.evaluate.evaluate as ev
-from dflashkit.decode.generate import GenerationResult, generate
+from dflashkit.decode.generate import DecodeSettings, GenerationResult, generate
 from dflashkit.errors import DataError
 from dflashkit.evaluate.budget_choice import (
     BudgetChoice,
@@ -19,7 +19,7 @@ from dflashkit.evaluate.budget_choice import (
     replayed_taus,
     round_times,
 )
-from dflashkit.evaluate.evaluate import evaluate
+from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 from dflashkit.evaluate.simulate import simulate
 from dflashkit.evaluate.stats import Method, parse_method, parse_methods
 from dflashkit.evaluate.transcripts import build_transcripts, transcript_of
@@ -87,7 +87,10 @@ def test_replayed_taus_equal_real_tree_decoding(llama):
             L
             for p in prompts
             for L in generate(
-                llama, p.ids, drafter=drafter, method="tree", tree_budget=b, max_new_tokens=n_new
+                llama,
+                p.ids,
+                drafter=drafter,
+                settings=DecodeSettings(method="tree", tree_budget=b, max_new_tokens=n_new),
             ).acceptance_lengths
         ]
         assert rounds[b] == len(lengths) and taus[b] == pytest.approx(sum(lengths) / len(lengths))
@@ -119,7 +122,9 @@ def test_choose_tree_budget_measures_every_candidate(llama, monkeypatch):
     assert BudgetChoice.from_dict(json.loads(json.dumps(choice.as_dict()))) == choice
     with pytest.raises(DataError, match="no calibration prompts"):
         choose_tree_budget(llama, drafter, [], max_new_tokens=8)
-    first = [generate(llama, p.ids, method="ar", max_new_tokens=1).tokens[0] for p in prompts[:2]]
+    first = [
+        generate(llama, p.ids, settings=DecodeSettings(method="ar", max_new_tokens=1)).tokens[0] for p in prompts[:2]
+    ]
     with pytest.raises(DataError, match=r"calibration prompts \['p0', 'p1'\] with at most one token"):
         choose_tree_budget(llama, drafter, prompts, max_new_tokens=8, stop_token_ids=first)  # both stop at once
 
@@ -135,7 +140,7 @@ def test_evaluate_with_ddtree_auto(llama, tmp_path, monkeypatch):
     budgets = []
     real_generate = ev.generate
     monkeypatch.setattr(ev, "generate", lambda *a, **k: _record(budgets, k) or real_generate(*a, **k))
-    kw = dict(methods="ar,ddtree:auto", max_new_tokens=n_new, progress=False, stop_token_ids=())
+    kw = dict(settings=EvalSettings(methods="ar,ddtree:auto", max_new_tokens=n_new, progress=False, stop_token_ids=()))
     doc = evaluate(llama, {"o": drafter}, prompts, out_dir=tmp_path, **kw)
     st = doc["results"]["o"]["ddtree:auto"]
     chosen = st["budget"]
@@ -229,7 +234,11 @@ def test_a_resumed_run_reruns_the_prompts_of_another_budget(llama, tmp_path, mon
     budgets = []
     real_generate = ev.generate
     monkeypatch.setattr(ev, "generate", lambda *a, **k: _record(budgets, k) or real_generate(*a, **k))
-    kw = dict(methods="ar,ddtree:auto", max_new_tokens=12, progress=False, stop_token_ids=(), warmup=False)
+    kw = dict(
+        settings=EvalSettings(
+            methods="ar,ddtree:auto", max_new_tokens=12, progress=False, stop_token_ids=(), warmup=False
+        )
+    )
     evaluate(llama, {"o": drafter}, prompts, out_dir=tmp_path, **kw)
     progress = tmp_path / ev.PROGRESS
     assert [json.loads(x)["runs"]["o"]["ddtree:auto"]["budget"] for x in progress.read_text().splitlines()] == [2] * 3

@@ -11,12 +11,12 @@ import torch
 
 import dflashkit.evaluate.evaluate as ev
 import dflashkit.evaluate.warm_up as warm_up
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.decode.sampling import SamplingParams
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError, TargetError
-from dflashkit.evaluate.evaluate import evaluate
+from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods, prompts_for, read_prompts
 from dflashkit.evaluate.triage import first_divergence, logit_margin, triage_divergence
 from dflashkit.target.model import Target
@@ -64,12 +64,9 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
         llama,
         drafters,
         prompts,
-        methods="ar,chain,ddtree:4",
-        max_new_tokens=n_new,
         out_dir=tmp_path,
         dataset="unit",
-        progress=False,
-        stop_token_ids=(),
+        settings=EvalSettings(methods="ar,chain,ddtree:4", max_new_tokens=n_new, progress=False, stop_token_ids=()),
     )
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(doc))
@@ -99,11 +96,8 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
         llama,
         drafters,
         prompts,
-        methods="ar,chain,ddtree:4",
-        max_new_tokens=n_new,
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
+        settings=EvalSettings(methods="ar,chain,ddtree:4", max_new_tokens=n_new, progress=False, stop_token_ids=()),
     )
     assert (
         calls == []
@@ -114,12 +108,10 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
         llama,
         drafters,
         more,
-        methods="ar,chain,ddtree:4",
-        max_new_tokens=n_new,
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
-        warmup=False,
+        settings=EvalSettings(
+            methods="ar,chain,ddtree:4", max_new_tokens=n_new, progress=False, stop_token_ids=(), warmup=False
+        ),
     )
     assert len(calls) == 5 and len((tmp_path / "progress.jsonl").read_text().splitlines()) == 4  # tail repaired
     with pytest.raises(DataError, match="other settings"):  # resume with other settings is refused
@@ -127,23 +119,17 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
             llama,
             drafters,
             prompts,
-            methods="ar,chain",
-            max_new_tokens=n_new,
             out_dir=tmp_path,
-            progress=False,
-            stop_token_ids=(),
+            settings=EvalSettings(methods="ar,chain", max_new_tokens=n_new, progress=False, stop_token_ids=()),
         )
     fresh = evaluate(
         llama,
         {"random": drafters["random"]},
         prompts[:1],
-        methods="chain",
-        max_new_tokens=4,
         out_dir=tmp_path,
-        resume=False,
-        progress=False,
-        stop_token_ids=(),
-        warmup=False,
+        settings=EvalSettings(
+            methods="chain", max_new_tokens=4, resume=False, progress=False, stop_token_ids=(), warmup=False
+        ),
     )
     assert fresh["ar"]["n_prompts"] == 1 and len((tmp_path / "progress.jsonl").read_text().splitlines()) == 1
 
@@ -181,11 +167,8 @@ def test_warm_up_settles_the_measured_products(tiny_llama_dir, tmp_path, monkeyp
         target,
         {"d": drafter},
         prompts,
-        methods="ar,chain,ddtree:4",
-        max_new_tokens=16,
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
+        settings=EvalSettings(methods="ar,chain,ddtree:4", max_new_tokens=16, progress=False, stop_token_ids=()),
     )
     assert doc["results"]["d"]["chain"]["greedy_equal_fraction"] == 1.0
     timed = settled_before[-2 * 3 :]  # 2 prompts × (AR, chain, DDTree-4), after the warm-up
@@ -199,7 +182,7 @@ def test_warm_up_settles_the_measured_products(tiny_llama_dir, tmp_path, monkeyp
 
 def test_triage_near_tie_and_bug(llama):
     prompt = make_prompts(1, seed=3)[0].ids
-    ref = generate(llama, prompt, method="ar", max_new_tokens=12).tokens
+    ref = generate(llama, prompt, settings=DecodeSettings(method="ar", max_new_tokens=12)).tokens
     assert triage_divergence(llama, prompt, ref, list(ref)) is None
     i = 5
     margin, top2 = logit_margin(llama, prompt + ref[:i])
@@ -230,12 +213,8 @@ def test_divergence_is_reported_in_results(llama, tmp_path, monkeypatch):
         llama,
         {"d": DFlashDrafter(drafter_config())},
         prompts,
-        methods="chain",
-        max_new_tokens=8,
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
-        warmup=False,
+        settings=EvalSettings(methods="chain", max_new_tokens=8, progress=False, stop_token_ids=(), warmup=False),
     )
     st = doc["results"]["d"]["chain"]
     assert st["greedy_equal_fraction"] == 0.0 and len(st["divergences"]) == 2
@@ -270,12 +249,11 @@ def test_validation_before_work(llama, tmp_path):
             llama,
             {"ok": DFlashDrafter(drafter_config())},
             make_prompts(1),
-            methods="ddtree:4",
-            sampling=SamplingParams(temperature=1.0),
             out_dir=tmp_path,
+            settings=EvalSettings(methods="ddtree:4", sampling=SamplingParams(temperature=1.0)),
         )
     with pytest.raises(ConfigError, match="need at least one drafter"):
-        evaluate(llama, {}, make_prompts(1), methods="chain", out_dir=tmp_path)
+        evaluate(llama, {}, make_prompts(1), out_dir=tmp_path, settings=EvalSettings(methods="chain"))
 
 
 def test_sampled_evaluation_has_no_greedy_check(llama, tmp_path):
@@ -283,13 +261,15 @@ def test_sampled_evaluation_has_no_greedy_check(llama, tmp_path):
         llama,
         {"d": DFlashDrafter(drafter_config())},
         make_prompts(2),
-        methods="ar,chain",
-        max_new_tokens=6,
-        sampling=SamplingParams(temperature=1.0),
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
-        warmup=False,
+        settings=EvalSettings(
+            methods="ar,chain",
+            max_new_tokens=6,
+            sampling=SamplingParams(temperature=1.0),
+            progress=False,
+            stop_token_ids=(),
+            warmup=False,
+        ),
     )
     st = doc["results"]["d"]["chain"]
     assert (
@@ -459,13 +439,10 @@ def test_ar_only_with_hf_baseline(llama, tmp_path):
         llama,
         {},
         make_prompts(1),
-        methods="ar",
-        max_new_tokens=6,
         out_dir=tmp_path,
-        progress=False,
-        stop_token_ids=(),
-        hf_baseline=True,
-        warmup=False,
+        settings=EvalSettings(
+            methods="ar", max_new_tokens=6, progress=False, stop_token_ids=(), hf_baseline=True, warmup=False
+        ),
     )
     assert doc["results"] == {} and doc["ar"]["hf_generate"]["equal_to_ar_fraction"] == 1.0
     assert "(baseline) | ar" in render(tmp_path / "results.json")
@@ -474,12 +451,13 @@ def test_ar_only_with_hf_baseline(llama, tmp_path):
 def test_deadline_time_boxes_and_resumes(llama, tmp_path):
     """A passed deadline: one prompt is still evaluated, the results say 1 of 3; a resume does the other two."""
     import time
+    from dataclasses import replace
 
     prompts = make_prompts(3, seed=5)
     drafters = {"random": DFlashDrafter(drafter_config()).eval()}
-    kw = dict(methods="ar,chain", max_new_tokens=6, out_dir=tmp_path, progress=False, stop_token_ids=(), warmup=False)
-    doc = evaluate(llama, drafters, prompts, deadline=time.monotonic(), **kw)
+    base = EvalSettings(methods="ar,chain", max_new_tokens=6, progress=False, stop_token_ids=(), warmup=False)
+    doc = evaluate(llama, drafters, prompts, out_dir=tmp_path, settings=replace(base, deadline=time.monotonic()))
     assert doc["dataset"]["n_prompts"] == 1 and doc["dataset"]["time_boxed"] == {"requested": 3, "evaluated": 1}
     assert doc["results"]["random"]["chain"]["n_prompts"] == 1
-    full = evaluate(llama, drafters, prompts, **kw)
+    full = evaluate(llama, drafters, prompts, out_dir=tmp_path, settings=base)
     assert full["dataset"]["n_prompts"] == 3 and "time_boxed" not in full["dataset"]

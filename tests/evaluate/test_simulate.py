@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import DataError, TargetError
 from dflashkit.evaluate.simulate import simulate, simulate_many
@@ -47,11 +47,13 @@ def test_simulation_equals_real_loop(llama, tmp_path):
                     llama,
                     p.ids,
                     drafter=d,
-                    method="tree" if kw else "chain",
-                    max_new_tokens=n_new,
-                    tree_top_k=2,
-                    check_invariants=True,
-                    **kw,
+                    settings=DecodeSettings(
+                        method="tree" if kw else "chain",
+                        max_new_tokens=n_new,
+                        tree_top_k=2,
+                        check_invariants=True,
+                        **kw,
+                    ),
                 )
                 assert sims[name][method]["per_prompt"][p.id] == res.acceptance_lengths, (name, method, p.id)
                 taus.append(res.tau)
@@ -69,7 +71,7 @@ def test_simulation_equals_real_loop(llama, tmp_path):
 
 def test_simulation_with_stop_token_and_short_block(llama, tmp_path):
     p = make_prompts(1, seed=4)[0]
-    free = generate(llama, p.ids, method="ar", max_new_tokens=20).tokens
+    free = generate(llama, p.ids, settings=DecodeSettings(method="ar", max_new_tokens=20)).tokens
     stop = free[9]
     cache = build_transcripts(
         llama, [p], tmp_path / "tr", max_new_tokens=20, layer_ids=[1, 4, 6], stop_token_ids=[stop], progress=False
@@ -78,7 +80,12 @@ def test_simulation_with_stop_token_and_short_block(llama, tmp_path):
     ref = p.ids + free
     d = PositionalOracle(drafter_config(bs=4), ref, p_correct=0.5, seed=1).eval()
     sim = simulate(d, cache, block_size=3, tree_budgets=[2], tree_top_k=2)
-    real = generate(llama, p.ids, drafter=d, method="chain", block_size=3, max_new_tokens=20, stop_token_ids=[stop])
+    real = generate(
+        llama,
+        p.ids,
+        drafter=d,
+        settings=DecodeSettings(method="chain", block_size=3, max_new_tokens=20, stop_token_ids=[stop]),
+    )
     # the last round may accept drafts past the stop token in the real loop only: compare all rounds before it
     assert sim["chain"]["per_prompt"][p.id][:-1] == real.acceptance_lengths[:-1]
     assert sim["chain"]["max_length"] == 3 and len(sim["chain"]["survival"]) == 3
@@ -96,7 +103,7 @@ def test_layers_are_stored_separately(llama, tmp_path):
     a, b = DFlashDrafter(drafter_config([1, 4])).eval(), DFlashDrafter(drafter_config([2, 6, 7])).eval()
     sims = simulate_many({"a": a, "b": b}, cache, tree_budgets=[4], progress=False)
     for name, d in (("a", a), ("b", b)):
-        real = generate(llama, prompts[1].ids, drafter=d, method="chain", max_new_tokens=12)
+        real = generate(llama, prompts[1].ids, drafter=d, settings=DecodeSettings(method="chain", max_new_tokens=12))
         assert sims[name]["chain"]["per_prompt"][prompts[1].id] == real.acceptance_lengths
     # features equal the target's own capture of those layers, in the drafter's order
     tr = cache.load(0)
@@ -142,7 +149,9 @@ def test_simulation_equals_real_loop_on_hybrid_target(tiny_hybrid_dir, tmp_path)
     cache = build_transcripts(target, [p], tmp_path / "tr", max_new_tokens=20, layer_ids=[1, 4, 6], progress=False)
     d = PositionalOracle(drafter_config(), cache.load(0).ids, p_correct=0.75, seed=1).eval()
     sim = simulate(d, cache, tree_budgets=[])
-    real = generate(target, p.ids, drafter=d, method="chain", max_new_tokens=20, check_invariants=True)
+    real = generate(
+        target, p.ids, drafter=d, settings=DecodeSettings(method="chain", max_new_tokens=20, check_invariants=True)
+    )
     assert sim["chain"]["per_prompt"][p.id] == real.acceptance_lengths and real.tau > 1.5
 
 
@@ -172,10 +181,9 @@ def test_simulation_drafts_full_last_blocks_like_the_real_loop(llama, tmp_path):
                 llama,
                 p.ids,
                 drafter=oracle,
-                method="tree" if kw else "chain",
-                max_new_tokens=n_new,
-                check_invariants=True,
-                **kw,
+                settings=DecodeSettings(
+                    method="tree" if kw else "chain", max_new_tokens=n_new, check_invariants=True, **kw
+                ),
             )
             assert sim[method]["per_prompt"][p.id] == real.acceptance_lengths, (n_new, method)
             assert sum(real.acceptance_lengths) + 1 >= n_new and len(real.tokens) == n_new
@@ -183,7 +191,7 @@ def test_simulation_drafts_full_last_blocks_like_the_real_loop(llama, tmp_path):
         rec = Recording(drafter_config(bs=bs)).eval()
         simulate(rec, cache, tree_budgets=[])
         sim_calls, rec.calls = rec.calls, []
-        generate(llama, p.ids, drafter=rec, method="chain", max_new_tokens=n_new)
+        generate(llama, p.ids, drafter=rec, settings=DecodeSettings(method="chain", max_new_tokens=n_new))
         assert [n for n, _ in sim_calls] == [n for n, _ in rec.calls] == [bs] * len(rec.calls)
         for (_, a), (_, b) in zip(sim_calls, rec.calls, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -220,10 +228,9 @@ def test_last_round_counts_what_the_output_keeps_in_generate_and_simulate(kind, 
                     target,
                     prompt.ids,
                     drafter=make(),
-                    method=m.kind,
-                    max_new_tokens=n,
-                    tree_budget=m.budget or 16,
-                    stop_token_ids=stops,
+                    settings=DecodeSettings(
+                        method=m.kind, max_new_tokens=n, tree_budget=m.budget or 16, stop_token_ids=stops
+                    ),
                 )
                 sim = replay(
                     make(),
@@ -284,9 +291,17 @@ def test_dspark_simulation_equals_real_loop(llama, tmp_path):
         for method, kw in (("chain", {}), ("ddtree:3", {"tree_budget": 3})):
             for p in prompts:
                 res = generate(
-                    llama, p.ids, drafter=d, method="tree" if kw else "chain", max_new_tokens=n_new, tree_top_k=2,
-                    check_invariants=True, **kw,
-                )  # fmt: skip
+                    llama,
+                    p.ids,
+                    drafter=d,
+                    settings=DecodeSettings(
+                        method="tree" if kw else "chain",
+                        max_new_tokens=n_new,
+                        tree_top_k=2,
+                        check_invariants=True,
+                        **kw,
+                    ),
+                )
                 assert sims[name][method]["per_prompt"][p.id] == res.acceptance_lengths, (name, method, p.id)
     chain = sims["oracle"]["chain"]
     assert chain["max_length"] == 5 and max(chain["per_prompt"]["p0"]) > 2  # bs drafts + bonus, exercised

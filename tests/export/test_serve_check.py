@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflashkit.cli import main
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.export import serve_check as sc
 from dflashkit.export.serve_check import EngineComparison, PromptCounts, ServeCheckReport, compare, dflashkit_counts
@@ -30,10 +30,10 @@ def test_dflashkit_side_counts_rounds_that_start_before_the_end_untruncated(targ
     d = _drafter()
     prompt = [5, 9, 2, 41, 7, 7, 3, 11]
     got = dflashkit_counts(target, d, prompt, max_new)
-    full = generate(target, prompt, drafter=d, method="chain", max_new_tokens=max_new)
+    full = generate(target, prompt, drafter=d, settings=DecodeSettings(method="chain", max_new_tokens=max_new))
     assert got.tokens == full.tokens  # the output is the same whatever the count convention
     # slow reference: replay the long run's rounds; a round starting at committed length c < max_new counts whole
-    longer = generate(target, prompt, drafter=d, method="chain", max_new_tokens=max_new + 4)
+    longer = generate(target, prompt, drafter=d, settings=DecodeSettings(method="chain", max_new_tokens=max_new + 4))
     committed, drafts, per_pos = 1, 0, [0, 0, 0]
     for length in longer.acceptance_lengths:
         if committed >= max_new:
@@ -167,7 +167,7 @@ def test_a_target_side_near_tie_is_named_not_counted(target, monkeypatch):
     import dflashkit.export.llamacpp_check as lc
 
     prompt = [5, 9, 2, 41]
-    greedy = generate(target, prompt, method="ar", max_new_tokens=3).tokens
+    greedy = generate(target, prompt, settings=DecodeSettings(method="ar", max_new_tokens=3)).tokens
     with torch.no_grad():
         logits = target.forward(torch.tensor([prompt]), logits=True).logits[0, -1]
     second = int(logits.topk(2).indices[1])

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflashkit.cli import main
-from dflashkit.decode.generate import generate
+from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.diagnose.doctor import run_doctor
 from dflashkit.diagnose.inspect_checkpoint import inspect_checkpoint, render_report
 from dflashkit.drafter.checkpoint import drafter_state_dict, load_drafter, read_tensors
@@ -58,8 +58,8 @@ def test_reduced_vocabulary_exports_what_vllm_loads_and_round_trips_exactly(tmp_
     a, b = drafter_state_dict(before), drafter_state_dict(after)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     prompt = [5, 9, 2, 41, 7, 7, 3]
-    got = generate(target, prompt, drafter=after, method="chain", max_new_tokens=12)
-    ref = generate(target, prompt, drafter=before, method="chain", max_new_tokens=12)
+    got = generate(target, prompt, drafter=after, settings=DecodeSettings(method="chain", max_new_tokens=12))
+    ref = generate(target, prompt, drafter=before, settings=DecodeSettings(method="chain", max_new_tokens=12))
     assert got.tokens == ref.tokens and got.acceptance_lengths == ref.acceptance_lengths
     again = convert(tmp_path / "vllm", tmp_path / "vllm2", to="vllm", target=target)  # idempotent
     assert again.source_format == "zlab"

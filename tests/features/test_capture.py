@@ -4,6 +4,7 @@ shards round-trip, a killed capture resumes to identical files, the online sourc
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from dflashkit.data.samples import Sample
 from dflashkit.errors import DataError
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.features.manifest import MANIFEST_NAME, Manifest, plan_shards
 from dflashkit.features.online import OnlineFeatures
@@ -41,8 +42,12 @@ def qwen3(tiny_target_dirs) -> Target:
 
 
 def quiet(target, samples, out, **kw):
+    """capture() without output; `kw` holds CaptureSettings fields (layer_ids: LAYERS unless given) and arguments."""
     kw.setdefault("layer_ids", LAYERS)
-    return capture(target, samples, out, progress=False, log=None, **kw)
+    names = {f.name for f in fields(CaptureSettings)}
+    settings = CaptureSettings(**{k: v for k, v in kw.items() if k in names})
+    rest = {k: v for k, v in kw.items() if k not in names}
+    return capture(target, samples, out, settings=settings, progress=False, log=None, **rest)
 
 
 def dir_bytes(d: Path) -> dict[str, bytes]:

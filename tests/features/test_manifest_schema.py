@@ -11,7 +11,7 @@ import torch
 
 from dflashkit.data.samples import Sample
 from dflashkit.errors import DataError
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.features.manifest import MANIFEST_NAME, Manifest
 from dflashkit.features.manifest_schema import manifest_problem
@@ -28,7 +28,14 @@ def captured(tiny_llama_dir, tmp_path_factory):
         for j, n in enumerate([6, 5, 9, 4])
     ]
     out = tmp_path_factory.mktemp("capture")
-    capture(target, samples, out, layer_ids=[1, 3], dtype="fp32", shard_max_tokens=12, progress=False, log=None)
+    capture(
+        target,
+        samples,
+        out,
+        progress=False,
+        log=None,
+        settings=CaptureSettings(layer_ids=[1, 3], dtype="fp32", shard_max_tokens=12),
+    )
     return target, samples, out
 
 
@@ -87,7 +94,14 @@ def test_a_shard_outside_the_capture_directory_is_never_written(captured, tmp_pa
     raw["shards"][1].update(file=name.replace("/abs", str(tmp_path)), done=False)
     (run / MANIFEST_NAME).write_text(json.dumps(raw))
     with pytest.raises(DataError, match=r"shards\[1\]\.file = .*expected a file name in the capture directory"):
-        capture(target, samples, run, layer_ids=[1, 3], dtype="fp32", shard_max_tokens=12, progress=False, log=None)
+        capture(
+            target,
+            samples,
+            run,
+            progress=False,
+            log=None,
+            settings=CaptureSettings(layer_ids=[1, 3], dtype="fp32", shard_max_tokens=12),
+        )
     with pytest.raises(DataError, match=r"expected a file name in the capture directory"):
         CapturedFeatures(run)
     assert victim.read_text() == "the user's data\n"

@@ -9,7 +9,7 @@ import json
 import torch
 
 from dflashkit.data.samples import Sample
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.features.manifest import Manifest
 from dflashkit.features.rank_shards import RANK_RECORD, fold_rank_records
 from dflashkit.target.model import Target
@@ -21,8 +21,8 @@ def test_damaged_rank_records_are_named_and_their_shards_captured_again(tiny_lla
         Sample(id=f"s{j}", input_ids=torch.randint(3, 97, (n,), generator=g), loss_mask=torch.ones(n, dtype=torch.bool))
         for j, n in enumerate([6, 5, 9, 4, 7])
     ]
-    capture(Target.load(tiny_llama_dir), samples, tmp_path, layer_ids=[1], dtype="fp32", shard_max_tokens=8,
-            progress=False, log=None)  # fmt: skip
+    settings = CaptureSettings(layer_ids=[1], dtype="fp32", shard_max_tokens=8)
+    capture(Target.load(tiny_llama_dir), samples, tmp_path, progress=False, log=None, settings=settings)
     m = Manifest.load(tmp_path)
     assert len(m.shards) == 5
     rows = {str(j): {k: m.shards[j][k] for k in ("file", "bytes", "sha256")} for j in range(5)}

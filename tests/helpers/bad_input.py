@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4}
 LAYERS = [1, 4, 6]
@@ -35,5 +35,6 @@ def _tokens_line(i: int, n: int = 14, prompt: int = 10, vocab: int = 97) -> str:
 
 def _recapture(target, samples, out, **kw) -> list[str]:
     logs: list[str] = []
-    capture(target, samples, out, layer_ids=LAYERS, dtype="fp32", log=logs.append, progress=False, **kw)
+    settings = CaptureSettings(layer_ids=LAYERS, dtype="fp32", **kw)
+    capture(target, samples, out, log=logs.append, progress=False, settings=settings)
     return logs

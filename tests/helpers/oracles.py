@@ -71,9 +71,12 @@ def make_prompts(n: int, seed: int = 0) -> list[Prompt]:
 
 def oracle_for(target: Target, prompts: list[Prompt], n_new: int, **kw) -> PositionalOracle:
     """A PositionalOracle that knows the target's greedy continuation (n_new tokens) of every prompt."""
-    from dflashkit.decode.generate import generate
+    from dflashkit.decode.generate import DecodeSettings, generate
 
-    refs = {len(p.ids): p.ids + generate(target, p.ids, method="ar", max_new_tokens=n_new).tokens for p in prompts}
+    refs = {
+        len(p.ids): p.ids + generate(target, p.ids, settings=DecodeSettings(method="ar", max_new_tokens=n_new)).tokens
+        for p in prompts
+    }
     return PositionalOracle(drafter_config(), refs, **kw).eval()
 
 

@@ -16,7 +16,7 @@ from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafte
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.target.model import Target
 from dflashkit.train.blocks import build_blocks
 from dflashkit.train.config import TrainConfig
@@ -95,7 +95,14 @@ def test_captured_final_layer_trains_learns_and_resumes_exactly(
     layers = capture_layer_ids(cfg)
     assert layers == [*cfg.target_layer_ids, target.num_layers - 1]
     feats = tmp_path / "feats"
-    capture(target, make_samples(), feats, layer_ids=layers, dtype="fp32", progress=False, log=None)
+    capture(
+        target,
+        make_samples(),
+        feats,
+        progress=False,
+        log=None,
+        settings=CaptureSettings(layer_ids=layers, dtype="fp32"),
+    )
     kw = dict(features=str(feats), target=str(tiny_llama_dir))
     straight = train(cfg_for(tmp_path / "a", **kw), target=target)
     assert straight.step == 8 and straight.val_metrics is not None
@@ -128,7 +135,14 @@ def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
     init.draft_to_target.copy_(torch.randperm(target.vocab_size)[:40].sort().values)
     save_drafter(init, tmp_path / "init")
     feats = tmp_path / "feats"
-    capture(target, make_samples(), feats, layer_ids=capture_layer_ids(cfg), dtype="fp32", progress=False, log=None)
+    capture(
+        target,
+        make_samples(),
+        feats,
+        progress=False,
+        log=None,
+        settings=CaptureSettings(layer_ids=capture_layer_ids(cfg), dtype="fp32"),
+    )
     kw = dict(features=str(feats), target=str(tiny_llama_dir), init_from=str(tmp_path / "init"), max_steps=9)
     runs = []
     cached = train(cfg_for(tmp_path / "a", **kw), target=target, callbacks=[lambda end: runs.append(end.run)])
@@ -146,7 +160,12 @@ def test_reduced_vocabulary_takes_the_log_sum_exp_once_per_row(
     stored = tmp_path / "feats-lse"
     layers = capture_layer_ids(cfg)
     capture(
-        target, make_samples(), stored, layer_ids=layers, dtype="fp32", store_target_lse=True, progress=False, log=None
+        target,
+        make_samples(),
+        stored,
+        progress=False,
+        log=None,
+        settings=CaptureSettings(layer_ids=layers, dtype="fp32", store_target_lse=True),
     )
     runs.clear()
     train(
@@ -168,7 +187,14 @@ def test_a_bf16_target_trains_dspark_with_a_draft_vocabulary(tmp_path: Path, tin
     for name, drafter in (("reduced", dict(DRAFTER, draft_vocab_size=40)), ("full", dict(DRAFTER))):
         cfg = default_drafter_config(target16, **drafter)
         feats = tmp_path / f"feats-{name}"
-        capture(target16, make_samples(), feats, layer_ids=capture_layer_ids(cfg), progress=False, log=None)
+        capture(
+            target16,
+            make_samples(),
+            feats,
+            progress=False,
+            log=None,
+            settings=CaptureSettings(layer_ids=capture_layer_ids(cfg)),
+        )
         kw = dict(drafter=drafter, features=str(feats), target=str(tiny_llama_dir), val_samples=0, eval_every=0)
         result = train(cfg_for(tmp_path / name, **kw, max_steps=6, save_every=0), target=target16)
         losses = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["split"] == "train"]
@@ -181,7 +207,14 @@ def test_online_equals_captured_and_refusals(tmp_path: Path, target: Target, tin
     cfg = default_drafter_config(target, **DRAFTER)
     samples = make_samples(3, seed=1)
     feats = tmp_path / "feats"
-    capture(target, samples, feats, layer_ids=capture_layer_ids(cfg), dtype="fp32", progress=False, log=None)
+    capture(
+        target,
+        samples,
+        feats,
+        progress=False,
+        log=None,
+        settings=CaptureSettings(layer_ids=capture_layer_ids(cfg), dtype="fp32"),
+    )
     tokens = tmp_path / "tokens.jsonl"
     tokens.write_text(
         "".join(

@@ -25,7 +25,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
-from dflashkit.features.capture import capture
+from dflashkit.features.capture import CaptureSettings, capture
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.features.manifest import MANIFEST_NAME, Manifest, bytes_per_token
 from dflashkit.features.online import OnlineFeatures
@@ -66,7 +66,8 @@ def make_samples(lengths: list[int], seed: int = 0, prompt: int = 4) -> list[Sam
 
 
 def quiet_capture(target, samples, out, **kw):
-    return capture(target, samples, out, progress=False, log=None, **kw)
+    """capture() without output; `kw` are CaptureSettings fields."""
+    return capture(target, samples, out, settings=CaptureSettings(**kw), progress=False, log=None)
 
 
 @pytest.fixture(scope="module")
