@@ -305,7 +305,7 @@ class Chooser:
 
     # --------------------------------------------------------------------------------------- the store
     def _load(self) -> None:
-        """The stored choices still usable (product_store.read_choices: every current candidate timed, not too old);
+        """The stored choices still usable (store.read_choices: every current candidate timed, not too old);
         the others are measured again when met."""
         self._loaded = True
         if self.store is not None:
