@@ -7,8 +7,8 @@ verifier, and the τ it gains. Side by side in one run (design §4: timings are 
 
 On the same prompts and drafter, greedy, every method once per prompt (order rotated from prompt to prompt, one
 warm-up run each first):
-  spine       chain verification of the drafter's top-1 block — what `method="tree"` did on hybrids before:
-              exact, no tree gain. Its commit restores the recurrent states and re-runs the accepted tokens.
+  spine       chain verification of the drafter's top-1 block (`method="chain"`): the exact verifier without a
+              tree, so no tree gain. Its commit restores the recurrent states and re-runs the accepted tokens.
   levels:B    DDTree-B, one target pass; Gated DeltaNet recurrence stepped depth by depth (batch = a depth's
               nodes, each from its parent's state); every node's state kept for the commit
   scan:B      DDTree-B, one target pass; Gated DeltaNet recurrence as one call over all root-to-leaf paths

@@ -1,5 +1,5 @@
 """Held-out prompts of SECOND and later turns, with the target's own earlier answers in context: the evaluation set
-of "does training on every turn help later turns" (issue 25).
+of "does training on every turn help later turns" (docs/studies.md, "Every turn against first turns").
 
     .venv/bin/python bench/later_turns.py                          # → runs/later_turns/later_turns.jsonl
     .venv/bin/python bench/later_turns.py --conversations 48 --out runs/later_turns

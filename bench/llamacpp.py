@@ -1,7 +1,7 @@
 """dflashkit drafters inside llama.cpp: plain decoding vs DFlash vs llama.cpp's own n-gram speculation, Q4_1 and F32
 targets, plus the same drafter in dflashkit's PyTorch loop — side by side in one run (design §4).
 
-    scripts/build_llamacpp.sh                                   # once (~35 min on 2 cores)
+    scripts/build_llamacpp.sh                                   # once (a long build: docs/export.md)
     .venv/bin/python bench/llamacpp.py                          # the drafter `dflashkit quickstart` exported
     .venv/bin/python bench/llamacpp.py --drafter DIR --prompts 4 --n-predict 96 --n-max 3,7,15 --repeats 2
 

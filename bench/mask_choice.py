@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/mask_choice.py --run runs/quickstart --minutes 4 --seeds 0,1 --eval-prompts 6
 
-Reuses a `dflashkit quickstart` run directory (its regenerated data, captured features and initial drafter with
-the reduced draft vocabulary). The candidate row is checked first: it must be a special token that occurs nowhere
-in the run's token data (SmolLM2: id 16 `<empty_output>`; bundled ShareGPT / MT-Bench / HumanEval text never
-produces it either — see README). Per seed, the two drafters start from the same weights (the learned variant
-also has its mask vector), train with the quickstart's recipe for the same wall-clock budget, in alternating
-order, and are evaluated by real chain decoding on held-out prompts (MT-Bench turn 1 + HumanEval, greedy, same
-prompts). Prints a table (steps, validation loss / estimated τ, decoded macro τ per seed), then ONE JSON line.
+Reuses a `dflashkit quickstart` run directory (its regenerated data, captured features and initial drafter with the
+reduced draft vocabulary). The candidate row is checked first: it must be a special token that occurs nowhere in the
+run's token data (SmolLM2: id 16 `<empty_output>`; bundled ShareGPT / MT-Bench / HumanEval text never produces it either
+— docs/studies.md, "Mask choice"). Per seed, the two drafters start from the same weights (the learned variant also has
+its mask vector), train with the quickstart's recipe for the same wall-clock budget, in alternating order, and are
+evaluated by real chain decoding on held-out prompts (MT-Bench turn 1 + HumanEval, greedy, same prompts). Prints a table
+(steps, validation loss / estimated τ, decoded macro τ per seed), then ONE JSON line.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A decoding step of a 30-layer target runs ~210 products, so microseconds of Pyth
 milliseconds per step. Times `F.linear`, `linear_product` (settled choice: the per-call lookup) and a routed
 nn.Linear (what a target layer runs), in alternating rounds on hot weights; prints the minimum and the median
 microseconds per call of each, the choice made, the machine, and a JSON line last. Min is the overhead's best
-estimate on a noisy VM (the median carries the noise of other processes).
+estimate on a shared machine (the median carries the noise of other processes).
 """
 
 from __future__ import annotations

@@ -12,19 +12,18 @@ Batch sizes alternate within every repeat (order reversed on odd repeats), so ma
 With `--kv-caches growing,dynamic` each in-process run also runs with transformers' DynamicCache (run label
 `PRODUCTS+dynamic-kv`): dflashkit's decoding cache writes each step's K/V in place (target/kv_buffer.py), the
 DynamicCache copies the whole batch's cache every step.
-With `--products auto,stock,few_rows,onednn` each batch size also runs with each way of computing the products:
-`auto` (dflashkit's choice per shape, measured on this machine: target/products.py), `stock` (F.linear, as plain HF
-runs), `few_rows` (weight-stationary everywhere: what dflashkit did on every CPU before it measured) and `onednn`
-(oneDNN's inner product everywhere, where torch has it). The header names
-the machine (CPU, BLAS, threads).
+With `--products auto,stock,few_rows,onednn` each batch size also runs with each way of computing the products: `auto`
+(dflashkit's choice per shape, measured on this machine: cpu_products/products.py), `stock` (F.linear, as plain HF
+runs), `few_rows` (weight-stationary everywhere: one fixed rule for every CPU) and `onednn` (oneDNN's inner product
+everywhere, where torch has it). The header names the machine (CPU, BLAS, threads).
 With `--server-slots 1,4,8` the same prompts also go through llama.cpp's `llama-server` (scripts/build_llamacpp.sh)
 with that many parallel slots and as many requests in flight — what `dflashkit prepare --server URL --concurrency N`
 does — on the same number of threads, serving `--server-gguf` (f32: the target's F32 conversion, the exact weights
 of the fp32 target; f16, bf16, q8_0: conversions that round them; q4_1: the shipped file); "same" then says how
 often the server's greedy responses equal the fp32 HF target's (the first run, when it is an in-process one).
 Server start-up is not timed. `--server-chunk N` also times each server run sent in chunks of N prompts, each chunk
-waiting for its slowest reply before the next starts (how the quickstart regenerated before it cut one long stream
-at its deadline; run label `server-GGUF:cN`). `--engine-ceiling` adds llama.cpp's own batched decoding of the same
+waiting for its slowest reply before the next starts (against one long stream cut at a deadline, as the quickstart
+sends it; run label `server-GGUF:cN`). `--engine-ceiling` adds llama.cpp's own batched decoding of the same
 GGUFs at the same slot counts (`llama-batched-bench`: the mean prompt length, `--max-new-tokens` each, no server, no
 HTTP, no early stop) — the most a llama-server can give on this machine — and each server run as a fraction of it.
 Reported per run (products @ batch size): generated tokens per second (every response token up to and including

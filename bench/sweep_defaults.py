@@ -1,8 +1,8 @@
-"""How the quickstart's defaults were chosen: train variants under the same wall-clock budget, compare their τ.
+"""The sweep behind the quickstart's defaults: train variants under the same wall-clock budget, compare their τ.
 
     .venv/bin/python bench/sweep_defaults.py                      # every variant below, on runs/quickstart's data
     .venv/bin/python bench/sweep_defaults.py --variants lr3e-3,features3 --train-minutes 4 --sim-prompts 8
-    .venv/bin/python bench/sweep_defaults.py --variants base,topk32,warm_start --seeds 0,1   # the lever table
+    .venv/bin/python bench/sweep_defaults.py --variants base,topk32,warm_start --seeds 0,1   # docs/studies.md, levers
 
 Each variant is the quickstart's training stage (`quickstart.stage_train`: warmup + cosine over the training time
 itself, so every variant ends with its learning rate decayed) with one setting changed, on the data of a finished
@@ -49,7 +49,7 @@ from dflashkit.quickstart.run import QuickstartSettings, stage_capture, stage_pr
 # the target's top-k log-probs, "original_text" adds that many further ShareGPT conversations with their ORIGINAL
 # first assistant turn (labels then come from the target: `train.labels = "target"`), "drop_regen" leaves the
 # regenerated responses out; "train_scale" multiplies the training budget (the regeneration/training split: the
-# base run spent 6 min regenerating and 9 training).
+# quickstart's defaults give 6 minutes to regeneration and 9 to training).
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
     "lr3e-3": {"settings": {"lr": 3e-3}},
@@ -61,19 +61,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lr7.5e-4": {"settings": {"lr": 7.5e-4}},
     "block4_anchors128": {"settings": {"block_size": 4, "max_anchors": 128}},  # same block tokens per row
     "seed1": {"settings": {"seed": 1}},  # the base again with another seed: how large is the noise?
-    # τ-per-training-minute levers (README "Levers")
+    # τ-per-training-minute levers (docs/studies.md, "Levers per training minute")
     "topk32": {"capture_topk": 32, "train": {"loss": "topk"}},
     "topk32_ce": {"capture_topk": 32, "train": {"loss": "topk", "topk_ce_weight": 0.5}},
     "warm_start": {"settings": {"warm_start": True}},
     "orig_mix": {"original_text": 300, "train": {"labels": "target"}},
     "orig_only": {"original_text": 300, "drop_regen": True, "train": {"labels": "target"}},
-    "layers1": {"settings": {"num_hidden_layers": 1}},  # the default since it won the lever table
-    "layers2": {"settings": {"num_hidden_layers": 2}},  # the default before it
+    "layers1": {"settings": {"num_hidden_layers": 1}},  # the default: more steps in the same minutes
+    "layers2": {"settings": {"num_hidden_layers": 2}},  # what the default is compared against
     "vocab4096": {"settings": {"draft_vocab": 4096}},
     "train13_eval5": {"train_scale": 13 / 9},  # the budget split: 4 of the 9 evaluation minutes moved to training
-    # D-PACE position weights (issue 23) instead of the exponential decay, same data and budget
+    # D-PACE position weights instead of the exponential decay, same data and budget
     "dpace": {"train": {"position_weights": "dpace"}},
-    # a DSpark drafter (issue 23) at the same block size (so 4 drafts a round to DFlash's 3), same data; its loss
+    # a DSpark drafter at the same block size (so 4 drafts a round to DFlash's 3), same data; its loss
     # needs the target's final layer, captured again with the base tokens. DeepSpec's defaults (rank 256, CE 0.1),
     # named explicitly: the quickstart's own DSpark preset (dflashkit.quickstart.run.DSPARK_*_PRESET) is dspark_r64_ce1
     "dspark": {
@@ -101,11 +101,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "train": {"dspark_ce_weight": 1.0, "position_weights": "dpace"},
         "capture_final": True,
     },
-    # issue 25: the base run's regeneration minutes spent through llama-server (the quickstart's server route,
+    # the base run's regeneration minutes spent through llama-server (the quickstart's server route,
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},
     "server_regen_all": {"server_regen_minutes": 6.0, "regen_turns": "all"},
-    # the server route as the quickstart runs it now: slots measured at the start (8 or 16), chunks of 8 × slots
+    # the server route as the quickstart runs it: slots measured at the start (8 or 16), chunks of 8 × slots
     # cut at the deadline (`regenerate(stop_at=…)`)
     "server_regen_measured": {"server_regen_minutes": 6.0, "server_slots": "measured"},
     # regularisation at the quickstart's budget (the drafter fits its few tens of K tokens far better than held-out
@@ -207,7 +207,7 @@ def _shared_data(
         (d / "data" / "tokens.jsonl").replace(tokens)
         _keep_base_original(tokens, base)
     if "original_text" in plan:
-        # conversations the base run did not use (neither regenerated nor, with today's defaults, as original text)
+        # conversations the base run did not use (neither regenerated nor, under the current defaults, as original text)
         used = {r["id"] for r in read_regenerated(d / "data" / "regenerated.jsonl")} | used_conversation_ids(
             [json.loads(line)["id"] for line in tokens.read_text().splitlines()]
         )

@@ -6,7 +6,7 @@
 A speculative round pays one target pass over n = 1 + drafts tokens on top of the cached context; plain decoding
 pays n = 1 per token. For each n this times (all interleaved, on the same cache, cropped back after every pass):
   forward        the target's decoder layers + final norm + LM head over n positions, with the products dflashkit
-                 uses: each shape the way this machine does it fastest (measured at first use: target/products.py)
+                 uses: each shape the way this machine does it fastest (measured at first use: cpu_products/products.py)
   stock          the same pass with every product through F.linear (how plain PyTorch / HF run it)
   few_rows       the same pass with every product weight-stationary (DFLASHKIT_PRODUCTS=few_rows)
   onednn         the same pass with every product through oneDNN (DFLASHKIT_PRODUCTS=onednn; where torch has it)

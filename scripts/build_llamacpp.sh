@@ -3,7 +3,7 @@
 # including its DFlash drafter support), into the user cache. Used by the opt-in engine tests
 # (tests/export/test_llamacpp_engine.py, `pytest -m llamacpp`) and by bench/llamacpp.py.
 #
-#     scripts/build_llamacpp.sh            # ~35 min on 2 cores the first time; a no-op afterwards
+#     scripts/build_llamacpp.sh            # a long compile the first time; a no-op afterwards
 #     JOBS=4 scripts/build_llamacpp.sh     # more parallel compile jobs
 #     LLAMACPP_HOME=/some/dir scripts/build_llamacpp.sh
 #
@@ -15,19 +15,19 @@
 # Portable: the build does not bake in the build machine's instruction set (GGML_NATIVE=OFF). ggml builds its CPU
 # backend once per x86 level (GGML_CPU_ALL_VARIANTS, loaded at run time: GGML_BACKEND_DL) and every run loads the
 # best one the CPU it runs on supports ("load_backend: loaded CPU backend from …/libggml-cpu-haswell.so"), so the
-# same build runs on AVX2-only AMD and AVX-512 Intel machines. Left out: the `sapphirerapids` variant, the only one
+# same build runs on AVX2-only and AVX-512 CPUs. Left out: the `sapphirerapids` variant, the only one
 # with AMX. In this llama.cpp (11434) the AMX matrix kernels, used for Q4_0/Q4_1/Q8_0/K-quant weights, load their
 # tile configuration from a stack object (ggml-cpu/amx/mmq.cpp, ggml_tile_config_init) and crash with a general
-# protection fault on the first forward pass on AMX Xeons — F32 models, which never use AMX, run (upstream
+# protection fault on the first forward pass on AMX CPUs — F32 models, which never use AMX, run (upstream
 # llama.cpp PR #26954). AMX-capable CPUs get the best AVX-512 variant instead (zen4/cooperlake: AVX-512
 # VBMI/VNNI/BF16).
 #
 # Smoke check before the stamp: one greedy completion with the embedded Q4_1 SmolLM2 GGUF and one with its F32
 # conversion (a few seconds); a crash names the CPU's instruction-set flags and the variant that ran, and the build
 # is not stamped as done. Idempotent: $LLAMACPP_HOME/.built is written last, and a second run only prints where the
-# tools are — unless a tool of the list is missing (a build made before it joined the list): then the build runs
-# again, incrementally (seconds for a new tool; nothing already compiled is compiled again). Options: shared libraries found next to the tools ($ORIGIN), no tests, no web-UI download, no HTTPS
-# (nothing here downloads).
+# tools are — unless a tool of the list is missing (a build made with a shorter list): then the build runs again,
+# incrementally (seconds for a new tool; nothing already compiled is compiled again). Options: shared libraries found
+# next to the tools ($ORIGIN), no tests, no web-UI download, no HTTPS (nothing here downloads).
 set -euo pipefail
 VERSION=11434.0.0
 CACHE="${DFLASHKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflashkit}"

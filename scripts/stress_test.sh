@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The reliability bar: the test suite of a *fresh clone* passes once alone and then 3 times in a row while two
-# other processes keep both cores busy (what CI or a shared dev box looks like).
+# busy loops compete for the CPU (what CI or a shared machine looks like).
 #
 #   scripts/stress_test.sh            # clone HEAD into a temp dir, run `.ci/run` alone, then 3 runs under load
 #   RUNS=5 scripts/stress_test.sh     # more loaded runs

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# lint and format first: a few seconds, and a style slip fails before the 10-minute suite
+# lint and format first: a few seconds, and a style slip fails before the long test suite
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest -q "$@"

@@ -4,12 +4,12 @@
     status()                         # {"available": bool, "library": path or None, "reason": why not, or None}
 
 A decoding step reads every weight once and multiplies it by 1–17 rows: bandwidth-bound in principle, but a BLAS's
-GEMM is tuned for large M and its small-M paths differ between CPUs and builds (on a 2-core Intel Xeon with MKL
-2024.2 the products of a 4-row SmolLM2 pass took 36.0 ms against 20.8 for one row; this kernel 22.0 and 20.2).
+GEMM is tuned for large M and its small-M paths differ between CPUs and builds (on some, a few rows cost far more
+than one, where the weights' bytes say they should cost about the same: docs/studies.md, "Compiled few-row kernel").
 kernels/rows_linear.cpp streams each block of weight rows once, asks for the next block's lines while up to 6 rows
 of x are multiplied by it in registers, and sums each output in the same order whatever the other rows. It is
 compiled the first time a trial needs it, with the machine's C++ compiler (`$CXX`, else g++, else c++; -O3
--march=native -fopenmp, ~2 s), into the user cache under a name that digests the source, the compiler, the CPU
+-march=native -fopenmp; seconds, once), into the user cache under a name that digests the source, the compiler, the CPU
 model and flags and the torch version — a cache shared by two kinds of CPU never hands one the other's
 instructions. No compiler, a build that fails or a cache that cannot be written: the candidate is unusable on this
 machine (RuntimeError, recorded as such by the chooser: never timed, never chosen) and `status()` says why;
@@ -146,7 +146,8 @@ def status() -> dict[str, object]:
 def native_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x (M, in) · wᵀ (+ b) → (M, out) through the compiled kernel; F.linear for what it does not take (not
     contiguous float32 CPU tensors). RuntimeError where the kernel cannot be built (products.py: unusable).
-    A decoding pass makes ~200 of these calls: the checks are kept to attribute reads (~3 µs over the ctypes call)."""
+    A decoding pass makes ~200 of these calls: the checks are kept to attribute reads (microseconds a call add up to
+    milliseconds a step)."""
     fn = _STATE.get("lib") or _load()
     if (
         x.dtype == _F32

@@ -6,8 +6,9 @@
 
 MKL's ordinary `sgemm` re-packs the weight on every call; for a product of a few rows that packing is a large part
 of the call. `torch.ops.mkl._mkl_reorder_linear_weight(w, M)` packs once, `torch.ops.mkl._mkl_linear` then multiplies
-without it. Measured on a 2-core Intel Xeon (AVX-512): 30 SmolLM2-shaped layers at 4 rows cost 0.76 of stock, at 1
-row 1.16 (docs/benchmarks.md) — so it is one more candidate timed by products.py, never a rule.
+without it. Whether that pays depends on the CPU and the row count: it can be cheaper than stock at a few rows and
+dearer at one (docs/studies.md, "Verification cost and product selection") — so it is one more candidate timed by
+products.py, never a rule.
 
 A packed copy is made for one row count (MKL's packing takes the product's M, N and K), so each width a pass group
 runs packed holds a copy of that group's weights: copies are made on first use, kept while their width's choice is

@@ -6,28 +6,29 @@ measurement, never by a rule from another CPU.
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
     DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed|native_rows  # measured (default), or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
-    DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (product_store.py)
+    DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (store.py)
 
 A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
 every weight matrix. Ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
   stock       F.linear(x, W): x·Wᵀ as the BLAS's GEMM/GEMV with M = rows
   few_rows    (W·xᵀ)ᵀ, weight-stationary: streams W once; one row is multiplied as two (the matrix-vector path of
               some BLAS builds is slower than a matrix product of two); the result is copied row-major, as
-              F.linear returns it — left transposed, it made every later op of a batch-16 decoding step slower
-              (measured: a step 383 ms instead of 220 ms, slower than stock's 274 ms)
-  onednn      oneDNN's inner product (torch's mkldnn linear) on the same weights, no packed copy: on a 2-core AMD
-              EPYC with MKL it streamed SmolLM2's 113 MB LM head at 17 GB/s against MKL's 10 (stock) and 14
-              (few_rows), while on the layers' 1–4 MB matrices it was no faster; only where torch has oneDNN
+              F.linear returns it — left transposed, every later op of a batched decoding step reads it strided,
+              which costs more than the product saves
+  onednn      oneDNN's inner product (torch's mkldnn linear) on the same weights, no packed copy: on some CPUs it
+              streams a large matrix (an LM head) faster than the BLAS does, while on a layer's smaller matrices
+              it may gain nothing; only where torch has oneDNN
   onednn_fused the same over the stacked weights of a layer's products of one input (q/k/v, gate/up): a target's
-              layers only (sibling_products.py); one product of 2–7 MB instead of two or three of 0.4–3.5 MB
+              layers only (siblings.py); one product of 2–7 MB instead of two or three of 0.4–3.5 MB
   mkl_packed  MKL's packed GEMM: each weight packed once per row count instead of on every sgemm call; a copy of
               the weights per width it runs, within a memory budget (packed_weights.py); where torch has MKL
   native_rows a few-row kernel compiled for this CPU at first use (native_rows.py): each block of weight rows
               streamed once, every row multiplied by it from L1; where a C++ compiler is
-Measured on one AMD EPYC with MKL, few_rows made a 4-token verify cost 1.0 step instead of 1.8; measured on an Intel
-Xeon with MKL, it was slower than stock at every width. So the choice is timed, interleaved (ABBA), and the fastest
-other candidate is kept only when it beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster
-in three rounds of four; ahead in the median only: more rounds first, twice at most); otherwise stock:
+The same candidate can make a few-token verify pass cost about one AR step on one CPU and be slower than stock at
+every width on another, with the same BLAS (docs/studies.md, "Verification cost and product selection"). So the
+choice is timed on the machine at hand, interleaved (ABBA), and the fastest other candidate is kept only when it
+beats stock round by round (`decide`: median ratio below 1 − 3 %, and faster in three rounds of four; ahead in the
+median only: more rounds first, twice at most); otherwise stock:
   a model's layers   (the linears one `route_linears` call routed: a pass group) get one choice per row count,
                      timed in the real decoding steps (step_trial.py: why not the products alone), each candidate
                      running whole steps in turn.
@@ -35,13 +36,13 @@ in three rounds of four; ahead in the median only: more rounds first, twice at m
                      weights evicted from the CPU caches first, as they are in a pass.
 A row count is measured the second time it is met (the first runs stock): a one-off is never worth seconds of
 timing. A prompt's width is a one-off even when the same prompt comes back (a benchmark's repeat), so `generate`
-runs the prefill and the first draft round inside `stock_products()` — measured at the prompt's width, the timing
-landed in the middle of a timed decode (bench/speed.py: dflashkit AR 0.92× HF before, see docs/benchmarks.md).
-Likewise `Target.forward` without a cache (capture, online features, checks: whole sequences, once) takes stock
-products — the quickstart's capture met two samples of 42 and two of 57 tokens and timed those widths.
+runs the prefill and the first draft round inside `stock_products()`: timed at the prompt's width, the trial would
+land in the middle of a timed decode and slow it. Likewise `Target.forward` without a cache (capture, online
+features, checks: whole sequences, once) takes stock products — samples of equal length meet a width twice by
+chance, and a trial there buys nothing.
 A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU, BLAS, torch, threads and
-kernel source, so later runs skip the timing for a week; then it is timed again (product_store.py: the machine
-drifts; what was chosen, and whether a timing is under way: product_report.py).
+kernel source, so later runs skip the timing for a week; then it is timed again (store.py: the machine
+drifts; what was chosen, and whether a timing is under way: report.py).
 All compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
@@ -157,7 +158,7 @@ def mode() -> str:
 
 class Chooser:
     """The measured choice per shape. `timer(name, fn) -> seconds`, `store` (a JSON file, or None: memory only) and
-    `now` (the wall clock a choice is stamped with: product_store.py) are injectable, so the selection logic is
+    `now` (the wall clock a choice is stamped with: store.py) are injectable, so the selection logic is
     tested without timing anything."""
 
     def __init__(
@@ -304,7 +305,7 @@ class Chooser:
 
     # --------------------------------------------------------------------------------------- the store
     def _load(self) -> None:
-        """The stored choices still usable (product_store.read_choices: every current candidate timed, not too old);
+        """The stored choices still usable (store.read_choices: every current candidate timed, not too old);
         the others are measured again when met."""
         self._loaded = True
         if self.store is not None:
@@ -356,8 +357,7 @@ class PassGroup:
         self.signature = f"pass{len(linears)}-{digest}{'-fuse' if fuse else ''}"
         self.siblings = Siblings(linears) if fuse and "onednn" in CANDIDATES else None  # fused once a pass was seen
         # (leading shape, dtype, CPU or not, choice) of the pass under way when its opening found the width settled:
-        # the group's other products in that pass take it without a lookup (~3 µs a call on a 2-core Intel Xeon, ~200
-        # calls a step)
+        # the group's other products in that pass take it without a lookup (microseconds a call, ~200 calls a step)
         self.this_pass: tuple[tuple[int, ...], torch.dtype, bool, str] | None = None
 
     def key(self, rows: int, dtype: torch.dtype) -> str:
@@ -400,8 +400,8 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
 
     A decoding step runs ~200 of these, so a settled choice (measured, or forced by DFLASHKIT_PRODUCTS) is looked
     up by (group or weight shape, input shape, dtype, CPU or not, the variable's value) in the thread count's
-    chooser before any other work: the full path cost ~20 µs more than F.linear per call on a 2-core EPYC (~4 ms
-    of a ~110 ms SmolLM2 step there), the lookup path ~6 µs (bench/product_overhead.py). DFLASHKIT_PRODUCTS is
+    chooser before any other work: tens of microseconds of Python per call add up to milliseconds a step, so the
+    settled path is kept to one lookup (bench/product_overhead.py times both). DFLASHKIT_PRODUCTS is
     read when a pass opens (its group's first linear) and by every lone product: a change takes effect at the next
     pass."""
     if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
@@ -430,7 +430,7 @@ def _settled_or_chosen(x: Tensor, weight: Tensor, bias: Tensor | None, group: Pa
     choice when it is settled (`PassGroup.this_pass`)."""
     c = chooser()
     memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
-    if opening:  # the variable read once a pass (~2 µs a read on that Xeon)
+    if opening:  # the variable read once a pass, not once a call (each read costs microseconds)
         _ENV_NOW[0] = os.environ.get(ENV)
     memo += (x.is_cpu, _ENV_NOW[0])  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
     how = c.settled.get(memo)
@@ -474,7 +474,7 @@ def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False) 
     with `lone` each as a lone product timed per shape (an LM head: a pass group of its own would be timed in the
     same steps as the layers', its candidates in lockstep with theirs). Idempotent: linears routed before keep
     their way; returns how many were routed now. With `fuse` (frozen weights that are never saved from this model:
-    a target's layers) the products of one input may be computed as one (`sibling_products.py`, a timed candidate)."""
+    a target's layers) the products of one input may be computed as one (`siblings.py`, a timed candidate)."""
     fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
     group = None if lone else PassGroup(fresh, fuse=fuse)
     for m in fresh:

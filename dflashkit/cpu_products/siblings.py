@@ -12,14 +12,14 @@ reads the very same input tensor (same object, not modified since). A member get
 product call after its elder siblings, on that same unchanged input (an inference tensor has no version counter:
 there the call order alone guards it); otherwise it computes its own product. Fusing stacks the members' weights into
 one buffer (rows in member order) and makes each member's weight a view of its rows — no second copy, values unchanged,
-so every other path (F.linear, few_rows, a one-off pass) computes exactly what it did. Only frozen float weights on
-CPU of one dtype, with all or none of the members biased, are fused; the drafter's layers (trained, saved with
-safetensors, which refuses tensors sharing storage) never are (`route_linears(..., fuse=False)`).
+so every other path (F.linear, few_rows, a one-off pass) computes the same values as unfused. Only frozen float
+weights on CPU of one dtype, with all or none of the members biased, are fused; the drafter's layers (trained, saved
+with safetensors, which refuses tensors sharing storage) never are (`route_linears(..., fuse=False)`).
 
-Measured (2-core AMD EPYC VM, AVX2, MKL 2024.2, torch 2.13.0+cpu, SmolLM2-135M, one step on a 200-token cache,
-12 interleaved rounds): oneDNN over q/k/v and gate/up stacked took 0.85 of stock F.linear's step at 1 and 4 rows
-(oneDNN unfused 1.03 and 0.89), 0.98 at 9; stock F.linear over the stacked weights 0.94 / 1.06 / 1.27 — so the
-fused product is one more candidate of the measured choice (`products.py`), timed in real steps, never a rule.
+Whether fusing pays depends on the CPU, the BLAS and the row count: oneDNN over the stacked weights can save part of
+a step at a few rows and nothing at more, and F.linear over them can be slower than unfused — so the fused product is
+one more candidate of the measured choice (`products.py`), timed in real steps, never a rule (docs/studies.md,
+"Verification cost and product selection").
 """
 
 from __future__ import annotations

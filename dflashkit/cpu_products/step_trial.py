@@ -1,11 +1,11 @@
 """A product choice timed inside the real decoding steps: each candidate runs whole steps in turn, ABBA-interleaved,
 and a step's time is the interval between two consecutive openings of the same pass (its first product).
 
-Why not time the products alone: on a 2-core AMD EPYC VM (AVX2, MKL 2024.2, torch 2.13.0+cpu) a pass of SmolLM2's
-210 layer products at 16 rows, timed back to back on fixed inputs, took 84 ms with F.linear and 80 ms
-weight-stationary, while inside real batch-16 decoding steps the same products took 160 ms and 102 ms a step
-(torch.profiler, 12 steps): the isolated pass kept F.linear and regeneration ran 20 % slower than it could. The
-step's own time is what a choice is for, so it is what is timed.
+Why not time the products alone: a pass of products timed back to back on fixed inputs does not rank the candidates
+as a real decoding step does — inside a step the other ops (attention, norms, the cache) share the caches and the
+memory bandwidth, so two candidates that tie in isolation can differ widely in a step, and an isolated timing keeps
+F.linear where a weight-stationary product makes regeneration clearly faster. The step's own time is what a choice
+is for, so it is what is timed.
 
     trial = StepTrial(["stock", "few_rows", "onednn"], repeats=5)
     trial.opened(now, unbroken=True)      # at every opening of the pass at this row count
@@ -103,9 +103,9 @@ def decide(times: dict[str, list[float]]) -> dict[str, float | str | None]:
 def unclear(times: dict[str, list[float]]) -> bool:
     """Whether the verdict is stock only for want of rounds: the fastest candidate's median ratio is beyond MIN_GAIN
     but it lost to stock in more than a quarter of the rounds. Timed further (StepTrial.extend, MAX_EXTENSIONS
-    times) before stock is kept: on a 2-core AMD EPYC VM (AVX2, MKL 2024.2) a 4-row verify's trial inside a short
-    warm-up kept stock at 132 ms a step against few_rows' 114, and chain decoding ran at 0.71× of AR instead of
-    1.04× with the settled choice of another run."""
+    times) before stock is kept: a trial cut short in a warm-up can keep stock for a verify width where another
+    candidate is clearly faster, and every later chain round then pays the slower verify (enough to make chain
+    decoding slower than AR)."""
     choice, _, leads = _verdict(times)
     return leads and choice == "stock"
 

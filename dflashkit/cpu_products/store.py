@@ -9,9 +9,9 @@
 
 The file is keyed by CPU model, its flags, BLAS, torch version, thread count and the source of the compiled
 candidate (native_rows.py: a changed kernel is timed anew), so another machine, build or kernel never reads it.
-What the key cannot see is the machine's own drift: on a 2-core AMD EPYC VM (AVX2, MKL 2024.2) a 3-row verify's
-choice kept oneDNN at 0.817 of stock against few_rows' 0.877, and on a later day oneDNN was 16 % slower than
-few_rows at that width (docs/benchmarks.md, 2026-12-04). A choice therefore carries the time it was measured
+What the key cannot see is the machine's own drift: two close candidates can swap places from one day to the next
+on the same machine (a virtual machine's neighbours, where its memory lies), so the winner of a width can become the
+slower path (docs/cpu-performance.md). A choice therefore carries the time it was measured
 (`measured_at`, seconds since the epoch) and is timed again after the age limit — a few seconds of trial steps a
 width once a week, against a slower path for good. An entry without that time (stored before it was kept) or
 stamped in the future beyond the limit (a clock that jumped) is timed again too.

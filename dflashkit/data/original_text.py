@@ -1,10 +1,10 @@
 """Training samples from ShareGPT's ORIGINAL replies: more distinct data per minute than regeneration.
 
 Regenerating a response costs one target step per token; teacher-forcing an existing reply costs one target
-*forward* over it (the capture pass the regenerated data needs anyway), ~6× cheaper per supervised token on the
-2-core dev CPU. The reply is human (or another model's) text, so its tokens are not what the target would say:
-train on these samples with `labels: target` — the target's own greedy prediction at every position (captured as
-`target_tokens`) — never on the reply's tokens. Measured in README "Levers" (orig_mix).
+*forward* over it (the capture pass the regenerated data needs anyway), several times cheaper per supervised token.
+The reply is human (or another model's) text, so its tokens are not what the target would say: train on these
+samples with `labels: target` — the target's own greedy prediction at every position (captured as `target_tokens`)
+— never on the reply's tokens. What it buys: docs/studies.md, "Data levers" (orig_mix).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Costs per round: the one-pass modes read the weights once for N tokens, like a d
 recurrent steps in one call per layer and R copies of the committed state (plus the commit replay); "levels" adds
 D + 1 calls per layer and moves 2N states per layer (N gathered parent states, N node states kept until commit).
 "paths" runs ≈ R × (D + 1) tokens, copies the attention K/V R times and needs a second pass. Measured in
-bench/hybrid_tree.py; the README has the numbers and the GPU estimate.
+bench/hybrid_tree.py; docs/hybrid-ddtree.md has the numbers and the GPU estimate.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def _native(status: dict[str, Any]) -> str:
 
 
 def _kept(m: dict[str, Any]) -> str:
-    """Where the measured choices are kept and when they are timed again (product_store.py)."""
+    """Where the measured choices are kept and when they are timed again (cpu_products/store.py)."""
     if m.get("products_store") is None:
         return "in this process only (DFLASHKIT_PRODUCTS_STORE=off or no cache)"
     oldest = m.get("products_oldest_days")

@@ -45,7 +45,7 @@ def default_drafter_config(target: Any, **overrides: Any) -> DrafterConfig:
 
     The mask token is a spare embedding row when the target has one (z-lab's choice for Qwen3), else the row of
     a special token no chat produces (SmolLM2: 16 `<empty_output>`; `mask_choice.py`; measured as good as a
-    learned mask at equal training minutes, README "Mask choice"), else a learned mask embedding stored in the
+    learned mask at equal training minutes, docs/studies.md "Mask choice"), else a learned mask embedding stored in the
     drafter. `learned_mask_embedding=True` asks for the learned one.
     """
     check_overrides(overrides, lambda _k: "drafter overrides")

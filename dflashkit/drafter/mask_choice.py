@@ -10,7 +10,7 @@ those keeps the drafter a plain z-lab checkpoint (z-lab, vLLM, SGLang and llama.
 mask embedding needs each engine's own workaround. Candidates are added special tokens that are not the
 tokenizer's control tokens (bos / eos / pad / unk) and do not appear in its chat template; the highest id wins
 (the likeliest to be unused), unless `token_lists` shows it in the data.
-bench/mask_choice.py measures the two choices at equal training minutes (README: "Mask choice").
+bench/mask_choice.py measures the two choices at equal training minutes (docs/studies.md, "Mask choice").
 """
 
 from __future__ import annotations

@@ -280,8 +280,8 @@ class DFlashDrafter(nn.Module):
 
     def _reduced_head_weight(self, lm_head_weight: Tensor) -> Tensor:
         """The target's LM head rows of the draft vocabulary (V', H): gathered once per head tensor (and its in-place
-        version) and map, then reused every round — in eval and train mode alike (a drafter used without `.eval()`
-        gathered 19 MB of SmolLM2's head every round: ~1.7 ms of a 3.4 ms draft on a 2-core Intel Xeon). Gathered
+        version) and map, then reused every round — in eval and train mode alike (gathering the rows is a copy of
+        megabytes, a large part of a draft, and a drafter used without `.eval()` would pay it every round). Gathered
         afresh only when gradients must reach the head through it."""
         rows = self.draft_to_target.to(lm_head_weight.device)
         if lm_head_weight.requires_grad and torch.is_grad_enabled():

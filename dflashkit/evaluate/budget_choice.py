@@ -6,8 +6,8 @@
 
 A budget B buys τ with verify width: a round verifies 1 + B rows. What an extra row costs is a property of the
 machine, not of the drafter: on a GPU, or a CPU whose few-row products cost about one row, a wide tree is nearly
-free; on a CPU where 5 rows cost 1.3× of one, a small tree wins (docs/benchmarks.md). So the budget is chosen per
-machine and drafter, never fixed from one machine:
+free; on a CPU where every extra row adds a noticeable share of a one-row pass, a small tree wins (docs/studies.md,
+"DDTree budget on a CPU"). So the budget is chosen per machine and drafter, never fixed from one machine:
 
   τ(B)       teacher-forced replay (`simulate.replay`) of the target's greedy transcripts of `prompts`: every
              candidate on the same rounds, exactly what greedy decoding accepts (no noise from timing);

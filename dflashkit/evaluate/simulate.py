@@ -6,7 +6,7 @@ forward at all.
 
 Greedy verification is a pure function of the target's greedy continuation: on the accepted path, the target's
 argmax at each node *is* the next transcript token, and nodes off the path are never followed. So `simulate`
-replays the real loop (decode.py) exactly: bonus at position s, the drafter cache extended with the features of
+replays the real loop (decode/generate.py) exactly: bonus at position s, the drafter cache extended with the features of
 the tokens committed last round (the prompt first), the full block [token[s], MASK × (bs−1)] at positions s…
 (also in the last round), of which the first min(bs − 1, room) drafts are used; chain L = 1 + longest prefix of
 those drafts equal to the transcript; DDTree-B builds the tree (depth ≤ room) from their marginals and follows the
@@ -101,10 +101,10 @@ def replay(
     dcache = DrafterCache()
     new_ctx, new_pos = feats[:, :p_len], torch.arange(p_len)[None]
     s = p_len  # position of the bonus token
-    first = drafter.first_draft_slot()  # DSpark: every slot drafts, through its Markov head (as decode.py)
+    first = drafter.first_draft_slot()  # DSpark: every slot drafts, through its Markov head (as decode/generate.py)
     while s - p_len + 1 < max_new_tokens and s < last:
         room = max_new_tokens - (s - p_len + 1)
-        n_verify = min(bs - first, room)  # drafts that can still be committed (as decode.py)
+        n_verify = min(bs - first, room)  # drafts that can still be committed (as decode/generate.py)
         embeds = drafter.block_embeddings(torch.tensor([[ids[s]]]), embed_weight, bs)  # always the full block
         hidden = drafter(
             new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(s, s + bs)[None], cache=dcache

@@ -2,7 +2,7 @@
 
     settle(lambda n: generate(target, ids, drafter=d, settings=DecodeSettings(max_new_tokens=n)), max_new, device)
 
-On CPU, the products of each decoding width are timed inside the real steps at first use (target/products.py): a
+On CPU, the products of each decoding width are timed inside the real steps at first use (cpu_products/products.py): a
 trial runs every candidate — the slower ones too — for a few steps each. A timing that caught those steps would
 measure the trial, not the speed every later run on the machine gets from the store. `settle` runs a method for
 SETTLE_TOKENS tokens, again while a width's trial is under way (at most SETTLE_RUNS runs); nothing where products

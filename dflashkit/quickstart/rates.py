@@ -6,8 +6,8 @@ choices and notes instead of constants from one CPU.
 
 - regeneration: decoding tokens per second of batched greedy generation at each candidate batch size — the time
   of CALIBRATION_TOKENS more new tokens, prefill excluded (two runs on the same short prompts, the difference);
-  a prefill of many long prompts would otherwise be most of the timing (measured: 3 tok/s "at batch 8" where
-  regeneration ran at 24). The quickstart keeps its batch size unless another one is faster by more than
+  a prefill of many long prompts would otherwise be most of the timing (and the rate read a small fraction of what
+  regeneration then runs at). The quickstart keeps its batch size unless another one is faster by more than
   `BATCH_GAIN` (batch size matters on some CPUs and not on others);
 - capture: tokens per second of one target forward with feature capture, which sizes how much original text the
   quickstart adds (its capture must fit `ORIGINAL_CAPTURE_MINUTES`);
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 BATCH_GAIN = 0.10  # another regeneration batch size must be this much faster to replace the default
-ORIGINAL_CAPTURE_MINUTES = 3.7  # the capture minutes the original-text data may cost (measured choice, docs)
+ORIGINAL_CAPTURE_MINUTES = 3.7  # the capture minutes the original-text data may cost (docs/studies.md, "Data levers")
 SHORTFALL = 0.6  # a stage below this fraction of its measured rate gets a note
 CALIBRATION_TOKENS = 8  # decoding steps timed per batch size (on top of 2 that carry the prefill)
 CALIBRATION_PROMPT = 48  # tokens of each calibration prompt (its last ones): the prefill stays small
@@ -65,7 +65,7 @@ def _decode_rate(target: Any, prompts: list[list[int]]) -> float:
 
 def _capture_rate(target: Any, layer_ids: list[int], tokens: int = 384, target_lse: bool = False) -> float:
     """Tokens per second of a target forward with feature capture (the best of two); with `target_lse` also the
-    log-sum-exp pass capture makes for a DSpark drafter (`dflashkit.features.capture`, ~1.26× the time here)."""
+    log-sum-exp pass capture makes for a DSpark drafter (`dflashkit.features.capture`: one more LM-head pass)."""
     from dflashkit.target.logsumexp import row_logsumexp
 
     ids = torch.randint(10, target.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))

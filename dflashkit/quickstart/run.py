@@ -12,8 +12,8 @@ Stages (each one skips what is already done in `--out`, so an interrupted run co
   6. export   — the drafter in the serving layout (`OUT/drafter`): vLLM loads it as it is (`serve-check` proves it)
 Then one screen: τ, tokens/s, speedup, greedy equality, and where the report, plots and checkpoint are.
 
-The defaults below were chosen by measurement on the 2-core CPU this project is developed on (README; the sweep
-that compares them is `bench/sweep_defaults.py`).
+The defaults below are the variants that bought the most τ in the quickstart's minutes on a CPU (docs/studies.md,
+"Quickstart defaults"; the sweep that compares them is `bench/sweep_defaults.py`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dflashkit.validation import (
 )
 
 # A DSpark drafter at the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1
-# (docs/benchmarks.md, "DSpark's CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults.
+# (docs/studies.md, "DSpark CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults.
 DSPARK_DRAFTER_PRESET: dict[str, Any] = {"markov_rank": 64}
 DSPARK_TRAIN_PRESET: dict[str, Any] = {"dspark_ce_weight": 1.0}
 
@@ -63,33 +63,33 @@ class QuickstartSettings:
     max_new_tokens_regen: PositiveInt = 192
     max_prompt_tokens: PositiveInt = 384  # longer ShareGPT prompts are skipped (they cost time, teach little)
     regen_batch: NonNegativeInt = 0  # 0: measured at the start among 8, 16, 32 (16 unless another is clearly faster)
-    # auto: regenerate through llama-server (quickstart_server.py) when llama.cpp is built and it is clearly faster
+    # auto: regenerate through llama-server (quickstart/server.py) when llama.cpp is built and it is clearly faster
     regen_server: choice("auto", "off") = "auto"  # type: ignore[valid-type]
     regen_turns: choice("first", "all") = "first"  # type: ignore[valid-type]  # all: every assistant turn
     # + this many ShareGPT train conversations with their ORIGINAL reply, teacher-forced (labels: the target's own
-    # argmax): ~6× cheaper per token than regeneration (lever table: orig_mix); fewer when regeneration ran slower
-    # than on the idle dev machine (capture will be slower too); 0 = regenerated responses only
+    # argmax): far cheaper per token than regeneration (docs/studies.md, "Data levers"); fewer when their capture
+    # would not fit ORIGINAL_CAPTURE_MINUTES at this machine's measured rate; 0 = regenerated responses only
     original_text: NonNegativeInt = 300
     eval_prompts: PositiveInt = 8  # per evaluation dataset (MT-Bench turn 1, HumanEval)
     eval_max_new_tokens: PositiveInt = 96
-    # ddtree:auto: the budget with the most tokens/s on this machine (quickstart_eval.stage_budget); the screen
+    # ddtree:auto: the budget with the most tokens/s on this machine (evaluation.py: stage_budget); the screen
     # reports the best DDTree method by tokens/s
     methods: Text = "ar,chain,ddtree:auto,ddtree:8"
-    # Drafter for a 576-wide, 30-layer target on a CPU (see docs/benchmarks.md for the measurements behind them)
-    num_hidden_layers: PositiveInt = 1  # 1 layer: 1.7× the steps of 2 in the same minutes, +0.08 τ (lever table)
+    # Drafter for a 576-wide, 30-layer target on a CPU (docs/studies.md, "Quickstart defaults": the measurements)
+    num_hidden_layers: PositiveInt = 1  # 1 layer: more steps in the same minutes buy more τ than a second layer
     block_size: BlockSize = 4  # an undertrained drafter rarely gets past slot 2: blocks of 4, twice as many
     max_anchors: PositiveInt = 128  # anchors per row for the same block tokens per step (bench/sweep_defaults.py)
     draft_vocab: NonNegativeInt = 8192  # reduced draft vocabulary (0: the target's full 49152)
     lr: PositiveFloat = 1.5e-3
     seed: Seed = 0
     # Initialise the drafter from the target's top layers (dflashkit.drafter.warm_start): the drafter takes the
-    # target's layer geometry. Off by default; whether it pays is measured (docs/benchmarks.md, lever table).
+    # target's layer geometry. Off by default; whether it pays: docs/studies.md, "Levers per training minute".
     warm_start: Bool = False
     # more DrafterConfig fields (e.g. num_features)
     drafter_extra: Annotated[dict[str, Any], Expect("a mapping of drafter config fields")] = field(default_factory=dict)
     capture_topk: NonNegativeInt = 0  # also store the target's top-k log-probs per position (for loss "topk")
     keep_best: Bool = True  # validate every 100 steps and export the best pass (longer --train-minutes
-    # on the same data overfit: docs/benchmarks.md, the curve), not necessarily the last
+    # on the same data overfit: docs/studies.md, "Training minutes"), not necessarily the last
     # more TrainConfig fields (e.g. loss, labels)
     train_overrides: Annotated[dict[str, Any], Expect("a mapping of training options")] = field(default_factory=dict)
 
@@ -190,7 +190,7 @@ def _train_prompts(target: Any, s: QuickstartSettings, exclude: set[str] = froze
 def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dict[str, Any]:
     """This machine's regeneration tokens/s at a few batch sizes (the best becomes the batch size when it beats the
     default clearly), through llama-server when it is built (`regen_server`: the route when clearly faster) and its
-    capture tokens/s — measured in about a minute on 2 cores, product choices included (quickstart_rates.py)."""
+    capture tokens/s — measured in about a minute, product choices included (quickstart/rates.py)."""
     from dflashkit.quickstart.rates import BATCH_GAIN, measure_rates
     from dflashkit.quickstart.server import in_process_rate, server_built, server_rates
 

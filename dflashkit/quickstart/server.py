@@ -12,8 +12,8 @@ the same prompts, at most RATE_TOKENS new tokens each, stop tokens honoured, pre
 included (`server_rate`, `in_process_rate`) — and the quickstart takes the server only when it is clearly faster
 (`BATCH_GAIN`), recording the choice (route and slots) so a resumed run keeps it (a regeneration file never mixes
 the two generators). (The in-process decoding rate that picks the batch size leaves prefill and finished rows out:
-on the 2-core AMD EPYC VM (AVX2, MKL) it read 198 tok/s at batch 32 where real regeneration ran at ~95, and once
-kept the quickstart off a server that regenerates ~1.5–2× faster.)
+it reads well above what real regeneration runs at, so compared with the server's rate it would keep the quickstart
+off a server that regenerates clearly faster.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 SLOT_CHOICES = (8, 16)  # llama-server --parallel values timed at the start (bench/regen_throughput.py --server-slots)
 SERVER_SLOTS = 8  # the slots of a run whose quickstart.json predates the measured choice
 SERVER_CHUNK = 8  # conversations per regenerate() call through the server, in slots: few chunk ends, where the
-# slots drain (on the AMD EPYC VM, F32, 8 slots: chunks of 2 × slots decoded 112 tok/s, one call of 96 142 tok/s)
+# slots drain while the chunk waits for its slowest reply (docs/studies.md, "One stream against chunks")
 RATE_TOKENS = 32  # new tokens per calibration request
 MAX_CONTEXT = 1024  # --regen-turns all: a later turn whose context reaches this (the sample length) ends the chat
 

@@ -5,14 +5,14 @@
 A target with fewer key/value heads than query heads (GQA: SmolLM2 has 3 for 9) attends each query head to its
 group's keys. transformers' SDPA attention hands torch the grouping (`enable_gqa`) only when there is no mask — a
 one-token step; with a mask — every verify pass of 2–17 tokens, every tree — it first copies the whole cached K and V
-once per query head (`repeat_kv`): on SmolLM2 with 256 cached tokens, 60 copies of 0.6 MB a pass, ~3.8 ms of a 45 ms
-5-token verify on a 2-core Intel Xeon (torch profiler; docs/benchmarks.md). torch's CPU attention takes the mask and
-the grouping together and computes each head exactly as on the copies (the same kernel over the same numbers:
-`torch.equal`, tests/target/test_attention.py), so on CPU tensors with a mask this attention passes `enable_gqa`
-instead; everything else — GPUs (where a mask with `enable_gqa` falls back to the slow math kernel), no mask,
-position biases, soft-capping, `output_attentions`, and every call inside `stock_products()` (HF as users run it, the
-baselines) — goes to transformers' own `sdpa_attention_forward`. Masks are transformers' SDPA masks (registered
-under the same name).
+once per query head (`repeat_kv`): on SmolLM2 with 256 cached tokens, 60 copies of 0.6 MB a pass — memory traffic
+on top of a pass that is bound by memory already, a visible share of a verify's time. torch's CPU attention takes the
+mask and the grouping together and computes each head exactly as on the copies (the same kernel over the same
+numbers: `torch.equal`, tests/target/test_attention.py), so on CPU tensors with a mask this attention passes
+`enable_gqa` instead; everything else — GPUs (where a mask with `enable_gqa` falls back to the slow math kernel), no
+mask, position biases, soft-capping, `output_attentions`, and every call inside `stock_products()` (HF as users run
+it, the baselines) — goes to transformers' own `sdpa_attention_forward`. Masks are transformers' SDPA masks
+(registered under the same name).
 """
 
 from __future__ import annotations

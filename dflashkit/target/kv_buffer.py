@@ -1,11 +1,11 @@
 """Attention K/V of a decoding target kept in preallocated buffers: appending a step's tokens writes them in place.
 
 transformers' `DynamicLayer` appends with `torch.cat`, copying the whole cache every step: for SmolLM2-135M over a
-256-token context that is ~12 MB a step (30 layers × K and V), ~1 ms of a 35 ms one-token step on a 2-core Xeon; a
-regeneration batch of 32 copies 32× as much. `GrowingLayer` holds each of K and V in a buffer with room to spare and
-hands attention a prefix view of it — the same values in the same order, so every pass computes bit-identical
-logits (tests/target/test_kv_buffer.py) — and grows by copying only when the room runs out (by half the length,
-at least `MIN_ROOM` tokens: a few copies over a whole generation).
+256-token context that is ~12 MB a step (30 layers × K and V), memory traffic on top of a step that is bound by memory
+already; a regeneration batch of 32 copies 32× as much. `GrowingLayer` holds each of K and V in a buffer with room to
+spare and hands attention a prefix view of it — the same values in the same order, so every pass computes bit-identical
+logits (tests/target/test_kv_buffer.py) — and grows by copying only when the room runs out (by half the length, at least
+`MIN_ROOM` tokens: a few copies over a whole generation).
 
     cache = growing_cache(model.config)   # a DynamicCache whose plain attention layers are GrowingLayers
     layer.keys                            # (B, kv_heads, T, hd): a view of the first T tokens of the buffer

@@ -3,13 +3,13 @@
     impl, timings = choose_adamw_impl(list(drafter.parameters()), device)   # "fused" or "foreach", ms per step
     optimizer = make_adamw(drafter.parameters(), impl, lr=…, betas=…, weight_decay=…)
 
-torch offers AdamW as one fused kernel per parameter ("fused": one pass over parameter, gradient and both moments)
-or as multi-tensor loops ("foreach": ~10 passes, one per arithmetic step); "default" is torch's own pick (a for
-loop on CPU, foreach on CUDA) — what runs before this choice existed used, kept for resuming them. All give the same
-update up to float rounding. Which is faster depends on the machine (memory bandwidth, vector units, the device),
-so `optimizer_impl: auto` times one step of each candidate on scratch tensors shaped like the drafter's parameters,
-on the run's device, at the start of a fresh run (a fraction of a second for a SmolLM2-sized drafter); a DSpark
-drafter's Markov embedding (vocabulary × rank) makes the optimizer step a large share of a CPU training step.
+torch offers AdamW as one fused kernel per parameter ("fused": one pass over parameter, gradient and both moments) or as
+multi-tensor loops ("foreach": ~10 passes, one per arithmetic step); "default" is torch's own pick (a for loop on CPU,
+foreach on CUDA) — also what a resumed run whose state records no implementation steps with. All give the same update up
+to float rounding. Which is faster depends on the machine (memory bandwidth, vector units, the device), so
+`optimizer_impl: auto` times one step of each candidate on scratch tensors shaped like the drafter's parameters, on the
+run's device, at the start of a fresh run (a fraction of a second for a SmolLM2-sized drafter); a DSpark drafter's
+Markov embedding (vocabulary × rank) makes the optimizer step a large share of a CPU training step.
 
 A run keeps its choice for life (stored in the training state), so a resumed run continues bit for bit; ranks
 sum their timings before choosing, so every rank of a distributed run steps the same way. `DFLASHKIT_ADAMW`

@@ -53,7 +53,7 @@ class TrainState:
     recent_losses: list[float] = field(default_factory=list)
     best_val_tau: float | None = None  # keep_best: the highest validation τ so far, and its step (OUT/best)
     best_val_step: int = 0
-    optimizer_impl: str = "default"  # AdamW's implementation, fixed for the run (checkpoints before it: torch's)
+    optimizer_impl: str = "default"  # AdamW's implementation, fixed for the run (a state that records none: torch's)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -5,17 +5,18 @@
 // from memory once a step, the rows are tiny. So the loop streams a block of TN weight rows once and multiplies x
 // rows by it in register tiles of TM x rows × TN weight rows, asking for the next block's lines while it computes
 // (a software prefetch one block ahead: memory stays busy while a tile's FMAs run — without it a second pass of x
-// rows over a block left the memory idle, and 4 rows cost 1.3× one row). As many x rows as the registers hold go
-// through a block in one pass; each output is one dot product over K, summed in VW lanes and then pairwise across
-// the lanes. The weight blocks are split over OpenMP threads (torch's own OpenMP runtime: the process loads one
-// libgomp.so.1). Plain GCC vector extensions: the compiler emits AVX-512, AVX2 or NEON as -march=native allows; no
-// fast-math (NaN and infinities propagate as in any float32 product). Row-major, contiguous float32 arrays only.
+// rows over a block leaves the memory idle, and a few rows cost clearly more than one). As many x rows as the
+// registers hold go through a block in one pass; each output is one dot product over K, summed in VW lanes and then
+// pairwise across the lanes. The weight blocks are split over OpenMP threads (torch's own OpenMP runtime: the
+// process loads one libgomp.so.1). Plain GCC vector extensions: the compiler emits AVX-512, AVX2 or NEON as
+// -march=native allows; no fast-math (NaN and infinities propagate as in any float32 product). Row-major, contiguous
+// float32 arrays only.
 #include <string.h>
 
-// Register tiles (rows of x × rows of w) by M, measured on a 2-core Intel Xeon over SmolLM2's 30 layers and head
-// (AVX-512; the AVX2 build of this source on it for the other branch): with 32 vector registers, 1 × 8, 2 × 8, 3 × 8
-// and from 4 rows 6 × 4 tiles (4 rows: 22.0 ms against 25.8 in 2 × 8 passes and 20.2 for one row; 9 rows 23.4
-// against 30.6; docs/benchmarks.md); with 16, 1 × 8 and 3 × 4 tiles.
+// Register tiles (rows of x × rows of w) by M, chosen by timing the tile shapes over a whole model's layers and head
+// (docs/studies.md, "Compiled few-row kernel"): with 32 vector registers, 1 × 8, 2 × 8, 3 × 8 and from 4 rows 6 × 4
+// tiles — one pass of up to 6 rows over each weight block beats two passes of a wider tile; with 16, 1 × 8 and
+// 3 × 4 tiles.
 #if defined(__AVX512F__)
 #define VW 16  // floats per vector register
 #else
