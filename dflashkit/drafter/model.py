@@ -26,7 +26,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflashkit.cpu_products import linear_product, route_linears
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead, markov_chain
+from dflashkit.drafter.dspark_heads import markov_chain
+from dflashkit.drafter.heads import head_of
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").
@@ -223,11 +224,7 @@ class DFlashDrafter(nn.Module):
         if config.draft_vocab_size is not None:
             # Reduced draft vocabulary: draft id i ↔ target id draft_to_target[i]. A buffer so it is saved.
             self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        if config.kind == "dspark":  # every slot drafts; logits corrected by the previous token (dspark_heads.py)
-            out_vocab = config.draft_vocab_size or config.vocab_size
-            self.markov_head = MarkovHead(config.vocab_size, config.markov_rank, out_vocab)
-            if config.confidence_head:
-                self.confidence_head = ConfidenceHead(h, config.markov_rank)
+        head_of(config).add_modules(self)  # the head's own parameters (DSpark: Markov and confidence heads)
         self.reset_parameters()
         route_linears(self.layers)  # a decoding round's few rows: the measured products (products.py)
 
@@ -242,8 +239,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
         if self.config.learned_mask_embedding:
             nn.init.normal_(self.mask_embedding, std=std)
-        if self.config.kind == "dspark":
-            self.markov_head.reset_parameters(std)
+        head_of(self.config).reset(self, std)
 
     @property
     def device(self) -> torch.device:
@@ -296,14 +292,19 @@ class DFlashDrafter(nn.Module):
         return cached[2]
 
     @property
+    def head(self) -> Any:
+        """The drafter's head (`dflashkit.drafter.heads`): what the stages ask about its kind."""
+        return head_of(self.config)
+
+    @property
     def is_dspark(self) -> bool:
         """Every slot drafts (slot k: the token after slot k − 1's), with the Markov head's correction."""
         return self.config.kind == "dspark"
 
     def first_draft_slot(self) -> int:
-        """The block slot of the first draft: 0 for DSpark (slot 0 drafts the token after the given one), 1 for
-        DFlash (slot 0 holds the given token)."""
-        return 0 if self.is_dspark else 1
+        """The block slot of the first draft: 0 when every slot drafts (DSpark), 1 when slot 0 holds the given
+        token (DFlash)."""
+        return self.head.first_draft_slot
 
     def greedy_markov(self, base_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
         """DSpark's greedy chain over a block's backbone logits (n, V'): (drafts as target ids, corrected logits)."""

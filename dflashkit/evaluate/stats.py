@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.data.jsonl import LineProblem, read_lines
+from dflashkit.drafter.heads import head_of
 from dflashkit.errors import ConfigError, DataError
 
 METHOD_FORMS = (
@@ -321,8 +322,7 @@ def drafter_fingerprint(drafter: Any) -> str:
 def verify_width(drafter: Any, block_size: int | None = None) -> int:
     """1 + the drafts a round proposes — what `Method.max_length` takes as the block size: the block size for DFlash
     (slot 0 holds the given token), one more for DSpark (every slot drafts)."""
-    bs = int(block_size or drafter.config.block_size)
-    return bs + 1 if getattr(drafter.config, "kind", "dflash") == "dspark" else bs
+    return head_of(drafter.config).verify_width(int(block_size or drafter.config.block_size))
 
 
 def drafter_info(drafter: Any, *, source: str | None = None, block_size: int | None = None) -> dict[str, Any]:

@@ -290,7 +290,7 @@ def serve_check(
 
 def _width(drafter: Any) -> int:
     """1 + the drafts a round proposes: the block size for DFlash, one more for DSpark (what `compare` takes)."""
-    return drafter.config.block_size + (1 if drafter.is_dspark else 0)
+    return drafter.head.verify_width(drafter.config.block_size)
 
 
 def _llamacpp(

@@ -1,0 +1,34 @@
+"""Drafter heads on the one DFlash backbone, and the registry every stage asks about a drafter's kind.
+
+    head = head_of(cfg)        # cfg.kind (or a kind name) → its Head: what the stages need to know of it
+    KINDS                      # the kinds a drafter config may name
+
+  base.py     `Head`: the interface, with the DFlash backbone's own behaviour as its defaults (the DFlash head)
+  dspark.py   `DSparkHead`: every slot drafts; a Markov head and a confidence head (DeepSpec's DSpark)
+
+A new head: a module here with a `Head` subclass, and one entry in HEADS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflashkit.drafter.heads.base import Head
+from dflashkit.drafter.heads.dspark import DSparkHead
+
+HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead())}
+KINDS = tuple(HEADS)
+
+
+def head_of(config_or_kind: Any) -> Head:
+    """The head of a drafter config (or of a kind name); configs without a kind are DFlash's."""
+    kind = config_or_kind if isinstance(config_or_kind, str) else getattr(config_or_kind, "kind", "dflash")
+    return HEADS[kind]
+
+
+def kind_fields() -> dict[str, str]:
+    """Config field → the kind whose head reads it (a field given for another kind is refused by name)."""
+    return {name: head.kind for head in HEADS.values() for name in head.fields}
+
+
+__all__ = ["HEADS", "KINDS", "Head", "head_of", "kind_fields"]

@@ -1,0 +1,77 @@
+"""The DSpark head (DeepSpec's design): every slot drafts, the backbone's logits corrected left to right by a
+low-rank Markov head on the previous token, and a confidence head estimating acceptance.
+
+Its network is in `dflashkit.drafter.dspark_heads`, its loss in `dflashkit.train.dspark_loss`, its drafting round in
+`dflashkit.decode.dspark_draft`; this module is what the stages ask about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from dflashkit.drafter.heads.base import Head
+from dflashkit.errors import ConfigError
+
+LOSS_WEIGHTS = ("dspark_ce_weight", "dspark_l1_weight", "dspark_confidence_weight")
+
+
+class DSparkHead(Head):
+    """Slot k drafts the token at a + k + 1 (shifted by one against DFlash), so a block of bs drafts bs tokens."""
+
+    kind: ClassVar[str] = "dspark"
+    label: ClassVar[str] = "DSpark heads"
+    fields: ClassVar[tuple[str, ...]] = ("markov_rank", "confidence_head")
+    train_fields: ClassVar[tuple[str, ...]] = LOSS_WEIGHTS
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)
+    first_draft_slot: ClassVar[int] = 0
+    reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
+    training_needs_target: ClassVar[bool] = True  # the target's LM head forms that distribution every step
+
+    def extra_parameters(self, cfg: Any) -> int:
+        """Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)."""
+        r = cfg.markov_rank
+        out = cfg.vocab_size * r + r * (cfg.draft_vocab_size or cfg.vocab_size)
+        return out + ((cfg.hidden_size + r + 1) if cfg.confidence_head else 0)
+
+    def zlab_fields(self, cfg: Any) -> dict[str, Any]:
+        """As DeepSpec, vLLM and llama.cpp's converter read a DSpark config."""
+        return {
+            "markov_rank": cfg.markov_rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": cfg.confidence_head,
+            "confidence_head_with_markov": True,
+            "sample_from_anchor": True,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+        }
+
+    def reads_target_lse(self, cfg: Any, target: Any) -> bool:
+        """With a draft vocabulary on a target whose logits are final_norm(h) · Wᵀ (`Target.plain_head`), its loss
+        forms the draft ids' logits only and reads the log-sum-exp over the whole vocabulary from the capture."""
+        return bool(cfg.draft_vocab_size) and bool(getattr(target, "plain_head", False))
+
+    def train_checks(self, train_cfg: Any) -> None:
+        for name, value, ok, why in (
+            ("loss", train_cfg.loss, "ce", "a DSpark drafter trains on its own loss (CE + L1 to the target + BCE)"),
+            ("fsdp", train_cfg.fsdp, False, "its Markov and confidence heads run outside the sharded forward"),
+        ):
+            if value != ok:
+                raise ConfigError(f"{name}: {value!r} cannot train a DSpark drafter (drafter.kind: dspark): {why}")
+        if all(getattr(train_cfg, name) == 0 for name in LOSS_WEIGHTS):
+            raise ConfigError(
+                f"{', '.join(LOSS_WEIGHTS)} are all 0: the objective trains nothing; give at least one a weight > 0"
+            )
+
+    def add_modules(self, drafter: Any) -> None:
+        from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead
+
+        cfg = drafter.config
+        drafter.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab_size or cfg.vocab_size)
+        if cfg.confidence_head:
+            drafter.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank)
+
+    def reset(self, drafter: Any, std: float) -> None:
+        drafter.markov_head.reset_parameters(std)
+
+
+__all__ = ["LOSS_WEIGHTS", "DSparkHead"]
