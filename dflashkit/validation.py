@@ -230,6 +230,56 @@ def fail(where: str, name: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"{where}: {name} = {show(value)}: expected {expected}")
 
 
+# ---------------------------------------------------------------------------------------------- text
+def text_problem(value: str, *, from_bytes: bool = False) -> str | None:
+    """Why a string is not Unicode text a tokenizer can take, or None. Python strings may hold lone surrogates: an
+    unpaired `\\ud800` escape in JSON, or (`from_bytes`: a command-line argument) a byte that was not UTF-8, kept
+    as U+DC80–U+DCFF."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        if from_bytes and 0xDC80 <= code <= 0xDCFF:
+            return f"not valid UTF-8 (byte 0x{code - 0xDC00:02x} at character {e.start + 1})"
+        return (
+            f"not valid Unicode (a lone surrogate \\u{code:04x} at character {e.start + 1}; \\u escapes of "
+            f"surrogates come in pairs)"
+        )
+    return None
+
+
+def first_text_problem(value: Any, path: str = "") -> str | None:
+    """ "field 'messages[0].content': not valid Unicode (…)" for the first string inside a JSON value (keys
+    included) that `text_problem` refuses, or None."""
+    if isinstance(value, str):
+        why = text_problem(value)
+        return f"field '{path or 'value'}': {why}" if why else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            why = text_problem(key) if isinstance(key, str) else None
+            if why:
+                return f"a key of '{path or 'the object'}': {why}"
+            why = first_text_problem(item, f"{path}.{key}" if path else str(key))
+            if why:
+                return why
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            why = first_text_problem(item, f"{path}[{i}]")
+            if why:
+                return why
+    return None
+
+
+def text_flag(text: str) -> str:
+    """argparse `type=` of free text (`--prompt`): refused when it is not valid UTF-8 / Unicode."""
+    import argparse
+
+    why = text_problem(text, from_bytes=True)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
 # ---------------------------------------------------------------------------------------------- flags
 def flag(t: Any, *, name: str = "") -> Callable[[str], Any]:
     """An argparse `type=` that parses a command-line string into `t`'s base type and checks it against `t`:

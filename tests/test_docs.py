@@ -227,3 +227,19 @@ def test_the_readme_is_a_guide_that_reaches_the_gpu_steps_early():
     assert len(lines) <= 250, f"README.md is {len(lines)} lines; detail belongs in docs/"
     gpu = [i for i, line in enumerate(lines, 1) if "--cuda" in line or "--device cuda" in line]
     assert gpu and gpu[0] <= 100, "the first GPU command must come within the README's first 100 lines"
+
+
+def test_the_architecture_page_names_every_module_of_the_tree():
+    """docs/architecture.md's tree matches the package: every module of every stage is named in it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text.split("```text", 1)[1].split("```", 1)[0]
+    missing = []
+    for path in sorted((ROOT / "dflashkit").rglob("*.py")):
+        rel = path.relative_to(ROOT / "dflashkit")
+        if path.name in ("__init__.py", "__main__.py") or (len(rel.parts) == 1 and path.stem in ("cli", "failures")):
+            continue
+        if len(rel.parts) > 1 and not re.search(rf"\b{re.escape(rel.parts[0])}/", tree):
+            missing.append(f"{rel.parts[0]}/ (the package)")
+        if not re.search(rf"\b{re.escape(path.stem)}\b", tree):
+            missing.append(str(rel))
+    assert not missing, "docs/architecture.md does not name: " + ", ".join(sorted(set(missing)))

@@ -31,6 +31,13 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="drafter config overrides, key=value (e.g. num_hidden_layers=3)")
     p.add_argument("--seed", type=flag(Seed), default=0)
     p.add_argument(
+        "--draft-vocab-from",
+        metavar="TOKENS",
+        default=None,
+        help="with draft_vocab_size=N: the N most frequent supervised tokens of this tokens.jsonl (from prepare) "
+        "form the drafter's draft vocabulary",
+    )
+    p.add_argument(
         "--warm-start",
         action="store_true",
         help="copy the target's top decoder layers into the drafter (it takes their geometry)",
@@ -64,6 +71,13 @@ def _init_drafter(args: argparse.Namespace) -> int:
     if not args.warm_start and (args.warm_start_layers or args.warm_start_fc != "last"):
         raise ConfigError("--warm-start-layers / --warm-start-fc only apply with --warm-start")
     overrides = parse_overrides(args.overrides)  # checked before the target is loaded
+    if (overrides.get("draft_vocab_size") is None) != (args.draft_vocab_from is None):
+        raise ConfigError(
+            "a draft vocabulary is built from data: give draft_vocab_size=N together with --draft-vocab-from "
+            "TOKENS (a tokens.jsonl from `dflashkit prepare`)"
+            if args.draft_vocab_from is None
+            else "--draft-vocab-from needs draft_vocab_size=N (how many of the most frequent tokens to keep)"
+        )
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     layers = args.warm_start_layers
     if args.warm_start:
@@ -71,6 +85,17 @@ def _init_drafter(args: argparse.Namespace) -> int:
     cfg = default_drafter_config(target, **overrides)
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(cfg)
+    if cfg.draft_vocab_size is not None:
+        from dflashkit.data.draft_vocab import frequent_tokens
+        from dflashkit.data.samples import read_tokens
+
+        samples, _ = read_tokens(args.draft_vocab_from)
+        ids, coverage = frequent_tokens(samples, vocab_size=target.vocab_size, size=cfg.draft_vocab_size)
+        drafter.draft_to_target.copy_(ids)
+        print(
+            f"draft vocabulary: the {cfg.draft_vocab_size:,} most frequent supervised tokens of "
+            f"{args.draft_vocab_from} ({coverage:.1%} of them)"
+        )
     if args.warm_start:
         report = warm_start(drafter, target, source_layers=layers, fc=args.warm_start_fc)
         print(f"warm start {describe(report)}")

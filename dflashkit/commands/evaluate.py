@@ -34,6 +34,7 @@ from dflashkit.validation import (
     UnitInterval,
     flag,
     int_list,
+    text_flag,
 )
 
 
@@ -158,7 +159,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     p.add_argument("--drafter", default=None, help="drafter checkpoint directory (not needed for --method ar)")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--prompt", help="user message (rendered with the chat template when the target has one)")
+    which.add_argument(
+        "--prompt", type=text_flag, help="user message (rendered with the chat template when the target has one)"
+    )
     which.add_argument(
         "--prompt-ids",
         type=int_list(what="comma-separated token ids"),

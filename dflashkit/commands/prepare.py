@@ -74,6 +74,14 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--concurrency", type=flag(PositiveInt), default=8, help="conversations in flight over all --server URLs"
     )
+    p.add_argument(
+        "--server-timeouts",
+        type=_timeouts,
+        default=None,
+        metavar="CONNECT,FIRST_BYTE,TOTAL",
+        help="seconds a request to a --server may take to connect, to its first answer byte (the whole completion "
+        "is generated first) and in all; past one it is retried on the next server (default: 10,3600,7200)",
+    )
     p.add_argument("--seed", type=flag(Seed), default=0, help="sampling seed (temperature > 0)")
     p.add_argument(
         "--time-budget-minutes",
@@ -105,27 +113,37 @@ def _template_kwargs(args: argparse.Namespace, target: Any) -> dict[str, Any]:
     return template_kwargs(args.thinking, tok, target.source)
 
 
+def _timeouts(text: str) -> Any:
+    """argparse `type=` of --server-timeouts: three positive numbers of seconds."""
+    import argparse
+
+    from dflashkit.data.server_client import ServerTimeouts
+
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) != 3 or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected three positive numbers of seconds, e.g. 10,3600,7200")
+    return ServerTimeouts(connect_s=values[0], first_byte_s=values[1], total_s=values[2])
+
+
 @command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
 def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
     from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
-    from dflashkit.data.server_client import ServerPool
     from dflashkit.data.tokens_file import write_tokens
     from dflashkit.errors import ConfigError, DataError
     from dflashkit.io_utils import atomic_write_text
     from dflashkit.output_dir import one_writer, output_dir
-    from dflashkit.target.model import Target, TargetText
 
     out = output_dir(args.out, what="--out", create=False)
     if args.no_regenerate and (args.server or args.time_budget_minutes):
         flag_name = "--server" if args.server else "--time-budget-minutes"
         raise ConfigError(f"{flag_name} with --no-regenerate: nothing to regenerate; expected one of the two")
     conversations, problems = load_dataset(args.data, args.limit, on_error=args.on_error)
-    servers = ServerPool(args.server) if args.server else None
-    if servers is not None:  # the server runs the model: only the tokenizer is needed here
-        target: Any = TargetText.load(args.target, trust_remote_code=args.trust_remote_code)
-    else:
-        target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    target, servers = _target_and_servers(args)
     kwargs = _template_kwargs(args, target)
 
     with one_writer(out, "dflashkit prepare"):
@@ -206,6 +224,20 @@ def _prepare(args: argparse.Namespace) -> int:
                 "not regenerated yet; run the same command again to continue (what is written is kept)"
             )
         return 0
+
+
+def _target_and_servers(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(the target, the server pool or None): with --server only the target's tokenizer is loaded here."""
+    from dflashkit.data.server_client import ServerPool, ServerTimeouts
+    from dflashkit.errors import ConfigError
+    from dflashkit.target.model import Target, TargetText
+
+    if args.server_timeouts is not None and not args.server:
+        raise ConfigError("--server-timeouts applies to --server requests; no --server given")
+    if not args.server:
+        return Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code), None
+    servers = ServerPool(args.server, timeouts=args.server_timeouts or ServerTimeouts())
+    return TargetText.load(args.target, trust_remote_code=args.trust_remote_code), servers
 
 
 def _print_regeneration(r: dict[str, Any]) -> None:

@@ -18,4 +18,5 @@ Modules and their public functions:
   thinking.py       `template_kwargs`, `split_reasoning`, `data_info`, `check_same_thinking`: thinking modes
   tokens_file.py    `write_tokens`: tokens.jsonl from conversations and regenerated transcripts
   original_text.py  `write_original_text`: ShareGPT conversations kept with their original reply
+  draft_vocab.py    `frequent_tokens(samples, vocab_size=…, size=N)`: a reduced draft vocabulary built from data
 """

@@ -18,16 +18,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflashkit.errors import ConfigError
+from dflashkit.validation import first_text_problem
 
 DEFAULT_MAX_LINE_BYTES = 8 << 20
 MAX_LINE_ENV = "DFLASHKIT_MAX_LINE_MB"
 _BOM = b"\xef\xbb\xbf"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _CHUNK = 1 << 20
 
 
@@ -78,14 +81,20 @@ class Line:
             ) from None
 
     def json(self) -> Any:
-        """The line parsed as JSON; LineProblem naming what is wrong (column of a syntax error)."""
+        """The line parsed as JSON; LineProblem naming what is wrong (column of a syntax error, a string that is
+        not Unicode text: a lone surrogate escape such as `\\ud800` decodes to one)."""
         text = self.text()
         try:
-            return json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError as e:
             raise LineProblem(f"invalid JSON ({e.msg} at column {e.colno})") from None
         except RecursionError:
             raise LineProblem("invalid JSON (nested too deeply)") from None
+        if _SURROGATE_ESCAPE.search(text):  # only \u escapes can make a lone surrogate out of valid UTF-8
+            why = first_text_problem(value)
+            if why:
+                raise LineProblem(why)
+        return value
 
 
 def _next_line(f: Any, cap: int) -> tuple[bytes | None, int] | None:

@@ -3,7 +3,7 @@ from token ids, spread over several servers, with retries.
 
     pool = ServerPool(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
     pool.connect(tokenizer)                      # which protocol each server speaks; its tokenizer checked
-    c = pool.complete(prompt_ids, max_tokens=256, temperature=0.0, top_p=1.0, seed=0, stop_ids=[2], key=7)
+    c = pool.complete(prompt_ids, max_tokens=256, temperature=0.0, top_p=1.0, seed=0, stop_ids=[2])
     c.token_ids, c.text, c.finished               # ids as the server generated them (None: text only)
 
 Protocols, found per server by `connect`:
@@ -18,6 +18,9 @@ The prompt always goes as token ids: dflashkit renders the chat template itself,
 exactly the one capture and training see. `connect` also tokenises a probe text through `POST /tokenize` where a
 server offers it and refuses a server whose ids differ from the target tokenizer's (another model).
 
+Timeouts (`ServerTimeouts`, settable: `prepare --server-timeouts CONNECT,FIRST_BYTE,TOTAL`): connecting, the first
+byte of the answer (a whole completion is generated before it arrives), and the whole request — so a server that
+accepts and never answers, or answers and then sends a byte a second, costs at most those seconds.
 Failures: a connection error, a timeout or a 5xx is retried on the next server with exponential backoff (a
 server that failed rests a while); a 4xx is the request's own fault and raises `ServerError` at once, naming the URL,
 the status and the server's message; when no server answers `retries` times in a row, `ServerError` lists each
@@ -26,11 +29,12 @@ URL with its last failure. Uses only the standard library (urllib).
 
 from __future__ import annotations
 
+import http.client
 import json
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +72,59 @@ class _Server:
     tokenizer_check: str = ""  # "same ids" | "not offered by the server"
 
 
+_GENERATING_PATHS = ("/completion", "/generate", "/v1/completions")
+
+
+class _Timeout(Exception):
+    """A request ran past one of its timeouts (the message says which)."""
+
+
+def _exchange(
+    url: str, method: str, path: str, data: bytes | None, connect_s: float, first_byte_s: float, deadline: _Deadline
+) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request within the three timeouts. The body is read piece by piece against the
+    whole-request deadline, so a server that trickles its answer cannot hold the caller."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "", parts.port
+    connect = max(0.001, min(connect_s, deadline.left()))
+    if parts.scheme == "https":
+        ctx = ssl.create_default_context()
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=connect, context=ctx)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=connect)
+    try:
+        try:
+            conn.connect()
+        except TimeoutError:
+            raise _Timeout(f"no connection within {connect:g} s") from None
+        sock = conn.sock  # kept: http.client drops conn.sock once an answer says it closes the connection
+        first = max(0.001, min(first_byte_s, deadline.left()))
+        sock.settimeout(first)
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, (parts.path.rstrip("/") + path) or "/", body=data, headers=headers)
+        try:
+            resp = conn.getresponse()
+        except TimeoutError:
+            raise _Timeout(f"accepted the request but sent no answer within {first:g} s") from None
+        pieces = []
+        while True:
+            left = deadline.left()
+            if left <= 0:
+                raise _Timeout(f"its answer was still arriving after {deadline.total:g} s (a trickle)")
+            sock.settimeout(left)
+            try:
+                piece = resp.read1(1 << 16)
+            except TimeoutError:
+                raise _Timeout(f"its answer stalled past the request's {deadline.total:g} s") from None
+            if not piece:
+                if resp.length:  # Content-Length promised more than arrived: the server closed early
+                    raise http.client.IncompleteRead(b"".join(pieces), resp.length)
+                return resp.status, b"".join(pieces)
+            pieces.append(piece)
+    finally:
+        conn.close()
+
+
 def _message(body: bytes) -> str:
     """The server's own error message out of a JSON or text body."""
     try:
@@ -82,6 +139,28 @@ def _message(body: bytes) -> str:
     return str(err)[:300]
 
 
+@dataclass(frozen=True)
+class ServerTimeouts:
+    """Seconds a request may take: to connect, to the first byte of the answer (a completion is generated whole
+    before its answer starts; probes get at most `probe_s`), and in all (a server trickling its answer is cut off)."""
+
+    connect_s: float = 10.0
+    first_byte_s: float = 3600.0  # a long response on a server with hundreds in flight takes minutes
+    total_s: float = 7200.0
+    probe_s: float = 60.0  # GET /props, /v1/models, POST /tokenize: answered at once by a live server
+
+
+class _Deadline:
+    """Time left of a request's whole-time budget."""
+
+    def __init__(self, seconds: float) -> None:
+        self.total = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
 @dataclass
 class ServerPool:
     """Several servers of one target; requests are spread round-robin and fail over to the others."""
@@ -90,7 +169,7 @@ class ServerPool:
     retries: int = 6  # consecutive failed attempts (over all servers) before giving up
     backoff_s: float = 0.5  # first wait after a failure; doubles up to max_backoff_s
     max_backoff_s: float = 20.0
-    timeout_s: float = 3600.0  # one request (a long response on a server with hundreds in flight takes minutes)
+    timeouts: ServerTimeouts = field(default_factory=ServerTimeouts)
     sleep: Callable[[float], None] = time.sleep
     servers: list[_Server] = field(init=False)
 
@@ -109,19 +188,18 @@ class ServerPool:
     def _http(self, server: _Server, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """One request; JSON back. Raises _Retryable (connection, timeout, 5xx) or ServerError (4xx, not JSON)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(server.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
+        t = self.timeouts
+        first_byte = t.first_byte_s if path in _GENERATING_PATHS else min(t.probe_s, t.first_byte_s)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            msg = _message(e.read() or b"")
-            if e.code >= 500:
-                raise _Retryable(f"HTTP {e.code}: {msg}") from None
-            raise ServerError(f"{server.url}{path}: HTTP {e.code}: {msg}") from None
-        except (urllib.error.URLError, OSError, TimeoutError) as e:  # refused, reset, DNS, timeout
-            reason = getattr(e, "reason", e)
-            raise _Retryable(f"{type(reason).__name__}: {reason}") from None
+            status, raw = _exchange(server.url, method, path, data, t.connect_s, first_byte, _Deadline(t.total_s))
+        except _Timeout as e:
+            raise _Retryable(str(e)) from None
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, DNS, closed early
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        if status >= 500:
+            raise _Retryable(f"HTTP {status}: {_message(raw)}")
+        if status >= 400:
+            raise ServerError(f"{server.url}{path}: HTTP {status}: {_message(raw)}")
         try:
             return json.loads(raw)
         except ValueError:

@@ -211,6 +211,7 @@ def chat_template_findings(cfg: DrafterConfig, target: Any) -> list[Finding]:
 
 
 def manifest_findings(cfg: DrafterConfig, target: Any, features_dir: str | Path) -> list[Finding]:
+    from dflashkit.features.captured import layer_columns
     from dflashkit.features.manifest import Manifest, target_fingerprint
 
     try:
@@ -218,17 +219,15 @@ def manifest_findings(cfg: DrafterConfig, target: Any, features_dir: str | Path)
     except DataError as e:
         return [Finding("FAIL", "features", str(e), "pass the directory written by `dflashkit capture`")]
     out = []
-    if list(m.layer_ids) != list(cfg.target_layer_ids):
+    try:  # the rule training applies: a drafter reads any subset of the captured layers
+        columns = layer_columns(Path(features_dir), m, cfg.target_layer_ids)
+    except DataError as e:
         out.append(
-            Finding(
-                "FAIL",
-                "features",
-                f"{features_dir} was captured from layers {m.layer_ids}; the checkpoint reads {cfg.target_layer_ids}",
-                "recapture with the checkpoint's target_layer_ids, or train a drafter for these",
-            )
+            Finding("FAIL", "features", str(e), "recapture with the checkpoint's target_layer_ids, or train for these")
         )
     else:
-        out.append(Finding("OK", "features", f"captured from the checkpoint's layers {m.layer_ids}"))
+        subset = "" if columns is None else f" (it reads {cfg.target_layer_ids} of them)"
+        out.append(Finding("OK", "features", f"captured from layers {m.layer_ids}{subset}"))
     if m.target.get("fingerprint") != target_fingerprint(target):
         out.append(
             Finding(

@@ -299,7 +299,9 @@ def _consistency(report: CheckpointReport) -> None:
     if cfg is None:
         return
     with torch.device("meta"):
-        expected = {k: list(v.shape) for k, v in drafter_state_dict(_skeleton(cfg)).items()}
+        skeleton = drafter_state_dict(_skeleton(cfg))
+        expected = {k: list(v.shape) for k, v in skeleton.items()}
+    _dtype_kinds(report, skeleton)
     present = set(report.tensors) | ({"draft_to_target"} if "d2t" in report.tensors else set())
     present |= {"mask_embedding"} if report.facts.get("mask", {}).get("in_embedding_row") else set()
     missing = sorted(set(expected) - present)
@@ -326,18 +328,7 @@ def _consistency(report: CheckpointReport) -> None:
             f"unexpected tensors {unexpected[:8]}{more}",
             hint or "remove them, or fix config.json (layers, mask_embedding, draft_vocab_size) to describe them",
         )
-    bad = [
-        (k, expected[k], report.shape(k))
-        for k in sorted(set(expected) & set(report.tensors))
-        if report.shape(k) != expected[k] and k != "fc.weight"
-    ]
-    for key, want, got in bad[:8]:
-        report.add(
-            "FAIL",
-            "shapes",
-            f"tensor '{key}' has shape {got}, config.json implies {want}",
-            "config.json does not describe these weights: correct heads / head_dim / sizes to the tensors",
-        )
+    _shape_findings(report, expected)
     geo = facts["tensor_geometry"]
     q = shape("layers.0.self_attn.q_proj.weight")
     if (
@@ -371,6 +362,43 @@ def _consistency(report: CheckpointReport) -> None:
             else "a 'mask_embedding' tensor exists but config.json does not set dflash_config.mask_embedding",
             "make dflash_config.mask_embedding match the tensors",
         )
+
+
+def _shape_findings(report: CheckpointReport, expected: dict[str, list[int]]) -> None:
+    """Tensors whose shapes differ from what config.json implies (fc.weight: reported by the fc-width check)."""
+    bad = [
+        (k, expected[k], report.shape(k))
+        for k in sorted(set(expected) & set(report.tensors))
+        if report.shape(k) != expected[k] and k != "fc.weight"
+    ]
+    for key, want, got in bad[:8]:
+        report.add(
+            "FAIL",
+            "shapes",
+            f"tensor '{key}' has shape {got}, config.json implies {want}",
+            "config.json does not describe these weights: correct heads / head_dim / sizes to the tensors",
+        )
+
+
+def _dtype_kinds(report: CheckpointReport, skeleton: dict[str, Any]) -> None:
+    """The loader's rule (drafter.checkpoint.check_tensors): weights are floating point, maps integers."""
+    wrong_kind = [
+        f"{k} ({report.tensors[k]['dtype']})"
+        for k, v in skeleton.items()
+        if k in report.tensors and _is_float(report.tensors[k]["dtype"]) != v.is_floating_point()
+    ]
+    if wrong_kind:
+        report.add(
+            "FAIL",
+            "dtypes",
+            f"tensors of the wrong kind: {wrong_kind[:8]} (weights must be floating point, maps integers)",
+            "re-export the checkpoint; its loader refuses it",
+        )
+
+
+def _is_float(safetensors_dtype: str) -> bool:
+    """Whether a safetensors header dtype ("F32", "BF16", "I64", …) is a floating-point one."""
+    return safetensors_dtype.upper().startswith(("F", "BF", "E"))
 
 
 def _skeleton(cfg: DrafterConfig) -> Any:

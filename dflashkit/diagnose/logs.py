@@ -219,14 +219,24 @@ def warmup_end(log: RunLog) -> int:
     return int(0.04 * len(log.train))
 
 
+def slot_count(log: RunLog) -> int:
+    """How many per-slot accuracies the run's records hold (0: none logged)."""
+    return max((len(r["accuracy"]) for r in log.train + log.val if isinstance(r.get("accuracy"), list)), default=0)
+
+
 def steps_to_accuracy(log: RunLog, threshold: float, *, slot: int | None = None) -> int | None:
+    """First step whose accuracy (slot `slot`, else the mean of slots 1…bs−1) reaches `threshold`; DataError when
+    the run has no slot `slot` (never another slot's figure in its place)."""
+    n = slot_count(log)
+    if slot is not None and n and not 0 <= slot < n:
+        raise DataError(f"--acc-slot {slot}: run {log.name} logs the accuracy of {n} slots (0…{n - 1})")
     recs = log.val if any(isinstance(r.get("accuracy"), list) for r in log.val) else log.train
     steps, vals = [], []
     for i, r in enumerate(recs):
         acc = r.get("accuracy")
         if not isinstance(acc, list) or len(acc) < 2:
             continue
-        use = [acc[slot]] if slot is not None and slot < len(acc) else acc[1:]
+        use = acc[1:] if slot is None else acc[slot : slot + 1]  # a record without that slot adds nothing
         use = [a for a in use if isinstance(a, (int, float)) and math.isfinite(a)]
         if use:
             steps.append(int(r.get("step", i + 1)))

@@ -50,6 +50,7 @@ def save_drafter(
         for k, v in drafter_state_dict(drafter).items()
     }
     check_finite(tensors, f"drafter to save in {out}")
+    check_draft_map(tensors, drafter.config, f"drafter to save in {out}")
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
@@ -192,6 +193,36 @@ def check_tensors(
             raise CheckpointError(
                 f"{source}: tensor '{key}' has dtype {str(tensors[key].dtype).replace('torch.', '')}; expected {kind}"
             )
+    check_draft_map(tensors, cfg, source)
+
+
+def draft_map_problem(ids: torch.Tensor, vocab_size: int) -> str | None:
+    """What is wrong with a draft vocabulary map (draft id → target id), or None: every id a row of the target's
+    vocabulary, none twice (a map of one id repeated is a vocabulary that was never built from data)."""
+    ids = ids.reshape(-1).long()
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        return (
+            f"names {outside.numel()} id(s) outside the target's vocabulary (0 ≤ id < {vocab_size}), e.g. "
+            f"{int(outside[0])}"
+        )
+    unique = torch.unique(ids)
+    if unique.numel() != ids.numel():
+        return (
+            f"names {ids.numel()} draft ids but only {unique.numel()} distinct target ids; expected distinct ids "
+            f"(a draft vocabulary is built from data: `dflashkit init-drafter … --draft-vocab-from TOKENS`)"
+        )
+    return None
+
+
+def check_draft_map(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, source: str) -> None:
+    """Refuse a reduced draft vocabulary whose map `draft_map_problem` finds wrong: it would index past the target's
+    LM head while decoding, or draft one token under many ids."""
+    ids = tensors.get("draft_to_target")
+    if ids is not None and cfg.draft_vocab_size is not None:
+        why = draft_map_problem(ids, cfg.vocab_size)
+        if why:
+            raise CheckpointError(f"{source}: tensor 'draft_to_target' {why}")
 
 
 def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:

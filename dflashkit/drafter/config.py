@@ -26,6 +26,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 from dflashkit.drafter.config_fields import check_zlab_field_types
+from dflashkit.drafter.heads import KINDS, head_of, kind_fields
 from dflashkit.errors import ConfigError
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.validation import (
@@ -40,8 +41,11 @@ from dflashkit.validation import (
     check_fields,
     choice,
     fail,
+    field_types,
     memory_available,
     optional,
+    problem,
+    show,
 )
 
 FULL_ATTENTION = "full_attention"
@@ -65,10 +69,7 @@ def parameter_count(cfg: DrafterConfig) -> int:
     layer = h * q + 2 * h * kv + q * h + bias + 2 * hd + 3 * h * cfg.intermediate_size + 2 * h
     extra = h if cfg.learned_mask_embedding else 0
     extra += 2 * (cfg.draft_vocab_size or 0)
-    if cfg.kind == "dspark":  # Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)
-        r = cfg.markov_rank
-        extra += cfg.vocab_size * r + r * (cfg.draft_vocab_size or cfg.vocab_size)
-        extra += (h + r + 1) if cfg.confidence_head else 0
+    extra += head_of(cfg).extra_parameters(cfg)
     return len(cfg.target_layer_ids) * h * h + 2 * h + cfg.num_hidden_layers * layer + extra
 
 
@@ -150,6 +151,16 @@ def _check_activation(name: str) -> str:
     return name
 
 
+# Fields that follow the target (the drafter reads its features and shares its embeddings and LM head), never set.
+TARGET_COUPLED = {
+    "hidden_size": "its hidden size",
+    "vocab_size": "its vocabulary",
+    "num_target_layers": "its decoder layers",
+}
+# Fields that only one kind of drafter reads (its head's): given to another kind they would be dropped without a word.
+KIND_FIELDS = kind_fields()
+
+
 @dataclass
 class DrafterConfig:
     """Everything that defines a DFlash drafter network and its coupling to a target. Every field's type is its
@@ -185,7 +196,7 @@ class DrafterConfig:
     # "dflash": slot 0 holds the given token, slots 1..bs−1 draft (bs − 1 drafts). "dspark" (DeepSpec's DSpark):
     # every slot k drafts the token after slot k−1's (bs drafts), corrected left to right by a Markov head of rank
     # `markov_rank` on the previous token, with a confidence head (`confidence_head`) estimating acceptance.
-    kind: choice("dflash", "dspark") = "dflash"
+    kind: choice(*KINDS) = "dflash"
     markov_rank: PositiveInt = 256
     confidence_head: Bool = True
 
@@ -305,20 +316,10 @@ class DrafterConfig:
             dflash["draft_vocab_size"] = self.draft_vocab_size
         if self.extra:
             dflash["dflashkit"] = self.extra
-        dspark: dict[str, Any] = {}
-        if self.kind == "dspark":
-            dspark = {
-                "markov_rank": self.markov_rank,
-                "markov_head_type": "vanilla",
-                "enable_confidence_head": self.confidence_head,
-                "confidence_head_with_markov": True,
-                "sample_from_anchor": True,
-                "target_layer_ids": list(self.target_layer_ids),
-                "mask_token_id": self.mask_token_id,
-            }
+        head = head_of(self)
         return {
-            "architectures": ["Qwen3DSparkModel" if self.kind == "dspark" else "DFlashDraftModel"],
-            **dspark,
+            "architectures": list(head.architectures),
+            **head.zlab_fields(self),
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -355,6 +356,7 @@ class DrafterConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         check_zlab_field_types(raw, source)  # names the field and the expected type before any int()/float()
         dflash = raw.get("dflash_config") or {}
+        check_declared_values(raw, dflash, source)  # and each value against its declared type, before any arithmetic
 
         def pick(name: str, default: Any = ConfigError) -> Any:
             if name in dflash:
@@ -450,6 +452,25 @@ class DrafterConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return DrafterConfig(**values)
+
+
+_BUILT_FIELDS = ("layer_types", "extra", "kind", "target_layer_ids", "markov_rank")
+
+
+def check_declared_values(raw: dict[str, Any], dflash: dict[str, Any], source: str) -> None:
+    """Every field of a config read from disk that is also a `DrafterConfig` field goes through the field's declared
+    type — the door command-line values go through — before any value is used (a head count of 0 must not reach a
+    division): `ckpt/config.json: field 'num_attention_heads' = 0: expected an integer ≥ 1`."""
+    types = field_types(DrafterConfig)
+    for prefix, values in (("dflash_config.", dflash), ("", raw)):
+        for name, value in values.items():
+            if name not in types or value is None or name in _BUILT_FIELDS:
+                continue  # None: the field's default; the rest are checked when the config is built
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # JSON writers may store 4096 as 4096.0
+            why = problem(types[name], value)
+            if why:
+                raise ConfigError(f"{source}: field '{prefix}{name}' = {show(value)}: {why}")
 
 
 def check_dspark_fields(raw: dict[str, Any], source: str) -> None:

@@ -8,9 +8,10 @@ parser the CLI uses for drafter fields, and the one-line description of a drafte
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
-from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.config import KIND_FIELDS, TARGET_COUPLED, DrafterConfig
 from dflashkit.errors import ConfigError
 from dflashkit.validation import PositiveInt, Where, check_fields, parse_assignments, problem, show
 
@@ -32,6 +33,20 @@ def check_overrides(overrides: Any, where: Where, *, prefix: str = "") -> None:
         )
     fields_only = {k: v for k, v in overrides.items() if k != "num_features"}
     check_fields(DrafterConfig, fields_only, where, prefix=prefix, what="drafter config field")
+    for name in fields_only:
+        if name in TARGET_COUPLED:
+            raise ConfigError(
+                f"{where(name)}: {prefix}{name} follows the target ({TARGET_COUPLED[name]}) and cannot be set; a "
+                f"drafter for another size is a drafter for another target (--target)"
+            )
+    kind = fields_only.get("kind", "dflash")
+    defaults = {f.name: f.default for f in fields(DrafterConfig)}
+    for name, owner in KIND_FIELDS.items():
+        if name in fields_only and owner != kind and fields_only[name] != defaults[name]:
+            raise ConfigError(
+                f"{where(name)}: {prefix}{name} belongs to kind={owner} drafters; this one is kind={kind} "
+                f"(add {prefix}kind={owner}, or drop {prefix}{name})"
+            )
     if "num_features" in overrides:
         why = problem(PositiveInt, overrides["num_features"])
         if why:

@@ -68,6 +68,7 @@ from dflashkit.export.speculators_format import (
     tensors_to_speculators,
 )
 from dflashkit.io_utils import atomic_path, atomic_write_text
+from dflashkit.target.model import check_drafter_fits
 
 FORMATS = ("zlab", "speculators", SERVING_FORMAT, DEEPSPEC_FORMAT)
 
@@ -218,7 +219,11 @@ def convert(
         raise ConfigError(f"output {out} is the source checkpoint; choose another directory")
     check_output(out, overwrite=overwrite)
     notes: list[str] = []
+    if num_target_layers is None and target is not None and _records_no_depth(src):
+        num_target_layers = target.num_layers  # a speculators config does not say how deep its target is
     cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes, target=target)
+    if target is not None:  # an export names its target: it must be the drafter's (sizes, vocabulary, layers)
+        check_drafter_fits(cfg, target, source=str(src))
     tensors = _cast(tensors, dtype)
     if dtype is not None:
         notes.append(f"floating tensors cast to {str(dtype).replace('torch.', '')}")
@@ -266,6 +271,12 @@ def convert(
             f"uses the target's row {cfg.mask_token_id})"
         )
     return ConversionReport(str(src), fmt, str(out), "zlab", notes)
+
+
+def _records_no_depth(src: Path) -> bool:
+    """Whether the checkpoint's config leaves its target's depth unsaid (speculators' layout)."""
+    raw = _read_config(src)
+    return detect_format(raw) == "speculators" and raw.get("num_target_layers") is None
 
 
 def load_any_drafter(path: str | Path, *, target: Any = None, device: str | torch.device = "cpu") -> DFlashDrafter:

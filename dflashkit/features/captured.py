@@ -21,14 +21,15 @@ from torch import Tensor
 from dflashkit.data.samples import Sample
 from dflashkit.errors import DataError
 from dflashkit.features.manifest import Manifest, target_fingerprint
-from dflashkit.features.shards import size_problem
+from dflashkit.features.shards import shard_problem, size_problem
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
 
 
-def _layer_columns(out_dir: Path, m: Manifest, expect_layer_ids: Sequence[int] | None) -> list[int] | None:
-    """Positions of the expected layers among the captured ones (None: all of them, in order)."""
+def layer_columns(out_dir: Path, m: Manifest, expect_layer_ids: Sequence[int] | None) -> list[int] | None:
+    """Positions of the expected layers among the captured ones (None: all of them, in order): a drafter reads any
+    subset of a capture's layers, in its own order. DataError when a layer it needs was not captured."""
     if expect_layer_ids is None or [int(i) for i in expect_layer_ids] == list(m.layer_ids):
         return None
     want = [int(i) for i in expect_layer_ids]
@@ -94,7 +95,7 @@ class CapturedFeatures:
                 f"{self.dir} {have}; capture again with `dflashkit capture --topk "
                 f"{max(require_topk, 32)} ...` into a new --out (or train with loss: ce / kl)"
             )
-        self._columns = _layer_columns(self.dir, m, expect_layer_ids)  # None: every captured layer
+        self._columns = layer_columns(self.dir, m, expect_layer_ids)  # None: every captured layer
         if not m.complete:
             missing = m.num_samples - m.done_samples
             shards = sum(1 for s in m.shards if not s["done"])
@@ -113,6 +114,7 @@ class CapturedFeatures:
                 )
         self.max_open_shards = max_open_shards
         self._handles: OrderedDict[str, Any] = OrderedDict()
+        self._verified: set[str] = set()  # shards whose sha256 matched the manifest in this run
 
     @property
     def layer_ids(self) -> list[int]:
@@ -147,6 +149,15 @@ class CapturedFeatures:
                 f"capture dir {self.dir}: shard file {name} is missing; rerun `dflashkit capture` "
                 f"with the same arguments to recreate it"
             )
+        if name not in self._verified:  # what the manifest promises, checked once per shard and run (one read)
+            entry = next(sh for sh in self.manifest.shards if sh["file"] == name)
+            problem = shard_problem(path, entry, checksum=True)
+            if problem:
+                raise DataError(
+                    f"capture dir {self.dir}: shard file {name} {problem}; it holds {entry['count']} samples: "
+                    f"rerun `dflashkit capture` with the same arguments to recreate it"
+                )
+            self._verified.add(name)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as e:

@@ -1,6 +1,6 @@
 """Checking capture shards (`shard-*.safetensors`) against what their manifest entry recorded at write time.
 
-Each finished shard entry of manifest.json holds `bytes` (file size) and, since this check exists, `sha256`
+Each finished shard entry of manifest.json holds `bytes` (file size) and `sha256`
 (of the whole file, computed from the written temp file before it is renamed into place). `shard_problem`
 says why a shard on disk does not match — missing, wrong size (a truncated copy, a full disk), unreadable
 safetensors header, or a different checksum — or returns None. Older manifests without `sha256` fall back to
@@ -8,8 +8,9 @@ the size and header checks; entries without `bytes` to the header check alone.
 
     capture   re-verifies every finished shard before resuming (checksums included unless verify="size") and
               redoes the damaged ones
-    training  checks sizes when it opens a capture and each shard's header when it first reads from it, and
-              refuses a damaged shard, naming it and telling to re-run `dflashkit capture`
+    training  checks sizes when it opens a capture, and each shard's header and checksum when it first reads
+              from it (once per shard and run); a damaged shard is refused, named, with the advice to re-run
+              `dflashkit capture`
 """
 
 from __future__ import annotations

@@ -381,6 +381,8 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
     Returns the fraction of supervised tokens the vocabulary covers (1.0 with the full vocabulary)."""
     import torch
 
+    from dflashkit.data.draft_vocab import frequent_tokens
+    from dflashkit.data.samples import read_tokens
     from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.drafter.model import DFlashDrafter
@@ -392,23 +394,15 @@ def build_initial_drafter(target: Any, s: QuickstartSettings, tokens_file: Path,
         _warm_start(drafter, target, s)
         save_drafter(drafter, out_dir)
         return 1.0
-    counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for line in tokens_file.read_text().splitlines():
-        rec = json.loads(line)
-        ids = torch.tensor(rec["input_ids"])[torch.tensor(rec["loss_mask"], dtype=torch.bool)]
-        counts += torch.bincount(ids, minlength=target.vocab_size)
-    # ties (and tokens never seen) broken by id: deterministic
-    order = torch.argsort(
-        counts * target.vocab_size + (target.vocab_size - 1 - torch.arange(target.vocab_size)), descending=True
-    )
-    keep = order[: s.draft_vocab].sort().values
+    samples, _ = read_tokens(tokens_file)
+    keep, coverage = frequent_tokens(samples, vocab_size=target.vocab_size, size=s.draft_vocab)
     cfg = default_drafter_config(target, **s.drafter_overrides(target), draft_vocab_size=s.draft_vocab)
     torch.manual_seed(s.seed)
     drafter = DFlashDrafter(cfg)
     drafter.draft_to_target.copy_(keep)
     _warm_start(drafter, target, s)
     save_drafter(drafter, out_dir)
-    return float(counts[keep].sum() / counts.sum().clamp(min=1))
+    return coverage
 
 
 def _warm_start(drafter: Any, target: Any, s: QuickstartSettings) -> None:

@@ -23,4 +23,5 @@ Modules and their public functions:
   slot_targets.py  `block_labels`, `dspark_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
   metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`
   distributed.py   `DistContext.from_env()`
+  options_table.py `options_table()`: the training-options table of docs/pipeline.md, generated from `TrainConfig`
 """

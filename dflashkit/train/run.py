@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashkit.drafter.capture_needs import capture_layer_ids, capture_target_lse
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import HEADS, head_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
@@ -80,9 +81,7 @@ def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) ->
     from dflashkit.features.online import OnlineFeatures
     from dflashkit.train.config import DEFAULT_ONLINE_TOPK
 
-    ids = list(drafter_config.target_layer_ids)
-    if drafter_config.kind == "dspark":  # its loss reads the target's distribution: the final layer's output
-        ids = capture_layer_ids(drafter_config)
+    ids = capture_layer_ids(drafter_config)  # its own layers (+ the final one where its head's loss reads it)
     if cfg.features is None and cfg.tokens is None:
         raise ConfigError(
             "no training data: set features (a `dflashkit capture` directory) or tokens "
@@ -259,7 +258,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     }
     if dist.is_main:
         _announce(cfg, info, data, state, ckpt)
-    keep_target = cfg.online or cfg.loss == "kl" or drafter.config.kind == "dspark"
+    keep_target = cfg.online or cfg.loss == "kl" or head_of(drafter.config).training_needs_target
     return Run(
         cfg=cfg,
         dist=dist,
@@ -288,27 +287,30 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
 def slot_weights(cfg: Any, drafter_config: DrafterConfig) -> torch.Tensor:
     """(bs,) the base slot weights of the loss (and of its normaliser): DSpark's exp(−k/γ) (γ 4), D-PACE's
     draft-slot marks (DSpark: every slot; its L1 and confidence terms keep exp(−k/4)), or DFlash's exp(−(k−1)/γ)."""
-    bs, dspark = drafter_config.block_size, drafter_config.kind == "dspark"
+    bs, every_slot = drafter_config.block_size, head_of(drafter_config).first_draft_slot == 0
     if cfg.position_weights == "dpace":
-        return torch.ones(bs) if dspark else draft_slot_weights(bs)
-    return dspark_slot_weights(bs, cfg.gamma) if dspark else decay_weights(bs, cfg.gamma)
+        return torch.ones(bs) if every_slot else draft_slot_weights(bs)
+    return dspark_slot_weights(bs, cfg.gamma) if every_slot else decay_weights(bs, cfg.gamma)
 
 
 def metric_slots(drafter_config: DrafterConfig) -> int:
     """Entries of the per-slot metric vectors: the block size, + 1 for DSpark (entry 0: the given token)."""
-    return drafter_config.block_size + (1 if drafter_config.kind == "dspark" else 0)
+    return head_of(drafter_config).metric_slots(drafter_config.block_size)
 
 
 def check_kind_fits(cfg: Any, drafter_config: DrafterConfig) -> None:
-    """Refuse training settings a DSpark drafter cannot take, naming the field and why."""
-    if drafter_config.kind != "dspark":
-        return
-    for name, value, ok, why in (
-        ("loss", cfg.loss, "ce", "a DSpark drafter trains on its own loss (CE + L1 to the target + confidence BCE)"),
-        ("fsdp", cfg.fsdp, False, "its Markov and confidence heads run outside the sharded forward"),
-    ):
-        if value != ok:
-            raise ConfigError(f"{name}: {value!r} cannot train a DSpark drafter (drafter.kind: dspark): {why}")
+    """Refuse training settings the drafter's head cannot take, naming the field and why: an option of another
+    head's objective set to anything but its default (it would be ignored; a saved config repeating the default is
+    fine), and whatever the head's own checks refuse (`Head.train_checks`: an objective of all-zero weights, …)."""
+    own, defaults = head_of(drafter_config), type(cfg)()
+    for head in HEADS.values():
+        for name in head.train_fields if head is not own else ():
+            if name in cfg.sources and getattr(cfg, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"{cfg.sources[name]}: {name} belongs to the objective of kind={head.kind} drafters; this drafter "
+                    f"is kind={own.kind} (set drafter.kind={head.kind}, or drop {name})"
+                )
+    own.train_checks(cfg)
 
 
 def _drafter_to_train(
@@ -338,6 +340,12 @@ def _drafter_to_train(
     elif cfg.init_from is not None:
         drafter = load_drafter(cfg.init_from)
     else:
+        if wanted.draft_vocab_size is not None:
+            raise ConfigError(
+                f"drafter.draft_vocab_size = {wanted.draft_vocab_size}: a draft vocabulary is built from data — "
+                f"make the drafter with `dflashkit init-drafter OUT draft_vocab_size={wanted.draft_vocab_size} "
+                f"--draft-vocab-from TOKENS` and train it with init_from=OUT"
+            )
         torch.manual_seed(cfg.seed)
         drafter = DFlashDrafter(wanted)
     check_drafter_fits(drafter.config, target, source="drafter")

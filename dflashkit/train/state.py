@@ -30,8 +30,9 @@ from safetensors import SafetensorError
 
 from dflashkit.drafter.checkpoint import save_drafter
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.errors import CheckpointError
+from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.io_utils import atomic_write_text, write_failure
+from dflashkit.validation import load_yaml
 
 STATE_NAME = "train_state.pt"
 CONFIG_YAML = "train_config.yaml"
@@ -206,7 +207,12 @@ def load_saved_config(path: str | Path) -> dict[str, Any]:
     f = Path(path) / CONFIG_YAML
     if not f.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_YAML}; cannot check that the resumed run matches")
-    return yaml.safe_load(f.read_text()) or {}
+    try:
+        return load_yaml(f)[0]  # the one YAML door: a damaged file is named with its line, never a parser traceback
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{e}; the checkpoint's training config is damaged (restore it, or resume from an earlier checkpoint)"
+        ) from None
 
 
 __all__ = [

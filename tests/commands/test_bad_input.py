@@ -226,7 +226,7 @@ def test_same_size_damage_caught_by_checksum_and_header(captured, target):
     head = out / "shard-00000.safetensors"  # garbage header, size unchanged
     head.write_bytes(b"\xff" * 8 + files[head.name][8:])
     ds = CapturedFeatures(out)
-    with pytest.raises(DataError, match=r"shard file shard-00000.safetensors is damaged .*rerun `dflashkit capture`"):
+    with pytest.raises(DataError, match=r"shard-00000.safetensors is not a readable safetensors file .*rerun `dflas"):
         ds[0]
     assert any(
         "shard-00000.safetensors is listed as done but is not a readable safetensors file" in x

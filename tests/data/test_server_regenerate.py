@@ -15,7 +15,7 @@ import pytest
 
 from dflashkit.data.conversations import Conversation, encode_prompt
 from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
-from dflashkit.data.server_client import ServerError, ServerPool
+from dflashkit.data.server_client import ServerError, ServerPool, ServerTimeouts
 from dflashkit.target.model import TargetText
 from tests.helpers.fake_server import FakeServer
 
@@ -39,7 +39,8 @@ def _convs(n: int = len(QUESTIONS)) -> list[Conversation]:
 
 
 def _pool(*urls: str, retries: int = 4) -> ServerPool:
-    return ServerPool(list(urls), retries=retries, backoff_s=0.01, sleep=lambda s: None, timeout_s=60)
+    timeouts = ServerTimeouts(first_byte_s=60, total_s=60)
+    return ServerPool(list(urls), retries=retries, backoff_s=0.01, sleep=lambda s: None, timeouts=timeouts)
 
 
 def _strip(records: list[dict]) -> dict[str, dict]:

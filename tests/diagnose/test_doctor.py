@@ -165,7 +165,8 @@ def test_features_from_wrong_layers(tmp_path, target):
     )
     assert any(
         x.startswith(
-            f"FAIL features: {feats} was captured from layers [0, 2, 4, 6, 7]; the checkpoint reads [1, 2, 3, 4, 5]"
+            f"FAIL features: capture dir {feats} was made with target_layer_ids [0, 2, 4, 6, 7] but the drafter "
+            f"needs [1, 2, 3, 4, 5] (layers [1, 3, 5] were not captured)"
         )
         for x in lines(report)
     )

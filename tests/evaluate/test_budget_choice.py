@@ -173,8 +173,8 @@ def test_evaluate_with_ddtree_auto(llama, tmp_path, monkeypatch):
 
 
 def _record(budgets, kw):
-    if kw["method"] == "tree":
-        budgets.append(kw["tree_budget"])
+    if kw["settings"].method == "tree":
+        budgets.append(kw["settings"].tree_budget)
 
 
 def test_ddtree_auto_is_parsed_and_refused_where_nothing_is_timed(llama, tmp_path):

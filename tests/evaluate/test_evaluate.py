@@ -58,7 +58,7 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
     }
     calls = []
     real_generate = ev.generate
-    monkeypatch.setattr(ev, "generate", lambda *a, **k: calls.append(k["method"]) or real_generate(*a, **k))
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: calls.append(k["settings"].method) or real_generate(*a, **k))
     monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")  # no products timed: the warm-up is one short run per method
     doc = evaluate(
         llama,
@@ -203,7 +203,7 @@ def test_divergence_is_reported_in_results(llama, tmp_path, monkeypatch):
 
     def broken(*a, **k):
         res = real_generate(*a, **k)
-        if k["method"] == "chain" and len(res.tokens) > 3:
+        if k["settings"].method == "chain" and len(res.tokens) > 3:
             res.tokens[3] = (res.tokens[3] + 1) % 97
         return res
 

@@ -185,7 +185,11 @@ def test_deepspec_export_is_what_its_model_runs_and_imports_back_exactly(tmp_pat
 
     with pytest.raises(CheckpointError, match="draft vocabulary of 20 ids"):
         convert(
-            write_checkpoint(tmp_path / "v", small_config(kind="dspark", draft_vocab_size=20)),
+            write_checkpoint(
+                tmp_path / "v",
+                small_config(kind="dspark", draft_vocab_size=20),
+                edit=lambda sd: sd["draft_to_target"].copy_(torch.arange(20)),  # a map of 20 distinct ids
+            ),
             tmp_path / "x",
             to="deepspec",
             target=target,

@@ -51,8 +51,8 @@ def test_the_counting_convention_on_known_rounds(monkeypatch):
     from dflashkit.decode import generate as gen_module
     from dflashkit.decode.generate import GenerationResult
 
-    def fake(target, prompt, *, drafter, method, max_new_tokens):
-        assert method == "chain" and max_new_tokens == 10 + 4  # a block past the end
+    def fake(target, prompt, *, drafter, settings):
+        assert settings.method == "chain" and settings.max_new_tokens == 10 + 4  # a block past the end
         return GenerationResult(len(prompt), list(range(100, 100 + 14)), [4, 1, 2, 4, 3])
 
     monkeypatch.setattr(gen_module, "generate", fake)

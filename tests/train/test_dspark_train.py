@@ -184,18 +184,28 @@ def test_a_bf16_target_trains_dspark_with_a_draft_vocabulary(tmp_path: Path, tin
     """A bf16 target (CUDA's default) with float32 features, on both paths to the target's distribution (the
     log-sum-exp cache with draft-id logits, and the full logits): no dtype clash in the head, the loss falls."""
     target16 = Target.load(tiny_llama_dir, dtype="bf16")
+    from dflashkit.data.draft_vocab import frequent_tokens
+    from dflashkit.drafter.checkpoint import save_drafter
+
     for name, drafter in (("reduced", dict(DRAFTER, draft_vocab_size=40)), ("full", dict(DRAFTER))):
         cfg = default_drafter_config(target16, **drafter)
-        feats = tmp_path / f"feats-{name}"
+        feats, samples = tmp_path / f"feats-{name}", make_samples()
         capture(
             target16,
-            make_samples(),
+            samples,
             feats,
             progress=False,
             log=None,
             settings=CaptureSettings(layer_ids=capture_layer_ids(cfg)),
         )
+        init = None
+        if cfg.draft_vocab_size:  # a draft vocabulary is built from data
+            torch.manual_seed(0)
+            fresh = DFlashDrafter(cfg)
+            fresh.draft_to_target.copy_(frequent_tokens(samples, vocab_size=cfg.vocab_size, size=40)[0])
+            init = str(save_drafter(fresh, tmp_path / f"init-{name}"))
         kw = dict(drafter=drafter, features=str(feats), target=str(tiny_llama_dir), val_samples=0, eval_every=0)
+        kw["init_from"] = init
         result = train(cfg_for(tmp_path / name, **kw, max_steps=6, save_every=0), target=target16)
         losses = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["split"] == "train"]
         assert result.step == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
