@@ -115,7 +115,7 @@ def _load_drafters(specs: dict[str, str], device: str) -> dict[str, Any]:
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from dflashkit.decode.sampling import SamplingParams
+    from dflashkit.sampling import SamplingParams
 
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

@@ -12,9 +12,9 @@ One round (batch 1):
              (chain) or compacted to the accepted path (tree). Hybrid targets (Gated DeltaNet layers): chain
              verification restores their recurrent states and re-runs only the accepted tokens; tree verification
              gives every node the recurrent state of its own path and commits the accepted node's (hybrid_tree.py).
-DSpark drafters (`drafter.is_dspark`): every slot drafts (bs drafts per round, slot k the token at start+k+1),
-left to right through the Markov head (dspark_draft.py); optionally cut where the confidence head's predicted
-prefix acceptance falls below `confidence_min`.
+The drafter's head (`dflashkit.drafter.heads`) makes a round's drafts: DFlash's argmax (or samples) of slots
+1…bs−1; DSpark's every slot, left to right through its Markov head, optionally cut where its confidence head's
+predicted prefix acceptance falls below `confidence_min`; and it says how a DDTree node ranks its children.
 The acceptance length L = accepted + 1 counts the bonus token. `method="ar"` (or no drafter) runs plain
 autoregressive decoding through the same loop: verify one token, commit it.
 Decoding policy (block size, tree budget, sampling) is a `DecodeSettings` argument, never model state.
@@ -33,12 +33,12 @@ import torch
 from torch import Tensor
 
 from dflashkit.cpu_products import stock_products
-from dflashkit.decode.dspark_draft import draft_dspark, dspark_conditional
 from dflashkit.decode.hybrid_tree import resolve_mode, verify_tree
-from dflashkit.decode.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
+from dflashkit.drafter.heads import DraftRound
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DFlashError
+from dflashkit.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
 from dflashkit.target import cache as tc
 from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
@@ -144,8 +144,8 @@ def generate(
         confidence_min=s.confidence_min,
     )
     use_drafter = bs > 1
-    dspark = use_drafter and drafter.is_dspark
-    slots = bs if dspark else bs - 1  # drafts a round can propose
+    head = drafter.head if use_drafter else None
+    slots = head.drafts_per_round(bs) if use_drafter else 0  # drafts a round can propose
     tree_mode = resolve_mode(target, s.hybrid_tree) if s.method == "tree" and target.is_hybrid else None
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
     gen = torch.Generator(device=target.device).manual_seed(s.seed) if s.seed is not None else None
@@ -180,11 +180,11 @@ def generate(
         if n_verify > 0:
             one_off = stock_products() if dcache.length == 0 else nullcontext()  # first round: the prompt's width
             with clock("draft"), one_off:  # always the full block (see the module docstring); only n_verify are used
-                a = (target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify, s.sampling)
-                a += (s.draft_sampling, gen)
-                drafts, draft_q, draft_logits = (
-                    draft_dspark(*a, confidence_min=s.confidence_min) if dspark else _draft(*a)
-                )
+                r = DraftRound(
+                    target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify,
+                    s.sampling, s.draft_sampling, gen, s.confidence_min,
+                )  # fmt: skip
+                drafts, draft_q, draft_logits = head.draft_round(r)
         if s.method == "tree" and drafts is not None:
             committed, next_token, feats = _verify_tree(
                 target,
@@ -263,8 +263,8 @@ def _checked_block_size(
         raise GenerationError(f"method {method!r} needs a drafter")
     if method == "tree" and not sampling.greedy:
         raise GenerationError("tree verification supports greedy decoding only (temperature 0)")
-    if confidence_min is not None and not (drafter is not None and drafter.is_dspark and method == "chain"):
-        raise GenerationError("confidence_min needs a DSpark drafter (its confidence head) and method 'chain'")
+    if confidence_min is not None and not (drafter is not None and drafter.head.confidence_gate and method == "chain"):
+        raise GenerationError("confidence_min needs a drafter with a confidence head (DSpark) and method 'chain'")
     if confidence_min is not None and not 0.0 <= confidence_min <= 1.0:
         raise GenerationError(f"confidence_min = {confidence_min!r}: expected a probability from 0 to 1")
     if method == "ar":
@@ -274,37 +274,6 @@ def _checked_block_size(
     check_drafter_fits(drafter.config, target)
     bs = block_size or drafter.config.block_size
     return bs if bs >= 2 else 1
-
-
-def _draft(
-    target: Target,
-    drafter: DFlashDrafter,
-    dcache: DrafterCache,
-    bonus: int,
-    new_ctx: Tensor,
-    new_pos: Tensor,
-    start: int,
-    bs: int,
-    n_verify: int,
-    sampling: SamplingParams,
-    draft_sampling: bool,
-    gen: torch.Generator | None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """One drafter pass over [bonus, MASK × (bs − 1)]: (drafts (nv,) as target ids, draft distribution q over the
-    target vocabulary when drafts are sampled (else None), draft logits (nv, V'))."""
-    embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, bs)
-    hidden = drafter(
-        new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(start, start + bs)[None], cache=dcache
-    )  # (1, bs, H)
-    draft_logits = drafter.logits(hidden[0, 1 : n_verify + 1], target.lm_head_weight).float()  # (nv, V')
-    if sampling.greedy or not draft_sampling:
-        return drafter.to_target_ids(draft_logits.argmax(-1)), None, draft_logits
-    draft_q = probs(draft_logits, sampling)
-    drafts = drafter.to_target_ids(sample(draft_q, gen))
-    if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
-        full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
-        draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
-    return drafts, draft_q, draft_logits
 
 
 def _commit(
@@ -412,7 +381,7 @@ def _verify_tree(
     Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
     with clock("tree_build"):
         logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
-        conditional = dspark_conditional(draft_logits, drafter) if drafter.is_dspark else None
+        conditional = drafter.head.tree_conditional(drafter, draft_logits)
         tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine, conditional=conditional)
         if drafter.config.draft_vocab_size is not None:
             tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])

@@ -36,7 +36,6 @@ from dflashkit.cpu_products import stock_products
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.decode.generate import DecodeSettings, GenerationResult, generate
 from dflashkit.decode.hybrid_tree import resolve_mode
-from dflashkit.decode.sampling import GREEDY, SamplingParams
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
@@ -56,6 +55,7 @@ from dflashkit.evaluate.triage import default_triage_threshold, triage_divergenc
 from dflashkit.evaluate.warm_up import settle
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
+from dflashkit.sampling import GREEDY, SamplingParams
 from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
 

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.decode.dspark_draft import dspark_conditional
 from dflashkit.decode.tree import build_tree
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DataError
@@ -56,7 +55,7 @@ def _tree_length(
     top_k: int | None,
     force_spine: bool,
 ) -> int:
-    conditional = dspark_conditional(draft_logits, drafter) if drafter.is_dspark else None
+    conditional = drafter.head.tree_conditional(drafter, draft_logits)
     tree = build_tree(
         torch.log_softmax(draft_logits, dim=-1),
         root,
@@ -114,10 +113,7 @@ def replay(
         if method.kind == "tree":
             L = _tree_length(draft_logits, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine)
         else:
-            if drafter.is_dspark:
-                drafts = drafter.greedy_markov(draft_logits, ids[s])[0]
-            else:
-                drafts = drafter.to_target_ids(draft_logits.argmax(-1)).tolist()
+            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s])[0]
             acc = 0
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1

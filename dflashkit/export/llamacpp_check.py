@@ -49,8 +49,7 @@ def reference_drafts(
             )  # (1, block, H)
             first = drafter.first_draft_slot()
             logits = drafter.logits(h[0, first : first + len(r.draft)], target.lm_head_weight).float()  # (n, V')
-            if drafter.is_dspark:  # the Markov head's greedy chain, as llama.cpp's graph runs it
-                logits = drafter.greedy_markov(logits, seq[pos0])[1]
+            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0])[1]  # as llama.cpp's graph runs it
             top = logits.topk(2, dim=-1)
             out.append(
                 (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())
@@ -89,7 +88,7 @@ def llamacpp_side(
         n_max=slots,
         n_predict=max_new_tokens,
         verbose=True,
-        spec_type="draft-dspark" if drafter.is_dspark else "draft-dflash",
+        spec_type=drafter.head.llamacpp_spec_type,
     )
     theirs = {"tokens": run.generated_ids[:max_new_tokens], "drafts": 0, "accepted_per_pos": [0] * slots}
     ours = {"drafts": 0, "accepted_per_pos": [0] * slots}

@@ -11,9 +11,9 @@ import torch
 
 from dflashkit.decode import generate as decode_mod
 from dflashkit.decode.generate import DecodeSettings, GenerationError, generate
-from dflashkit.decode.sampling import SamplingParams, probs
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.sampling import SamplingParams, probs
 from dflashkit.target.model import Target
 from helpers.oracles import reference_greedy
 
@@ -105,14 +105,16 @@ def test_oracle_rounds_propose_bs_drafts(target: Target) -> None:
 def test_drafts_are_the_markov_heads_left_to_right_argmax(target: Target, monkeypatch) -> None:
     drafter = random_dspark(dspark_config(bs=5), seed=3)
     seen = []
-    real = decode_mod.draft_dspark
+    from dflashkit.drafter.heads import dspark_draft
+
+    real = dspark_draft.draft_dspark
 
     def spy(*args, **kw):
         out = real(*args, **kw)
         seen.append((args[3], out))  # (bonus, (drafts, q, logits))
         return out
 
-    monkeypatch.setattr(decode_mod, "draft_dspark", spy)
+    monkeypatch.setattr(dspark_draft, "draft_dspark", spy)
     generate(target, torch.tensor([3, 4, 5, 6]), drafter=drafter, settings=DecodeSettings(max_new_tokens=12))
     assert seen
     for bonus, (drafts, q, base) in seen:

@@ -9,9 +9,9 @@ import torch
 
 from dflashkit.decode import generate as decode_mod
 from dflashkit.decode.generate import DecodeSettings, generate
-from dflashkit.decode.sampling import SamplingParams, probs
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.sampling import SamplingParams, probs
 from dflashkit.target.model import Target
 from helpers.oracles import reference_greedy
 

@@ -12,13 +12,13 @@ import torch
 import dflashkit.evaluate.evaluate as ev
 import dflashkit.evaluate.warm_up as warm_up
 from dflashkit.decode.generate import DecodeSettings, generate
-from dflashkit.decode.sampling import SamplingParams
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError, TargetError
 from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_methods, prompts_for, read_prompts
 from dflashkit.evaluate.triage import first_divergence, logit_margin, triage_divergence
+from dflashkit.sampling import SamplingParams
 from dflashkit.target.model import Target
 from helpers.oracles import drafter_config, make_prompts, oracle_for
 

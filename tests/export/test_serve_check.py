@@ -10,6 +10,7 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.decode.generate import DecodeSettings, generate
+from dflashkit.drafter.heads import HEADS
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.export import serve_check as sc
 from dflashkit.export.serve_check import EngineComparison, PromptCounts, ServeCheckReport, compare, dflashkit_counts
@@ -130,7 +131,7 @@ def test_llamacpp_rounds_are_counted_on_both_sides_with_ties_named(monkeypatch):
 
     class Drafter:
         config = Cfg()
-        is_dspark = False
+        head = HEADS["dflash"]
 
         def first_draft_slot(self) -> int:
             return 1

@@ -5,6 +5,7 @@
 
   base.py     `Head`: the interface, with the DFlash backbone's own behaviour as its defaults (the DFlash head)
   dspark.py   `DSparkHead`: every slot drafts; a Markov head and a confidence head (DeepSpec's DSpark)
+  dspark_draft.py  its decoding round (the Markov head left to right) and its DDTree children's distribution
 
 A new head: a module here with a `Head` subclass, and one entry in HEADS.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflashkit.drafter.heads.base import Head
+from dflashkit.drafter.heads.base import DraftRound, Head
 from dflashkit.drafter.heads.dspark import DSparkHead
 
 HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead())}
@@ -31,4 +32,4 @@ def kind_fields() -> dict[str, str]:
     return {name: head.kind for head in HEADS.values() for name in head.fields}
 
 
-__all__ = ["HEADS", "KINDS", "Head", "head_of", "kind_fields"]
+__all__ = ["HEADS", "KINDS", "DraftRound", "Head", "head_of", "kind_fields"]

@@ -16,13 +16,46 @@ its kind:
     head.training_needs_target      whether a training run keeps the target loaded (offline features included)
     head.train_checks(train_cfg)    training options this head cannot take, refused by name
     head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
+    head.draft_round(r)             one decoding round's drafts, their distribution q (T > 0) and logits (`DraftRound`)
+    head.tree_conditional(d, z)     how a DDTree node ranks its children (None: the per-depth marginals)
+    head.greedy_drafts(d, z, prev)  greedy drafts from a block's logits (and the logits they were picked from)
+    head.teacher_forced_logits(d, z, prevs)   slot logits given the true previous tokens (doctor, references)
+    head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
+    head.llamacpp_spec_type         llama.cpp's --spec-type for this kind
 
 A new head subclasses `Head`, overrides what differs, and is added to the registry in `__init__.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from dflashkit.sampling import SamplingParams, probs, sample
+
+
+@dataclass
+class DraftRound:
+    """What one decoding round's drafting reads: the models, the drafter's cache and the new context (the features
+    of the tokens committed last round at their positions), the bonus token at `start`, the block size, how many
+    drafts can still be committed, and how drafts are chosen."""
+
+    target: Any
+    drafter: Any
+    cache: Any  # DrafterCache: context K/V only
+    bonus: int
+    new_ctx: Tensor | None  # (1, n, K·H)
+    new_pos: Tensor | None  # (1, n)
+    start: int
+    block_size: int
+    n_verify: int
+    sampling: SamplingParams
+    draft_sampling: bool
+    generator: torch.Generator | None
+    confidence_min: float | None = None
 
 
 class Head:
@@ -36,6 +69,8 @@ class Head:
     first_draft_slot: ClassVar[int] = 1
     reads_final_layer: ClassVar[bool] = False
     training_needs_target: ClassVar[bool] = False
+    confidence_gate: ClassVar[bool] = False
+    llamacpp_spec_type: ClassVar[str] = "draft-dflash"
 
     def drafts_per_round(self, block_size: int) -> int:
         """Drafts one block proposes: the slots after the first draft slot."""
@@ -70,5 +105,34 @@ class Head:
     def reset(self, drafter: Any, std: float) -> None:
         """Initialise this head's parameters (called by the drafter's `reset_parameters`)."""
 
+    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor]:
+        """One drafter pass over [bonus, MASK × (bs − 1)]: (drafts (nv,) as target ids, draft distribution q over the
+        target vocabulary when drafts are sampled (else None), draft logits (nv, V'))."""
+        drafter, target = r.drafter, r.target
+        embeds = drafter.block_embeddings(torch.tensor([[r.bonus]]), target.embed_weight, r.block_size)
+        positions = torch.arange(r.start, r.start + r.block_size)[None]
+        hidden = drafter(r.new_ctx, embeds, context_positions=r.new_pos, block_positions=positions, cache=r.cache)
+        draft_logits = drafter.logits(hidden[0, 1 : r.n_verify + 1], target.lm_head_weight).float()  # (nv, V')
+        if r.sampling.greedy or not r.draft_sampling:
+            return drafter.to_target_ids(draft_logits.argmax(-1)), None, draft_logits
+        draft_q = probs(draft_logits, r.sampling)
+        drafts = drafter.to_target_ids(sample(draft_q, r.generator))
+        if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
+            full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
+            draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
+        return drafts, draft_q, draft_logits
 
-__all__ = ["Head"]
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor) -> Any:
+        """A node's children ranked by a distribution given its own token (None: DDTree's per-depth marginals)."""
+        return None
+
+    def greedy_drafts(self, drafter: Any, draft_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
+        """(greedy drafts as target ids, the logits (n, V') they are the argmax of) from a block's draft logits."""
+        return drafter.to_target_ids(draft_logits.argmax(-1)).tolist(), draft_logits
+
+    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor) -> Tensor:
+        """Slot logits (n, V') when slot j's previous token is `prev_tokens[j]` (a transcript's own)."""
+        return draft_logits
+
+
+__all__ = ["DraftRound", "Head"]

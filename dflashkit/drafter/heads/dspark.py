@@ -2,14 +2,16 @@
 low-rank Markov head on the previous token, and a confidence head estimating acceptance.
 
 Its network is in `dflashkit.drafter.dspark_heads`, its loss in `dflashkit.train.dspark_loss`, its drafting round in
-`dflashkit.decode.dspark_draft`; this module is what the stages ask about it.
+`dflashkit.drafter.heads.dspark_draft`; this module is what the stages ask about it.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from dflashkit.drafter.heads.base import Head
+from torch import Tensor
+
+from dflashkit.drafter.heads.base import DraftRound, Head
 from dflashkit.errors import ConfigError
 
 LOSS_WEIGHTS = ("dspark_ce_weight", "dspark_l1_weight", "dspark_confidence_weight")
@@ -26,6 +28,8 @@ class DSparkHead(Head):
     first_draft_slot: ClassVar[int] = 0
     reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
     training_needs_target: ClassVar[bool] = True  # the target's LM head forms that distribution every step
+    confidence_gate: ClassVar[bool] = True  # its confidence head predicts each slot's acceptance
+    llamacpp_spec_type: ClassVar[str] = "draft-dspark"
 
     def extra_parameters(self, cfg: Any) -> int:
         """Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)."""
@@ -72,6 +76,27 @@ class DSparkHead(Head):
 
     def reset(self, drafter: Any, std: float) -> None:
         drafter.markov_head.reset_parameters(std)
+
+    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The backbone pass, then the Markov head left to right (dspark_draft.py); every slot drafts."""
+        from dflashkit.drafter.heads.dspark_draft import draft_dspark
+
+        args = (r.target, r.drafter, r.cache, r.bonus, r.new_ctx, r.new_pos, r.start, r.block_size, r.n_verify)
+        return draft_dspark(*args, r.sampling, r.draft_sampling, r.generator, confidence_min=r.confidence_min)
+
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor) -> Any:
+        """Children ranked by the Markov-corrected distribution given the node's own token."""
+        from dflashkit.drafter.heads.dspark_draft import dspark_conditional
+
+        return dspark_conditional(draft_logits, drafter)
+
+    def greedy_drafts(self, drafter: Any, draft_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
+        """The Markov head's greedy chain over the block (as llama.cpp's graph runs it)."""
+        return drafter.greedy_markov(draft_logits, first_prev)
+
+    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor) -> Tensor:
+        """Slot j corrected by the Markov bias of the true token before it."""
+        return draft_logits + drafter.markov_head.bias(prev_tokens).float()
 
 
 __all__ = ["LOSS_WEIGHTS", "DSparkHead"]

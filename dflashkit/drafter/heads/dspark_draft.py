@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dflashkit.decode.sampling import SamplingParams, probs, sample
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
+from dflashkit.sampling import SamplingParams, probs, sample
 
 
 def draft_dspark(
