@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.drafter.capture_needs import capture_target_lse
+from dflashkit.drafter.heads import head_of
 from dflashkit.drafter.model import to_additive
 from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
@@ -108,7 +109,7 @@ def prepare_inputs(
     )
     prev = final = None
     feats = rows.features.to(device, non_blocking=True)  # (B, T, K·H) (DSpark: + the final layer's H)
-    if getattr(drafter_config, "kind", "dflash") == "dspark":
+    if head_of(drafter_config).reads_previous_token:  # every slot drafts the token after the one before it
         lab, prev = dspark_labels(blocks, rows, labels)  # (B, Nb, bs) each
         h, width = drafter_config.hidden_size, drafter_config.num_features * drafter_config.hidden_size
         last = drafter_config.num_target_layers - 1  # the target's final layer: read last, or one of the drafter's

@@ -12,6 +12,7 @@ its kind:
     head.drafts_per_round(bs)       drafts one block proposes
     head.metric_slots(bs)           entries of the per-slot training metrics
     head.reads_final_layer          whether training reads the target's final-layer output (its distribution)
+    head.reads_previous_token       whether a slot's logits depend on the token before it (training feeds it)
     head.reads_target_lse(cfg, t)   whether training reads the log-sum-exp of the target's logits
     head.training_needs_target      whether a training run keeps the target loaded (offline features included)
     head.train_checks(train_cfg)    training options this head cannot take, refused by name
@@ -70,6 +71,7 @@ class Head:
     reads_final_layer: ClassVar[bool] = False
     training_needs_target: ClassVar[bool] = False
     confidence_gate: ClassVar[bool] = False
+    reads_previous_token: ClassVar[bool] = False  # a slot's logits depend on the token before it (a Markov head)
     llamacpp_spec_type: ClassVar[str] = "draft-dflash"
 
     def drafts_per_round(self, block_size: int) -> int:

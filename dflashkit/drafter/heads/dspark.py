@@ -29,6 +29,7 @@ class DSparkHead(Head):
     reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
     training_needs_target: ClassVar[bool] = True  # the target's LM head forms that distribution every step
     confidence_gate: ClassVar[bool] = True  # its confidence head predicts each slot's acceptance
+    reads_previous_token: ClassVar[bool] = True  # the Markov head's bias
     llamacpp_spec_type: ClassVar[str] = "draft-dspark"
 
     def extra_parameters(self, cfg: Any) -> int:
