@@ -279,7 +279,7 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         "original_samples_kept": _keep_base_original(data / "tokens.jsonl", base),
     }
     t0 = time.monotonic()
-    stage_capture(target, layer_ids, out, s.capture_topk, s.is_dspark)
+    stage_capture(target, layer_ids, out, s.capture_topk, s.head.reads_target_lse(s.draft_vocab or None, target))
     info["capture_minutes"] = round((time.monotonic() - t0) / 60, 2)
     return info
 

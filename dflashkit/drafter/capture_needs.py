@@ -27,7 +27,7 @@ def capture_layer_ids(cfg: DrafterConfig) -> list[int]:
 def capture_target_lse(cfg: DrafterConfig, target: Any) -> bool:
     """Whether training this drafter reads the log-sum-exp of the target's logits: DSpark with a draft vocabulary,
     on a target whose logits are final_norm(h) · Wᵀ (`Target.plain_head`: a subset of them is a subset of W's rows)."""
-    return head_of(cfg).reads_target_lse(cfg, target)
+    return head_of(cfg).reads_target_lse(cfg.draft_vocab_size, target)
 
 
 __all__ = ["capture_layer_ids", "capture_target_lse"]

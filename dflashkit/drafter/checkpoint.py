@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import head_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.io_utils import atomic_path
@@ -90,7 +91,7 @@ IMPORT_HINT = (
 def target_copies(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     """The target tables a DeepSpec DSpark checkpoint carries: (vocab_size, hidden_size) tensors named as in
     TARGET_COPIES, in a DSpark checkpoint without a vocabulary map (the serving layout's lm_head rows are not)."""
-    if cfg.kind != "dspark" or "d2t" in tensors:
+    if not head_of(cfg).carries_target_tables or "d2t" in tensors:
         return {}
     want = (cfg.vocab_size, cfg.hidden_size)
     return {k: tensors[k] for k in TARGET_COPIES if k in tensors and tuple(tensors[k].shape) == want}
@@ -98,7 +99,8 @@ def target_copies(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[
 
 def deepspec_hint(unexpected: list[str], cfg: DrafterConfig) -> str | None:
     """How to import a DSpark checkpoint whose only unexpected tensors are the target tables DeepSpec saves."""
-    return IMPORT_HINT if unexpected and cfg.kind == "dspark" and set(unexpected) <= set(TARGET_COPIES) else None
+    copies = head_of(cfg).carries_target_tables and set(unexpected) <= set(TARGET_COPIES)
+    return IMPORT_HINT if unexpected and copies else None
 
 
 def from_serving_layout(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 from dflashkit.drafter.config_fields import check_zlab_field_types
-from dflashkit.drafter.heads import KINDS, head_of, kind_fields
+from dflashkit.drafter.heads import KINDS, head_of, kind_fields, kind_of_config
 from dflashkit.errors import ConfigError
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.validation import (
@@ -369,10 +369,8 @@ class DrafterConfig:
 
         rope = raw.get("rope_parameters") or {}
         num_layers = int(pick("num_hidden_layers"))
-        archs = raw.get("architectures") or []
-        is_dspark = raw.get("markov_rank") is not None or any("DSpark" in str(a) for a in archs)
-        if is_dspark:
-            check_dspark_fields(raw, source)
+        kind = kind_of_config(raw)
+        head_fields = head_of(kind).fields_from_zlab(raw, source)
         target_layer_ids = pick("target_layer_ids", None)
         if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
             if pick("num_target_layers", None) is None:
@@ -415,9 +413,8 @@ class DrafterConfig:
                 attention_bias=bool(pick("attention_bias", False)),
                 draft_vocab_size=dflash.get("draft_vocab_size"),
                 extra=dict(dflash.get("dflashkit") or {}),
-                kind="dspark" if is_dspark else "dflash",
-                markov_rank=int(raw.get("markov_rank") or 256),
-                confidence_head=bool(raw.get("enable_confidence_head", True)) if is_dspark else True,
+                kind=kind,
+                **head_fields,
             )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: malformed field value ({e})") from None
@@ -471,35 +468,6 @@ def check_declared_values(raw: dict[str, Any], dflash: dict[str, Any], source: s
             why = problem(types[name], value)
             if why:
                 raise ConfigError(f"{source}: field '{prefix}{name}' = {show(value)}: {why}")
-
-
-def check_dspark_fields(raw: dict[str, Any], source: str) -> None:
-    """A DSpark config dflashkit can run: a vanilla Markov head of rank ≥ 1, every slot drafting, the confidence
-    head (if any) reading [hidden; W1[previous token]] — the layout DeepSpec trains and llama.cpp runs."""
-    other = [a for a in raw.get("architectures") or [] if a in ("DSparkDraftModel", "DSparkV41DraftModel")]
-    if other:
-        raise ConfigError(
-            f"{source}: architectures {other} is DeepSeek-V4's DSpark backbone (MLA + MoE stages); dflashkit runs "
-            f"the Qwen3-style DFlash backbone (Qwen3DSparkModel)"
-        )
-    if not raw.get("markov_rank"):
-        raise ConfigError(f"{source}: a DSpark drafter needs 'markov_rank' ≥ 1 (the Markov head's rank)")
-    kind = raw.get("markov_head_type", "vanilla")
-    if kind != "vanilla":
-        raise ConfigError(
-            f"{source}: markov_head_type {kind!r} is not supported; dflashkit runs the 'vanilla' Markov head "
-            f"(logits + W2·W1[previous token])"
-        )
-    if raw.get("sample_from_anchor", True) is not True:
-        raise ConfigError(
-            f"{source}: sample_from_anchor false (a bonus-anchor block, EAGLE-3 style) is not supported; dflashkit's "
-            f"DSpark drafts from every slot"
-        )
-    if raw.get("enable_confidence_head") and raw.get("confidence_head_with_markov", True) is not True:
-        raise ConfigError(
-            f"{source}: confidence_head_with_markov false is not supported (the confidence head reads "
-            f"[hidden; W1[previous token]])"
-        )
 
 
 if __name__ == "__main__":

@@ -296,11 +296,6 @@ class DFlashDrafter(nn.Module):
         """The drafter's head (`dflashkit.drafter.heads`): what the stages ask about its kind."""
         return head_of(self.config)
 
-    @property
-    def is_dspark(self) -> bool:
-        """Every slot drafts (slot k: the token after slot k − 1's), with the Markov head's correction."""
-        return self.config.kind == "dspark"
-
     def first_draft_slot(self) -> int:
         """The block slot of the first draft: 0 when every slot drafts (DSpark), 1 when slot 0 holds the given
         token (DFlash)."""

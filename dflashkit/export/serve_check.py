@@ -267,11 +267,8 @@ def serve_check(
         raise DFlashError(f"unknown engine(s) {unknown}; expected one of {', '.join(ENGINES)}")
     drafter = load_any_drafter(drafter_dir, target=target, device=target.device).eval()
     bs = drafter.config.block_size
-    if drafter.is_dspark and "vllm" in engines:
-        raise EngineUnavailable(
-            "vLLM runs DSpark drafters only in its GPU model runner (v1/worker/gpu/spec_decode/dspark); the vLLM "
-            "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
-        )
+    if drafter.head.vllm_cpu_problem and "vllm" in engines:
+        raise EngineUnavailable(drafter.head.vllm_cpu_problem)
     ours = [
         dflashkit_counts(target, drafter, p, max_new_tokens)
         for p in tqdm(prompts, desc="dflashkit chain", disable=not progress, file=sys.stderr)

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from dflashkit.drafter.checkpoint import CONFIG_NAME, drafter_state_dict
-from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig, check_dspark_fields
+from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
+from dflashkit.drafter.heads import head_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.export.serving import serving_tensors
@@ -218,7 +219,7 @@ def _dspark_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
             f"DSpark needs markov_rank ≥ 1"
         )
     try:
-        check_dspark_fields({"sample_from_anchor": True, **raw}, source)
+        head_of("dspark").fields_from_zlab({"sample_from_anchor": True, **raw}, source)  # the variants it can run
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     return {

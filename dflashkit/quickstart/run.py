@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any
 
+from dflashkit.drafter.heads import head_of
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
 from dflashkit.quickstart.evaluation import stage_budget, stage_eval
@@ -44,11 +45,6 @@ from dflashkit.validation import (
     choice,
     json_problem,
 )
-
-# A DSpark drafter at the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1
-# (docs/studies.md, "DSpark CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults.
-DSPARK_DRAFTER_PRESET: dict[str, Any] = {"markov_rank": 64}
-DSPARK_TRAIN_PRESET: dict[str, Any] = {"dspark_ce_weight": 1.0}
 
 
 @dataclass
@@ -105,18 +101,19 @@ class QuickstartSettings:
         parse_methods(self.methods)
 
     @property
-    def is_dspark(self) -> bool:
-        return self.drafter_extra.get("kind") == "dspark"
+    def head(self) -> Any:
+        """The head of the drafter this run trains (`--drafter kind=…`; DFlash's by default)."""
+        return head_of(self.drafter_extra.get("kind", "dflash"))
 
     def train_settings(self) -> dict[str, Any]:
-        """The TrainConfig overrides of this run: `train_overrides` over the DSpark preset (for a DSpark drafter)."""
-        return {**(DSPARK_TRAIN_PRESET if self.is_dspark else {}), **self.train_overrides}
+        """The TrainConfig overrides of this run: `train_overrides` over the head's quickstart preset."""
+        return {**self.head.quickstart_train, **self.train_overrides}
 
     def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
         """The DrafterConfig overrides of this run (for `default_drafter_config`). With `warm_start` they include
         the target's layer geometry (`warm_start_overrides`), so `target` must be given."""
         overrides = {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size}
-        overrides |= {**(DSPARK_DRAFTER_PRESET if self.is_dspark else {}), **self.drafter_extra}
+        overrides |= {**self.head.quickstart_drafter, **self.drafter_extra}
         if not self.warm_start:
             return overrides
         if target is None:
@@ -199,7 +196,12 @@ def stage_rates(target: Any, s: QuickstartSettings, layer_ids: list[int]) -> dic
     server = s.regen_server == "auto" and server_built()
     _say(f"rates: measuring regeneration at batch {', '.join(map(str, batches))}{' and through llama-server' * server}")
     rates = measure_rates(
-        target, prompts, batches=batches, default_batch=s.regen_batch or 16, layer_ids=layer_ids, target_lse=s.is_dspark
+        target,
+        prompts,
+        batches=batches,
+        default_batch=s.regen_batch or 16,
+        layer_ids=layer_ids,
+        target_lse=s.head.reads_target_lse(s.draft_vocab or None, target),
     )
     rates["regen_route"] = "in-process"
     if server:
@@ -441,7 +443,8 @@ def _run_stages(
         _save_state(out, state)
     _say(f"prepare: {done['prepare']}")
     if "capture" not in done:
-        done["capture"] = stage_capture(target, layer_ids, out, s.capture_topk, s.is_dspark)
+        lse = s.head.reads_target_lse(s.draft_vocab or None, target)
+        done["capture"] = stage_capture(target, layer_ids, out, s.capture_topk, lse)
         _save_state(out, state)
     if "train" not in done:
         done["train"] = stage_train(target, s, out, s.train_minutes)

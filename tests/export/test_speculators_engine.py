@@ -118,14 +118,14 @@ def test_speculators_own_model_runs_the_export_as_dflashkit_does(name, tmp_path,
         )[0]  # (γ, H)
         logits = drafter.logits(hidden, target.lm_head_weight)  # (γ, V')
         confidence = None
-        if drafter.is_dspark:
+        if drafter.head.kind == "dspark":
             prev = ids[0, p : p + bs]  # teacher-forced previous tokens: the anchor, then the block's true tokens
             logits = logits + drafter.markov_head.bias(prev)
             confidence = drafter.confidence_head(hidden, drafter.markov_head.prev_embeddings(prev))
     logits = logits[:, order.argsort()]  # the export orders draft ids by target id
     inputs = {"ids": ids, "features": out.features, "final": out.final_hidden, "anchor": p}
     theirs = in_speculators("speculators_forward.py", inputs, tmp_path, tmp_path / "spec")
-    assert theirs["kind"] == ("DSparkDraftModel" if drafter.is_dspark else "DFlashDraftModel")
+    assert theirs["kind"] == ("DSparkDraftModel" if drafter.head.kind == "dspark" else "DFlashDraftModel")
     assert theirs["block_positions"].tolist() == list(range(p, p + bs))
     pairs = {"hidden": hidden, "logits": logits, **({"confidence": confidence} if confidence is not None else {})}
     for key, ours in pairs.items():

@@ -27,9 +27,14 @@ def head_of(config_or_kind: Any) -> Head:
     return HEADS[kind]
 
 
+def kind_of_config(raw: dict[str, Any]) -> str:
+    """The kind a config.json (z-lab layout) describes: the first head besides DFlash's that recognises it."""
+    return next((h.kind for h in HEADS.values() if h.kind != "dflash" and h.recognises(raw)), "dflash")
+
+
 def kind_fields() -> dict[str, str]:
     """Config field → the kind whose head reads it (a field given for another kind is refused by name)."""
     return {name: head.kind for head in HEADS.values() for name in head.fields}
 
 
-__all__ = ["HEADS", "KINDS", "DraftRound", "Head", "head_of", "kind_fields"]
+__all__ = ["HEADS", "KINDS", "DraftRound", "Head", "head_of", "kind_fields", "kind_of_config"]

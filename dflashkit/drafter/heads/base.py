@@ -6,14 +6,15 @@ its kind:
 
     head.fields                     config fields only this kind reads (refused for other kinds by name)
     head.train_fields               training options only this kind's objective reads (likewise)
-    head.architectures              the `architectures` entry of its z-lab config.json; `zlab_fields(cfg)` the rest
+    head.architectures              the `architectures` entry of its z-lab config.json; `zlab_fields(cfg)` the rest,
+                                    `recognises(raw)` / `fields_from_zlab(raw, source)` read them back
     head.extra_parameters(cfg)      parameters it adds to the backbone's
     head.first_draft_slot           block slot of the first draft (DFlash 1: slot 0 holds the given token)
     head.drafts_per_round(bs)       drafts one block proposes
     head.metric_slots(bs)           entries of the per-slot training metrics
     head.reads_final_layer          whether training reads the target's final-layer output (its distribution)
     head.reads_previous_token       whether a slot's logits depend on the token before it (training feeds it)
-    head.reads_target_lse(cfg, t)   whether training reads the log-sum-exp of the target's logits
+    head.reads_target_lse(v, t)     whether training reads the log-sum-exp of the target's logits
     head.training_needs_target      whether a training run keeps the target loaded (offline features included)
     head.train_checks(train_cfg)    training options this head cannot take, refused by name
     head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
@@ -73,6 +74,10 @@ class Head:
     confidence_gate: ClassVar[bool] = False
     reads_previous_token: ClassVar[bool] = False  # a slot's logits depend on the token before it (a Markov head)
     llamacpp_spec_type: ClassVar[str] = "draft-dflash"
+    carries_target_tables: ClassVar[bool] = False  # its trainer saves copies of the target's embeddings / LM head
+    quickstart_drafter: ClassVar[dict[str, Any]] = {}  # drafter fields the quickstart's budget takes for this kind
+    quickstart_train: ClassVar[dict[str, Any]] = {}  # training options likewise
+    vllm_cpu_problem: ClassVar[str | None] = None  # why vLLM's CPU build cannot run this kind (None: it can)
 
     def drafts_per_round(self, block_size: int) -> int:
         """Drafts one block proposes: the slots after the first draft slot."""
@@ -90,11 +95,19 @@ class Head:
         """Parameters this head adds to the backbone's (from the config alone)."""
         return 0
 
+    def recognises(self, raw: dict[str, Any]) -> bool:
+        """Whether a config.json (z-lab layout) describes a drafter of this kind."""
+        return any(a in self.architectures for a in raw.get("architectures") or [])
+
+    def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """This head's `DrafterConfig` fields from a config.json of its kind (refusing variants it cannot run)."""
+        return {}
+
     def zlab_fields(self, cfg: Any) -> dict[str, Any]:
         """Top-level config.json fields this head writes (as the engines that run it read them)."""
         return {}
 
-    def reads_target_lse(self, cfg: Any, target: Any) -> bool:
+    def reads_target_lse(self, draft_vocab_size: int | None, target: Any) -> bool:
         """Whether training reads the log-sum-exp of the target's logits per position (stored at capture)."""
         return False
 

@@ -31,6 +31,51 @@ class DSparkHead(Head):
     confidence_gate: ClassVar[bool] = True  # its confidence head predicts each slot's acceptance
     reads_previous_token: ClassVar[bool] = True  # the Markov head's bias
     llamacpp_spec_type: ClassVar[str] = "draft-dspark"
+    carries_target_tables: ClassVar[bool] = True  # DeepSpec saves frozen copies of the embeddings and LM head
+    # the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1 (docs/studies.md,
+    # "DSpark CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults
+    quickstart_drafter: ClassVar[dict[str, Any]] = {"markov_rank": 64}
+    quickstart_train: ClassVar[dict[str, Any]] = {"dspark_ce_weight": 1.0}
+    vllm_cpu_problem: ClassVar[str | None] = (
+        "vLLM runs DSpark drafters only in its GPU model runner (v1/worker/gpu/spec_decode/dspark); the vLLM "
+        "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
+    )
+
+    def recognises(self, raw: dict[str, Any]) -> bool:
+        """DeepSpec's and llama.cpp's DSpark configs: a `markov_rank`, or a DSpark architecture."""
+        return raw.get("markov_rank") is not None or any("DSpark" in str(a) for a in raw.get("architectures") or [])
+
+    def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """A DSpark config dflashkit can run: a vanilla Markov head of rank ≥ 1, every slot drafting, the confidence
+        head (if any) reading [hidden; W1[previous token]] — the layout DeepSpec trains and llama.cpp runs."""
+        other = [a for a in raw.get("architectures") or [] if a in ("DSparkDraftModel", "DSparkV41DraftModel")]
+        if other:
+            raise ConfigError(
+                f"{source}: architectures {other} is DeepSeek-V4's DSpark backbone (MLA + MoE stages); dflashkit "
+                f"runs the Qwen3-style DFlash backbone (Qwen3DSparkModel)"
+            )
+        if not raw.get("markov_rank"):
+            raise ConfigError(f"{source}: a DSpark drafter needs 'markov_rank' ≥ 1 (the Markov head's rank)")
+        kind = raw.get("markov_head_type", "vanilla")
+        if kind != "vanilla":
+            raise ConfigError(
+                f"{source}: markov_head_type {kind!r} is not supported; dflashkit runs the 'vanilla' Markov head "
+                f"(logits + W2·W1[previous token])"
+            )
+        if raw.get("sample_from_anchor", True) is not True:
+            raise ConfigError(
+                f"{source}: sample_from_anchor false (a bonus-anchor block, EAGLE-3 style) is not supported; "
+                f"dflashkit's DSpark drafts from every slot"
+            )
+        if raw.get("enable_confidence_head") and raw.get("confidence_head_with_markov", True) is not True:
+            raise ConfigError(
+                f"{source}: confidence_head_with_markov false is not supported (the confidence head reads "
+                f"[hidden; W1[previous token]])"
+            )
+        return {
+            "markov_rank": int(raw.get("markov_rank") or 256),
+            "confidence_head": bool(raw.get("enable_confidence_head", True)),
+        }
 
     def extra_parameters(self, cfg: Any) -> int:
         """Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)."""
@@ -50,10 +95,10 @@ class DSparkHead(Head):
             "mask_token_id": cfg.mask_token_id,
         }
 
-    def reads_target_lse(self, cfg: Any, target: Any) -> bool:
+    def reads_target_lse(self, draft_vocab_size: int | None, target: Any) -> bool:
         """With a draft vocabulary on a target whose logits are final_norm(h) · Wᵀ (`Target.plain_head`), its loss
         forms the draft ids' logits only and reads the log-sum-exp over the whole vocabulary from the capture."""
-        return bool(cfg.draft_vocab_size) and bool(getattr(target, "plain_head", False))
+        return bool(draft_vocab_size) and bool(getattr(target, "plain_head", False))
 
     def train_checks(self, train_cfg: Any) -> None:
         for name, value, ok, why in (

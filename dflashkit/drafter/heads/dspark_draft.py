@@ -16,18 +16,18 @@ distribution (tree.build_tree); verification is the ordinary, exact tree verific
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.sampling import SamplingParams, probs, sample
 
 
 def draft_dspark(
     target: object,
-    drafter: DFlashDrafter,
-    dcache: DrafterCache,
+    drafter: Any,  # DFlashDrafter (drafter.model, which builds its heads from this package)
+    dcache: Any,  # DrafterCache
     bonus: int,
     new_ctx: Tensor,
     new_pos: Tensor,
@@ -75,7 +75,7 @@ def draft_dspark(
     return torch.tensor(drafts, dtype=torch.long), draft_q, base
 
 
-def dspark_conditional(base_logits: Tensor, drafter: DFlashDrafter) -> Callable[[int, int, int], Tensor]:
+def dspark_conditional(base_logits: Tensor, drafter: Any) -> Callable[[int, int, int], Tensor]:
     """For `build_tree(conditional=…)`: (depth d, parent node, parent token) → log-softmax(base_d + W2·W1[prev]) (V'),
     prev = the parent's target id (node 0 holds the bonus, a target id; the others hold draft ids)."""
     head = drafter.markov_head
