@@ -28,6 +28,7 @@ import torch
 
 from dflashkit.drafter.checkpoint import target_copies
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import head_of
 from dflashkit.errors import CheckpointError, ConfigError
 
 DEEPSPEC_FORMAT = "deepspec"
@@ -37,11 +38,8 @@ NUM_ANCHORS = 512  # DeepSpec's constructor requires the field; it only sizes tr
 def deepspec_problems(cfg: DrafterConfig) -> list[str]:
     """Why a drafter cannot be written in DeepSpec's layout exactly (empty: it can)."""
     problems = []
-    if cfg.kind != "dspark":
-        problems.append(
-            "a DFlash drafter (slot 0 is the anchor): DeepSpec's Qwen3DSparkModel drafts from every slot — export it "
-            "with --to vllm or --to zlab"
-        )
+    if head_of(cfg).deepspec_problem:
+        problems.append(head_of(cfg).deepspec_problem)
     if cfg.draft_vocab_size is not None:
         problems.append(
             f"a draft vocabulary of {cfg.draft_vocab_size} ids: DeepSpec drafts over the whole vocabulary, so the "

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import head_of
 from dflashkit.errors import CheckpointError, ConfigError, TargetError
 from dflashkit.export.convert import ConversionReport, check_output, load_any
 
@@ -117,9 +118,8 @@ def gguf_target_layers(cfg: DrafterConfig) -> list[int]:
 
 def spec_flags(cfg: DrafterConfig) -> str:
     """The llama.cpp flags that run this drafter as dflashkit does."""
-    if cfg.kind == "dspark":
-        return f"--spec-type draft-dspark --spec-draft-n-max {cfg.block_size}"
-    return f"--spec-type draft-dflash --spec-draft-n-max {cfg.block_size - 1}"
+    head = head_of(cfg)
+    return f"--spec-type {head.llamacpp_spec_type} --spec-draft-n-max {head.drafts_per_round(cfg.block_size)}"
 
 
 def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None) -> list[str]:
@@ -433,8 +433,8 @@ def export_gguf(
         f"tokenizer copied from {tgt.path.name} ({tgt.vocab_size} tokens); mask_token_id "
         f"{cfg.mask_token_id}; block_size {cfg.block_size}: run with {spec_flags(cfg)} for dflashkit's drafts"
     )
-    kind = "DSpark" if cfg.kind == "dspark" else "DFlash"
-    _write(out, cfg, tgt, exp, outtype=outtype, name=f"{Path(src).name} {kind} drafter", source_format=fmt)
+    name = f"{Path(src).name} {head_of(cfg).title} drafter"
+    _write(out, cfg, tgt, exp, outtype=outtype, name=name, source_format=fmt)
     notes.append(f"{_mb(os.path.getsize(out))} written, drafter matrices {outtype}")
     return ConversionReport(str(src), fmt, str(out), "gguf", notes)
 

@@ -31,6 +31,7 @@ import torch
 
 from dflashkit.drafter.checkpoint import CONFIG_NAME, MASK_FILE, WEIGHTS_NAME
 from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
+from dflashkit.drafter.heads import head_of
 from dflashkit.errors import CheckpointError
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
@@ -116,16 +117,8 @@ def write_serving(
         save_file(st, str(tmp), metadata={"format": "pt"})
     atomic_write_text(out / CONFIG_NAME, json.dumps(serving_config(cfg), indent=2, sort_keys=True) + "\n")
     mask_file = out / MASK_FILE
-    if cfg.kind == "dspark":
-        notes.append(
-            "DSpark: vLLM runs it with method 'dspark' in its GPU model runner only (Qwen3DSparkModel)"
-            + (
-                "; its DSpark model ignores a learned mask embedding (mask_embedding.pt too) and would run another "
-                "drafter — llama.cpp runs this one (--to gguf, --spec-type draft-dspark)"
-                if cfg.learned_mask_embedding
-                else ""
-            )
-        )
+    note = head_of(cfg).serving_note(cfg)
+    notes += [note] if note else []
     if cfg.learned_mask_embedding:
         write_mask_file(out, cfg, tensors)
         notes.append(

@@ -78,6 +78,16 @@ class Head:
     quickstart_drafter: ClassVar[dict[str, Any]] = {}  # drafter fields the quickstart's budget takes for this kind
     quickstart_train: ClassVar[dict[str, Any]] = {}  # training options likewise
     vllm_cpu_problem: ClassVar[str | None] = None  # why vLLM's CPU build cannot run this kind (None: it can)
+    title: ClassVar[str] = "DFlash"  # the kind as users read it
+    # why DeepSpec's Qwen3DSparkModel cannot run this kind (None: it can)
+    deepspec_problem: ClassVar[str | None] = (
+        "a DFlash drafter (slot 0 is the anchor): DeepSpec's Qwen3DSparkModel drafts from every slot — export it "
+        "with --to vllm or --to zlab"
+    )
+
+    def serving_note(self, cfg: Any) -> str | None:
+        """What a user must know about vLLM running this drafter's serving layout (None: nothing)."""
+        return None
 
     def drafts_per_round(self, block_size: int) -> int:
         """Drafts one block proposes: the slots after the first draft slot."""

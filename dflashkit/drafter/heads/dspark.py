@@ -36,10 +36,20 @@ class DSparkHead(Head):
     # "DSpark CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults
     quickstart_drafter: ClassVar[dict[str, Any]] = {"markov_rank": 64}
     quickstart_train: ClassVar[dict[str, Any]] = {"dspark_ce_weight": 1.0}
+    title: ClassVar[str] = "DSpark"
+    deepspec_problem: ClassVar[str | None] = None
     vllm_cpu_problem: ClassVar[str | None] = (
         "vLLM runs DSpark drafters only in its GPU model runner (v1/worker/gpu/spec_decode/dspark); the vLLM "
         "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
     )
+
+    def serving_note(self, cfg: Any) -> str | None:
+        return "DSpark: vLLM runs it with method 'dspark' in its GPU model runner only (Qwen3DSparkModel)" + (
+            "; its DSpark model ignores a learned mask embedding (mask_embedding.pt too) and would run another "
+            "drafter — llama.cpp runs this one (--to gguf, --spec-type draft-dspark)"
+            if cfg.learned_mask_embedding
+            else ""
+        )
 
     def recognises(self, raw: dict[str, Any]) -> bool:
         """DeepSpec's and llama.cpp's DSpark configs: a `markov_rank`, or a DSpark architecture."""
