@@ -174,3 +174,37 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     src = tmp_path / "m.py"
     src.write_text('"""x"""\ndef f():\n    from dflashkit.train import loop\n    import dflashkit.decode.tree\n')
     assert {"train.loop", "decode.tree"} <= _imports("data.m", src)
+
+
+def _kind_branches(path: Path) -> list[str]:
+    """Comparisons in `path` of a kind (a name or attribute `kind`) with a drafter kind's name."""
+    from dflashkit.drafter.heads import KINDS
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in KINDS]
+        kind = any(
+            (isinstance(n, ast.Name) and "kind" in n.id) or (isinstance(n, ast.Attribute) and n.attr == "kind")
+            for s in sides
+            for n in ast.walk(s)
+        )
+        if names and kind:
+            found.append(f"{path.name}:{node.lineno} compares with {names[0]!r}")
+    return found
+
+
+def test_no_stage_branches_on_a_drafter_kind():
+    """Drafter kinds are heads behind one interface (dflashkit/drafter/heads): outside the heads, nothing compares a
+    kind with a kind's name — a stage asks the head instead."""
+    heads = PACKAGE / "drafter" / "heads"
+    branches = [b for p in sorted(PACKAGE.rglob("*.py")) if heads not in p.parents for b in _kind_branches(p)]
+    assert not branches, "\n".join(branches)
+
+
+def test_the_kind_branch_checker_sees_a_branch(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('if cfg.kind == "dspark":\n    pass\nif raw.get("projector_type") != "dflash":\n    pass\n')
+    assert _kind_branches(src) == ["m.py:1 compares with 'dspark'"]

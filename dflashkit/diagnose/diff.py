@@ -156,7 +156,7 @@ def _field_lines(fa: dict[str, Any], fb: dict[str, Any], same: list[str]) -> lis
     out = []
     words = {
         "kind": "drafter kind (dflash: bs − 1 drafts a round; dspark: bs, with a Markov head)",
-        "dspark": "DSpark heads",
+        "heads": "the head's own parts (DSpark: Markov and confidence heads)",
         "hidden_size": "hidden size",
         "vocab_size": "vocabulary",
         "num_target_layers": "target depth",

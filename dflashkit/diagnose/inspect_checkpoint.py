@@ -27,6 +27,7 @@ from safetensors import safe_open
 from dflashkit.drafter import checkpoint as checkpoint_files
 from dflashkit.drafter.checkpoint import CONFIG_NAME, INDEX_NAME, SERVING_ONLY, WEIGHTS_NAME, drafter_state_dict
 from dflashkit.drafter.config import DrafterConfig, stores_target_layer_ids
+from dflashkit.drafter.heads import head_of, kind_of_config
 from dflashkit.errors import CheckpointError, ConfigError
 
 STATUSES = ("OK", "WARN", "FAIL")
@@ -237,21 +238,16 @@ def _facts(report: CheckpointReport) -> None:
         facts[name] = src.get(name)
     facts["rope_theta"] = cfg.rope_theta if cfg else (raw or {}).get("rope_theta")
     facts["block_size"] = cfg.block_size if cfg else _raw_field(raw, "block_size")
-    facts["kind"] = cfg.kind if cfg else ("dspark" if (raw or {}).get("markov_rank") else "dflash")
-    w1 = report.tensors.get("markov_head.markov_w1.weight")
-    facts["dspark"] = (
-        {
-            "markov_rank": w1["shape"][1] if w1 else (cfg.markov_rank if cfg else None),
-            "confidence_head": "confidence_head.proj.weight" in report.tensors,
-        }
-        if facts["kind"] == "dspark"
-        else None
-    )
+    facts["kind"] = cfg.kind if cfg else kind_of_config(raw or {})
+    facts["heads"] = head_of(facts["kind"]).inspect_facts(report.tensors, cfg)  # the head's own tensors
     facts["is_causal"] = cfg.is_causal if cfg else (raw or {}).get("is_causal")
     facts["draft_vocab_size"] = cfg.draft_vocab_size if cfg else _raw_field(raw, "draft_vocab_size")
     # DeepSpec's layout (convert --to deepspec) keeps a learned mask in its row of the embed_tokens copy
     in_row = bool(
-        cfg and cfg.learned_mask_embedding and facts["kind"] == "dspark" and "embed_tokens.weight" in report.tensors
+        cfg
+        and cfg.learned_mask_embedding
+        and head_of(cfg).carries_target_tables
+        and "embed_tokens.weight" in report.tensors
     )
     learned = "mask_embedding" in report.tensors or in_row
     facts["mask"] = {
@@ -464,12 +460,8 @@ def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> Checkp
 
 
 def _kind_line(f: dict) -> str:
-    """DSpark's extras on the block-size line: every slot drafts, the Markov head's rank, the confidence head."""
-    d, bs = f.get("dspark"), f["block_size"]
-    if f.get("kind") == "dspark" and d:
-        conf = "a" if d["confidence_head"] else "no"
-        return f" (DSpark: {bs} drafts a round; Markov head rank {d['markov_rank']}, {conf} confidence head)"
-    return f" (DFlash: {bs - 1} drafts a round)" if isinstance(bs, int) else ""
+    """The kind's words on the block-size line: drafts a round, and its head's own parts (`Head.describe`)."""
+    return head_of(f.get("kind") or "dflash").describe(f, f["block_size"])
 
 
 def render_report(report: CheckpointReport) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from dflashkit.drafter.checkpoint import MASK_FILE
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import head_of
 from dflashkit.export.gguf_export import export_problems
 from dflashkit.export.serving import mixed_layers, vllm_model_problems
 
@@ -60,7 +61,7 @@ def engine_verdicts(
     """One verdict per engine for a drafter directory holding `files` (names) with tensor `keys` and config
     `raw` (its config.json as read)."""
     raw = raw or {}
-    if cfg.kind == "dspark":
+    if head_of(cfg).vllm_cpu_problem:  # a kind vLLM runs in its GPU model runner only (DSpark)
         return _dspark_verdicts(cfg, keys, raw)
     out: list[EngineVerdict] = []
     layout = _vllm_layout_problems(cfg, keys, raw)

@@ -82,8 +82,6 @@ GLOBAL_TENSORS = {
     "confidence_head.proj.weight": "conf_proj.weight",
     "confidence_head.proj.bias": "conf_proj.bias",
 }
-SAMPLE_FROM_ANCHOR_KEY = "{arch}.sample_from_anchor"
-HAS_CONFIDENCE_KEY = "{arch}.has_confidence_head"
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -381,9 +379,8 @@ def _write(
         for k, v, vtype, sub in target.tokenizer_fields:
             w.add_key_value(k, v, vtype, sub_type=sub)
         w.add_uint32(MASK_KEY, cfg.mask_token_id)
-        if cfg.kind == "dspark":
-            w.add_bool(SAMPLE_FROM_ANCHOR_KEY.format(arch=ARCH), True)
-            w.add_bool(HAS_CONFIDENCE_KEY.format(arch=ARCH), bool(cfg.confidence_head))
+        for name, value in head_of(cfg).gguf_flags(cfg).items():  # DSpark: sample_from_anchor, has_confidence_head
+            w.add_bool(f"{ARCH}.{name}", value)
         # provenance (llama.cpp ignores unknown keys)
         w.add_string("dflashkit.mask", "learned" if cfg.learned_mask_embedding else "token_row")
         w.add_array("dflashkit.target_layer_ids", list(cfg.target_layer_ids))

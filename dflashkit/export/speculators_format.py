@@ -37,7 +37,7 @@ import torch
 from dflashkit.drafter.checkpoint import CONFIG_NAME, drafter_state_dict
 from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
-from dflashkit.drafter.heads import head_of
+from dflashkit.drafter.heads import KINDS, head_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.export.serving import serving_tensors
@@ -94,11 +94,9 @@ def config_from_speculators(
         return CheckpointError(f"{source}: {msg}")
 
     kind = raw.get("speculators_model_type", "dflash")
-    if kind not in ("dflash", "dspark"):
-        raise refuse(
-            f"speculators_model_type {kind!r} is not a DFlash or DSpark drafter (expected 'dflash' or 'dspark')"
-        )
-    dspark = _dspark_fields(raw, source) if kind == "dspark" else {}
+    if kind not in KINDS:
+        raise refuse(f"speculators_model_type {kind!r} is not a drafter kind dflashkit runs (expected one of {KINDS})")
+    dspark = _dspark_fields(raw, source) if head_of(kind).reads_previous_token else {}
     if raw.get("projector_type", "dflash") != "dflash":
         raise refuse(
             f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
@@ -109,7 +107,7 @@ def config_from_speculators(
             "shift_label: true — this drafter was trained to predict the token one position later than "
             "DFlash's slot k → token a+k; it would draft shifted tokens (docs/troubleshooting.md#pitfall-label-shift)"
         )
-    if kind == "dflash" and raw.get("sample_from_anchor"):
+    if head_of(kind).first_draft_slot == 1 and raw.get("sample_from_anchor"):
         raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0")
     tl = raw.get(SPECULATORS_NESTED)
     if not isinstance(tl, dict):
@@ -253,7 +251,7 @@ def config_to_speculators(cfg: DrafterConfig, verifier: str | None = None) -> di
     """A speculators-style DFlash or DSpark config.json for `cfg` (plus a `dflashkit` block so the round trip is
     exact). `verifier`: the target's HF directory or id, where speculators' loader takes the embeddings (and the LM
     head of a full vocabulary) from — without it speculators' model keeps them uninitialised."""
-    dspark = cfg.kind == "dspark"
+    head = head_of(cfg)
     tl = {
         "model_type": "qwen3",
         **{f: getattr(cfg, f) for f in TRANSFORMER_FIELDS},
@@ -261,16 +259,10 @@ def config_to_speculators(cfg: DrafterConfig, verifier: str | None = None) -> di
         # Qwen3Config drops sliding_window unless use_sliding_window is true: the sliding layers would see everything
         "use_sliding_window": SLIDING_ATTENTION in cfg.layer_types,
     }
-    heads = {
-        "markov_rank": cfg.markov_rank,
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": cfg.confidence_head,
-        "confidence_head_with_markov": cfg.confidence_head,
-    }
     return {
-        "architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+        "architectures": [head.speculators_architecture],
         "speculators_model_type": cfg.kind,
-        **(heads if dspark else {}),
+        **head.speculators_fields(cfg),
         SPECULATORS_NESTED: tl,
         "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
         "block_size": cfg.block_size,
@@ -280,13 +272,13 @@ def config_to_speculators(cfg: DrafterConfig, verifier: str | None = None) -> di
         "sliding_window_non_causal": cfg.is_causal is False and SLIDING_ATTENTION in cfg.layer_types,
         "projector_type": "dflash",
         "shift_label": False,
-        "sample_from_anchor": dspark,  # DSpark: every slot drafts
+        "sample_from_anchor": head.first_draft_slot == 0,  # every slot drafts (DSpark)
         "num_target_layers": cfg.num_target_layers,
         "speculators_config": {
             "algorithm": cfg.kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": cfg.block_size if dspark else cfg.block_size - 1}
+                {"proposal_type": "greedy", "speculative_tokens": head.drafts_per_round(cfg.block_size)}
             ],
             "verifier": {
                 "name_or_path": verifier,

@@ -85,6 +85,24 @@ class Head:
         "with --to vllm or --to zlab"
     )
 
+    speculators_architecture: ClassVar[str] = "DFlashSpeculator"
+
+    def speculators_fields(self, cfg: Any) -> dict[str, Any]:
+        """Top-level fields of its speculators config.json beyond the backbone's."""
+        return {}
+
+    def gguf_flags(self, cfg: Any) -> dict[str, bool]:
+        """Boolean GGUF keys (`dflash.NAME`) llama.cpp reads for this kind."""
+        return {}
+
+    def describe(self, facts: dict[str, Any], block_size: Any) -> str:
+        """`inspect`'s words for this kind: how many drafts a round, and its own parts."""
+        return f" ({self.title}: {block_size - 1} drafts a round)" if isinstance(block_size, int) else ""
+
+    def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
+        """What `inspect` reports of this head's own tensors (None: nothing)."""
+        return None
+
     def serving_note(self, cfg: Any) -> str | None:
         """What a user must know about vLLM running this drafter's serving layout (None: nothing)."""
         return None

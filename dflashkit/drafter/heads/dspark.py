@@ -43,6 +43,33 @@ class DSparkHead(Head):
         "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
     )
 
+    speculators_architecture: ClassVar[str] = "DSparkSpeculator"
+
+    def speculators_fields(self, cfg: Any) -> dict[str, Any]:
+        return {
+            "markov_rank": cfg.markov_rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": cfg.confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head,
+        }
+
+    def gguf_flags(self, cfg: Any) -> dict[str, bool]:
+        return {"sample_from_anchor": True, "has_confidence_head": bool(cfg.confidence_head)}
+
+    def describe(self, facts: dict[str, Any], block_size: Any) -> str:
+        d = facts.get("heads")
+        if not d:
+            return super().describe(facts, block_size)
+        conf = "a" if d["confidence_head"] else "no"
+        return f" (DSpark: {block_size} drafts a round; Markov head rank {d['markov_rank']}, {conf} confidence head)"
+
+    def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
+        w1 = tensors.get("markov_head.markov_w1.weight")
+        return {
+            "markov_rank": w1["shape"][1] if w1 else (cfg.markov_rank if cfg else None),
+            "confidence_head": "confidence_head.proj.weight" in tensors,
+        }
+
     def serving_note(self, cfg: Any) -> str | None:
         return "DSpark: vLLM runs it with method 'dspark' in its GPU model runner only (Qwen3DSparkModel)" + (
             "; its DSpark model ignores a learned mask embedding (mask_embedding.pt too) and would run another "
