@@ -77,6 +77,7 @@ RESUME_LOCKED = (
     "fsdp",
     "topk",
     "topk_ce_weight",
+    "lk_eta",
     "dspark_ce_weight",
     "dspark_l1_weight",
     "dspark_confidence_weight",
@@ -108,12 +109,14 @@ class TrainConfig:
     grad_accum: PositiveInt = 1  # micro-batches per optimizer step
     max_anchors: PositiveInt = 512  # blocks per document, resampled every epoch
     # ---- objective
-    # "ce" hard labels, "kl" to the target's final-layer distribution (runs the target every step), "topk" KL to
-    # its stored top-k log-probs (`dflashkit capture --topk K`), renormalised over the k entries
-    loss: choice("ce", "kl", "topk") = "ce"
+    # "ce" hard labels; against the target's final-layer distribution (runs the target every step): "kl", "tv"
+    # (total variation, 1 − acceptance rate), "nla" (−log acceptance rate), "lk_hybrid" (λ·KL + (1 − λ)·TV,
+    # λ = exp(−lk_eta·acceptance)); "topk" KL to its stored top-k log-probs (`dflashkit capture --topk K`)
+    loss: choice("ce", "kl", "topk", "tv", "nla", "lk_hybrid") = "ce"
     # loss: topk — entries used per position: None = all captured ones (online: DEFAULT_ONLINE_TOPK)
     topk: optional(PositiveInt, "all captured") = None
     topk_ce_weight: UnitInterval = 0.0  # loss: topk — α in (1 − α)·KL_topk + α·CE(hard label)
+    lk_eta: PositiveFloat = 3.0  # loss: lk_hybrid — η in λ = exp(−η·acceptance): larger turns to TV sooner
     labels: choice("data", "target") = "data"  # "data" tokens, or "target" = the target's final-layer argmax
     # slot weights: "decay" exp(−(k−1)/γ) (original DFlash) or "dpace" (D-PACE: from the drafter's own confidence,
     # per block; loss: ce only)
@@ -233,6 +236,13 @@ class TrainConfig:
                         getattr(self, name),
                         f"unset: it only applies to loss: topk (loss is {self.loss!r})",
                     )
+        if self.loss != "lk_hybrid" and self.lk_eta != 3.0:
+            raise fail(
+                where("lk_eta"),
+                "lk_eta",
+                self.lk_eta,
+                f"unset: it only applies to loss: lk_hybrid (loss is {self.loss!r})",
+            )
         if self.position_weights == "dpace":
             if self.loss != "ce":
                 raise fail(

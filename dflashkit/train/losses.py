@@ -5,9 +5,9 @@ token and has weight 0. The loss is
 
     loss = Σ_{valid slots} w_k · ℓ_slot / Σ_{valid slots} w_k          (or / `normalizer` when given)
 
-with ℓ = cross-entropy against the label (kind="ce"), KL(p_target ‖ p_draft) against the target's own
-final-layer distribution (kind="kl"), or (kind="topk") a KL to the target's stored top-k distribution mixed with
-the hard-label CE:
+with ℓ = cross-entropy against the label (kind="ce"), a divergence from the target's own final-layer distribution
+(kind="kl": KL(p_target ‖ p_draft); "tv", "nla", "lk_hybrid": the acceptance-rate losses, see DISTRIBUTION_KINDS),
+or (kind="topk") a KL to the target's stored top-k distribution mixed with the hard-label CE:
 
     ℓ = (1 − α)·KL(q_k ‖ p_draft) + α·CE(label),    α = `ce_weight`,
     q_k = the k stored entries renormalised over themselves: q_j = exp(lp_j) / Σ_i exp(lp_i) over the kept
@@ -51,6 +51,14 @@ _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
 _CHUNK_LOGITS = 1 << 26
 
 TargetLogits = Tensor | Callable[[int, int], Tensor]
+# Objectives against the target's full distribution p at each slot (q: the drafter's), per slot:
+#   kl         KL(p ‖ q)
+#   tv         1 − α = ½‖p − q‖₁,  α = Σ_v min(p_v, q_v): the acceptance rate of speculative sampling
+#   nla        −log α (floored at NLA_EPS): TV's target with a gradient 1/α larger while α is small
+#   lk_hybrid  λ·KL(p ‖ q) + (1 − λ)·TV,  λ = exp(−η·α) with α not differentiated (η = `lk_eta`)
+# (the total variation, negative log-acceptance and hybrid LK losses of vllm-project/speculators)
+DISTRIBUTION_KINDS = ("kl", "tv", "nla", "lk_hybrid")
+NLA_EPS = 1e-5
 
 
 def default_gamma(block_size: int) -> float:
@@ -153,11 +161,12 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         soft: tuple[Tensor, Tensor] | None = None,
         alpha: float = 0.0,
         reweight: Callable[[Tensor], Tensor] | None = None,
+        divergence: tuple[str, float] = ("kl", 0.0),
     ):
         # hidden: (M, H) with M = N·bs; weight: (V, H); labels, row_w: (M,)
         # soft: sparse target (ids (M, k) long ≥ 0, probs (M, k); rows sum to 1, or to 0: hard label only)
         run = dict(hidden=hidden, weight=weight, labels=labels, target=target, bs=bs, chunk_rows=chunk_rows)
-        run.update(soft=soft, alpha=alpha)
+        run.update(soft=soft, alpha=alpha, divergence=divergence)
         if reweight is None:
             total, _, preds, gh, gw = _chunked_pass(row_w=row_w, need_gh=need_gh, need_gw=need_gw, **run)
         elif need_gw:
@@ -181,7 +190,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         d_h = gh * grad_total.to(gh.dtype) if gh is not None else None
         d_w = (gw * grad_total).to(ctx.weight_dtype) if gw is not None else None
-        return d_h, d_w, None, None, None, None, None, None, None, None, None, None
+        return d_h, d_w, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _chunked_pass(
@@ -197,6 +206,7 @@ def _chunked_pass(
     need_gw: bool,
     soft: tuple[Tensor, Tensor] | None,
     alpha: float,
+    divergence: tuple[str, float] = ("kl", 0.0),
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """One pass over the rows in chunks → (Σ row_w·ℓ, per-row ℓ (M,) (0 where row_w is 0), argmax ids (M,),
     d/d hidden (M, H) or None, d/d weight (V, H) or None), the gradients of Σ row_w·ℓ."""
@@ -231,9 +241,9 @@ def _chunked_pass(
         else:
             t = target(start // bs, end // bs) if callable(target) else target[start:end]
             logq = torch.log_softmax(t.reshape(end - start, -1).detach().to(z.device, acc), dim=-1)
-            q = logq.exp()  # (m_c, V)
-            kl = torch.where(q > 0, q * (logq - logp), 0.0).sum(-1)
-            per = torch.where(live, kl, 0.0)
+            q = logq.exp()  # (m_c, V) the target's distribution
+            per, g_div = _divergence(divergence, q, logq, logp)
+            per = torch.where(live, per, 0.0)
         per_rows[start:end] = per
         total += (per * w).sum()
         preds[start:end] = z.argmax(-1)
@@ -245,13 +255,34 @@ def _chunked_pass(
             elif target is None:
                 g[torch.arange(end - start, device=g.device), lab] -= 1.0
             else:
-                g -= q
+                g = g_div
             g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
             if need_gh:
                 gh[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_gw:
                 gw += g.t() @ h.to(acc)
     return total, per_rows, preds, gh, gw
+
+
+def _divergence(divergence: tuple[str, float], p: Tensor, logp: Tensor, logq: Tensor) -> tuple[Tensor, Tensor]:
+    """(per-row loss (m,), its gradient with respect to the draft logits (m, V)) of one objective of
+    DISTRIBUTION_KINDS, from the target's p / log p and the drafter's log q (each (m, V))."""
+    kind, eta = divergence
+    q = logq.exp()  # (m, V)
+    kl = torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)  # (m,)
+    if kind == "kl":
+        return kl, q - p
+    overlap = torch.minimum(p, q).sum(-1)  # α (m,)
+    below = (q < p).to(q.dtype)  # where min(p, q) is q: dα/dq = 1 there
+    d_overlap = q * (below - (below * q).sum(-1, keepdim=True))  # dα/dz = q ⊙ (c − ⟨c, q⟩)  (m, V)
+    tv = 1.0 - overlap
+    if kind == "tv":
+        return tv, -d_overlap
+    if kind == "nla":
+        floor = overlap.clamp_min(NLA_EPS)
+        return -floor.log(), torch.where((overlap > NLA_EPS)[:, None], -d_overlap / floor[:, None], 0.0)
+    lam = torch.exp(-eta * overlap)[:, None]  # (m, 1), α not differentiated
+    return lam[:, 0] * kl + (1 - lam[:, 0]) * tv, lam * (q - p) - (1 - lam) * d_overlap
 
 
 def sparse_topk_target(ids: Tensor, logprobs: Tensor, shape: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
@@ -293,14 +324,16 @@ def block_loss(
     ce_weight: float = 0.0,
     position_weights: str = "decay",
     dpace_alpha: float = 0.5,
+    lk_eta: float = 3.0,
 ) -> LossOutput:
     """Weighted block loss over drafter outputs.
 
     hidden: (N, bs, H) final-normed drafter states (any leading dims (..., bs, H) are flattened to N);
     lm_head_weight: (V, H) (the target's LM head, or the reduced draft head); labels: (N, bs) long, −100 invalid;
     weights: (bs,) slot weights, default `decay_weights(bs)`;
-    kind: "ce" (labels) or "kl" (KL(target ‖ draft); `target_logits` (N, bs, V) or a callable
-        `(row_start, row_end) -> (rows, bs, V)` over the flattened N rows; labels still mark validity/accuracy)
+    kind: "ce" (labels), or one of DISTRIBUTION_KINDS against the target's distribution — "kl" (KL(target ‖ draft)),
+        "tv", "nla", "lk_hybrid" (η = `lk_eta`) — from `target_logits` (N, bs, V) or a callable
+        `(row_start, row_end) -> (rows, bs, V)` over the flattened N rows (labels still mark validity/accuracy)
         or "topk" ((1 − ce_weight)·KL(renormalised top-k ‖ draft) + ce_weight·CE; `topk_ids` (N, bs, k) long in
         [0, V) or −1 (dropped) and `topk_logprobs` (N, bs, k), −inf where dropped; see the module docstring);
     chunk_size: rows (blocks) per chunk; default keeps a chunk's logits under 2^26 elements;
@@ -311,10 +344,10 @@ def block_loss(
         N is the number of valid draft slots Σ m_j — known from the labels before the forward, hence one global
         value across micro-batches and ranks, and a loss scale that does not move with the drafter's confidence.
     """
-    if kind not in ("ce", "kl", "topk"):
-        raise ValueError(f"kind must be 'ce', 'kl' or 'topk', got {kind!r}")
-    if (kind == "kl") != (target_logits is not None):
-        raise ValueError("target_logits is required for kind='kl' and only allowed with it")
+    if kind not in ("ce", "topk", *DISTRIBUTION_KINDS):
+        raise ValueError(f"kind must be 'ce', 'topk' or one of {DISTRIBUTION_KINDS}, got {kind!r}")
+    if (kind in DISTRIBUTION_KINDS) != (target_logits is not None):
+        raise ValueError(f"target_logits is required for kind in {DISTRIBUTION_KINDS} and only allowed with them")
     if (kind == "topk") != (topk_ids is not None and topk_logprobs is not None) or (
         kind != "topk" and (topk_ids is not None or topk_logprobs is not None)
     ):
@@ -394,6 +427,8 @@ def block_loss(
         loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight))
     elif reweight is not None:
         loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, reweight)
+    elif kind in DISTRIBUTION_KINDS:
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, float(lk_eta)))
     else:
         loss, preds = _ChunkedLinearLoss.apply(*args)
     if live_rows is not None:  # rows the head did not run over: slot 0 is the given anchor (counted as right),

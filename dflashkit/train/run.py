@@ -33,7 +33,7 @@ from dflashkit.io_utils import remove_stale_temps
 from dflashkit.target.devices import resolve_device
 from dflashkit.train.distributed import DistContext, drop_reducer, read_env
 from dflashkit.train.dspark_loss import dspark_slot_weights
-from dflashkit.train.losses import decay_weights, draft_slot_weights
+from dflashkit.train.losses import DISTRIBUTION_KINDS, decay_weights, draft_slot_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
 from dflashkit.train.optimizer_choice import choose_adamw_impl, make_adamw
 from dflashkit.train.packing import (
@@ -258,7 +258,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     }
     if dist.is_main:
         _announce(cfg, info, data, state, ckpt)
-    keep_target = cfg.online or cfg.loss == "kl" or head_of(drafter.config).training_needs_target
+    keep_target = cfg.online or cfg.loss in DISTRIBUTION_KINDS or head_of(drafter.config).training_needs_target
     return Run(
         cfg=cfg,
         dist=dist,
@@ -349,10 +349,11 @@ def _drafter_to_train(
         torch.manual_seed(cfg.seed)
         drafter = DFlashDrafter(wanted)
     check_drafter_fits(drafter.config, target, source="drafter")
-    if cfg.loss == "kl" and drafter.config.draft_vocab_size is not None:
+    if cfg.loss in DISTRIBUTION_KINDS and drafter.config.draft_vocab_size is not None:
         raise ConfigError(
-            "loss: kl needs the full vocabulary; this drafter has a reduced draft vocabulary "
-            f"(draft_vocab_size {drafter.config.draft_vocab_size}) — use loss: ce"
+            f"loss: {cfg.loss} compares with the target's whole distribution and needs the full vocabulary; this "
+            f"drafter has a reduced draft vocabulary (draft_vocab_size {drafter.config.draft_vocab_size}) — use "
+            f"loss: ce"
         )
     return drafter, blob, ckpt
 

@@ -23,7 +23,7 @@ from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
-from dflashkit.train.losses import LossOutput, block_loss
+from dflashkit.train.losses import DISTRIBUTION_KINDS, LossOutput, block_loss
 from dflashkit.train.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
 from dflashkit.train.run import Run
 from dflashkit.train.slot_targets import (
@@ -149,7 +149,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     bs = inp.blocks.block_size
     if inp.prev_tokens is not None:
         return _dspark_step_loss(run, inp, rows, hidden, normalizer)
-    target = kl_target_logits(run, rows, inp.blocks) if cfg.loss == "kl" else None
+    target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     soft: dict[str, Any] = {}
     if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
@@ -171,6 +171,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         normalizer=normalizer,
         position_weights=cfg.position_weights,
         dpace_alpha=cfg.dpace_alpha,
+        lk_eta=cfg.lk_eta,
         **soft,
     )
 

@@ -9,6 +9,7 @@ The feature source is built here: a list of Samples whose features come from a t
 from __future__ import annotations
 
 import dataclasses
+import math
 import signal
 from itertools import pairwise
 from pathlib import Path
@@ -238,6 +239,15 @@ def test_target_labels_and_kl_train(tmp_path: Path, target: Target, samples: lis
     r2 = train(cfg_for(tmp_path / "k", loss="kl", labels="target", max_steps=2), dataset=samples, target=target)
     assert r1.step == r2.step == 2
     assert all(0 < r["loss"] < 50 for r in read_metrics(tmp_path / "k" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("loss", ["tv", "nla", "lk_hybrid"])
+def test_acceptance_losses_train(loss: str, tmp_path: Path, target: Target, samples: list[Sample]) -> None:
+    """The acceptance-rate objectives run through a real training step (the target's distribution per slot)."""
+    result = train(cfg_for(tmp_path / loss, loss=loss, labels="target", max_steps=3), dataset=samples, target=target)
+    losses = [r["loss"] for r in read_metrics(tmp_path / loss / "metrics.jsonl") if r["split"] == "train"]
+    bound = 1.0 if loss == "tv" else 50.0  # a TV distance lies in [0, 1]
+    assert result.step == 3 and all(0 <= x <= bound and math.isfinite(x) for x in losses)
 
 
 def test_bf16_autocast_path_runs(tmp_path: Path, target: Target, samples: list[Sample]) -> None:
