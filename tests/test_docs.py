@@ -243,3 +243,28 @@ def test_the_architecture_page_names_every_module_of_the_tree():
         if not re.search(rf"\b{re.escape(path.stem)}\b", tree):
             missing.append(str(rel))
     assert not missing, "docs/architecture.md does not name: " + ", ".join(sorted(set(missing)))
+
+
+def test_every_python_example_compiles_and_calls_decoding_with_its_settings_object():
+    """Python blocks in README and docs are valid Python, and the decoding entry points get their options through
+    their settings objects (a keyword such as `method=` passed to `generate` would be a TypeError)."""
+    import ast
+
+    problems = []
+    settings_only = {"generate": {"drafter", "settings"}, "evaluate": {"out_dir", "settings", "dataset", "skipped"}}
+    for path in DOCS:
+        text = path.read_text()
+        for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
+            where = f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}"
+            try:
+                tree = ast.parse(m.group(1))
+            except SyntaxError as e:
+                problems.append(f"{where}: {e}")
+                continue
+            for node in ast.walk(tree):
+                name = getattr(node.func, "id", None) if isinstance(node, ast.Call) else None
+                if name in settings_only:
+                    extra = {k.arg for k in node.keywords} - settings_only[name] - {None}
+                    if extra:
+                        problems.append(f"{where}: {name}(…, {', '.join(sorted(extra))}=…) — pass them in settings")
+    assert not problems, "\n".join(problems)

@@ -1,5 +1,5 @@
 """Stage `decode`: speculative generation with a drafter — chain and DDTree verification, lossless sampling.
-Imports: `target`, `drafter`.
+Imports: `target`, `drafter` (a round's drafts come from the drafter's head) and the shared `sampling` rules.
 
 Reads: a loaded target and drafter, a prompt's token ids. Writes nothing: `generate` returns the tokens, the
 acceptance length of every round and the time spent per stage.
@@ -9,6 +9,4 @@ Modules and their public functions:
   tree.py         `build_tree` (DDTree best-first over per-depth marginals), `follow_tree`,
                   `tree_attention_bias`, `chain_tree`
   hybrid_tree.py  `verify_tree`: exact DDTree verification on hybrid (Gated DeltaNet) targets, `resolve_mode`
-  sampling.py     `SamplingParams`, `probs`, `accept_argmax_drafts`, `accept_sampled_drafts`
-  dspark_draft.py `draft_dspark` (a DSpark round: backbone + Markov head left to right), `dspark_conditional`
 """

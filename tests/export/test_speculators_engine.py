@@ -172,3 +172,27 @@ def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
     theirs = float(in_speculators("speculators_dpace.py", {**payload, "confidence": confidence}, tmp_path)["loss"])
     # speculators divides by Σm + 1e-5 (the CE) and Σm + 1e-8 (the BCE), Σm = 20 here: a relative 5e-7 apart
     assert abs(float(ours) - theirs) <= 2e-6 * abs(theirs), (float(ours), theirs)
+
+
+@pytest.mark.parametrize("kind", ["tv", "nla", "lk_hybrid"])
+def test_acceptance_losses_equal_speculators_own(kind: str, tmp_path) -> None:
+    """`loss: tv | nla | lk_hybrid` against speculators' eager `tv_loss`, `neg_log_acceptance_loss` and
+    `lk_hybrid_loss` on the same logits: dflashkit's slot-weighted mean equals the same weighting of their
+    per-position values (float32, the precision both train in)."""
+    from dflashkit.train.losses import block_loss, decay_weights
+
+    g = torch.Generator().manual_seed(9)
+    n, bs, h, v = 6, 4, 8, 13
+    hidden = torch.randn(n, bs, h, generator=g)
+    head = torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (n, bs), generator=g)
+    labels[torch.rand(n, bs, generator=g) < 0.2] = -100
+    targets = torch.randn(n, bs, v, generator=g) * 2
+    ours = block_loss(hidden, head, labels, kind=kind, target_logits=targets, lk_eta=2.0).loss
+    logits = (hidden @ head.T).reshape(-1, v)
+    per = in_speculators(
+        "speculators_losses.py", {"logits": logits, "targets": targets.reshape(-1, v), "eta": 2.0}, tmp_path
+    )[kind]
+    w = decay_weights(bs)[None].expand(n, bs).reshape(-1) * (labels.reshape(-1) != -100)
+    theirs = (per * w).sum() / w.sum()
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-7)
