@@ -8,7 +8,7 @@
 --time-budget-minutes M: no batch or conversation starts after M minutes of regeneration; those under way finish
 and are written, the rest are counted in prepare.json (`regeneration.not_started`), and tokens.jsonl holds what was
 regenerated. The same command run again continues where it stopped (a resume), so a long regeneration can run in
-sessions of M minutes.
+runs of M minutes each.
 
 --server regenerates through OpenAI-compatible servers of the target (vLLM, SGLang, llama-server), requests spread
 over them, `--concurrency` conversations in flight; the target's weights are not loaded here (only its tokenizer).

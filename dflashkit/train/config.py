@@ -143,7 +143,7 @@ class TrainConfig:
     epochs: PositiveInt = 6  # passes over the training rows (anchors resampled each epoch)
     max_steps: optional(PositiveInt, "by epochs") = None  # overrides epochs: the schedule spans this many steps
     time_budget_minutes: optional(PositiveFloat, "no budget") = None  # stop cleanly (checkpoint + final/)
-    # warmup + cosine span this much training time (step times summed over sessions) instead of steps; the run
+    # warmup + cosine span this much training time (step times summed over resumed runs) instead of steps; the run
     # completes when it is spent (max_steps, if set, still caps it; epochs do not)
     schedule_minutes: optional(PositiveFloat, "by steps") = None
     # ---- validation, logging, checkpoints

@@ -164,7 +164,7 @@ def _save(run: Run) -> Path:
 
 
 def _agreed_elapsed(run: Run) -> float:
-    """Training seconds so far (step times over all sessions), the largest over ranks so all agree."""
+    """Training seconds so far (step times over the first run and every resume), the largest over ranks so all agree."""
     t = torch.tensor([run.state.elapsed_s], dtype=torch.float64, device=run.device)
     return float(run.dist.all_reduce(t, op="max"))
 

@@ -50,7 +50,7 @@ class TrainState:
     clipped_steps: int = 0
     tokens_seen: int = 0
     world_size: int = 1
-    elapsed_s: float = 0.0  # training time over all sessions
+    elapsed_s: float = 0.0  # training time over the first run and every resume
     recent_losses: list[float] = field(default_factory=list)
     best_val_tau: float | None = None  # keep_best: the highest validation τ so far, and its step (OUT/best)
     best_val_step: int = 0
