@@ -176,7 +176,7 @@ def generate(
         start = prompt_len + len(result.tokens) - 1  # position of the bonus token
         room = s.max_new_tokens - len(result.tokens)  # tokens we may still add after the bonus
         n_verify = min(slots, room) if use_drafter else 0  # drafts that can still be committed
-        drafts = draft_q = draft_logits = None
+        drafts = draft_q = draft_logits = draft_hidden = None
         if n_verify > 0:
             one_off = stock_products() if dcache.length == 0 else nullcontext()  # first round: the prompt's width
             with clock("draft"), one_off:  # always the full block (see the module docstring); only n_verify are used
@@ -184,13 +184,13 @@ def generate(
                     target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify,
                     s.sampling, s.draft_sampling, gen, s.confidence_min,
                 )  # fmt: skip
-                drafts, draft_q, draft_logits = head.draft_round(r)
+                drafts, draft_q, draft_logits, draft_hidden = head.draft_round(r)
         if s.method == "tree" and drafts is not None:
             committed, next_token, feats = _verify_tree(
                 target,
                 cache,
                 bonus,
-                draft_logits,
+                (draft_logits, draft_hidden),
                 drafter,
                 start,
                 layer_ids,
@@ -367,7 +367,7 @@ def _verify_tree(
     target: Target,
     cache: object,
     bonus: int,
-    draft_logits: Tensor,
+    draft: tuple[Tensor, Tensor],
     drafter: DFlashDrafter,
     start: int,
     layer_ids: list[int],
@@ -379,9 +379,10 @@ def _verify_tree(
 ) -> tuple[list[int], int, Tensor]:
     """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache.
     Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
+    draft_logits, draft_hidden = draft  # (D, V'), (D, H)
     with clock("tree_build"):
         logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
-        conditional = drafter.head.tree_conditional(drafter, draft_logits)
+        conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden)
         tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine, conditional=conditional)
         if drafter.config.draft_vocab_size is not None:
             tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])

@@ -100,9 +100,10 @@ def build_tree(
     of all); the tree has 1 + min(budget, #prefixes) nodes. With `force_spine`, the top-1 chain (min(budget, D)
     nodes) is taken first and the rest of the budget is filled best-first. Ties go to the entry pushed first.
 
-    conditional: for drafters whose distribution at depth d depends on the token before it (DSpark's Markov head):
-    `conditional(d, parent_node, parent_token)` → (V,) log-probs of the children of that node (parent_token as
-    stored in the tree: the root token for node 0, an id of `draft_log_probs`' vocabulary below). Each node then
+    conditional: for drafters whose distribution at depth d depends on the token before it (DSpark's Markov head,
+    DFlash2's selector): `conditional(d, parent_node, parent_token)` → (V,) log-probs of the children of that node
+    (−inf: not a child; parent_token as stored in the tree: the root token for node 0, an id of `draft_log_probs`'
+    vocabulary below). Each node then
     ranks its own children; the search is the same (a prefix's probability is the product of its conditionals,
     each ≤ 1, so the popped set is still the top-B prefixes and prefix-closed). `draft_log_probs` gives D and V.
     """
@@ -130,7 +131,9 @@ def build_tree(
             return shared[0][d], shared[1][d]
         if parent not in own:
             v, i = torch.topk(conditional(d, parent, tokens[parent]).reshape(-1), k)
-            own[parent] = (v.double().tolist(), i.tolist())
+            vals = v.double().tolist()
+            live = sum(x > float("-inf") for x in vals)  # a child of probability 0 (outside a candidate set) is none
+            own[parent] = (vals[:live], i.tolist()[:live])
         return own[parent]
 
     # Heap entry: (−cumulative log prob, tie-break counter, depth index d (0-based), rank, parent node index).
@@ -139,7 +142,10 @@ def build_tree(
 
     def push(d: int, rank: int, parent: int) -> None:
         nonlocal counter
-        heapq.heappush(heap, (-(log_probs[parent] + ranked(d, parent)[0][rank]), counter, d, rank, parent))
+        vals = ranked(d, parent)[0]
+        if rank >= len(vals):
+            return
+        heapq.heappush(heap, (-(log_probs[parent] + vals[rank]), counter, d, rank, parent))
         counter += 1
 
     def add(d: int, rank: int, parent: int) -> int:

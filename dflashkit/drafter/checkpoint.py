@@ -256,7 +256,8 @@ def load_drafter(
     """Load a z-lab-format drafter strictly (ours, z-lab's, or converted)."""
     path = Path(path)
     cfg = load_config(path)
-    tensors = from_serving_layout(read_tensors(path), str(path))
+    aliases = head_of(cfg).key_aliases  # names other writers of this kind use (z-lab's nn.Embedding codebooks)
+    tensors = {aliases.get(k, k): v for k, v in from_serving_layout(read_tensors(path), str(path)).items()}
     check_mask_file(path, tensors, cfg.mask_token_id)
     with torch.device("meta"):
         skeleton = DFlashDrafter(cfg)
@@ -265,6 +266,24 @@ def load_drafter(
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(tensors, strict=True)  # rotary buffers are non-persistent: rebuilt, not stored
     return drafter.to(device=device, dtype=dtype)
+
+
+def with_head(drafter: DFlashDrafter, config: DrafterConfig, seed: int) -> DFlashDrafter:
+    """A drafter of `config` (another kind, the same backbone) starting from `drafter`'s weights: the backbone is
+    copied, the new head's own parameters start at their initialisation (seeded) — a no-op where the head makes it
+    one (DFlash2's convolutions), so a DFlash checkpoint warm-starts it. Tensors of the old head that the new one has
+    no place for are refused by name."""
+    old = drafter_state_dict(drafter)
+    torch.manual_seed(seed)
+    new = DFlashDrafter(config)
+    extra = sorted(set(old) - set(drafter_state_dict(new)))
+    if extra:
+        raise CheckpointError(
+            f"init_from: a kind={drafter.config.kind} drafter's own tensors {extra[:3]} have no place in a "
+            f"kind={config.kind} drafter; warm-start from a DFlash checkpoint (or one of the same kind)"
+        )
+    new.load_state_dict(old, strict=False)
+    return new.to(device=drafter.device, dtype=drafter.dtype)
 
 
 def describe(path: str | Path) -> dict[str, Any]:

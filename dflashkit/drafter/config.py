@@ -199,6 +199,18 @@ class DrafterConfig:
     kind: choice(*KINDS) = "dflash"
     markov_rank: PositiveInt = 256
     confidence_head: Bool = True
+    # "dflash2" (z-lab's DFlash2): a grouped dynamic causal convolution of `conv_kernel_size` taps (one dynamic kernel
+    # per `conv_group_size` channels) around each layer's attention and MLP, and a candidate selector that re-ranks
+    # each slot's top-`selector_top_k` unary candidates by a rank-`selector_rank` score given the token before it.
+    # Unary logits are the LM head's × `output_multiplier` (then tanh-capped at `final_logit_softcapping`); the block's
+    # embeddings are scaled by `input_embedding_scale`.
+    conv_kernel_size: PositiveInt = 2
+    conv_group_size: PositiveInt = 16
+    selector_rank: PositiveInt = 256
+    selector_top_k: PositiveInt = 16
+    output_multiplier: PositiveFloat = 1.0
+    final_logit_softcapping: optional(PositiveFloat, "no softcap") = None
+    input_embedding_scale: PositiveFloat = 1.0
 
     def __post_init__(self) -> None:
         check_fields(DrafterConfig, {"num_hidden_layers": self.num_hidden_layers}, _default_where)
@@ -283,6 +295,7 @@ class DrafterConfig:
                 self.draft_vocab_size,
                 f"at most the target's vocabulary (vocab_size {self.vocab_size})",
             )
+        head_of(self).check_config(self, where)
         check_memory(self, where("hidden_size"))
 
     def check_layer_ids(self, num_target_layers: int) -> None:
@@ -317,6 +330,7 @@ class DrafterConfig:
         if self.extra:
             dflash["dflashkit"] = self.extra
         head = head_of(self)
+        dflash.update(head.zlab_dflash_fields(self))
         return {
             "architectures": list(head.architectures),
             **head.zlab_fields(self),

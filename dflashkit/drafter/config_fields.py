@@ -59,6 +59,13 @@ ZLAB_FIELDS: dict[str, tuple[str, bool]] = {
     "enable_confidence_head": (BOOL, True),
     "confidence_head_with_markov": (BOOL, True),
     "sample_from_anchor": (BOOL, True),
+    "conv_kernel_size": (INT, False),
+    "conv_group_size": (INT, False),
+    "selector_rank": (INT, False),
+    "selector_top_k": (INT, False),
+    "output_multiplier": (FLOAT, True),
+    "final_logit_softcapping": (FLOAT, True),
+    "input_embedding_scale": (FLOAT, True),
 }
 
 

@@ -28,6 +28,7 @@ from dflashkit.cpu_products import linear_product, route_linears
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.dspark_heads import markov_chain
 from dflashkit.drafter.heads import head_of
+from dflashkit.drafter.heads.dflash2_net import scaled_logits
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").
@@ -199,10 +200,18 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(qcfg)
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # a head may wrap each sublayer (DFlash2's convolutions): `around(sublayer, x, block_len)`, within blocks
+        self.attention_conv: nn.Module | None = None
+        self.mlp_conv: nn.Module | None = None
 
-    def forward(self, hidden: Tensor, context: Tensor, **attn_kwargs) -> Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, **attn_kwargs)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: Tensor, context: Tensor, block_len: int, **attn_kwargs) -> Tensor:
+        attn = lambda x: self.self_attn(x, context, **attn_kwargs)  # noqa: E731
+        hidden = hidden + _wrapped(self.attention_conv, attn, self.input_layernorm(hidden), block_len)
+        return hidden + _wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden), block_len)
+
+
+def _wrapped(wrapper: nn.Module | None, sublayer: Any, x: Tensor, block_len: int) -> Tensor:
+    return sublayer(x) if wrapper is None else wrapper.around(sublayer, x, block_len)
 
 
 class DFlashDrafter(nn.Module):
@@ -264,6 +273,8 @@ class DFlashDrafter(nn.Module):
             mask_vec = embed_weight[self.config.mask_token_id].to(self.device, self.dtype)
         out = mask_vec.expand(b, nb, block_len, -1).clone()  # (B, Nb, bl, H)
         out[:, :, 0] = first
+        if self.config.input_embedding_scale != 1.0:
+            out = out * self.config.input_embedding_scale
         return out.reshape(b, nb * block_len, -1)
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
@@ -272,7 +283,8 @@ class DFlashDrafter(nn.Module):
         if self.config.draft_vocab_size is not None:
             weight = self._reduced_head_weight(lm_head_weight)  # (V', H)
         weight = weight.to(hidden.device) if weight.device != hidden.device else weight
-        return linear_product(hidden.to(weight.dtype), weight)  # a round's few rows: the measured product
+        out = linear_product(hidden.to(weight.dtype), weight)  # a round's few rows: the measured product
+        return scaled_logits(self.config, out)
 
     def _reduced_head_weight(self, lm_head_weight: Tensor) -> Tensor:
         """The target's LM head rows of the draft vocabulary (V', H): gathered once per head tensor (and its in-place
@@ -333,6 +345,7 @@ class DFlashDrafter(nn.Module):
         block_positions: Tensor,
         cache: DrafterCache | None = None,
         attention_mask: AttentionMask = None,
+        block_len: int | None = None,
     ) -> Tensor:
         """One drafter pass; returns the final-normed block hidden states (B, Tq, H).
 
@@ -342,6 +355,7 @@ class DFlashDrafter(nn.Module):
         attention_mask: over [all context keys | block keys], (B or 1, 1, Tq, Tc_all + Tq), bool (True = visible)
             or additive; or a dict by layer type. None → derived from positions (inference: full layers see
             everything, sliding layers are causal within their window).
+        block_len: slots per block when Tq holds several blocks side by side (training); None: one block.
         """
         device = self.device
         context_positions = context_positions.to(device)
@@ -364,7 +378,15 @@ class DFlashDrafter(nn.Module):
                 mask = attention_mask
             else:
                 mask = positional_mask(block_positions, key_positions, causal=attn.causal, window=attn.window)
-            hidden = layer(hidden, ctx, block_rope=blk_rope, context_rope=ctx_rope, mask=mask, cache=cache)
+            hidden = layer(
+                hidden,
+                ctx,
+                block_len or hidden.shape[1],
+                block_rope=blk_rope,
+                context_rope=ctx_rope,
+                mask=mask,
+                cache=cache,
+            )
         return self.norm(hidden)
 
     def num_parameters(self) -> int:

@@ -48,6 +48,7 @@ from dflashkit.evaluate.transcripts import Transcript, TranscriptCache
 # ---------------------------------------------------------------------------------------------- replay
 def _tree_length(
     draft_logits: Tensor,
+    draft_hidden: Tensor,
     root: int,
     truth: list[int],
     drafter: DFlashDrafter,
@@ -55,7 +56,7 @@ def _tree_length(
     top_k: int | None,
     force_spine: bool,
 ) -> int:
-    conditional = drafter.head.tree_conditional(drafter, draft_logits)
+    conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden)
     tree = build_tree(
         torch.log_softmax(draft_logits, dim=-1),
         root,
@@ -108,12 +109,15 @@ def replay(
         hidden = drafter(
             new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(s, s + bs)[None], cache=dcache
         )
-        draft_logits = drafter.logits(hidden[0, first : first + n_verify], lm_head_weight).float()  # (nv, V')
+        draft_hidden = hidden[0, first : first + n_verify]  # (nv, H)
+        draft_logits = drafter.logits(draft_hidden, lm_head_weight).float()  # (nv, V')
         truth = ids[s + 1 : s + 1 + n_verify]  # the target's greedy tokens at the used draft slots
         if method.kind == "tree":
-            L = _tree_length(draft_logits, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine)
+            L = _tree_length(
+                draft_logits, draft_hidden, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine
+            )
         else:
-            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s])[0]
+            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s], draft_hidden)[0]
             acc = 0
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1

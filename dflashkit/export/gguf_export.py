@@ -76,11 +76,6 @@ GLOBAL_TENSORS = {
     "fc.weight": "fc.weight",
     "hidden_norm.weight": "enc.output_norm.weight",
     "norm.weight": "output_norm.weight",
-    # DSpark (gguf-py constants.py DSPARK_MARKOV_W1 / _W2 / DSPARK_CONF_PROJ)
-    "markov_head.markov_w1.weight": "markov_w1.weight",
-    "markov_head.markov_w2.weight": "markov_w2.weight",
-    "confidence_head.proj.weight": "conf_proj.weight",
-    "confidence_head.proj.bias": "conf_proj.bias",
 }
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -99,8 +94,12 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # gguf.LlamaFileType ALL_F32 / MOSTLY_*
 
 
-def gguf_tensor_name(key: str) -> str:
-    """dflashkit checkpoint key → llama.cpp tensor name (`layers.3.mlp.up_proj.weight` → `blk.3.ffn_up.weight`)."""
+def gguf_tensor_name(key: str, cfg: DrafterConfig | None = None) -> str:
+    """dflashkit checkpoint key → llama.cpp tensor name (`layers.3.mlp.up_proj.weight` → `blk.3.ffn_up.weight`);
+    a head's own tensors are named by the head of `cfg`."""
+    own = head_of(cfg).gguf_tensors(cfg, {key: torch.empty(0)}) if cfg is not None else {}
+    if key in own:
+        return own[key][0]
     if key in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[key]
     parts = key.split(".", 2)
@@ -144,7 +143,7 @@ def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None)
             "the drafter mixes causal (sliding) and bidirectional (full) block attention; llama.cpp "
             "has one causal switch for all draft layers (set is_causal to make them agree)"
         )
-    return problems
+    return problems + head_of(cfg).gguf_problems(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -294,11 +293,12 @@ def build_export(
 ) -> GGUFExport:
     """Map a checked dflashkit drafter onto llama.cpp's dflash tensors (names, layouts, tables)."""
     exp = GGUFExport()
+    own = head_of(cfg).gguf_tensors(cfg, tensors)  # the head's tensors: {key: (name, tensor, kept F32)}
     for key, t in tensors.items():
         if key in ("mask_embedding", "draft_to_target"):
             continue
-        name = gguf_tensor_name(key)
-        data, raw = _weight_array(t, outtype, exp.notes, key)
+        name, t, f32 = own[key] if key in own else (gguf_tensor_name(key), t, False)
+        data, raw = _weight_array(t, "f32" if f32 else outtype, exp.notes, key)
         exp.tensors.append((name, data, raw))  # torch (out, in) → GGUF ne {in, out}: same bytes
     head = target.output if target.output is not None else target.token_embd
     if cfg.learned_mask_embedding:
@@ -379,8 +379,9 @@ def _write(
         for k, v, vtype, sub in target.tokenizer_fields:
             w.add_key_value(k, v, vtype, sub_type=sub)
         w.add_uint32(MASK_KEY, cfg.mask_token_id)
-        for name, value in head_of(cfg).gguf_flags(cfg).items():  # DSpark: sample_from_anchor, has_confidence_head
-            w.add_bool(f"{ARCH}.{name}", value)
+        for name, value in head_of(cfg).gguf_keys(cfg).items():  # DSpark's flags, DFlash2's geometry
+            add = w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_float32
+            add(f"{ARCH}.{name}", value)
         # provenance (llama.cpp ignores unknown keys)
         w.add_string("dflashkit.mask", "learned" if cfg.learned_mask_embedding else "token_row")
         w.add_array("dflashkit.target_layer_ids", list(cfg.target_layer_ids))

@@ -48,8 +48,9 @@ def reference_drafts(
                 block_positions=torch.arange(pos0, pos0 + cfg.block_size)[None],
             )  # (1, block, H)
             first = drafter.first_draft_slot()
-            logits = drafter.logits(h[0, first : first + len(r.draft)], target.lm_head_weight).float()  # (n, V')
-            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0])[1]  # as llama.cpp's graph runs it
+            slots = h[0, first : first + len(r.draft)]  # (n, H)
+            logits = drafter.logits(slots, target.lm_head_weight).float()  # (n, V')
+            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0], slots)[1]  # as llama.cpp's graph runs it
             top = logits.topk(2, dim=-1)
             out.append(
                 (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())

@@ -96,7 +96,10 @@ def config_from_speculators(
     kind = raw.get("speculators_model_type", "dflash")
     if kind not in KINDS:
         raise refuse(f"speculators_model_type {kind!r} is not a drafter kind dflashkit runs (expected one of {KINDS})")
-    dspark = _dspark_fields(raw, source) if head_of(kind).reads_previous_token else {}
+    try:
+        head_fields = head_of(kind).fields_from_speculators(raw, source)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     if raw.get("projector_type", "dflash") != "dflash":
         raise refuse(
             f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
@@ -181,7 +184,7 @@ def config_from_speculators(
             rope_theta=float(theta),
             draft_vocab_size=draft_vocab,
             extra=dict(ours.get("extra") or {}),
-            **dspark,
+            **head_fields,
         )
     except (ConfigError, TypeError, ValueError) as e:
         raise refuse(f"cannot build a drafter config ({e})") from None
@@ -207,24 +210,6 @@ def _anchor_window_note(window: Any) -> str:
         f"(every slot sees the same context); dflashkit, z-lab and vLLM count it from each slot's own position (slot "
         f"k sees k + 1 fewer of the oldest positions) — contexts longer than the window draft slightly differently"
     )
-
-
-def _dspark_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """DrafterConfig fields of a speculators DSpark config, refusing (by name) what dflashkit cannot run."""
-    if not raw.get("markov_rank"):
-        raise CheckpointError(
-            f"{source}: markov_rank {raw.get('markov_rank')!r} — a DSpark drafter without a Markov head; dflashkit's "
-            f"DSpark needs markov_rank ≥ 1"
-        )
-    try:
-        head_of("dspark").fields_from_zlab({"sample_from_anchor": True, **raw}, source)  # the variants it can run
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    return {
-        "kind": "dspark",
-        "markov_rank": int(raw["markov_rank"]),
-        "confidence_head": bool(raw.get("enable_confidence_head", False)),
-    }
 
 
 def speculators_differences(cfg: DrafterConfig) -> list[str]:

@@ -81,6 +81,11 @@ RESUME_LOCKED = (
     "dspark_ce_weight",
     "dspark_l1_weight",
     "dspark_confidence_weight",
+    "selector_weight",
+    "selector_rule",
+    "selector_decay",
+    "selector_warmup_steps",
+    "selector_ramp_steps",
 )
 
 DEFAULT_ONLINE_TOPK = 32  # loss: topk with online features and topk: null — entries per position
@@ -128,6 +133,15 @@ class TrainConfig:
     dspark_ce_weight: NonNegativeFloat = 0.1
     dspark_l1_weight: NonNegativeFloat = 0.9  # drafter.kind: dspark — weight of the L1 term
     dspark_confidence_weight: NonNegativeFloat = 1.0  # drafter.kind: dspark — weight of the confidence BCE
+    # drafter.kind: dflash2 — the candidate selector's K-way CE, added to the unary objective with weight
+    # selector_weight (0 during selector_warmup_steps, then a linear ramp over selector_ramp_steps). "inject": a gold
+    # token outside the top-K replaces the K-th candidate (speculators, Model-Optimizer); "strict": that slot adds
+    # nothing. selector_decay: the unary objective's slot weights (speculators); false: every slot 1 (Model-Optimizer)
+    selector_weight: NonNegativeFloat = 1.0
+    selector_rule: choice("inject", "strict") = "inject"  # drafter.kind: dflash2 — a gold token outside the top-K
+    selector_decay: Bool = True  # drafter.kind: dflash2 — selector term weighted like the unary one (false: uniform)
+    selector_warmup_steps: NonNegativeInt = 0  # drafter.kind: dflash2 — steps with selector weight 0
+    selector_ramp_steps: NonNegativeInt = 0  # drafter.kind: dflash2 — then a linear ramp to selector_weight
     noise_std: NonNegativeFloat = 0.0  # Gaussian noise on the fc inputs (target features) only
     noise_schedule: choice("constant", "cosine") = "constant"  # cosine decays to 0 over the run
     # ---- optimiser

@@ -68,7 +68,12 @@ class DrafterStep(nn.Module):
         bs = self.drafter.config.block_size
         embeds = self.drafter.block_embeddings(first_tokens, self.embed_weight[0], bs)  # (B, Nb·bs, H)
         return self.drafter(
-            features, embeds, context_positions=context_positions, block_positions=block_positions, attention_mask=masks
+            features,
+            embeds,
+            context_positions=context_positions,
+            block_positions=block_positions,
+            attention_mask=masks,
+            block_len=bs,
         )  # (B, Nb·bs, H)
 
 
@@ -310,7 +315,7 @@ def check_kind_fits(cfg: Any, drafter_config: DrafterConfig) -> None:
                     f"{cfg.sources[name]}: {name} belongs to the objective of kind={head.kind} drafters; this drafter "
                     f"is kind={own.kind} (set drafter.kind={head.kind}, or drop {name})"
                 )
-    own.train_checks(cfg)
+    own.train_checks(cfg, drafter_config)
 
 
 def _drafter_to_train(
@@ -318,7 +323,7 @@ def _drafter_to_train(
 ) -> tuple[DFlashDrafter, dict[str, Any] | None, Path | None]:
     """(drafter, saved training state or None, checkpoint it came from or None): resumed from `out/latest` after
     checking that the config still matches, else `init_from`, else freshly initialised with `cfg.seed`."""
-    from dflashkit.drafter.checkpoint import load_drafter
+    from dflashkit.drafter.checkpoint import load_drafter, with_head
     from dflashkit.drafter.defaults import default_drafter_config
     from dflashkit.target.model import check_drafter_fits
     from dflashkit.train.config import check_resume_compatible
@@ -339,6 +344,10 @@ def _drafter_to_train(
             _check_same_drafter(drafter.config, wanted, f"from {ckpt}")
     elif cfg.init_from is not None:
         drafter = load_drafter(cfg.init_from)
+        kind = cfg.drafter.get("kind", drafter.config.kind)
+        if kind != drafter.config.kind:  # warm start of another head on the checkpoint's backbone
+            fields = {f: cfg.drafter[f] for f in head_of(kind).fields if f in cfg.drafter}
+            drafter = with_head(drafter, drafter.config.replace(kind=kind, **fields), cfg.seed)
     else:
         if wanted.draft_vocab_size is not None:
             raise ConfigError(

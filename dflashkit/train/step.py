@@ -8,6 +8,7 @@ Noise (noise_std > 0) is added to the context features going into fc, never to l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,13 +18,13 @@ import torch
 from torch import Tensor
 
 from dflashkit.drafter.capture_needs import capture_target_lse
-from dflashkit.drafter.heads import head_of
+from dflashkit.drafter.heads import TrainingTerms, head_of
 from dflashkit.drafter.model import to_additive
 from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
-from dflashkit.train.losses import DISTRIBUTION_KINDS, LossOutput, block_loss
+from dflashkit.train.losses import DISTRIBUTION_KINDS, LossOutput, block_loss, dpace_weights
 from dflashkit.train.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
 from dflashkit.train.run import Run
 from dflashkit.train.slot_targets import (
@@ -45,6 +46,7 @@ class StepInputs:
     masks: dict[str, Any] | None  # additive attention mask per layer type (None: built when used)
     prev_tokens: Tensor | None = None  # DSpark: (B, Nb, bs) the previous token each slot's Markov head reads
     final_hidden: Tensor | None = None  # DSpark: (B, T, H) the target's final-layer output (its distribution)
+    step: int = 0  # the optimizer step (0-based) these inputs belong to
 
 
 def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> list[Tensor]:
@@ -123,7 +125,13 @@ def prepare_inputs(
     feats = fc_noise(feats, rows.doc_ids.to(device), noise_std, seed=seed, epoch=epoch, step=step, row_ids=rows.row_ids)
     masks = attention_masks(drafter_config, blocks, mask_dtype) if build_masks else None
     return StepInputs(
-        features=feats, blocks=blocks, labels=lab.to(device), masks=masks, prev_tokens=prev, final_hidden=final
+        features=feats,
+        blocks=blocks,
+        labels=lab.to(device),
+        masks=masks,
+        prev_tokens=prev,
+        final_hidden=final,
+        step=step,
     )
 
 
@@ -151,6 +159,8 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         return _dspark_step_loss(run, inp, rows, hidden, normalizer)
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
+    if run.drafter.config.output_multiplier != 1.0:  # unary logits = m·(h·Wᵀ) = h·(m·W)ᵀ
+        head = head * run.drafter.config.output_multiplier
     soft: dict[str, Any] = {}
     if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
         ids, lps = topk_targets(inp.blocks, rows, cfg.topk)  # (B, Nb, bs, K)
@@ -160,7 +170,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             topk_logprobs=lps.reshape(-1, bs, lps.shape[-1]),
             ce_weight=cfg.topk_ce_weight,
         )
-    return block_loss(
+    out = block_loss(
         hidden.reshape(-1, bs, hidden.shape[-1]),
         head,
         labels.reshape(-1, bs),
@@ -174,6 +184,38 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         lk_eta=cfg.lk_eta,
         **soft,
     )
+    terms = TrainingTerms(
+        drafter=run.drafter,
+        hidden=hidden.reshape(-1, bs, hidden.shape[-1]),
+        head_weight=head,
+        labels=labels.reshape(-1, bs),
+        prev_tokens=block_predecessors(rows, inp.blocks).reshape(-1, bs),
+        weights=run.weights,
+        normalizer=normalizer,
+        step=inp.step,
+        train_cfg=cfg,
+        weights_of=lambda ce, counted: slot_weights(cfg, run.weights, ce, counted),
+    )
+    extra = run.drafter.head.training_loss(terms)
+    return out if extra is None else dataclasses.replace(out, loss=out.loss + extra)
+
+
+def block_predecessors(rows: RowBatch, blocks: BlockBatch) -> Tensor:
+    """(B, Nb, bs) long: the data token before each slot (index a + k − 1; slot 0 reads its own anchor's). Where a
+    slot has a label, a + k − 1 ≥ a lies in the anchor's document."""
+    t = rows.input_ids.shape[1]
+    idx = blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(blocks.block_size, device=blocks.anchors.device) - 1
+    idx = idx.clamp(0, t - 1).to(rows.input_ids.device)  # (B, Nb, bs)
+    b, nb, bs = idx.shape
+    return rows.input_ids.gather(1, idx.reshape(b, nb * bs)).view(b, nb, bs).to(blocks.anchors.device)
+
+
+def slot_weights(cfg: TrainConfig, weights: Tensor, ce: Tensor, counted: Tensor) -> Tensor:
+    """A head's own term's slot weights (N, bs) by the objective's rule: the fixed decay `weights`, or D-PACE's from
+    that term's per-slot loss `ce` (detached) over the `counted` slots."""
+    if cfg.position_weights == "dpace":
+        return dpace_weights(ce, counted, cfg.dpace_alpha)
+    return weights.to(ce.device)[None].expand_as(ce) * counted
 
 
 def _dspark_step_loss(

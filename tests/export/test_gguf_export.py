@@ -211,7 +211,7 @@ def test_real_row_drafter_matches_the_loader(tmp_path, target_gguf, outtype):
     sd = read_tensors(ckpt)
     tol = {"f32": 0, "f16": 1e-3, "bf16": 1e-2, "q8_0": 2e-2}[outtype]
     for key, ref in sd.items():
-        got = dequant(tensors[gguf_tensor_name(key)])
+        got = dequant(tensors[gguf_tensor_name(key, cfg)])
         assert np.allclose(got, ref.numpy(), atol=tol * max(1.0, float(ref.abs().max()))), key
 
 

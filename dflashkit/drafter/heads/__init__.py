@@ -6,6 +6,8 @@
   base.py     `Head`: the interface, with the DFlash backbone's own behaviour as its defaults (the DFlash head)
   dspark.py   `DSparkHead`: every slot drafts; a Markov head and a confidence head (DeepSpec's DSpark)
   dspark_draft.py  its decoding round (the Markov head left to right) and its DDTree children's distribution
+  dflash2.py  `DFlash2Head`: z-lab's DFlash2 — convolutions around every sublayer and a candidate selector
+  dflash2_net.py, dflash2_draft.py, dflash2_loss.py  its network, its drafting (walk, lattice), its selector term
 
 A new head: a module here with a `Head` subclass, and one entry in HEADS.
 """
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflashkit.drafter.heads.base import DraftRound, Head
+from dflashkit.drafter.heads.base import DraftRound, Head, TrainingTerms
+from dflashkit.drafter.heads.dflash2 import DFlash2Head
 from dflashkit.drafter.heads.dspark import DSparkHead
 
-HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead())}
+HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head())}
 KINDS = tuple(HEADS)
 
 
@@ -37,4 +40,4 @@ def kind_fields() -> dict[str, str]:
     return {name: head.kind for head in HEADS.values() for name in head.fields}
 
 
-__all__ = ["HEADS", "KINDS", "DraftRound", "Head", "head_of", "kind_fields", "kind_of_config"]
+__all__ = ["HEADS", "KINDS", "DraftRound", "Head", "TrainingTerms", "head_of", "kind_fields", "kind_of_config"]

@@ -16,12 +16,14 @@ its kind:
     head.reads_previous_token       whether a slot's logits depend on the token before it (training feeds it)
     head.reads_target_lse(v, t)     whether training reads the log-sum-exp of the target's logits
     head.training_needs_target      whether a training run keeps the target loaded (offline features included)
-    head.train_checks(train_cfg)    training options this head cannot take, refused by name
+    head.train_checks(t, d)         training options (and drafter fields) this head cannot train with, by name
     head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
-    head.draft_round(r)             one decoding round's drafts, their distribution q (T > 0) and logits (`DraftRound`)
-    head.tree_conditional(d, z)     how a DDTree node ranks its children (None: the per-depth marginals)
-    head.greedy_drafts(d, z, prev)  greedy drafts from a block's logits (and the logits they were picked from)
-    head.teacher_forced_logits(d, z, prevs)   slot logits given the true previous tokens (doctor, references)
+    head.check_config(cfg, where)   rules between its config fields and the backbone's, refused by field
+    head.draft_round(r)             one decoding round's drafts, their distribution q (T > 0), logits and hidden states
+    head.tree_conditional(d, z, h)  how a DDTree node ranks its children (None: the per-depth marginals)
+    head.greedy_drafts(d, z, prev, h)   greedy drafts from a block's logits (and the scores they were picked from)
+    head.teacher_forced_logits(d, z, prevs, h)   slot scores given the true previous tokens (doctor, references)
+    head.training_loss(t)           its own training term added to the objective (`TrainingTerms`; None: none)
     head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
     head.llamacpp_spec_type         llama.cpp's --spec-type for this kind
 
@@ -60,6 +62,24 @@ class DraftRound:
     confidence_min: float | None = None
 
 
+@dataclass
+class TrainingTerms:
+    """What a head's own training term reads of one step: the drafter, its final-normed block states, the LM-head rows
+    of the draft vocabulary, each slot's label (draft ids) and the data token before it (target ids), the slot
+    weights, the step's normaliser, the step (0-based) and the training config."""
+
+    drafter: Any
+    hidden: Tensor  # (N, bs, H)
+    head_weight: Tensor  # (V', H), frozen
+    labels: Tensor  # (N, bs) long draft ids, −100 invalid
+    prev_tokens: Tensor  # (N, bs) long target ids: the token at a + k − 1 for slot k
+    weights: Tensor  # (bs,)
+    normalizer: Tensor | float
+    step: int
+    train_cfg: Any
+    weights_of: Any  # (per-slot loss (N, bs), counted (N, bs) bool) → slot weights (N, bs): the objective's own rule
+
+
 class Head:
     """The DFlash head: the backbone's logits through the target's LM head, slot 0 holding the given token."""
 
@@ -86,14 +106,31 @@ class Head:
     )
 
     speculators_architecture: ClassVar[str] = "DFlashSpeculator"
+    key_aliases: ClassVar[dict[str, str]] = {}  # checkpoint key another writer uses → dflashkit's
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
         """Top-level fields of its speculators config.json beyond the backbone's."""
         return {}
 
-    def gguf_flags(self, cfg: Any) -> dict[str, bool]:
-        """Boolean GGUF keys (`dflash.NAME`) llama.cpp reads for this kind."""
+    def gguf_keys(self, cfg: Any) -> dict[str, bool | int | float]:
+        """GGUF keys (`dflash.NAME`: bool, u32 or f32 by the value's type) llama.cpp reads for this kind."""
         return {}
+
+    def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
+        """This head's own checkpoint keys → (llama.cpp tensor name, the tensor to write, kept F32)."""
+        return {}
+
+    def gguf_problems(self, cfg: Any) -> list[str]:
+        """Why llama.cpp's graph cannot run this head's geometry (empty when it can)."""
+        return []
+
+    def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
+        """Fields this head writes inside the z-lab config's `dflash_config`."""
+        return {}
+
+    def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """This head's `DrafterConfig` fields (with `kind`) from a speculators config.json of its kind."""
+        return {"kind": self.kind} if self.kind != "dflash" else {}
 
     def describe(self, facts: dict[str, Any], block_size: Any) -> str:
         """`inspect`'s words for this kind: how many drafts a round, and its own parts."""
@@ -139,8 +176,15 @@ class Head:
         """Whether training reads the log-sum-exp of the target's logits per position (stored at capture)."""
         return False
 
-    def train_checks(self, train_cfg: Any) -> None:
-        """Raise ConfigError naming a training option this head cannot train with."""
+    def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
+        """Raise ConfigError naming a training option (or drafter field) this head cannot train with."""
+
+    def check_config(self, cfg: Any, where: Any) -> None:
+        """Raise ConfigError naming a field of `cfg` that breaks a rule of this head (`where(field)`: its source)."""
+
+    def training_loss(self, terms: TrainingTerms) -> Tensor | None:
+        """This head's own term of the training loss (a scalar, already normalised), or None."""
+        return None
 
     def add_modules(self, drafter: Any) -> None:
         """Add this head's parameters to `drafter` (the backbone is built already)."""
@@ -148,34 +192,39 @@ class Head:
     def reset(self, drafter: Any, std: float) -> None:
         """Initialise this head's parameters (called by the drafter's `reset_parameters`)."""
 
-    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor]:
+    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """One drafter pass over [bonus, MASK × (bs − 1)]: (drafts (nv,) as target ids, draft distribution q over the
-        target vocabulary when drafts are sampled (else None), draft logits (nv, V'))."""
+        target vocabulary when drafts are sampled (else None), draft logits (nv, V'), the draft slots' hidden states
+        (nv, H))."""
         drafter, target = r.drafter, r.target
         embeds = drafter.block_embeddings(torch.tensor([[r.bonus]]), target.embed_weight, r.block_size)
         positions = torch.arange(r.start, r.start + r.block_size)[None]
         hidden = drafter(r.new_ctx, embeds, context_positions=r.new_pos, block_positions=positions, cache=r.cache)
-        draft_logits = drafter.logits(hidden[0, 1 : r.n_verify + 1], target.lm_head_weight).float()  # (nv, V')
+        hidden = hidden[0, 1 : r.n_verify + 1]  # (nv, H)
+        draft_logits = drafter.logits(hidden, target.lm_head_weight).float()  # (nv, V')
         if r.sampling.greedy or not r.draft_sampling:
-            return drafter.to_target_ids(draft_logits.argmax(-1)), None, draft_logits
+            return drafter.to_target_ids(draft_logits.argmax(-1)), None, draft_logits, hidden
         draft_q = probs(draft_logits, r.sampling)
         drafts = drafter.to_target_ids(sample(draft_q, r.generator))
         if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
             full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
             draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
-        return drafts, draft_q, draft_logits
+        return drafts, draft_q, draft_logits, hidden
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor) -> Any:
-        """A node's children ranked by a distribution given its own token (None: DDTree's per-depth marginals)."""
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor) -> Any:
+        """A node's children ranked by a distribution given its own token (None: DDTree's per-depth marginals);
+        draft_logits (n, V') and hidden (n, H) are the block's draft slots."""
         return None
 
-    def greedy_drafts(self, drafter: Any, draft_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
-        """(greedy drafts as target ids, the logits (n, V') they are the argmax of) from a block's draft logits."""
+    def greedy_drafts(
+        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor
+    ) -> tuple[list[int], Tensor]:
+        """(greedy drafts as target ids, the scores (n, V') they are the argmax of) from a block's draft logits."""
         return drafter.to_target_ids(draft_logits.argmax(-1)).tolist(), draft_logits
 
-    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor) -> Tensor:
-        """Slot logits (n, V') when slot j's previous token is `prev_tokens[j]` (a transcript's own)."""
+    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """Slot scores (n, V') when slot j's previous token is `prev_tokens[j]` (a transcript's own)."""
         return draft_logits
 
 
-__all__ = ["DraftRound", "Head"]
+__all__ = ["DraftRound", "Head", "TrainingTerms"]

@@ -15,6 +15,12 @@ from dflashkit.drafter.heads.base import DraftRound, Head
 from dflashkit.errors import ConfigError
 
 LOSS_WEIGHTS = ("dspark_ce_weight", "dspark_l1_weight", "dspark_confidence_weight")
+GGUF_NAMES = {
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
+}
 
 
 class DSparkHead(Head):
@@ -53,8 +59,26 @@ class DSparkHead(Head):
             "confidence_head_with_markov": cfg.confidence_head,
         }
 
-    def gguf_flags(self, cfg: Any) -> dict[str, bool]:
+    def gguf_keys(self, cfg: Any) -> dict[str, bool | int | float]:
         return {"sample_from_anchor": True, "has_confidence_head": bool(cfg.confidence_head)}
+
+    def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
+        """gguf-py constants DSPARK_MARKOV_W1 / _W2 / DSPARK_CONF_PROJ."""
+        return {k: (GGUF_NAMES[k], t, False) for k, t in tensors.items() if k in GGUF_NAMES}
+
+    def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """A speculators DSpark config, refusing (by name) what dflashkit cannot run."""
+        if not raw.get("markov_rank"):
+            raise ConfigError(
+                f"{source}: markov_rank {raw.get('markov_rank')!r} — a DSpark drafter without a Markov head; "
+                f"dflashkit's DSpark needs markov_rank ≥ 1"
+            )
+        self.fields_from_zlab({"sample_from_anchor": True, **raw}, source)  # the variants it can run
+        return {
+            "kind": self.kind,
+            "markov_rank": int(raw["markov_rank"]),
+            "confidence_head": bool(raw.get("enable_confidence_head", False)),
+        }
 
     def describe(self, facts: dict[str, Any], block_size: Any) -> str:
         d = facts.get("heads")
@@ -137,7 +161,7 @@ class DSparkHead(Head):
         forms the draft ids' logits only and reads the log-sum-exp over the whole vocabulary from the capture."""
         return bool(draft_vocab_size) and bool(getattr(target, "plain_head", False))
 
-    def train_checks(self, train_cfg: Any) -> None:
+    def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
         for name, value, ok, why in (
             ("loss", train_cfg.loss, "ce", "a DSpark drafter trains on its own loss (CE + L1 to the target + BCE)"),
             ("fsdp", train_cfg.fsdp, False, "its Markov and confidence heads run outside the sharded forward"),
@@ -160,24 +184,29 @@ class DSparkHead(Head):
     def reset(self, drafter: Any, std: float) -> None:
         drafter.markov_head.reset_parameters(std)
 
-    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor]:
+    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """The backbone pass, then the Markov head left to right (dspark_draft.py); every slot drafts."""
         from dflashkit.drafter.heads.dspark_draft import draft_dspark
 
         args = (r.target, r.drafter, r.cache, r.bonus, r.new_ctx, r.new_pos, r.start, r.block_size, r.n_verify)
-        return draft_dspark(*args, r.sampling, r.draft_sampling, r.generator, confidence_min=r.confidence_min)
+        drafts, q, logits = draft_dspark(
+            *args, r.sampling, r.draft_sampling, r.generator, confidence_min=r.confidence_min
+        )
+        return drafts, q, logits, logits[:, :0]  # its DDTree children need no hidden states
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor) -> Any:
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor) -> Any:
         """Children ranked by the Markov-corrected distribution given the node's own token."""
         from dflashkit.drafter.heads.dspark_draft import dspark_conditional
 
         return dspark_conditional(draft_logits, drafter)
 
-    def greedy_drafts(self, drafter: Any, draft_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
+    def greedy_drafts(
+        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor
+    ) -> tuple[list[int], Tensor]:
         """The Markov head's greedy chain over the block (as llama.cpp's graph runs it)."""
         return drafter.greedy_markov(draft_logits, first_prev)
 
-    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor) -> Tensor:
+    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
         """Slot j corrected by the Markov bias of the true token before it."""
         return draft_logits + drafter.markov_head.bias(prev_tokens).float()
 

@@ -1,0 +1,275 @@
+"""The DFlash2 head (z-lab's DFlash2): grouped dynamic causal convolutions around every sublayer of the backbone and
+a low-rank candidate selector that re-ranks each draft slot's top-K unary candidates given the token before it.
+
+Its network is in `dflash2_net.py`, its drafting (the selector's walk, the DDTree lattice) in `dflash2_draft.py`, its
+selector term of the training loss in `dflash2_loss.py`; this module is what the stages ask about it.
+
+Vocabulary: the references run DFlash2 over the target's whole vocabulary. With a reduced draft vocabulary the
+unary logits and the candidates are draft ids, the successor codebook B has one row per draft id and the predecessor
+codebook A one per target id (a predecessor is any target token: the bonus, or a draft mapped through the id map).
+The z-lab and GGUF layouts then carry the id map (`draft_to_target` / `d2t`) and B spread over the target's rows
+(zeros outside the draft vocabulary), which llama.cpp's graph reads; speculators refuses a reduced vocabulary for
+DFlash2, and so does `convert --to speculators`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from dflashkit.drafter.heads.base import DraftRound, Head, TrainingTerms
+from dflashkit.errors import ConfigError
+
+CONFIG_FIELDS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+)
+SELECTOR_OPTIONS = (
+    "selector_weight",
+    "selector_rule",
+    "selector_decay",
+    "selector_warmup_steps",
+    "selector_ramp_steps",
+)
+# dflashkit key → llama.cpp tensor name (gguf-py tensor_mapping: DFlash2's conv and selector tensors)
+GGUF_GLOBAL = {
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
+GGUF_LAYER = {
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
+}
+
+
+class DFlash2Head(Head):
+    """Slot 0 holds the given token (as DFlash); slots 1 … bs − 1 draft through the selector's walk."""
+
+    kind: ClassVar[str] = "dflash2"
+    label: ClassVar[str] = "DFlash2 convolutions and candidate selector"
+    title: ClassVar[str] = "DFlash2"
+    fields: ClassVar[tuple[str, ...]] = CONFIG_FIELDS
+    train_fields: ClassVar[tuple[str, ...]] = SELECTOR_OPTIONS
+    architectures: ClassVar[tuple[str, ...]] = ("DFlash2DraftModel",)
+    speculators_architecture: ClassVar[str] = "DFlash2DraftModel"
+    key_aliases: ClassVar[dict[str, str]] = {
+        f"candidate_selector.{n}_codebook.weight": f"candidate_selector.{n}_codebook"
+        for n in ("predecessor", "successor")
+    }
+    vllm_cpu_problem: ClassVar[str | None] = (
+        "vLLM runs DFlash2 drafters (qwen3_dflash2) in its GPU model runner; the vLLM environment here is the CPU "
+        "build — check a DFlash2 drafter with --engine llamacpp"
+    )
+    deepspec_problem: ClassVar[str | None] = (
+        "a DFlash2 drafter: DeepSpec's Qwen3DSparkModel has no convolutions or candidate selector — export it with "
+        "--to zlab, --to speculators or --to gguf"
+    )
+
+    def check_config(self, cfg: Any, where: Any) -> None:
+        from dflashkit.validation import fail
+
+        if cfg.hidden_size % cfg.conv_group_size:
+            raise fail(
+                where("conv_group_size"),
+                "conv_group_size",
+                cfg.conv_group_size,
+                f"a divisor of hidden_size {cfg.hidden_size} (channels share a dynamic kernel in groups)",
+            )
+        if cfg.conv_kernel_size > cfg.block_size:
+            raise fail(
+                where("conv_kernel_size"),
+                "conv_kernel_size",
+                cfg.conv_kernel_size,
+                f"at most block_size {cfg.block_size} (taps stay within a block)",
+            )
+        if cfg.selector_top_k > (cfg.draft_vocab_size or cfg.vocab_size):
+            raise fail(
+                where("selector_top_k"),
+                "selector_top_k",
+                cfg.selector_top_k,
+                f"at most the draft vocabulary ({cfg.draft_vocab_size or cfg.vocab_size} tokens)",
+            )
+
+    def extra_parameters(self, cfg: Any) -> int:
+        """Two convolutions a layer (base 2·K·H, projection H·2·K·G), codebooks A (V × r), B (V' × r), P (H × r)."""
+        h, k, g = cfg.hidden_size, cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size
+        conv = 2 * (2 * k * h + h * 2 * k * g)
+        r = cfg.selector_rank
+        return cfg.num_hidden_layers * conv + (cfg.vocab_size + (cfg.draft_vocab_size or cfg.vocab_size) + h) * r
+
+    def add_modules(self, drafter: Any) -> None:
+        from dflashkit.drafter.heads.dflash2_net import CandidateSelector, GroupedDynamicCausalConv
+
+        cfg = drafter.config
+        for layer in drafter.layers:
+            layer.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            layer.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        vocab = cfg.draft_vocab_size or cfg.vocab_size
+        drafter.candidate_selector = CandidateSelector(
+            cfg.vocab_size, vocab, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k
+        )
+
+    def reset(self, drafter: Any, std: float) -> None:
+        for layer in drafter.layers:
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+        drafter.candidate_selector.reset_parameters(std)
+
+    # ------------------------------------------------------------------ config.json layouts
+    def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        dflash = raw.get("dflash_config") or {}
+        out = {}
+        for name in CONFIG_FIELDS:
+            value = dflash.get(name, raw.get(name))
+            if value is not None:
+                out[name] = value
+        missing = [n for n in CONFIG_FIELDS[:4] if n not in out]
+        if missing:
+            raise ConfigError(f"{source}: a DFlash2 drafter needs dflash_config.{missing[0]} (an integer ≥ 1)")
+        if out.get("final_logit_softcapping") is not None and float(out["final_logit_softcapping"]) <= 0:
+            out["final_logit_softcapping"] = None  # z-lab's and llama.cpp's reading: ≤ 0 means no cap
+        return out
+
+    def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
+        """Its fields inside `dflash_config`, where z-lab's model and llama.cpp's converter read them."""
+        out = {name: getattr(cfg, name) for name in CONFIG_FIELDS}
+        if out["final_logit_softcapping"] is None:
+            del out["final_logit_softcapping"]
+        return out
+
+    def speculators_fields(self, cfg: Any) -> dict[str, Any]:
+        if cfg.draft_vocab_size is not None:
+            raise ConfigError(
+                f"draft_vocab_size {cfg.draft_vocab_size}: speculators runs DFlash2 over the target's whole "
+                f"vocabulary only (its DFlash2DraftModel refuses a draft vocabulary); export with --to zlab or "
+                f"--to gguf, or train with the whole vocabulary"
+            )
+        if cfg.output_multiplier != 1.0 or cfg.final_logit_softcapping is not None or cfg.input_embedding_scale != 1.0:
+            raise ConfigError(
+                "output_multiplier, final_logit_softcapping or input_embedding_scale set: speculators' DFlash2 has no "
+                "such fields and would draft differently; export with --to zlab or --to gguf"
+            )
+        return {name: getattr(cfg, name) for name in CONFIG_FIELDS[:4]}
+
+    def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """DrafterConfig fields of a speculators DFlash2 config (its defaults where a field is absent)."""
+        defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+        return {"kind": self.kind, **{n: int(raw.get(n) or d) for n, d in defaults.items()}}
+
+    # ------------------------------------------------------------------ GGUF (llama.cpp's dflash architecture)
+    def gguf_keys(self, cfg: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "conv_kernel_size": int(cfg.conv_kernel_size),
+            "conv_group_size": int(cfg.conv_group_size),
+            "selector_rank": int(cfg.selector_rank),
+            "selector_top_k": int(cfg.selector_top_k),
+            "logit_scale": float(cfg.output_multiplier),
+            "embedding_scale": float(cfg.input_embedding_scale),
+        }
+        if cfg.final_logit_softcapping is not None:
+            out["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        return out
+
+    def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
+        """Its tensors as llama.cpp names them (the base kernels kept F32, as its converter does); B spread over the
+        target's vocabulary through the id map when the draft vocabulary is reduced."""
+        out = {}
+        for key, t in tensors.items():
+            if key in GGUF_GLOBAL:
+                if key.endswith("successor_codebook") and cfg.draft_vocab_size is not None:
+                    full = torch.zeros(cfg.vocab_size, t.shape[1], dtype=t.dtype)
+                    t = full.index_copy_(0, tensors["draft_to_target"].long(), t)
+                out[key] = (GGUF_GLOBAL[key], t, False)
+                continue
+            parts = key.split(".", 2)
+            if len(parts) == 3 and parts[0] == "layers" and parts[2] in GGUF_LAYER:
+                out[key] = (f"blk.{parts[1]}.{GGUF_LAYER[parts[2]]}", t, parts[2].endswith("base_kernel"))
+        return out
+
+    def gguf_problems(self, cfg: Any) -> list[str]:
+        need = cfg.selector_top_k * (cfg.selector_top_k + 1)
+        if cfg.hidden_size < need:
+            return [
+                f"hidden_size {cfg.hidden_size} < selector_top_k·(selector_top_k + 1) = {need}: llama.cpp returns "
+                f"each slot's K candidates and K² scores in a row of hidden_size floats"
+            ]
+        return []
+
+    # ------------------------------------------------------------------ inspect
+    def describe(self, facts: dict[str, Any], block_size: Any) -> str:
+        d = facts.get("heads")
+        if not d or not isinstance(block_size, int):
+            return super().describe(facts, block_size)
+        return (
+            f" (DFlash2: {block_size - 1} drafts a round; convolutions of {d['conv_kernel_size']} taps, selector rank "
+            f"{d['selector_rank']} over the top-{d['selector_top_k']})"
+        )
+
+    def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
+        base = tensors.get("layers.0.attention_conv.base_kernel")
+        a = tensors.get("candidate_selector.predecessor_codebook")
+        return {
+            "conv_kernel_size": base["shape"][1] if base else (cfg.conv_kernel_size if cfg else None),
+            "selector_rank": a["shape"][1] if a else (cfg.selector_rank if cfg else None),
+            "selector_top_k": cfg.selector_top_k if cfg else None,
+        }
+
+    # ------------------------------------------------------------------ training
+    def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
+        if drafter_cfg.final_logit_softcapping is not None:
+            raise ConfigError(
+                f"final_logit_softcapping {drafter_cfg.final_logit_softcapping}: dflashkit's chunked objective "
+                f"trains uncapped logits; drop it to train (a capped checkpoint still imports, drafts and exports)"
+            )
+        if train_cfg.fsdp:
+            raise ConfigError(
+                "fsdp: true cannot train a DFlash2 drafter: its selector runs outside the sharded forward"
+            )
+        if train_cfg.loss == "topk":
+            raise ConfigError(
+                "loss: 'topk' cannot train a DFlash2 drafter: the selector's candidates come from the drafter's own "
+                "logits and its label is a token; use ce, kl, tv, nla or lk_hybrid"
+            )
+
+    def training_loss(self, terms: TrainingTerms) -> Tensor | None:
+        from dflashkit.drafter.heads.dflash2_loss import selector_loss
+
+        return selector_loss(terms, terms.weights_of)
+
+    # ------------------------------------------------------------------ decoding
+    def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        from dflashkit.drafter.heads.dflash2_draft import draft_dflash2
+
+        return draft_dflash2(r)
+
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor) -> Any:
+        """Each node's children ranked by the selector's scores given the node's own token (the selector lattice)."""
+        from dflashkit.drafter.heads.dflash2_draft import lattice_conditional
+
+        return lattice_conditional(drafter, hidden, draft_logits)
+
+    def greedy_drafts(
+        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor
+    ) -> tuple[list[int], Tensor]:
+        from dflashkit.drafter.heads.dflash2_draft import walk
+
+        drafts, _, dense = walk(drafter, hidden, draft_logits, first_prev)
+        return drafts, dense
+
+    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        from dflashkit.drafter.heads.dflash2_draft import teacher_forced_scores
+
+        return teacher_forced_scores(drafter, hidden, draft_logits, prev_tokens)
+
+
+__all__ = ["CONFIG_FIELDS", "SELECTOR_OPTIONS", "DFlash2Head"]
