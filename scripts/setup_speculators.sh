@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Create .venv-speculators: vllm-project/speculators 0.9.0 in its own environment (it pins transformers 5.19, dflashkit
-# 5.24), for the opt-in tests that load dflashkit's `convert --to speculators` exports with speculators' own DFlash and
-# DSpark models and compare their logits with dflashkit's (`pytest -m speculators`). Idempotent; about 1.5 GB, a minute.
-#   torch 2.13.0 (the CPU wheel) on its own line; speculators==0.9.0 and hs-connectors==0.9.0 with --no-deps; then the
+# Create .venv-speculators: vllm-project/speculators 0.9.0 and z-lab's dflash 0.1.0 (DFlash2DraftModel) in their own
+# environment (speculators pins transformers 5.19, dflashkit 5.24), for the opt-in tests that run dflashkit's exports
+# through speculators' own DFlash, DSpark and DFlash2 models and z-lab's DFlash2DraftModel and compare with dflashkit's
+# (`pytest -m speculators`). Idempotent; about 1.5 GB, a minute.
+#   torch 2.13.0 (the CPU wheel) on its own line; speculators==0.9.0, hs-connectors==0.9.0 and dflash==0.1.0 with
+#   --no-deps; then the
 #   pinned rest from requirements-speculators.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +24,8 @@ run() { "$@" >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; echo "[setup_speculators] f
 : > "$LOG"
 run "$VENV/bin/python" -m pip install --upgrade pip==26.3
 run "$VENV/bin/python" -m pip install torch==2.13.0
-run "$VENV/bin/python" -m pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0
+run "$VENV/bin/python" -m pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
 run "$VENV/bin/python" -m pip install -r requirements-speculators.txt
-run "$VENV/bin/python" -c "import speculators; from speculators.utils.loading import load_model_layers"
+run "$VENV/bin/python" -c "import speculators; from speculators.utils.loading import load_model_layers; import dflash.model"
 echo "$WANT" > "$STAMP"
 echo "[setup_speculators] done: $("$VENV/bin/python" -c 'from importlib.metadata import version; print("speculators", version("speculators"))')"

@@ -29,6 +29,7 @@ def _target_id(drafter: Any, draft_id: int) -> int:
     return int(drafter.to_target_ids(torch.tensor(draft_id)))
 
 
+@torch.no_grad()
 def walk(
     drafter: Any, hidden: Tensor, unary: Tensor, first_prev: int, *, temperature: float = 0.0, generator: Any = None
 ) -> tuple[list[int], Tensor | None, Tensor]:
@@ -56,6 +57,7 @@ def walk(
     return drafts, q_rows, dense
 
 
+@torch.no_grad()
 def teacher_forced_scores(drafter: Any, hidden: Tensor, unary: Tensor, prev_tokens: Tensor) -> Tensor:
     """Dense scores (n, V') of slot j given the true token before it (`prev_tokens[j]`, target ids); −inf outside
     each slot's candidates."""
@@ -71,6 +73,7 @@ def lattice_conditional(drafter: Any, hidden: Tensor, unary: Tensor) -> Callable
     sel = drafter.candidate_selector
     cand = sel.candidates(unary)  # (D, K)
 
+    @torch.no_grad()
     def conditional(d: int, parent: int, token: int) -> Tensor:
         prev = token if parent == 0 else _target_id(drafter, token)
         scores = sel.scores(unary[d], hidden[d], torch.tensor(prev), cand[d])  # (K,)
