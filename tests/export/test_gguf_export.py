@@ -63,10 +63,12 @@ def loader_tensors(
     n_vocab: int,
     n_vocab_draft: int,
     markov_rank: int | None = None,
+    dflash2: tuple[int, int, int] | None = None,
 ) -> dict[str, tuple[tuple[int, ...], bool]]:
     """src/models/dflash.cpp llama_model_dflash::load_arch_tensors: GGUF name → (ne, required), for a DFlash
-    drafter, or a DSpark one (`markov_rank`: its Markov and confidence heads; no DFlash2 selector). The loader
-    fails on any tensor of the file it did not create."""
+    drafter, a DSpark one (`markov_rank`: its Markov and confidence heads) or a DFlash2 one (`dflash2` = (taps K,
+    groups G, selector rank r): loaded when selector_hidden.weight exists — codebooks over the target vocabulary).
+    The loader fails on any tensor of the file it did not create."""
     table = {
         "fc.weight": ((n_extract * n_embd, n_embd), True),
         "enc.output_norm.weight": ((n_embd,), True),
@@ -84,6 +86,19 @@ def loader_tensors(
                 "conf_proj.bias": ((1,), False),
             }
         )
+    if dflash2:
+        k, g, r = dflash2
+        table.update(
+            {
+                "selector_predecessor.weight": ((r, n_vocab), True),
+                "selector_successor.weight": ((r, n_vocab), True),
+                "selector_hidden.weight": ((n_embd, r), True),
+            }
+        )
+        for i in range(n_layer):
+            for side in ("attn", "ffn"):
+                table[f"blk.{i}.{side}_conv_base"] = ((n_embd, k, 2), True)
+                table[f"blk.{i}.{side}_conv_proj.weight"] = ((n_embd, 2 * k * g), True)
     for i in range(n_layer):
         table.update(
             {
@@ -163,6 +178,9 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
         n_vocab,
         cfg.draft_vocab_size or n_vocab,
         cfg.markov_rank if cfg.kind == "dspark" else None,
+        (cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size, cfg.selector_rank)
+        if cfg.kind == "dflash2"
+        else None,
     )
     unknown = sorted(set(tensors) - set(table))
     assert not unknown, f"tensors the loader would not consume: {unknown}"
@@ -172,7 +190,7 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
         assert tuple(int(x) for x in t.shape) == table[name][0], f"{name}: ne {list(t.shape)} ≠ {table[name][0]}"
         if name == "d2t":
             assert t.tensor_type == QT.I64  # dflash.cpp: GGML_ASSERT(model.d2t->type == GGML_TYPE_I64)
-        elif len(t.shape) == 1:
+        elif len(t.shape) == 1 or name.endswith("_conv_base"):  # llama.cpp's converter keeps conv bases F32
             assert t.tensor_type == QT.F32, f"{name}: norms stay F32"
         elif name not in ("token_embd.weight", "output.weight"):
             assert t.tensor_type == MATRIX_TYPES[outtype], f"{name}: {t.tensor_type.name}"
@@ -327,6 +345,48 @@ def test_dspark_heads_and_keys(tmp_path, target_gguf, vocab):
     ):
         assert np.array_equal(dequant(tensors[name]).reshape(sd[key].shape), sd[key].numpy()), key
     assert any("draft-dspark --spec-draft-n-max 4" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_dflash2_convolutions_selector_and_keys(tmp_path, target_gguf, vocab):
+    """DFlash2: conv and selector tensors under llama.cpp's names and shapes (base kernels F32 whatever the outtype),
+    its geometry keys, weights equal to the checkpoint's, the successor codebook spread over the target's vocabulary
+    through d2t with a draft vocabulary; the notes name draft-dflash and n-max = bs − 1."""
+    draft_ids = torch.arange(0, 80, 2)[: vocab or 0]
+    cfg = small_config(
+        learned_mask_embedding=False, mask_token_id=90, kind="dflash2", conv_group_size=16, selector_rank=8,
+        selector_top_k=4, draft_vocab_size=vocab, output_multiplier=1.5,
+    )  # fmt: skip
+
+    def edit(sd):
+        for key, value in sd.items():
+            if "conv" in key or "candidate_selector" in key:
+                value.normal_()
+        if vocab:
+            sd["draft_to_target"] = draft_ids
+
+    ckpt = write_checkpoint(tmp_path / "d", cfg, edit=edit)
+    out = tmp_path / "d.gguf"
+    report = export_gguf(ckpt, out, target=target_gguf, outtype="f16")
+    tensors = check_against_loader(out, cfg, outtype="f16")
+    fields, _ = read(out)
+    for key, want in (("conv_kernel_size", 2), ("conv_group_size", 16), ("selector_rank", 8), ("selector_top_k", 4)):
+        assert fields[f"dflash.{key}"].types[0] == VT.UINT32 and fields[f"dflash.{key}"].contents() == want
+    assert fields["dflash.logit_scale"].contents() == pytest.approx(1.5)
+    assert "dflash.final_logit_softcapping" not in fields
+    sd = read_tensors(ckpt)
+    base = tensors["blk.0.ffn_conv_base"]
+    assert base.tensor_type == QT.F32
+    assert np.array_equal(
+        dequant(base).reshape(sd["layers.0.mlp_conv.base_kernel"].shape), sd["layers.0.mlp_conv.base_kernel"].numpy()
+    )
+    succ = dequant(tensors["selector_successor.weight"]).reshape(97, 8)
+    want = sd["candidate_selector.successor_codebook"].numpy()
+    if vocab:
+        assert np.allclose(succ[draft_ids.numpy()], want, atol=1e-3) and np.all(succ[1::2][:40] == 0)
+    else:
+        assert np.allclose(succ, want, atol=1e-3)
+    assert any("draft-dflash --spec-draft-n-max 3" in n for n in report.notes)
 
 
 def test_an_existing_gguf_is_refused_unless_overwrite_and_the_targets_never(tmp_path, target_gguf):
