@@ -78,6 +78,8 @@ RESUME_LOCKED = (
     "topk",
     "topk_ce_weight",
     "lk_eta",
+    "lk_kl_scale",
+    "lk_kl_decay",
     "dspark_ce_weight",
     "dspark_l1_weight",
     "dspark_confidence_weight",
@@ -116,12 +118,15 @@ class TrainConfig:
     # ---- objective
     # "ce" hard labels; against the target's final-layer distribution (runs the target every step): "kl", "tv"
     # (total variation, 1 − acceptance rate), "nla" (−log acceptance rate), "lk_hybrid" (λ·KL + (1 − λ)·TV,
-    # λ = exp(−lk_eta·acceptance)); "topk" KL to its stored top-k log-probs (`dflashkit capture --topk K`)
-    loss: choice("ce", "kl", "topk", "tv", "nla", "lk_hybrid") = "ce"
+    # λ = exp(−lk_eta·acceptance), speculators), "lk_lambda" (the same with one λ = lk_kl_scale·exp(−lk_kl_decay·mean
+    # acceptance) per batch, SpecForge); "topk" KL to its stored top-k log-probs (`dflashkit capture --topk K`)
+    loss: choice("ce", "kl", "topk", "tv", "nla", "lk_hybrid", "lk_lambda") = "ce"
     # loss: topk — entries used per position: None = all captured ones (online: DEFAULT_ONLINE_TOPK)
     topk: optional(PositiveInt, "all captured") = None
     topk_ce_weight: UnitInterval = 0.0  # loss: topk — α in (1 − α)·KL_topk + α·CE(hard label)
     lk_eta: PositiveFloat = 3.0  # loss: lk_hybrid — η in λ = exp(−η·acceptance): larger turns to TV sooner
+    lk_kl_scale: PositiveFloat = 1.0  # loss: lk_lambda — s in λ = s·exp(−d·mean acceptance) (SpecForge's kl_scale)
+    lk_kl_decay: PositiveFloat = 1.0  # loss: lk_lambda — d (SpecForge's kl_decay)
     labels: choice("data", "target") = "data"  # "data" tokens, or "target" = the target's final-layer argmax
     # slot weights: "decay" exp(−(k−1)/γ) (original DFlash) or "dpace" (D-PACE: from the drafter's own confidence,
     # per block; loss: ce only)
@@ -257,6 +262,14 @@ class TrainConfig:
                 self.lk_eta,
                 f"unset: it only applies to loss: lk_hybrid (loss is {self.loss!r})",
             )
+        for name in ("lk_kl_scale", "lk_kl_decay"):
+            if self.loss != "lk_lambda" and getattr(self, name) != 1.0:
+                raise fail(
+                    where(name),
+                    name,
+                    getattr(self, name),
+                    f"unset: it only applies to loss: lk_lambda (loss is {self.loss!r})",
+                )
         if self.position_weights == "dpace":
             if self.loss != "ce":
                 raise fail(

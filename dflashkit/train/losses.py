@@ -38,6 +38,7 @@ top-k ids as draft ids, −1 outside it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,9 +56,12 @@ TargetLogits = Tensor | Callable[[int, int], Tensor]
 #   kl         KL(p ‖ q)
 #   tv         1 − α = ½‖p − q‖₁,  α = Σ_v min(p_v, q_v): the acceptance rate of speculative sampling
 #   nla        −log α (floored at NLA_EPS): TV's target with a gradient 1/α larger while α is small
-#   lk_hybrid  λ·KL(p ‖ q) + (1 − λ)·TV,  λ = exp(−η·α) with α not differentiated (η = `lk_eta`)
+#   lk_hybrid  λ·KL(p ‖ q) + (1 − λ)·TV,  λ = exp(−η·α) with α not differentiated (η = `lk_eta`) (speculators)
+#   lk_lambda  λ·KL(p ‖ q) + (1 − λ)·TV with ONE λ per batch: λ = s·exp(−d·ᾱ), ᾱ the slot-weighted mean acceptance
+#              of the batch's valid slots, not differentiated (s, d = `lk_kl_scale`, `lk_kl_decay`) (SpecForge's
+#              lk_loss_type "lambda"; its "alpha", −mean log α, is nla)
 # (the total variation, negative log-acceptance and hybrid LK losses of vllm-project/speculators)
-DISTRIBUTION_KINDS = ("kl", "tv", "nla", "lk_hybrid")
+DISTRIBUTION_KINDS = ("kl", "tv", "nla", "lk_hybrid", "lk_lambda")
 NLA_EPS = 1e-5
 
 
@@ -281,8 +285,24 @@ def _divergence(divergence: tuple[str, float], p: Tensor, logp: Tensor, logq: Te
     if kind == "nla":
         floor = overlap.clamp_min(NLA_EPS)
         return -floor.log(), torch.where((overlap > NLA_EPS)[:, None], -d_overlap / floor[:, None], 0.0)
-    lam = torch.exp(-eta * overlap)[:, None]  # (m, 1), α not differentiated
+    # (m, 1), α not differentiated; lk_lambda: one λ for the batch, computed before this pass (`block_loss`)
+    lam = (torch.full_like(overlap, eta) if kind == "lk_lambda" else torch.exp(-eta * overlap))[:, None]
     return lam[:, 0] * kl + (1 - lam[:, 0]) * tv, lam * (q - p) - (1 - lam) * d_overlap
+
+
+def _batch_lambda(args: tuple, scale: float, decay: float) -> float:
+    """SpecForge's λ = scale·exp(−decay·ᾱ) for `lk_lambda`: ᾱ = Σ w·α / Σ w over the live rows of `args` (the
+    arguments of `_ChunkedLinearLoss`), from a pass without gradients (one more LM-head product over the rows)."""
+    hidden, weight, labels, row_w, target, bs, rows = args[:7]
+    with torch.no_grad():
+        run = dict(hidden=hidden.detach(), weight=weight.detach(), labels=labels, target=target, bs=bs)
+        _, per, _, _, _ = _chunked_pass(
+            **run, row_w=row_w, chunk_rows=rows, need_gh=False, need_gw=False, soft=None, alpha=0.0,
+            divergence=("tv", 0.0),
+        )  # fmt: skip
+        w = row_w.to(per.dtype)
+        mean_alpha = 1.0 - float((w * per).sum() / w.sum().clamp_min(torch.finfo(per.dtype).tiny))
+    return float(scale) * math.exp(-float(decay) * mean_alpha)
 
 
 def sparse_topk_target(ids: Tensor, logprobs: Tensor, shape: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
@@ -325,6 +345,8 @@ def block_loss(
     position_weights: str = "decay",
     dpace_alpha: float = 0.5,
     lk_eta: float = 3.0,
+    lk_kl_scale: float = 1.0,
+    lk_kl_decay: float = 1.0,
 ) -> LossOutput:
     """Weighted block loss over drafter outputs.
 
@@ -332,7 +354,8 @@ def block_loss(
     lm_head_weight: (V, H) (the target's LM head, or the reduced draft head); labels: (N, bs) long, −100 invalid;
     weights: (bs,) slot weights, default `decay_weights(bs)`;
     kind: "ce" (labels), or one of DISTRIBUTION_KINDS against the target's distribution — "kl" (KL(target ‖ draft)),
-        "tv", "nla", "lk_hybrid" (η = `lk_eta`) — from `target_logits` (N, bs, V) or a callable
+        "tv", "nla", "lk_hybrid" (η = `lk_eta`), "lk_lambda" (`lk_kl_scale`, `lk_kl_decay`) — from
+        `target_logits` (N, bs, V) or a callable
         `(row_start, row_end) -> (rows, bs, V)` over the flattened N rows (labels still mark validity/accuracy)
         or "topk" ((1 − ce_weight)·KL(renormalised top-k ‖ draft) + ce_weight·CE; `topk_ids` (N, bs, k) long in
         [0, V) or −1 (dropped) and `topk_logprobs` (N, bs, k), −inf where dropped; see the module docstring);
@@ -427,6 +450,9 @@ def block_loss(
         loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight))
     elif reweight is not None:
         loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, reweight)
+    elif kind == "lk_lambda":
+        lam = _batch_lambda(args, lk_kl_scale, lk_kl_decay)
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, lam))
     elif kind in DISTRIBUTION_KINDS:
         loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, float(lk_eta)))
     else:

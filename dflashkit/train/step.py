@@ -182,6 +182,8 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         position_weights=cfg.position_weights,
         dpace_alpha=cfg.dpace_alpha,
         lk_eta=cfg.lk_eta,
+        lk_kl_scale=cfg.lk_kl_scale,
+        lk_kl_decay=cfg.lk_kl_decay,
         **soft,
     )
     terms = TrainingTerms(

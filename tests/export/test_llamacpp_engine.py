@@ -2,9 +2,11 @@
 scripts/build_llamacpp.sh has built llama.cpp into the user cache; `pytest -m llamacpp` selects them).
 
 For SmolLM2-shaped drafters in the three layouts (mask = a real embedding row; learned mask embedding; learned mask
-+ reduced 8192-token vocabulary, the quickstart's drafter), with the embedded SmolLM2 target:
++ reduced 8192-token vocabulary, the quickstart's drafter), DSpark and DFlash2 drafters, with the embedded SmolLM2
+target:
 - the GGUF loads in llama-speculative-simple and llama-server (`--spec-type draft-dflash`; a DSpark drafter with
-  `draft-dspark`, its Markov head chained left to right in llama.cpp's graph);
+  `draft-dspark`, its Markov head chained left to right in llama.cpp's graph; a DFlash2 drafter with `draft-dflash`,
+  its convolutions and candidate selector walked in llama.cpp's graph);
 - greedy output with speculation equals plain llama.cpp decoding (Q4_1 target and F32 target);
 - on the F32 target, llama.cpp's top-1 drafts equal dflashkit's PyTorch drafts in every slot of every round
   (slots where PyTorch's own top-2 logits are within 0.02 are numerical ties and are counted, not failed).
@@ -41,7 +43,7 @@ PROMPTS = [
     "<|im_start|>user\nWrite a Python function that reverses a list.<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n",
 ]
-VARIANTS = ("real_row", "learned", "learned_d8192", "dspark_d8192")
+VARIANTS = ("real_row", "learned", "learned_d8192", "dspark_d8192", "dflash2_real_row", "dflash2_learned_d8192")
 
 
 def spec_args(name: str) -> dict:
@@ -72,13 +74,15 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for i, name in enumerate(VARIANTS):
         # 16: <empty_output>, never produced (the default mask row for SmolLM2)
-        overrides = {"mask_token_id": 16} if name == "real_row" else {"learned_mask_embedding": True}
+        overrides = {"mask_token_id": 16} if name.endswith("real_row") else {"learned_mask_embedding": True}
         if name.startswith("dspark"):  # the Markov head (W1, W2 random below) and the confidence head
             overrides.update(kind="dspark", markov_rank=64)
+        if name.startswith("dflash2"):  # convolutions (moved off the identity below) and the candidate selector
+            overrides.update(kind="dflash2", selector_rank=64)
         if name.endswith("d8192"):
             overrides["draft_vocab_size"] = 8192
         cfg = default_drafter_config(target, num_hidden_layers=2, block_size=4, **overrides)
-        assert cfg.learned_mask_embedding == (name != "real_row")
+        assert cfg.learned_mask_embedding == (not name.endswith("real_row"))
         torch.manual_seed(i)
         d = DFlashDrafter(cfg)
         with torch.no_grad():
@@ -87,6 +91,10 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
                     p.normal_(0.0, 0.08)
             if cfg.learned_mask_embedding:
                 d.mask_embedding.normal_(0.0, 0.1)
+            for layer in d.layers if cfg.kind == "dflash2" else ():
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.normal_(0.0, 0.3)
+                    conv.base_kernel[:, 0] += 1.0
             if cfg.draft_vocab_size:
                 d.draft_to_target.copy_(torch.randperm(cfg.vocab_size)[:8192].sort().values)
         out[name] = save_drafter(d, root / name)
