@@ -101,6 +101,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "train": {"dspark_ce_weight": 1.0, "position_weights": "dpace"},
         "capture_final": True,
     },
+    # the acceptance-rate objectives against the target's distribution (the target runs every step)
+    "tv": {"train": {"loss": "tv"}},
+    "lk_hybrid": {"train": {"loss": "lk_hybrid"}},
+    "lk_lambda": {"train": {"loss": "lk_lambda"}},
+    # DFlash2 (convolutions + candidate selector) with the selector's two rules, and a rank-64 selector (A over the
+    # 49,152-token vocabulary at rank 256 is 2.2× the SmolLM2 drafter's backbone)
+    "dflash2": {"settings": {"drafter_extra": {"kind": "dflash2"}}},
+    "dflash2_strict": {"settings": {"drafter_extra": {"kind": "dflash2"}}, "train": {"selector_rule": "strict"}},
+    "dflash2_r64": {"settings": {"drafter_extra": {"kind": "dflash2", "selector_rank": 64}}},
     # the base run's regeneration minutes spent through llama-server (the quickstart's server route,
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},

@@ -128,9 +128,10 @@ def run_batched_bench(
 class Round:
     """One llama.cpp verification: the drafts it proposed, how many were accepted, the target's next token."""
 
-    draft: list[int]
+    draft: list[int]  # as logged; DFlash2's selector walk logs none (`SpecRun.fill_unlogged`)
     accepted: int
     last: int
+    drafted: int = 0  # drafts proposed (the n of "accepted a/n")
 
 
 @dataclass
@@ -156,6 +157,18 @@ class SpecRun:
         if self.rounds:
             return len(self.rounds)
         return self.counts.get("n_predict", 0) - self.counts.get("n_accept", 0)
+
+    def fill_unlogged(self, tokens: list[int]) -> None:
+        """Rounds whose drafts llama.cpp does not log (DFlash2's selector walk prints none): their accepted drafts
+        taken from `tokens`, an output they must equal — each round's own token (`last`, logged) is checked against
+        it, and filling stops at the first round where it differs (the generated ids then show the difference)."""
+        pos = 0
+        for r in self.rounds:
+            if len(r.draft) < r.accepted:
+                r.draft = list(tokens[pos : pos + r.accepted])
+                if len(r.draft) < r.accepted or pos + r.accepted >= len(tokens) or tokens[pos + r.accepted] != r.last:
+                    return
+            pos += r.accepted + 1
 
     @property
     def generated_ids(self) -> list[int]:
@@ -226,7 +239,7 @@ def parse_speculative_log(log: str) -> list[Round]:
         m = _ACCEPT.search(line)
         if m:
             n = int(m.group(2))
-            rounds.append(Round(draft=draft[:n], accepted=int(m.group(1)), last=int(m.group(3))))
+            rounds.append(Round(draft=draft[:n], accepted=int(m.group(1)), last=int(m.group(3)), drafted=n))
             draft = []
     return rounds
 

@@ -48,7 +48,7 @@ def reference_drafts(
                 block_positions=torch.arange(pos0, pos0 + cfg.block_size)[None],
             )  # (1, block, H)
             first = drafter.first_draft_slot()
-            slots = h[0, first : first + len(r.draft)]  # (n, H)
+            slots = h[0, first : first + r.drafted]  # (n, H)
             logits = drafter.logits(slots, target.lm_head_weight).float()  # (n, V')
             logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0], slots)[1]  # as llama.cpp's graph runs it
             top = logits.topk(2, dim=-1)
@@ -78,9 +78,11 @@ def llamacpp_side(
     target_gguf: str | Path,
     prompt_ids: list[int],
     max_new_tokens: int,
+    known_output: list[int] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """(theirs, ours, ties): llama.cpp's tokens, rounds and accepted per position, and dflashkit's drafter's
-    acceptance on the same rounds (module docstring)."""
+    acceptance on the same rounds (module docstring). `known_output`: dflashkit's greedy output, which fills the
+    accepted drafts of rounds llama.cpp does not log (`SpecRun.fill_unlogged`: DFlash2)."""
     slots = drafter.config.block_size - drafter.first_draft_slot()  # drafts a round proposes
     run = llamacpp.run_speculative(
         target_gguf,
@@ -91,20 +93,22 @@ def llamacpp_side(
         verbose=True,
         spec_type=drafter.head.llamacpp_spec_type,
     )
+    if known_output is not None:
+        run.fill_unlogged(known_output)
     theirs = {"tokens": run.generated_ids[:max_new_tokens], "drafts": 0, "accepted_per_pos": [0] * slots}
     ours = {"drafts": 0, "accepted_per_pos": [0] * slots}
     ties = 0
     committed = run.generated_ids
     done = 0
     for r, (ref, margin) in zip(run.rounds, reference_drafts(target, drafter, prompt_ids, run), strict=True):
-        truth = committed[done : done + len(r.draft)]  # what the target committed after this round's first token
-        if r.draft:
+        truth = committed[done : done + r.drafted]  # what the target committed after this round's first token
+        if r.drafted:
             theirs["drafts"] += 1
             ours["drafts"] += 1
         for j in range(r.accepted):
             theirs["accepted_per_pos"][j] += 1
         mine = list(ref)
-        for j, (a, b) in enumerate(zip(r.draft, ref, strict=True)):
+        for j, (a, b) in enumerate(zip(r.draft, ref[: len(r.draft)], strict=True)):  # the logged drafts
             if a != b and margin[j] < TIE:
                 ties += 1
                 mine[j] = a  # a numerical tie: either ranking is dflashkit's drafter

@@ -323,7 +323,7 @@ def _llamacpp(
         for ids, mine in zip(
             tqdm(prompts, desc="llama.cpp", disable=not progress, file=sys.stderr), chain, strict=True
         ):
-            t, o, n_ties = llamacpp_side(target, drafter, gguf, target_gguf, ids, max_new_tokens)
+            t, o, n_ties = llamacpp_side(target, drafter, gguf, target_gguf, ids, max_new_tokens, mine.tokens)
             ties += n_ties
             theirs.append(PromptCounts(t["tokens"], t["drafts"], sum(t["accepted_per_pos"]), t["accepted_per_pos"]))
             ours.append(PromptCounts(mine.tokens, o["drafts"], sum(o["accepted_per_pos"]), o["accepted_per_pos"]))

@@ -11,7 +11,7 @@ import torch
 
 from dflashkit.cli import main
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors
-from dflashkit.errors import CheckpointError
+from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.export.convert import convert, map_key
 from dflashkit.export.speculators_format import ascending_draft_ids
 from helpers.checkpoints import small_config, speculators_checkpoint, write_checkpoint
@@ -290,3 +290,36 @@ def test_an_output_that_holds_something_is_refused_unless_overwrite(tmp_path, ca
     (tmp_path / "a_file").write_text("x")
     assert main(["convert", str(src), str(tmp_path / "a_file"), "--overwrite"]) == 2
     assert "is a file; expected a directory" in capsys.readouterr().err
+
+
+def test_dflash2_round_trips_through_speculators_and_vllm_and_refuses_what_speculators_cannot_run(tmp_path, target):
+    cfg = small_config(
+        kind="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4, learned_mask_embedding=False
+    )
+    src = write_checkpoint(tmp_path / "z", cfg)
+    convert(src, tmp_path / "spec", to="speculators", target=target)
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dflash2" and raw["architectures"] == ["DFlash2DraftModel"]
+    assert (raw["conv_kernel_size"], raw["conv_group_size"], raw["selector_rank"], raw["selector_top_k"]) == (
+        2,
+        16,
+        8,
+        4,
+    )
+    convert(tmp_path / "spec", tmp_path / "back")
+    assert load_drafter(tmp_path / "back").config == cfg
+    a, b = read_tensors(src), read_tensors(tmp_path / "back")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    convert(src, tmp_path / "vllm", to="vllm", target=target)
+    assert load_drafter(tmp_path / "vllm").config.kind == "dflash2"
+    reduced = small_config(
+        kind="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4, draft_vocab_size=20,
+        learned_mask_embedding=False,
+    )  # fmt: skip
+    ids = torch.arange(20) * 3
+    src2 = write_checkpoint(tmp_path / "r", reduced, edit=lambda sd: sd["draft_to_target"].copy_(ids))
+    with pytest.raises(
+        (CheckpointError, ConfigError), match="speculators runs DFlash2 over the target's whole vocabulary"
+    ):
+        convert(src2, tmp_path / "spec2", to="speculators", target=target)
+    assert not (tmp_path / "spec2").exists()

@@ -31,7 +31,8 @@ from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.export import llamacpp
 from dflashkit.export.gguf_export import export_gguf
-from dflashkit.export.llamacpp_check import TIE, reference_drafts
+from dflashkit.export.llamacpp_check import TIE, llamacpp_side, reference_drafts
+from helpers.oracles import reference_greedy
 
 pytestmark = [
     pytest.mark.llamacpp,
@@ -112,6 +113,14 @@ def _gguf(drafters, ggufs, tmp_path_factory, name: str, tgt: str) -> Path:
 def test_drafts_equal_pytorch_on_f32_target(name, target, drafters, ggufs, tmp_path_factory):
     drafter = load_drafter(drafters[name])
     gguf_file = _gguf(drafters, ggufs, tmp_path_factory, name, "f32")
+    if name.startswith("dflash2"):  # llama.cpp logs no DFlash2 drafts: its acceptance per round against ours
+        for prompt in PROMPTS:
+            ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            greedy = reference_greedy(target, torch.tensor(ids), 28)
+            theirs, ours, _ = llamacpp_side(target, drafter, gguf_file, ggufs["f32"], ids, 24, known_output=greedy)
+            assert theirs["tokens"] == greedy[:24] and theirs["drafts"] >= 6
+            assert theirs["accepted_per_pos"] == ours["accepted_per_pos"]
+        return
     slots = ties = 0
     for prompt in PROMPTS:
         run = llamacpp.run_speculative(ggufs["f32"], prompt, drafter=gguf_file, n_predict=24, **spec_args(name))
@@ -219,7 +228,7 @@ def test_gguf_loads_in_llama_server(drafters, ggufs, tmp_path_factory):
             proc.kill()
 
 
-@pytest.mark.parametrize("name", ["learned_d8192", "dspark_d8192"])
+@pytest.mark.parametrize("name", ["learned_d8192", "dspark_d8192", "dflash2_learned_d8192"])
 def test_serve_check_llamacpp_agrees_round_by_round(target, drafters, tmp_path, name):
     """`serve-check --engine llamacpp` on the quickstart-shaped drafter (reduced vocabulary, learned mask) exported in
     the serving layout: llama.cpp's output equals dflashkit's greedy output and its accepted drafts per position
