@@ -131,7 +131,11 @@ class Round:
     draft: list[int]  # as logged; DFlash2's selector walk logs none (`SpecRun.fill_unlogged`)
     accepted: int
     last: int
-    drafted: int = 0  # drafts proposed (the n of "accepted a/n")
+    drafted: int | None = None  # drafts proposed (the n of "accepted a/n"); None: as many as logged
+
+    def __post_init__(self) -> None:
+        if self.drafted is None:
+            self.drafted = len(self.draft)
 
 
 @dataclass
