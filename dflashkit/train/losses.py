@@ -450,11 +450,9 @@ def block_loss(
         loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight))
     elif reweight is not None:
         loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, reweight)
-    elif kind == "lk_lambda":
-        lam = _batch_lambda(args, lk_kl_scale, lk_kl_decay)
-        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, lam))
-    elif kind in DISTRIBUTION_KINDS:
-        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, float(lk_eta)))
+    elif kind in DISTRIBUTION_KINDS:  # lk_lambda: its one λ for the batch, else η
+        param = _batch_lambda(args, lk_kl_scale, lk_kl_decay) if kind == "lk_lambda" else float(lk_eta)
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, param))
     else:
         loss, preds = _ChunkedLinearLoss.apply(*args)
     if live_rows is not None:  # rows the head did not run over: slot 0 is the given anchor (counted as right),
