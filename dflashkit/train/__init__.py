@@ -1,4 +1,4 @@
-"""Stage `train`: DFlash and DSpark drafter training, one process or torchrun (DDP / FSDP2). Imports: `target`,
+"""Stage `train`: drafter training (every kind: its head adds its own terms), one process or torchrun (DDP / FSDP2). Imports: `target`,
 `drafter`, `data`, `features`.
 
 Reads: a capture directory (offline features) or `tokens.jsonl` with a target (online features), a training YAML
@@ -16,6 +16,7 @@ Modules and their public functions:
   packing.py       `plan_rows`, `PackedRows`, `collate_rows`, `step_rows`, `split_indices`
   blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `reference_mask`
   losses.py        `block_loss`, `decay_weights`, `dpace_weights`, `estimated_tau`
+  objective_reference.py  every objective of `block_loss` in float64 loops: the definitions, and its test reference
   dspark_loss.py   `dspark_loss` (CE + L1 to the target + confidence BCE), `dspark_slot_weights`
   target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary,
                    unless the features carry it: `dflashkit capture --target-lse`)
