@@ -101,10 +101,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "train": {"dspark_ce_weight": 1.0, "position_weights": "dpace"},
         "capture_final": True,
     },
-    # the acceptance-rate objectives against the target's distribution (the target runs every step)
-    "tv": {"train": {"loss": "tv"}},
-    "lk_hybrid": {"train": {"loss": "lk_hybrid"}},
-    "lk_lambda": {"train": {"loss": "lk_lambda"}},
+    # the acceptance-rate objectives against the target's distribution (the target runs every step; they need the
+    # full vocabulary, so they compare with full_vocab, DFlash + CE over the full vocabulary)
+    "full_vocab": {"settings": {"draft_vocab": 0}},
+    "tv": {"settings": {"draft_vocab": 0}, "train": {"loss": "tv"}},
+    "lk_hybrid": {"settings": {"draft_vocab": 0}, "train": {"loss": "lk_hybrid"}},
+    "lk_lambda": {"settings": {"draft_vocab": 0}, "train": {"loss": "lk_lambda"}},
     # DFlash2 (convolutions + candidate selector) with the selector's two rules, and a rank-64 selector (A over the
     # 49,152-token vocabulary at rank 256 is 2.2× the SmolLM2 drafter's backbone)
     "dflash2": {"settings": {"drafter_extra": {"kind": "dflash2"}}},
