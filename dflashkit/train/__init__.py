@@ -1,5 +1,5 @@
-"""Stage `train`: drafter training (every kind: its head adds its own terms), one process or torchrun (DDP / FSDP2). Imports: `target`,
-`drafter`, `data`, `features`.
+"""Stage `train`: drafter training (every kind: its head adds its own terms), one process or torchrun (DDP / FSDP2).
+Imports: `target`, `drafter`, `data`, `features`.
 
 Reads: a capture directory (offline features) or `tokens.jsonl` with a target (online features), a training YAML
 plus `key=value` overrides. Writes a run directory: `checkpoints/step-N/` (drafter + `train_state.pt` +
