@@ -49,7 +49,7 @@ def slot_loss(kind: str, z: Tensor, y: int, p: Tensor | None = None, **opts: flo
         return 1 - alpha
     if kind == "nla":
         return -torch.log(torch.clamp(alpha, min=NLA_EPS))
-    lam = opts["lam"] if kind == "lk_lambda" else math.exp(-opts["eta"] * float(alpha))
+    lam = opts["lam"] if kind == "lk_lambda" else math.exp(-opts["eta"] * float(alpha.detach()))
     return lam * kl + (1 - lam) * (1 - alpha)
 
 

@@ -186,7 +186,7 @@ class DFlash2Head(Head):
         out = {}
         for key, t in tensors.items():
             if key in GGUF_GLOBAL:
-                if key.endswith("successor_codebook") and cfg.draft_vocab_size is not None:
+                if key.endswith("successor_codebook") and "draft_to_target" in tensors:  # names only: no map given
                     full = torch.zeros(cfg.vocab_size, t.shape[1], dtype=t.dtype)
                     t = full.index_copy_(0, tensors["draft_to_target"].long(), t)
                 out[key] = (GGUF_GLOBAL[key], t, False)
