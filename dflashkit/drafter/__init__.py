@@ -12,7 +12,7 @@ Modules and their public functions:
   config_fields.py  types of the config.json fields, checked before any value is used
   capture_needs.py  `capture_layer_ids`, `capture_target_lse`: what a capture stores for training a drafter
   model.py          `DFlashDrafter` (forward over [context K/V | block K/V]), `DrafterCache`, `to_additive`
-  dspark_heads.py   `MarkovHead`, `ConfidenceHead`, `markov_chain`: DSpark's heads (`kind: dspark`)
+  heads/            the drafter heads on the backbone (DFlash's, DSpark's, DFlash2's) and their registry
   checkpoint.py     `save_drafter`, `load_drafter`, `read_tensors`, `check_tensors`
   defaults.py       `default_drafter_config(target, **overrides)`, `parse_overrides`, `describe_mask`
   mask_choice.py    `unused_special_token(tokenizer)`: the mask row for targets without a spare row

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 from dflashkit.drafter.config_fields import check_zlab_field_types
-from dflashkit.drafter.heads import KINDS, head_of, kind_fields, kind_of_config
+from dflashkit.drafter.heads import DRAFTER_SETTINGS, KINDS, head_of, kind_fields, kind_of_config
 from dflashkit.errors import ConfigError
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.validation import (
@@ -162,9 +162,10 @@ KIND_FIELDS = kind_fields()
 
 
 @dataclass
-class DrafterConfig:
+class DrafterConfig(*DRAFTER_SETTINGS):
     """Everything that defines a DFlash drafter network and its coupling to a target. Every field's type is its
-    check (`dflashkit.validation`); `validate()` runs them and the rules between fields."""
+    check (`dflashkit.validation`); `validate()` runs them and the rules between fields. The fields a head alone
+    reads (DSpark's, DFlash2's) are its settings' (`Head.settings`), inherited as keyword-only fields."""
 
     hidden_size: PositiveInt
     vocab_size: PositiveInt
@@ -193,24 +194,9 @@ class DrafterConfig:
     draft_vocab_size: optional(PositiveInt, "the target's whole vocabulary") = None
     # Fields of the target's chat setup recorded at training time (checked by doctor at evaluation).
     extra: Annotated[dict[str, Any], Expect("a mapping")] = field(default_factory=dict)
-    # "dflash": slot 0 holds the given token, slots 1..bs−1 draft (bs − 1 drafts). "dspark" (DeepSpec's DSpark):
-    # every slot k drafts the token after slot k−1's (bs drafts), corrected left to right by a Markov head of rank
-    # `markov_rank` on the previous token, with a confidence head (`confidence_head`) estimating acceptance.
+    # the drafter's head (`dflashkit.drafter.heads`): "dflash" (slot 0 holds the given token, slots 1..bs−1 draft),
+    # "dspark" (DeepSpec's DSpark), "dflash2" (z-lab's DFlash2); a head's own fields come from its settings
     kind: choice(*KINDS) = "dflash"
-    markov_rank: PositiveInt = 256
-    confidence_head: Bool = True
-    # "dflash2" (z-lab's DFlash2): a grouped dynamic causal convolution of `conv_kernel_size` taps (one dynamic kernel
-    # per `conv_group_size` channels) around each layer's attention and MLP, and a candidate selector that re-ranks
-    # each slot's top-`selector_top_k` unary candidates by a rank-`selector_rank` score given the token before it.
-    # Unary logits are the LM head's × `output_multiplier` (then tanh-capped at `final_logit_softcapping`); the block's
-    # embeddings are scaled by `input_embedding_scale`.
-    conv_kernel_size: PositiveInt = 2
-    conv_group_size: PositiveInt = 16
-    selector_rank: PositiveInt = 256
-    selector_top_k: PositiveInt = 16
-    output_multiplier: PositiveFloat = 1.0
-    final_logit_softcapping: optional(PositiveFloat, "no softcap") = None
-    input_embedding_scale: PositiveFloat = 1.0
 
     def __post_init__(self) -> None:
         check_fields(DrafterConfig, {"num_hidden_layers": self.num_hidden_layers}, _default_where)
@@ -457,7 +443,9 @@ class DrafterConfig:
         return cls.from_zlab_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field; the backbone's first, then the heads' own."""
+        out = asdict(self)
+        return {k: out[k] for k in sorted(out, key=lambda k: k in KIND_FIELDS)}
 
     def replace(self, **changes: Any) -> DrafterConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -28,7 +28,7 @@ INT, FLOAT, BOOL, STR, DICT, INT_LIST, STR_LIST = (
     "a list of strings",
 )
 
-# field → (expected kind, null allowed)
+# field → (expected kind, null allowed): the backbone's; each head declares its own (`Head.zlab_field_types`)
 ZLAB_FIELDS: dict[str, tuple[str, bool]] = {
     "hidden_size": (INT, False),
     "vocab_size": (INT, False),
@@ -54,18 +54,6 @@ ZLAB_FIELDS: dict[str, tuple[str, bool]] = {
     "layer_types": (STR_LIST, True),
     "rope_parameters": (DICT, True),
     "dflashkit": (DICT, True),
-    "markov_rank": (INT, True),
-    "markov_head_type": (STR, True),
-    "enable_confidence_head": (BOOL, True),
-    "confidence_head_with_markov": (BOOL, True),
-    "sample_from_anchor": (BOOL, True),
-    "conv_kernel_size": (INT, False),
-    "conv_group_size": (INT, False),
-    "selector_rank": (INT, False),
-    "selector_top_k": (INT, False),
-    "output_multiplier": (FLOAT, True),
-    "final_logit_softcapping": (FLOAT, True),
-    "input_embedding_scale": (FLOAT, True),
 }
 
 
@@ -107,11 +95,26 @@ def _describe(v: Any) -> str:
     return f"{text if len(text) <= 60 else text[:57] + '...'} ({kind})"
 
 
+# each head's own config.json fields (`Head.zlab_field_types`), added by the head registry when it is imported
+HEAD_FIELDS: dict[str, tuple[str, bool]] = {}
+
+
+def add_head_fields(types: dict[str, tuple[str, bool]]) -> None:
+    """Check a head's own config.json fields like the backbone's (the registry calls this for every head)."""
+    HEAD_FIELDS.update(types)
+
+
+def zlab_field_types() -> dict[str, tuple[str, bool]]:
+    """The backbone's config.json fields and every registered head's own."""
+    return {**ZLAB_FIELDS, **HEAD_FIELDS}
+
+
 def field_value_ok(name: str, value: Any) -> bool:
     """Whether `value` has the type config.json field `name` needs (unknown fields: always)."""
-    if name not in ZLAB_FIELDS:
+    types = zlab_field_types()
+    if name not in types:
         return True
-    kind, nullable = ZLAB_FIELDS[name]
+    kind, nullable = types[name]
     return (value is None and nullable) or _fits(kind, value)
 
 
@@ -119,7 +122,7 @@ def field_type_problem(name: str, value: Any) -> str | None:
     """ "must be an integer, got "two" (a string)" when `value` does not fit field `name`, else None."""
     if field_value_ok(name, value):
         return None
-    kind, nullable = ZLAB_FIELDS[name]
+    kind, nullable = zlab_field_types()[name]
     return f"must be {kind}{' (or null)' if nullable else ''}, got {_describe(value)}"
 
 

@@ -26,9 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflashkit.cpu_products import linear_product, route_linears
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.drafter.dspark_heads import markov_chain
 from dflashkit.drafter.heads import head_of
-from dflashkit.drafter.heads.dflash2_net import scaled_logits
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").
@@ -66,10 +64,6 @@ def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
         out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return out.masked_fill(~mask, torch.finfo(dtype).min)
     return mask.to(dtype)
-
-
-def _argmax(logits: Tensor) -> int:
-    return int(logits.argmax())
 
 
 def positional_mask(q_pos: Tensor, k_pos: Tensor, *, causal: bool, window: int | None) -> Tensor | None:
@@ -273,8 +267,7 @@ class DFlashDrafter(nn.Module):
             mask_vec = embed_weight[self.config.mask_token_id].to(self.device, self.dtype)
         out = mask_vec.expand(b, nb, block_len, -1).clone()  # (B, Nb, bl, H)
         out[:, :, 0] = first
-        if self.config.input_embedding_scale != 1.0:
-            out = out * self.config.input_embedding_scale
+        out = self.head.scale_embeddings(self.config, out)
         return out.reshape(b, nb * block_len, -1)
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
@@ -284,7 +277,7 @@ class DFlashDrafter(nn.Module):
             weight = self._reduced_head_weight(lm_head_weight)  # (V', H)
         weight = weight.to(hidden.device) if weight.device != hidden.device else weight
         out = linear_product(hidden.to(weight.dtype), weight)  # a round's few rows: the measured product
-        return scaled_logits(self.config, out)
+        return self.head.unary_logits(self.config, out)
 
     def _reduced_head_weight(self, lm_head_weight: Tensor) -> Tensor:
         """The target's LM head rows of the draft vocabulary (V', H): gathered once per head tensor (and its in-place
@@ -312,12 +305,6 @@ class DFlashDrafter(nn.Module):
         """The block slot of the first draft: 0 when every slot drafts (DSpark), 1 when slot 0 holds the given
         token (DFlash)."""
         return self.head.first_draft_slot
-
-    def greedy_markov(self, base_logits: Tensor, first_prev: int) -> tuple[list[int], Tensor]:
-        """DSpark's greedy chain over a block's backbone logits (n, V'): (drafts as target ids, corrected logits)."""
-        to_target = lambda i: int(self.to_target_ids(torch.tensor(i)))  # noqa: E731
-        drafts, corrected, _ = markov_chain(base_logits, first_prev, self.markov_head, _argmax, to_target)
-        return drafts, corrected
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids back to target ids (identity without a reduced vocabulary)."""

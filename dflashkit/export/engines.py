@@ -59,20 +59,30 @@ def engine_verdicts(
     cfg: DrafterConfig, *, files: set[str], keys: set[str], raw: dict[str, Any] | None = None
 ) -> list[EngineVerdict]:
     """One verdict per engine for a drafter directory holding `files` (names) with tensor `keys` and config
-    `raw` (its config.json as read)."""
-    raw = raw or {}
-    if head_of(cfg).vllm_cpu_problem:  # a kind vLLM runs in its GPU model runner only (DSpark)
-        return _dspark_verdicts(cfg, keys, raw)
+    `raw` (its config.json as read). What differs by kind comes from the head: the kinds vLLM runs only in its GPU
+    model runner (`vllm_cpu_problem`, `vllm_gpu_layout`), a learned mask vLLM drops (`vllm_drops_learned_mask`),
+    what z-lab's class lacks (`zlab_problem`), llama.cpp's `--spec-type`."""
+    raw, head = raw or {}, head_of(cfg)
     out: list[EngineVerdict] = []
     layout = _vllm_layout_problems(cfg, keys, raw)
     model = vllm_model_problems(cfg)
+    dropped = cfg.learned_mask_embedding and head.vllm_drops_learned_mask
     mask_degrades = cfg.learned_mask_embedding and MASK_FILE not in files
     for engine, cpu in (("vLLM (GPU)", False), ("vLLM (CPU)", True)):
-        refuse = list(model)
-        if cpu and mixed_layers(cfg):
+        refuse = [head.vllm_cpu_problem] if cpu and head.vllm_cpu_problem else list(model)
+        if cpu and not head.vllm_cpu_problem and mixed_layers(cfg):
             refuse.append("vLLM's CPU runner (V1) refuses drafters mixing sliding and full attention layers")
         if refuse:
             out.append(EngineVerdict(engine, "refuses", "; ".join(refuse)))
+        elif dropped:
+            out.append(
+                EngineVerdict(
+                    engine,
+                    "degrades",
+                    f"vLLM's {head.title} model drops a learned mask embedding ({MASK_FILE} too) and feeds the "
+                    f"target's row {cfg.mask_token_id} at masked slots",
+                )
+            )
         elif layout:
             out.append(EngineVerdict(engine, "converts", "; ".join(layout) + f" — {TO_VLLM}"))
         elif mask_degrades:
@@ -84,17 +94,20 @@ def engine_verdicts(
                     f"target's row {cfg.mask_token_id} at masked slots — {TO_VLLM}",
                 )
             )
+        elif head.vllm_gpu_layout:
+            out.append(EngineVerdict(engine, "unverified", f"{head.vllm_gpu_layout}; dflashkit runs vLLM on CPU only"))
         else:
             out.append(EngineVerdict(engine, "loads"))
     problems = export_problems(cfg)
     if problems:
         out.append(EngineVerdict("llama.cpp", "refuses", "; ".join(problems)))
     else:
-        out.append(
-            EngineVerdict("llama.cpp", "converts", "dflashkit convert DIR OUT.gguf --to gguf --target TARGET.gguf")
-        )
-    if cfg.draft_vocab_size is not None:
-        out.append(EngineVerdict("z-lab", "refuses", "z-lab's DFlashDraftModel has no reduced draft vocabulary"))
+        command = "dflashkit convert DIR OUT.gguf --to gguf --target TARGET.gguf"
+        out.append(EngineVerdict("llama.cpp", "converts", f"{command} (--spec-type {head.llamacpp_spec_type})"))
+    if head.zlab_problem:
+        out.append(EngineVerdict("z-lab", "refuses", head.zlab_problem))
+    elif cfg.draft_vocab_size is not None:
+        out.append(EngineVerdict("z-lab", "refuses", "z-lab's drafter classes have no reduced draft vocabulary"))
     elif cfg.learned_mask_embedding:
         out.append(
             EngineVerdict("z-lab", "degrades", f"z-lab embeds masked slots with the target's row {cfg.mask_token_id}")
@@ -103,45 +116,9 @@ def engine_verdicts(
         out.append(EngineVerdict("z-lab", "unverified", "z-lab's layout; its loader is not run by dflashkit"))
     out.append(
         EngineVerdict(
-            "SGLang", "unverified", "SGLang's DFLASH loader reads z-lab's fields; dflashkit does not run SGLang"
+            "SGLang", "unverified", f"SGLang's loader reads z-lab's {head.title} fields; dflashkit does not run SGLang"
         )
     )
-    return out
-
-
-def _dspark_verdicts(cfg: DrafterConfig, keys: set[str], raw: dict[str, Any]) -> list[EngineVerdict]:
-    """DSpark drafters: vLLM runs them only in its GPU model runner (`v1/worker/gpu/spec_decode/dspark`,
-    `qwen3_dspark.py`, which drops a learned mask embedding); llama.cpp through `--to gguf` (`draft-dspark`)."""
-    out = [EngineVerdict("vLLM (CPU)", "refuses", "vLLM runs DSpark drafters in its GPU model runner (V2) only")]
-    layout = _vllm_layout_problems(cfg, keys, raw)
-    if vllm_model_problems(cfg):
-        out.append(EngineVerdict("vLLM (GPU)", "refuses", "; ".join(vllm_model_problems(cfg))))
-    elif cfg.learned_mask_embedding:
-        out.append(
-            EngineVerdict(
-                "vLLM (GPU)",
-                "degrades",
-                f"vLLM's Qwen3 DSpark model drops a learned mask embedding (mask_embedding.pt too) and feeds the "
-                f"target's row {cfg.mask_token_id} at masked slots",
-            )
-        )
-    elif layout:
-        out.append(EngineVerdict("vLLM (GPU)", "converts", "; ".join(layout) + f" — {TO_VLLM}"))
-    else:
-        out.append(
-            EngineVerdict(
-                "vLLM (GPU)", "unverified", "Qwen3DSparkModel layout (method 'dspark'); dflashkit runs vLLM on CPU only"
-            )
-        )
-    problems = export_problems(cfg)
-    out.append(
-        EngineVerdict("llama.cpp", "refuses", "; ".join(problems))
-        if problems
-        else EngineVerdict("llama.cpp", "converts", "dflashkit convert DIR OUT.gguf --to gguf --target TARGET.gguf "
-                           "(--spec-type draft-dspark)")
-    )  # fmt: skip
-    out.append(EngineVerdict("z-lab", "refuses", "z-lab's DFlashDraftModel has no Markov or confidence head"))
-    out.append(EngineVerdict("SGLang", "unverified", "dflashkit does not run SGLang"))
     return out
 
 

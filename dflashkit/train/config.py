@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import Field
 
+from dflashkit.drafter.heads import TRAIN_SETTINGS
 from dflashkit.errors import ConfigError
 from dflashkit.target.devices import resolve_device
 from dflashkit.validation import (
@@ -80,14 +81,7 @@ RESUME_LOCKED = (
     "lk_eta",
     "lk_kl_scale",
     "lk_kl_decay",
-    "dspark_ce_weight",
-    "dspark_l1_weight",
-    "dspark_confidence_weight",
-    "selector_weight",
-    "selector_rule",
-    "selector_decay",
-    "selector_warmup_steps",
-    "selector_ramp_steps",
+    *(f.name for settings in TRAIN_SETTINGS for f in fields(settings)),  # a head's objective options
 )
 
 DEFAULT_ONLINE_TOPK = 32  # loss: topk with online features and topk: null — entries per position
@@ -95,9 +89,11 @@ _Device = Annotated[str, Field(min_length=1), Expect("a device: auto, cpu, cuda 
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(*TRAIN_SETTINGS):
     """A DFlash training run. Paths are relative to the working directory. Every field's type is its check
-    (`dflashkit.validation`); `validate()` runs them and the rules between fields."""
+    (`dflashkit.validation`); `validate()` runs them and the rules between fields. The options one drafter head
+    alone reads (DSpark's loss weights, DFlash2's selector term) are its `Head.train_settings`, inherited as
+    keyword-only fields."""
 
     # ---- data and models
     features: optional(Text, "no captured features") = None  # directory written by `dflashkit capture`
@@ -133,20 +129,6 @@ class TrainConfig:
     position_weights: choice("decay", "dpace") = "decay"
     dpace_alpha: UnitInterval = 0.5  # position_weights: dpace — floor α in q̃ = (1 − α)·exp(−CE) + α
     gamma: optional(PositiveFloat, "7 for block 16, 5 for 10, 4 for 8; DSpark 4") = None  # decay of slot weights
-    # drafter.kind: dspark — the weights of its loss terms (DeepSpec's defaults): CE to the label, L1 distance to
-    # the target's distribution, BCE of the confidence head against the acceptance rate 1 − L1/2
-    dspark_ce_weight: NonNegativeFloat = 0.1
-    dspark_l1_weight: NonNegativeFloat = 0.9  # drafter.kind: dspark — weight of the L1 term
-    dspark_confidence_weight: NonNegativeFloat = 1.0  # drafter.kind: dspark — weight of the confidence BCE
-    # drafter.kind: dflash2 — the candidate selector's K-way CE, added to the unary objective with weight
-    # selector_weight (0 during selector_warmup_steps, then a linear ramp over selector_ramp_steps). "inject": a gold
-    # token outside the top-K replaces the K-th candidate (speculators, Model-Optimizer); "strict": that slot adds
-    # nothing. selector_decay: the unary objective's slot weights (speculators); false: every slot 1 (Model-Optimizer)
-    selector_weight: NonNegativeFloat = 1.0
-    selector_rule: choice("inject", "strict") = "inject"  # drafter.kind: dflash2 — a gold token outside the top-K
-    selector_decay: Bool = True  # drafter.kind: dflash2 — selector term weighted like the unary one (false: uniform)
-    selector_warmup_steps: NonNegativeInt = 0  # drafter.kind: dflash2 — steps with selector weight 0
-    selector_ramp_steps: NonNegativeInt = 0  # drafter.kind: dflash2 — then a linear ramp to selector_weight
     noise_std: NonNegativeFloat = 0.0  # Gaussian noise on the fc inputs (target features) only
     noise_schedule: choice("constant", "cosine") = "constant"  # cosine decays to 0 over the run
     # ---- optimiser

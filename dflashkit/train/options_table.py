@@ -4,7 +4,7 @@
     python -m dflashkit.train.options_table --write    # replace the table between the markers in docs/pipeline.md
 
 Each row is one field: its name, its default, what it accepts (the declared type's own words, the same ones an error
-message uses) and what it does (the comment written beside the field in `config.py`, or on the lines above it).
+message uses) and what it does (the comment written beside the field where it is declared, or on the lines above it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflashkit.train import config as config_module
+from dflashkit.drafter.heads import TRAIN_SETTINGS
 from dflashkit.train.config import RESUME_LOCKED, TrainConfig
 from dflashkit.validation import expected_text, field_types
 
@@ -25,13 +25,21 @@ END = "<!-- train-options:end -->"
 
 
 def field_comments() -> dict[str, str]:
-    """Field name → the comment beside it in `TrainConfig`'s source, with the comment lines just above it
-    (a `# ---- section` line starts none)."""
-    source = inspect.getsource(config_module)
+    """Field name → the comment beside it in the source of the class declaring it (`TrainConfig`, or a head's
+    training settings), with the comment lines just above it (a `# ---- section` line starts none)."""
+    out: dict[str, str] = {}
+    for cls in TrainConfig.__mro__:
+        if dataclasses.is_dataclass(cls):
+            out = {**_class_comments(cls), **out}
+    return out
+
+
+def _class_comments(cls: type) -> dict[str, str]:
+    source = inspect.getsource(inspect.getmodule(cls))
     lines = source.splitlines()
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    node_cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     out = {}
-    for node in cls.body:
+    for node in node_cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         above, i = [], node.lineno - 2
@@ -76,7 +84,9 @@ def options_table() -> str:
     """The Markdown table: option, default, accepted values, meaning (a • marks options fixed for a resumed run)."""
     comments, types = field_comments(), field_types(TrainConfig)
     rows = ["| option | default | accepts | what it does |", "| --- | --- | --- | --- |"]
-    for f in dataclasses.fields(TrainConfig):
+    own = set(inspect.get_annotations(TrainConfig))
+    head_rank = {f.name: i for i, settings in enumerate(TRAIN_SETTINGS) for f in dataclasses.fields(settings)}
+    for f in sorted(dataclasses.fields(TrainConfig), key=lambda f: (f.name not in own, head_rank.get(f.name, 0))):
         if f.metadata.get("internal"):
             continue
         name = f"`{f.name}`" + (" •" if f.name in RESUME_LOCKED else "")

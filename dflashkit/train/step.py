@@ -158,9 +158,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     if inp.prev_tokens is not None:
         return _dspark_step_loss(run, inp, rows, hidden, normalizer)
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
-    head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
-    if run.drafter.config.output_multiplier != 1.0:  # unary logits = m·(h·Wᵀ) = h·(m·W)ᵀ
-        head = head * run.drafter.config.output_multiplier
+    head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)  # (V', H), (B, Nb, bs)
     soft: dict[str, Any] = {}
     if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
         ids, lps = topk_targets(inp.blocks, rows, cfg.topk)  # (B, Nb, bs, K)
@@ -172,7 +170,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         )
     out = block_loss(
         hidden.reshape(-1, bs, hidden.shape[-1]),
-        head,
+        run.drafter.head.unary_weight(run.drafter.config, head),  # a head's scaling of its logits, on W's rows
         labels.reshape(-1, bs),
         weights=run.weights,
         kind=cfg.loss,

@@ -110,6 +110,10 @@ def test_zlab_config_and_checkpoint_round_trip(tmp_path) -> None:
     assert {raw["dflash_config"][k] for k in ("conv_kernel_size", "selector_top_k")} == {3, 4}
     assert raw["dflash_config"]["final_logit_softcapping"] == 30.0
     assert DrafterConfig.from_zlab_dict(raw) == cfg
+    for name, value, words in (("selector_rank", "two", "an integer"), ("output_multiplier", [1], "a number")):
+        bad = {**raw, "dflash_config": {**raw["dflash_config"], name: value}}  # the head's own field types
+        with pytest.raises(ConfigError, match=f"x.json: field 'dflash_config.{name}' must be {words}"):
+            DrafterConfig.from_zlab_dict(bad, source="x.json")
     torch.manual_seed(3)
     d = DFlashDrafter(cfg)
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
 from dflashkit.drafter.config import DrafterConfig, parameter_count
-from dflashkit.drafter.dspark_heads import markov_chain
+from dflashkit.drafter.heads.dspark_net import markov_chain
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
 

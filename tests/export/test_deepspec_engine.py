@@ -63,7 +63,8 @@ def _ours(
     blk = drafter.block_embeddings(ids[:, p : p + 1], target.embed_weight, bs)  # (1, γ, H)
     pos = dict(context_positions=torch.arange(p)[None], block_positions=torch.arange(p, p + bs)[None])
     hidden = drafter(features[:, :p], blk, **pos)[0]  # (γ, H)
-    drafts, corrected = drafter.greedy_markov(drafter.logits(hidden, target.lm_head_weight), int(ids[0, p]))
+    logits = drafter.logits(hidden, target.lm_head_weight)  # (γ, V')
+    drafts, corrected = drafter.head.greedy_drafts(drafter, logits, int(ids[0, p]), hidden)
     prevs = torch.tensor([int(ids[0, p]), *drafts[:-1]])  # slot k reads the token before it
     return drafts, corrected, drafter.confidence_head(hidden, drafter.markov_head.prev_embeddings(prevs))
 

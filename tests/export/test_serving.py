@@ -135,6 +135,21 @@ def test_engine_verdicts_name_what_each_engine_does_with_a_directory(tmp_path, t
     assert gelu["vLLM (GPU)"].verdict == "refuses" and gelu["llama.cpp"].verdict == "refuses"
 
 
+@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+def test_each_kind_gets_its_own_engine_verdicts(kind):
+    """The verdicts come from the head: a GPU-only kind is refused by vLLM's CPU build and unverified on GPU under
+    its own model's name; z-lab, llama.cpp and SGLang are named for this kind, never another's."""
+    extra = {"markov_rank": 8} if kind == "dspark" else {"selector_rank": 8, "selector_top_k": 4}
+    cfg = small_config(kind=kind, learned_mask_embedding=False, mask_token_id=90, **extra)
+    v = {x.engine: x for x in engine_verdicts(cfg, files={"config.json", "model.safetensors"}, keys=set())}
+    other = {"dspark": "DFlash2", "dflash2": "DSpark"}[kind]
+    assert v["vLLM (CPU)"].verdict == "refuses" and v["vLLM (GPU)"].verdict == "unverified"
+    assert ("Qwen3DSparkModel" if kind == "dspark" else "qwen3_dflash2") in v["vLLM (GPU)"].why
+    assert {"dspark": "(--spec-type draft-dspark)", "dflash2": "(--spec-type draft-dflash)"}[kind] in v["llama.cpp"].why
+    assert v["z-lab"].verdict == ("refuses" if kind == "dspark" else "unverified")
+    assert not any(other in x.why or ("Markov" in x.why and kind == "dflash2") for x in v.values())
+
+
 def test_inspect_and_doctor_read_the_serving_layout(tmp_path, target):
     convert(_reduced(tmp_path / "ours"), tmp_path / "vllm", to="vllm", target=target)
     ins = inspect_checkpoint(tmp_path / "vllm")

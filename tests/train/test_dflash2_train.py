@@ -16,6 +16,7 @@ import torch
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.heads import TrainingTerms
+from dflashkit.drafter.heads.dflash2 import DFlash2Head
 from dflashkit.drafter.heads.dflash2_loss import selector_loss, selector_weight_at
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError
@@ -155,6 +156,28 @@ def test_trains_learns_resumes_exactly_and_warm_starts(tmp_path: Path, target: T
     assert warm.config.kind == "dflash2" and warm.config.selector_top_k == 4
     for k, v in plain.state_dict().items():  # a step at lr 1e-12 moves nothing measurable
         torch.testing.assert_close(warm.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_the_step_scales_the_unary_logits_once(tmp_path: Path, target: Target, tiny_llama_dir, monkeypatch) -> None:
+    """With output_multiplier m the block objective reads m·W's rows; the selector term gets the LM head's own rows W
+    (it scales its candidates' logits itself: `selector_terms`), so its scores are m·h·W + pair, not m²·h·W."""
+    seen = []
+    real = DFlash2Head.training_loss
+
+    def spy(self, terms):
+        seen.append(terms.head_weight.detach().clone())
+        return real(self, terms)
+
+    monkeypatch.setattr(DFlash2Head, "training_loss", spy)
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 2)
+    drafter = {**DRAFTER, "output_multiplier": 1.5}
+    kw = dict(tokens=str(tokens), online=True, target=str(tiny_llama_dir), max_steps=1, drafter=drafter)
+    train(cfg_for(tmp_path / "m", **kw), target=target)
+    d = load_drafter(tmp_path / "m" / "final")
+    rows = target.lm_head_weight.float()
+    if d.config.draft_vocab_size is not None:
+        rows = rows[d.draft_to_target]
+    assert seen and torch.equal(seen[0].float(), rows)
 
 
 @pytest.mark.parametrize(

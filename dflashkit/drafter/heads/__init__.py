@@ -2,9 +2,12 @@
 
     head = head_of(cfg)        # cfg.kind (or a kind name) → its Head: what the stages need to know of it
     KINDS                      # the kinds a drafter config may name
+    DRAFTER_SETTINGS, TRAIN_SETTINGS   # the heads' own config fields and training options (base classes of the
+                                       # drafter config and the training config)
 
   base.py     `Head`: the interface, with the DFlash backbone's own behaviour as its defaults (the DFlash head)
   dspark.py   `DSparkHead`: every slot drafts; a Markov head and a confidence head (DeepSpec's DSpark)
+  dspark_net.py    its network: `MarkovHead`, `ConfidenceHead`, `markov_chain` (the greedy chain over a block)
   dspark_draft.py  its decoding round (the Markov head left to right) and its DDTree children's distribution
   dflash2.py  `DFlash2Head`: z-lab's DFlash2 — convolutions around every sublayer and a candidate selector
   dflash2_net.py, dflash2_draft.py, dflash2_loss.py  its network, its drafting (walk, lattice), its selector term
@@ -16,12 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflashkit.drafter.config_fields import add_head_fields
 from dflashkit.drafter.heads.base import DraftRound, Head, TrainingTerms
 from dflashkit.drafter.heads.dflash2 import DFlash2Head
 from dflashkit.drafter.heads.dspark import DSparkHead
 
 HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head())}
 KINDS = tuple(HEADS)
+for _head in HEADS.values():  # a hand-edited config.json's head fields are type-checked like the backbone's
+    add_head_fields(_head.zlab_field_types)
 
 
 def head_of(config_or_kind: Any) -> Head:
@@ -35,9 +41,25 @@ def kind_of_config(raw: dict[str, Any]) -> str:
     return next((h.kind for h in HEADS.values() if h.kind != "dflash" and h.recognises(raw)), "dflash")
 
 
+# each head's drafter config fields and training options, as base classes: DrafterConfig and TrainConfig inherit them
+DRAFTER_SETTINGS: tuple[type, ...] = tuple(h.settings for h in HEADS.values() if h.settings is not None)
+TRAIN_SETTINGS: tuple[type, ...] = tuple(h.train_settings for h in HEADS.values() if h.train_settings is not None)
+
+
 def kind_fields() -> dict[str, str]:
     """Config field → the kind whose head reads it (a field given for another kind is refused by name)."""
     return {name: head.kind for head in HEADS.values() for name in head.fields}
 
 
-__all__ = ["HEADS", "KINDS", "DraftRound", "Head", "TrainingTerms", "head_of", "kind_fields", "kind_of_config"]
+__all__ = [
+    "DRAFTER_SETTINGS",
+    "HEADS",
+    "KINDS",
+    "TRAIN_SETTINGS",
+    "DraftRound",
+    "Head",
+    "TrainingTerms",
+    "head_of",
+    "kind_fields",
+    "kind_of_config",
+]

@@ -4,11 +4,17 @@ A drafter = the DFlash backbone (context K/V from the fused target features, a b
 an objective. Stages ask the head of a drafter's config (`dflashkit.drafter.heads.head_of`) instead of branching on
 its kind:
 
-    head.fields                     config fields only this kind reads (refused for other kinds by name)
-    head.train_fields               training options only this kind's objective reads (likewise)
+    head.settings                   its drafter config fields: a keyword-only dataclass with their types (each type is
+                                    its check) and defaults, which `DrafterConfig` inherits; `head.fields` their names
+                                    (refused for other kinds by name); `zlab_field_types` their config.json types
+    head.train_settings             likewise the training options only its objective reads (`TrainConfig` inherits
+                                    them; `head.train_fields` their names)
     head.architectures              the `architectures` entry of its z-lab config.json; `zlab_fields(cfg)` the rest,
                                     `recognises(raw)` / `fields_from_zlab(raw, source)` read them back
     head.extra_parameters(cfg)      parameters it adds to the backbone's
+    head.scale_embeddings(cfg, e)   the block's embeddings as its layers read them (default: unchanged)
+    head.unary_logits(cfg, z)       the LM head's logits as its drafts read them; `unary_weight(cfg, w)` the same
+                                    scaling on the LM-head rows (training forms h·Wᵀ in chunks)
     head.first_draft_slot           block slot of the first draft (DFlash 1: slot 0 holds the given token)
     head.drafts_per_round(bs)       drafts one block proposes
     head.metric_slots(bs)           entries of the per-slot training metrics
@@ -26,12 +32,14 @@ its kind:
     head.training_loss(t)           its own training term added to the objective (`TrainingTerms`; None: none)
     head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
     head.llamacpp_spec_type         llama.cpp's --spec-type for this kind
+    head.vllm_cpu_problem, vllm_gpu_layout, vllm_drops_learned_mask, zlab_problem   engine verdicts of its kind
 
 A new head subclasses `Head`, overrides what differs, and is added to the registry in `__init__.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,8 +93,11 @@ class Head:
 
     kind: ClassVar[str] = "dflash"
     label: ClassVar[str] = "DFlash"
-    fields: ClassVar[tuple[str, ...]] = ()
-    train_fields: ClassVar[tuple[str, ...]] = ()
+    settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its drafter config fields
+    train_settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its training options
+    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {}  # config.json field → (its type's words, null ok)
+    fields: ClassVar[tuple[str, ...]] = ()  # names of `settings`' fields
+    train_fields: ClassVar[tuple[str, ...]] = ()  # names of `train_settings`' fields
     architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     first_draft_slot: ClassVar[int] = 1
     reads_final_layer: ClassVar[bool] = False
@@ -98,6 +109,9 @@ class Head:
     quickstart_drafter: ClassVar[dict[str, Any]] = {}  # drafter fields the quickstart's budget takes for this kind
     quickstart_train: ClassVar[dict[str, Any]] = {}  # training options likewise
     vllm_cpu_problem: ClassVar[str | None] = None  # why vLLM's CPU build cannot run this kind (None: it can)
+    vllm_gpu_layout: ClassVar[str | None] = None  # a GPU-only kind: vLLM's model for it, as `serve-check` names it
+    vllm_drops_learned_mask: ClassVar[bool] = False  # vLLM's model for it feeds a token row at masked slots
+    zlab_problem: ClassVar[str | None] = None  # why z-lab's drafter classes cannot run this kind (None: they can)
     title: ClassVar[str] = "DFlash"  # the kind as users read it
     # why DeepSpec's Qwen3DSparkModel cannot run this kind (None: it can)
     deepspec_problem: ClassVar[str | None] = (
@@ -107,6 +121,23 @@ class Head:
 
     speculators_architecture: ClassVar[str] = "DFlashSpeculator"
     key_aliases: ClassVar[dict[str, str]] = {}  # checkpoint key another writer uses → dflashkit's
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.fields = _names(cls.settings)
+        cls.train_fields = _names(cls.train_settings)
+
+    def scale_embeddings(self, cfg: Any, embeds: Tensor) -> Tensor:
+        """The block's embeddings (…, H) as the backbone's layers read them."""
+        return embeds
+
+    def unary_logits(self, cfg: Any, logits: Tensor) -> Tensor:
+        """The LM head's logits (…, V') as this head's drafts and DDTree read them."""
+        return logits
+
+    def unary_weight(self, cfg: Any, weight: Tensor) -> Tensor:
+        """The LM-head rows (V', H) whose products with the hidden states are the logits training supervises."""
+        return weight
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
         """Top-level fields of its speculators config.json beyond the backbone's."""
@@ -225,6 +256,10 @@ class Head:
     def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
         """Slot scores (n, V') when slot j's previous token is `prev_tokens[j]` (a transcript's own)."""
         return draft_logits
+
+
+def _names(settings: type | None) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(settings)) if settings is not None else ()
 
 
 __all__ = ["DraftRound", "Head", "TrainingTerms"]

@@ -14,30 +14,55 @@ DFlash2, and so does `convert --to speculators`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from dflashkit.drafter.config_fields import FLOAT, INT
 from dflashkit.drafter.heads.base import DraftRound, Head, TrainingTerms
 from dflashkit.errors import ConfigError
+from dflashkit.validation import (
+    Bool,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    choice,
+    fail,
+    optional,
+)
 
-CONFIG_FIELDS = (
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-    "output_multiplier",
-    "final_logit_softcapping",
-    "input_embedding_scale",
-)
-SELECTOR_OPTIONS = (
-    "selector_weight",
-    "selector_rule",
-    "selector_decay",
-    "selector_warmup_steps",
-    "selector_ramp_steps",
-)
+
+@dataclass(kw_only=True)
+class DFlash2Settings:
+    """drafter.kind: dflash2 — its fields of the drafter config (`DrafterConfig` inherits them)."""
+
+    conv_kernel_size: PositiveInt = 2  # taps of the grouped dynamic causal convolution around each attention and MLP
+    conv_group_size: PositiveInt = 16  # channels that share one dynamic kernel
+    selector_rank: PositiveInt = 256  # rank of the candidate selector's codebooks
+    selector_top_k: PositiveInt = 16  # unary candidates the selector re-ranks per slot, given the token before it
+    output_multiplier: PositiveFloat = 1.0  # unary logits = the LM head's × this
+    final_logit_softcapping: optional(PositiveFloat, "no softcap") = None  # then tanh-capped at this
+    input_embedding_scale: PositiveFloat = 1.0  # the block's embeddings × this
+
+
+@dataclass(kw_only=True)
+class DFlash2TrainSettings:
+    """drafter.kind: dflash2 — its training options (`TrainConfig` inherits them)."""
+
+    # drafter.kind: dflash2 — the candidate selector's K-way CE, added to the unary objective with weight
+    # selector_weight (0 during selector_warmup_steps, then a linear ramp over selector_ramp_steps). "inject": a gold
+    # token outside the top-K replaces the K-th candidate (speculators, Model-Optimizer); "strict": that slot adds
+    # nothing. selector_decay: the unary objective's slot weights (speculators); false: every slot 1 (Model-Optimizer)
+    selector_weight: NonNegativeFloat = 1.0
+    selector_rule: choice("inject", "strict") = "inject"  # drafter.kind: dflash2 — a gold token outside the top-K
+    selector_decay: Bool = True  # drafter.kind: dflash2 — selector term weighted like the unary one (false: uniform)
+    selector_warmup_steps: NonNegativeInt = 0  # drafter.kind: dflash2 — steps with selector weight 0
+    selector_ramp_steps: NonNegativeInt = 0  # drafter.kind: dflash2 — then a linear ramp to selector_weight
+
+
 # dflashkit key → llama.cpp tensor name (gguf-py tensor_mapping: DFlash2's conv and selector tensors)
 GGUF_GLOBAL = {
     "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
@@ -58,8 +83,17 @@ class DFlash2Head(Head):
     kind: ClassVar[str] = "dflash2"
     label: ClassVar[str] = "DFlash2 convolutions and candidate selector"
     title: ClassVar[str] = "DFlash2"
-    fields: ClassVar[tuple[str, ...]] = CONFIG_FIELDS
-    train_fields: ClassVar[tuple[str, ...]] = SELECTOR_OPTIONS
+    settings: ClassVar[type | None] = DFlash2Settings
+    train_settings: ClassVar[type | None] = DFlash2TrainSettings
+    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
+        "conv_kernel_size": (INT, False),
+        "conv_group_size": (INT, False),
+        "selector_rank": (INT, False),
+        "selector_top_k": (INT, False),
+        "output_multiplier": (FLOAT, True),
+        "final_logit_softcapping": (FLOAT, True),
+        "input_embedding_scale": (FLOAT, True),
+    }
     architectures: ClassVar[tuple[str, ...]] = ("DFlash2DraftModel",)
     speculators_architecture: ClassVar[str] = "DFlash2DraftModel"
     key_aliases: ClassVar[dict[str, str]] = {
@@ -70,14 +104,13 @@ class DFlash2Head(Head):
         "vLLM runs DFlash2 drafters (qwen3_dflash2) in its GPU model runner; the vLLM environment here is the CPU "
         "build — check a DFlash2 drafter with --engine llamacpp"
     )
+    vllm_gpu_layout: ClassVar[str | None] = "DFlash2DraftModel layout (qwen3_dflash2)"
     deepspec_problem: ClassVar[str | None] = (
         "a DFlash2 drafter: DeepSpec's Qwen3DSparkModel has no convolutions or candidate selector — export it with "
         "--to zlab, --to speculators or --to gguf"
     )
 
     def check_config(self, cfg: Any, where: Any) -> None:
-        from dflashkit.validation import fail
-
         if cfg.hidden_size % cfg.conv_group_size:
             raise fail(
                 where("conv_group_size"),
@@ -99,6 +132,18 @@ class DFlash2Head(Head):
                 cfg.selector_top_k,
                 f"at most the draft vocabulary ({cfg.draft_vocab_size or cfg.vocab_size} tokens)",
             )
+
+    def scale_embeddings(self, cfg: Any, embeds: Tensor) -> Tensor:
+        return embeds if cfg.input_embedding_scale == 1.0 else embeds * cfg.input_embedding_scale
+
+    def unary_logits(self, cfg: Any, logits: Tensor) -> Tensor:
+        from dflashkit.drafter.heads.dflash2_net import scaled_logits
+
+        return scaled_logits(cfg, logits)
+
+    def unary_weight(self, cfg: Any, weight: Tensor) -> Tensor:
+        """m·(h·Wᵀ) = h·(m·W)ᵀ; a softcap is refused in training (`train_checks`)."""
+        return weight if cfg.output_multiplier == 1.0 else weight * cfg.output_multiplier
 
     def extra_parameters(self, cfg: Any) -> int:
         """Two convolutions a layer (base 2·K·H, projection H·2·K·G), codebooks A (V × r), B (V' × r), P (H × r)."""
@@ -129,11 +174,11 @@ class DFlash2Head(Head):
     def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         dflash = raw.get("dflash_config") or {}
         out = {}
-        for name in CONFIG_FIELDS:
+        for name in self.fields:
             value = dflash.get(name, raw.get(name))
             if value is not None:
                 out[name] = value
-        missing = [n for n in CONFIG_FIELDS[:4] if n not in out]
+        missing = [n for n in self.fields[:4] if n not in out]
         if missing:
             raise ConfigError(f"{source}: a DFlash2 drafter needs dflash_config.{missing[0]} (an integer ≥ 1)")
         if out.get("final_logit_softcapping") is not None and float(out["final_logit_softcapping"]) <= 0:
@@ -142,7 +187,7 @@ class DFlash2Head(Head):
 
     def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
         """Its fields inside `dflash_config`, where z-lab's model and llama.cpp's converter read them."""
-        out = {name: getattr(cfg, name) for name in CONFIG_FIELDS}
+        out = {name: getattr(cfg, name) for name in self.fields}
         if out["final_logit_softcapping"] is None:
             del out["final_logit_softcapping"]
         return out
@@ -159,7 +204,7 @@ class DFlash2Head(Head):
                 "output_multiplier, final_logit_softcapping or input_embedding_scale set: speculators' DFlash2 has no "
                 "such fields and would draft differently; export with --to zlab or --to gguf"
             )
-        return {name: getattr(cfg, name) for name in CONFIG_FIELDS[:4]}
+        return {name: getattr(cfg, name) for name in self.fields[:4]}
 
     def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         """DrafterConfig fields of a speculators DFlash2 config (its defaults where a field is absent)."""
@@ -272,4 +317,4 @@ class DFlash2Head(Head):
         return teacher_forced_scores(drafter, hidden, draft_logits, prev_tokens)
 
 
-__all__ = ["CONFIG_FIELDS", "SELECTOR_OPTIONS", "DFlash2Head"]
+__all__ = ["DFlash2Head", "DFlash2Settings", "DFlash2TrainSettings"]

@@ -1,20 +1,43 @@
 """The DSpark head (DeepSpec's design): every slot drafts, the backbone's logits corrected left to right by a
 low-rank Markov head on the previous token, and a confidence head estimating acceptance.
 
-Its network is in `dflashkit.drafter.dspark_heads`, its loss in `dflashkit.train.dspark_loss`, its drafting round in
+Its network is in `dspark_net.py`, its loss in `dflashkit.train.dspark_loss`, its drafting round in
 `dflashkit.drafter.heads.dspark_draft`; this module is what the stages ask about it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
+from dflashkit.drafter.config_fields import BOOL, INT, STR
 from dflashkit.drafter.heads.base import DraftRound, Head
 from dflashkit.errors import ConfigError
+from dflashkit.validation import Bool, NonNegativeFloat, PositiveInt
 
-LOSS_WEIGHTS = ("dspark_ce_weight", "dspark_l1_weight", "dspark_confidence_weight")
+
+@dataclass(kw_only=True)
+class DSparkSettings:
+    """drafter.kind: dspark — its fields of the drafter config (`DrafterConfig` inherits them)."""
+
+    markov_rank: PositiveInt = 256  # rank of the Markov head's bias from the previous token
+    confidence_head: Bool = True  # a confidence head estimating each slot's acceptance
+
+
+@dataclass(kw_only=True)
+class DSparkTrainSettings:
+    """drafter.kind: dspark — its training options (`TrainConfig` inherits them)."""
+
+    # drafter.kind: dspark — the weights of its loss terms (DeepSpec's defaults): CE to the label, L1 distance to
+    # the target's distribution, BCE of the confidence head against the acceptance rate 1 − L1/2
+    dspark_ce_weight: NonNegativeFloat = 0.1
+    dspark_l1_weight: NonNegativeFloat = 0.9  # drafter.kind: dspark — weight of the L1 term
+    dspark_confidence_weight: NonNegativeFloat = 1.0  # drafter.kind: dspark — weight of the confidence BCE
+
+
 GGUF_NAMES = {
     "markov_head.markov_w1.weight": "markov_w1.weight",
     "markov_head.markov_w2.weight": "markov_w2.weight",
@@ -28,8 +51,15 @@ class DSparkHead(Head):
 
     kind: ClassVar[str] = "dspark"
     label: ClassVar[str] = "DSpark heads"
-    fields: ClassVar[tuple[str, ...]] = ("markov_rank", "confidence_head")
-    train_fields: ClassVar[tuple[str, ...]] = LOSS_WEIGHTS
+    settings: ClassVar[type | None] = DSparkSettings
+    train_settings: ClassVar[type | None] = DSparkTrainSettings
+    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
+        "markov_rank": (INT, True),
+        "markov_head_type": (STR, True),
+        "enable_confidence_head": (BOOL, True),
+        "confidence_head_with_markov": (BOOL, True),
+        "sample_from_anchor": (BOOL, True),
+    }
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)
     first_draft_slot: ClassVar[int] = 0
     reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
@@ -49,6 +79,9 @@ class DSparkHead(Head):
         "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
     )
 
+    vllm_gpu_layout: ClassVar[str | None] = "Qwen3DSparkModel layout (method 'dspark')"
+    vllm_drops_learned_mask: ClassVar[bool] = True  # qwen3_dspark.py embeds masked slots with the mask token's row
+    zlab_problem: ClassVar[str | None] = "z-lab's DFlashDraftModel has no Markov or confidence head"
     speculators_architecture: ClassVar[str] = "DSparkSpeculator"
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
@@ -168,13 +201,14 @@ class DSparkHead(Head):
         ):
             if value != ok:
                 raise ConfigError(f"{name}: {value!r} cannot train a DSpark drafter (drafter.kind: dspark): {why}")
-        if all(getattr(train_cfg, name) == 0 for name in LOSS_WEIGHTS):
+        if all(getattr(train_cfg, name) == 0 for name in self.train_fields):
             raise ConfigError(
-                f"{', '.join(LOSS_WEIGHTS)} are all 0: the objective trains nothing; give at least one a weight > 0"
+                f"{', '.join(self.train_fields)} are all 0: the objective trains nothing; "
+                f"give at least one a weight > 0"
             )
 
     def add_modules(self, drafter: Any) -> None:
-        from dflashkit.drafter.dspark_heads import ConfidenceHead, MarkovHead
+        from dflashkit.drafter.heads.dspark_net import ConfidenceHead, MarkovHead
 
         cfg = drafter.config
         drafter.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab_size or cfg.vocab_size)
@@ -203,12 +237,18 @@ class DSparkHead(Head):
     def greedy_drafts(
         self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor
     ) -> tuple[list[int], Tensor]:
-        """The Markov head's greedy chain over the block (as llama.cpp's graph runs it)."""
-        return drafter.greedy_markov(draft_logits, first_prev)
+        """The Markov head's greedy chain over the block (as llama.cpp's graph runs it): (drafts as target ids, the
+        corrected logits (n, V'))."""
+        from dflashkit.drafter.heads.dspark_net import markov_chain
+
+        to_target = lambda i: int(drafter.to_target_ids(torch.tensor(i)))  # noqa: E731
+        argmax = lambda z: int(z.argmax())  # noqa: E731
+        drafts, corrected, _ = markov_chain(draft_logits, first_prev, drafter.markov_head, argmax, to_target)
+        return drafts, corrected
 
     def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
         """Slot j corrected by the Markov bias of the true token before it."""
         return draft_logits + drafter.markov_head.bias(prev_tokens).float()
 
 
-__all__ = ["LOSS_WEIGHTS", "DSparkHead"]
+__all__ = ["DSparkHead", "DSparkSettings", "DSparkTrainSettings"]
