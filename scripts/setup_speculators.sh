@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Create .venv-speculators: vllm-project/speculators 0.9.0 and z-lab's dflash 0.1.0 (DFlash2DraftModel) in their own
-# environment (speculators pins transformers 5.19, dflashkit 5.24), for the opt-in tests that run dflashkit's exports
-# through speculators' own DFlash, DSpark and DFlash2 models and z-lab's DFlash2DraftModel and compare with dflashkit's
-# (`pytest -m speculators`). Idempotent; about 1.5 GB, a minute.
-#   torch 2.13.0 (the CPU wheel) on its own line; speculators==0.9.0, hs-connectors==0.9.0 and dflash==0.1.0 with
-#   --no-deps; then the
-#   pinned rest from requirements-speculators.txt.
+# Create .venv-speculators, the reference projects' environment: vllm-project/speculators 0.9.0, z-lab's dflash 0.1.0
+# (DFlash2DraftModel), NVIDIA Model-Optimizer 0.47.0 and SpecForge 0.2.0 (their Domino code), apart from dflashkit's
+# (speculators pins transformers 5.19, dflashkit 5.24), for the opt-in tests that run dflashkit's exports through the
+# references' own models and compare with dflashkit's (`pytest -m speculators`). Idempotent; about 1.6 GB, a minute.
+#   torch 2.13.0 (the CPU wheel) on its own line; speculators==0.9.0, hs-connectors==0.9.0, dflash==0.1.0,
+#   nvidia-modelopt==0.47.0 and specforge==0.2.0 with --no-deps; then the pinned rest from requirements-speculators.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -24,8 +23,11 @@ run() { "$@" >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; echo "[setup_speculators] f
 : > "$LOG"
 run "$VENV/bin/python" -m pip install --upgrade pip==26.3
 run "$VENV/bin/python" -m pip install torch==2.13.0
-run "$VENV/bin/python" -m pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
+run "$VENV/bin/python" -m pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0 \
+  nvidia-modelopt==0.47.0 specforge==0.2.0
 run "$VENV/bin/python" -m pip install -r requirements-speculators.txt
-run "$VENV/bin/python" -c "import speculators; from speculators.utils.loading import load_model_layers; import dflash.model"
+run "$VENV/bin/python" -c "import speculators; from speculators.utils.loading import load_model_layers; import dflash.model
+from modelopt.torch.speculative.plugins.hf_domino import HFDominoModel
+from specforge.modeling.draft.domino import DominoDraftModel"
 echo "$WANT" > "$STAMP"
 echo "[setup_speculators] done: $("$VENV/bin/python" -c 'from importlib.metadata import version; print("speculators", version("speculators"))')"

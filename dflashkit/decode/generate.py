@@ -382,7 +382,7 @@ def _verify_tree(
     draft_logits, draft_hidden = draft  # (D, V'), (D, H)
     with clock("tree_build"):
         logp = torch.log_softmax(draft_logits, dim=-1)  # (D, V')
-        conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden)
+        conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden, target.embed_weight)
         tree = build_tree(logp, bonus, budget=budget, top_k=top_k, force_spine=force_spine, conditional=conditional)
         if drafter.config.draft_vocab_size is not None:
             tree.tokens[1:] = drafter.to_target_ids(tree.tokens[1:])

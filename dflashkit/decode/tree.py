@@ -91,7 +91,7 @@ def build_tree(
     budget: int,
     top_k: int | None = None,
     force_spine: bool = False,
-    conditional: Callable[[int, int, int], Tensor] | None = None,
+    conditional: Callable[[int, int, int, int], Tensor] | None = None,
 ) -> DraftTree:
     """Build the DDTree over `draft_log_probs` (D, V) (log-softmax per depth) below `root_token`.
 
@@ -100,10 +100,11 @@ def build_tree(
     of all); the tree has 1 + min(budget, #prefixes) nodes. With `force_spine`, the top-1 chain (min(budget, D)
     nodes) is taken first and the rest of the budget is filled best-first. Ties go to the entry pushed first.
 
-    conditional: for drafters whose distribution at depth d depends on the token before it (DSpark's Markov head,
-    DFlash2's selector): `conditional(d, parent_node, parent_token)` → (V,) log-probs of the children of that node
-    (−inf: not a child; parent_token as stored in the tree: the root token for node 0, an id of `draft_log_probs`'
-    vocabulary below). Each node then
+    conditional: for drafters whose distribution at depth d depends on the tokens before it (DSpark's Markov head,
+    DFlash2's selector, Domino's GRU over the path): `conditional(d, parent_node, parent_token, its_parent)` → (V,)
+    log-probs of the children of that node (−inf: not a child; parent_token as stored in the tree: the root token for
+    node 0, an id of `draft_log_probs`' vocabulary below; its_parent: −1 for the root, else a node already passed to
+    `conditional`, so a state can be carried along the path). Each node then
     ranks its own children; the search is the same (a prefix's probability is the product of its conditionals,
     each ≤ 1, so the popped set is still the top-B prefixes and prefix-closed). `draft_log_probs` gives D and V.
     """
@@ -130,7 +131,7 @@ def build_tree(
         if shared is not None:
             return shared[0][d], shared[1][d]
         if parent not in own:
-            v, i = torch.topk(conditional(d, parent, tokens[parent]).reshape(-1), k)
+            v, i = torch.topk(conditional(d, parent, tokens[parent], parents[parent]).reshape(-1), k)
             vals = v.double().tolist()
             live = sum(x > float("-inf") for x in vals)  # a child of probability 0 (outside a candidate set) is none
             own[parent] = (vals[:live], i.tolist()[:live])

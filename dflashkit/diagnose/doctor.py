@@ -335,7 +335,7 @@ def label_offset_accuracy(
         first = drafter.first_draft_slot()
         logits = drafter.logits(hidden[0, first:], target.lm_head_weight).float()  # (n, V')
         prevs = torch.tensor([transcript[min(a + j, t - 1)] for j in range(logits.shape[0])])  # slot j: a+j's
-        logits = drafter.head.teacher_forced_logits(drafter, logits, prevs, hidden[0, first:])
+        logits = drafter.head.teacher_forced_logits(drafter, logits, prevs, hidden[0, first:], target.embed_weight)
         preds = drafter.to_target_ids(logits.argmax(-1)).tolist()
         for k, p in enumerate(preds, start=1):
             for d in offsets:

@@ -52,11 +52,12 @@ def _tree_length(
     root: int,
     truth: list[int],
     drafter: DFlashDrafter,
+    embed_weight: Tensor,
     budget: int,
     top_k: int | None,
     force_spine: bool,
 ) -> int:
-    conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden)
+    conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden, embed_weight)
     tree = build_tree(
         torch.log_softmax(draft_logits, dim=-1),
         root,
@@ -114,10 +115,11 @@ def replay(
         truth = ids[s + 1 : s + 1 + n_verify]  # the target's greedy tokens at the used draft slots
         if method.kind == "tree":
             L = _tree_length(
-                draft_logits, draft_hidden, ids[s], truth, drafter, int(method.budget), tree_top_k, force_spine
-            )
+                draft_logits, draft_hidden, ids[s], truth, drafter, embed_weight, int(method.budget), tree_top_k,
+                force_spine,
+            )  # fmt: skip
         else:
-            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s], draft_hidden)[0]
+            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s], draft_hidden, embed_weight)[0]
             acc = 0
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1

@@ -410,15 +410,15 @@ def export_gguf(
     out = Path(out)
     if out.suffix != ".gguf":
         raise ConfigError(f"output {out}: a GGUF export is one file; name it *.gguf")
+    notes: list[str] = []
+    cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes)
+    problems = export_problems(cfg)  # first: no target file helps a drafter llama.cpp's graph cannot run
+    if problems:
+        raise CheckpointError(f"{src}: llama.cpp cannot run this drafter: " + "; ".join(problems))
     target_file = resolve_target_gguf(target)
     if out.exists() and out.resolve() == Path(target_file).resolve():
         raise ConfigError(f"output {out} is the target's GGUF (--target); choose another file name")
     check_output(out, overwrite=overwrite)
-    notes: list[str] = []
-    cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes)
-    problems = export_problems(cfg)
-    if problems:
-        raise CheckpointError(f"{src}: llama.cpp cannot run this drafter: " + "; ".join(problems))
     tgt = read_target_gguf(target_file)
     check_target_fits(cfg, tgt)
     exp = build_export(cfg, tensors, tgt, outtype=outtype)

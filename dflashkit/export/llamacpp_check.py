@@ -50,7 +50,9 @@ def reference_drafts(
             first = drafter.first_draft_slot()
             slots = h[0, first : first + r.drafted]  # (n, H)
             logits = drafter.logits(slots, target.lm_head_weight).float()  # (n, V')
-            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0], slots)[1]  # as llama.cpp's graph runs it
+            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0], slots, target.embed_weight)[
+                1
+            ]  # as llama.cpp runs it
             top = logits.topk(2, dim=-1)
             out.append(
                 (drafter.to_target_ids(top.indices[:, 0]).tolist(), (top.values[:, 0] - top.values[:, 1]).tolist())

@@ -269,6 +269,11 @@ def serve_check(
     bs = drafter.config.block_size
     if drafter.head.vllm_cpu_problem and "vllm" in engines:
         raise EngineUnavailable(drafter.head.vllm_cpu_problem)
+    if "llamacpp" in engines:  # before dflashkit's own decoding: what llama.cpp's graph cannot run is known now
+        from dflashkit.export.gguf_export import export_problems
+
+        if export_problems(drafter.config):
+            raise EngineUnavailable(f"llama.cpp cannot run this drafter: {'; '.join(export_problems(drafter.config))}")
     ours = [
         dflashkit_counts(target, drafter, p, max_new_tokens)
         for p in tqdm(prompts, desc="dflashkit chain", disable=not progress, file=sys.stderr)

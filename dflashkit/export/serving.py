@@ -39,7 +39,8 @@ SERVING_FORMAT = "vllm"
 
 
 def vllm_model_problems(cfg: DrafterConfig) -> list[str]:
-    out = []
+    """Why vLLM's drafter models cannot run this drafter (empty when they can)."""
+    out = [head_of(cfg).vllm_problem] if head_of(cfg).vllm_problem else []
     if cfg.hidden_act != "silu":
         out.append(f"hidden_act {cfg.hidden_act!r}: vLLM's drafter MLP runs silu only")
     return out

@@ -21,7 +21,7 @@ Modules and their public functions:
   target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary,
                    unless the features carry it: `dflashkit capture --target-lse`)
   optimizer_choice.py  `choose_adamw_impl` (fused or foreach AdamW, timed on this machine), `make_adamw`
-  slot_targets.py  `block_labels`, `dspark_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
+  slot_targets.py  `block_labels`, `every_slot_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
   metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`
   distributed.py   `DistContext.from_env()`
   options_table.py `options_table()`: the training-options table of docs/pipeline.md, generated from `TrainConfig`

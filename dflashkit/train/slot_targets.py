@@ -12,9 +12,10 @@ a document of a packed row: a slot's target is valid only where its data label i
 range), and index a+k−1 ≥ a then lies in the same document. Slot 0 (the clean anchor, weight 0) has no soft
 target. Used by `dflashkit.train.loop` (which re-exports these names).
 
-DSpark ("next position", `dspark_labels`): slot k drafts the token at a+k+1 — DFlash's label of slot k+1 in a block
-one wider — valid on the contiguous prefix of valid slots (teacher forcing feeds slot k the label of slot k−1);
-the target's distribution for it is its output at index a+k (`dspark_target_index`).
+Heads whose every slot drafts (DSpark, Domino: "next position", `every_slot_labels`): slot k drafts the token at
+a+k+1 — DFlash's label of slot k+1 in a block one wider — valid on the contiguous prefix of valid slots (teacher
+forcing feeds slot k the label of slot k−1); the target's distribution for it is its output at index a+k
+(`every_slot_target_index`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def block_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> Tensor:
     return labels
 
 
-def dspark_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> tuple[Tensor, Tensor]:
-    """(labels (B, Nb, γ), prev tokens (B, Nb, γ)) for DSpark blocks of γ slots at `blocks.anchors`: labels are the
-    target ids at a+k+1 ("data") or the target's argmax there ("target"), −100 after the first invalid slot; prev
-    tokens are the anchor's token for slot 0 and slot k−1's label after it (0 where no label: never supervised)."""
+def every_slot_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> tuple[Tensor, Tensor]:
+    """(labels (B, Nb, γ), prev tokens (B, Nb, γ)) for blocks of γ slots that all draft (DSpark, Domino) at
+    `blocks.anchors`: labels are the target ids at a+k+1 ("data") or the target's argmax there ("target"), −100
+    after the first invalid slot; prev tokens are the anchor's token for slot 0 and slot k−1's label after it (0
+    where no label: never supervised)."""
     g = blocks.block_size
     wide = build_blocks(
         rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=g + 1, anchors=blocks.anchors.cpu()
@@ -70,8 +72,9 @@ def dspark_labels(blocks: BlockBatch, rows: RowBatch, mode: str) -> tuple[Tensor
     return labels, prev
 
 
-def dspark_target_index(blocks: BlockBatch) -> Tensor:
-    """(B, Nb, γ) long: the row index a+k whose target output predicts DSpark slot k (clamped into the row)."""
+def every_slot_target_index(blocks: BlockBatch) -> Tensor:
+    """(B, Nb, γ) long: the row index a+k whose target output predicts slot k of a block whose every slot drafts
+    (clamped into the row)."""
     t = blocks.context_len
     k = torch.arange(blocks.block_size, device=blocks.anchors.device)
     return (blocks.anchors.clamp(min=0)[:, :, None] + k).clamp(max=t - 1)
@@ -170,8 +173,8 @@ __all__ = [
     "block_labels",
     "draft_vocab_head",
     "draft_vocab_topk",
-    "dspark_labels",
-    "dspark_target_index",
+    "every_slot_labels",
+    "every_slot_target_index",
     "kl_target_logits",
     "topk_targets",
 ]

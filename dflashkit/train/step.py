@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.drafter.capture_needs import capture_target_lse
-from dflashkit.drafter.heads import TrainingTerms, head_of
+from dflashkit.drafter.heads import HeadObjective, TrainingTerms, head_of
 from dflashkit.drafter.model import to_additive
 from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
@@ -31,8 +31,8 @@ from dflashkit.train.slot_targets import (
     block_labels,
     draft_vocab_head,
     draft_vocab_topk,
-    dspark_labels,
-    dspark_target_index,
+    every_slot_labels,
+    every_slot_target_index,
     kl_target_logits,
     topk_targets,
 )
@@ -110,17 +110,19 @@ def prepare_inputs(
         num_blocks=nb,
     )
     prev = final = None
-    feats = rows.features.to(device, non_blocking=True)  # (B, T, K·H) (DSpark: + the final layer's H)
-    if head_of(drafter_config).reads_previous_token:  # every slot drafts the token after the one before it
-        lab, prev = dspark_labels(blocks, rows, labels)  # (B, Nb, bs) each
-        h, width = drafter_config.hidden_size, drafter_config.num_features * drafter_config.hidden_size
-        last = drafter_config.num_target_layers - 1  # the target's final layer: read last, or one of the drafter's
-        j = drafter_config.target_layer_ids.index(last) if last in drafter_config.target_layer_ids else None
-        final = feats[..., width:] if j is None else feats[..., j * h : (j + 1) * h]  # (B, T, H)
-        feats = feats[..., :width]
+    head = head_of(drafter_config)
+    feats = rows.features.to(device, non_blocking=True)  # (B, T, K·H) (+ the final layer's H when the head reads it)
+    if head.first_draft_slot == 0:  # every slot drafts the token after the one before it
+        lab, prev = every_slot_labels(blocks, rows, labels)  # (B, Nb, bs) each
         prev = prev.to(device)
     else:
         lab = block_labels(blocks, rows, labels)  # (B, Nb, bs)
+    if head.reads_final_layer:  # the target's final-layer output: read last, or one of the drafter's own layers
+        h, width = drafter_config.hidden_size, drafter_config.num_features * drafter_config.hidden_size
+        last = drafter_config.num_target_layers - 1
+        j = drafter_config.target_layer_ids.index(last) if last in drafter_config.target_layer_ids else None
+        final = feats[..., width:] if j is None else feats[..., j * h : (j + 1) * h]  # (B, T, H)
+        feats = feats[..., :width]
     blocks = blocks.to(device)
     feats = fc_noise(feats, rows.doc_ids.to(device), noise_std, seed=seed, epoch=epoch, step=step, row_ids=rows.row_ids)
     masks = attention_masks(drafter_config, blocks, mask_dtype) if build_masks else None
@@ -155,10 +157,28 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             inp.features, inp.blocks.first_tokens, inp.blocks.context_positions, inp.blocks.block_positions, masks
         )  # (B, Nq, H)
     bs = inp.blocks.block_size
-    if inp.prev_tokens is not None:
+    if inp.final_hidden is not None:  # an objective against the target's distribution at each slot (DSpark's)
         return _dspark_step_loss(run, inp, rows, hidden, normalizer)
-    target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)  # (V', H), (B, Nb, bs)
+    prev = inp.prev_tokens if inp.prev_tokens is not None else block_predecessors(rows, inp.blocks)  # (B, Nb, bs)
+    terms = TrainingTerms(
+        drafter=run.drafter,
+        hidden=hidden.reshape(-1, bs, hidden.shape[-1]),
+        head_weight=head,
+        labels=labels.reshape(-1, bs),
+        prev_tokens=prev.reshape(-1, bs),
+        weights=run.weights,
+        normalizer=normalizer,
+        step=inp.step,
+        train_cfg=cfg,
+        weights_of=lambda ce, counted: slot_weights(cfg, run.weights, ce, counted),
+        embed_weight=run.embed,
+        total_steps=run.total_steps,
+    )
+    own = run.drafter.head.objective(terms)
+    if own is not None:
+        return _head_objective_output(run, own, labels.reshape(-1, bs))
+    target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
     soft: dict[str, Any] = {}
     if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
         ids, lps = topk_targets(inp.blocks, rows, cfg.topk)  # (B, Nb, bs, K)
@@ -169,9 +189,9 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             ce_weight=cfg.topk_ce_weight,
         )
     out = block_loss(
-        hidden.reshape(-1, bs, hidden.shape[-1]),
+        terms.hidden,
         run.drafter.head.unary_weight(run.drafter.config, head),  # a head's scaling of its logits, on W's rows
-        labels.reshape(-1, bs),
+        terms.labels,
         weights=run.weights,
         kind=cfg.loss,
         target_logits=target,
@@ -184,20 +204,22 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         lk_kl_decay=cfg.lk_kl_decay,
         **soft,
     )
-    terms = TrainingTerms(
-        drafter=run.drafter,
-        hidden=hidden.reshape(-1, bs, hidden.shape[-1]),
-        head_weight=head,
-        labels=labels.reshape(-1, bs),
-        prev_tokens=block_predecessors(rows, inp.blocks).reshape(-1, bs),
-        weights=run.weights,
-        normalizer=normalizer,
-        step=inp.step,
-        train_cfg=cfg,
-        weights_of=lambda ce, counted: slot_weights(cfg, run.weights, ce, counted),
-    )
     extra = run.drafter.head.training_loss(terms)
     return out if extra is None else dataclasses.replace(out, loss=out.loss + extra)
+
+
+def _head_objective_output(run: Run, own: HeadObjective, labels: Tensor) -> LossOutput:
+    """A head's own objective as the loop's LossOutput: per-slot accuracy from its counts, with the given token's
+    entry first when every slot drafts (as DFlash's slot 0), so `estimated_tau` reads it as it reads DFlash's."""
+    correct, counts = own.correct_counts, own.valid_counts  # (bs,) each
+    weight_sum = (run.weights.to(counts.device) * counts).sum()
+    if run.drafter.head.first_draft_slot == 0:
+        blocks = (labels[:, 0] != -100).sum().reshape(1).to(counts.device)
+        correct, counts = torch.cat([blocks, correct]), torch.cat([blocks, counts])
+    accuracy = correct.float() / counts.clamp_min(1).float()
+    return LossOutput(
+        loss=own.loss, accuracy=accuracy, valid_counts=counts, correct_counts=correct, weight_sum=weight_sum.detach()
+    )
 
 
 def block_predecessors(rows: RowBatch, blocks: BlockBatch) -> Tensor:
@@ -228,7 +250,7 @@ def _dspark_step_loss(
     cache (`dflashkit.train.target_lse`)."""
     cfg, bs = run.cfg, inp.blocks.block_size
     b, t, h_dim = inp.final_hidden.shape
-    rows_bt = torch.arange(b, device=run.device)[:, None, None] * t + dspark_target_index(inp.blocks)  # (B, Nb, bs)
+    rows_bt = torch.arange(b, device=run.device)[:, None, None] * t + every_slot_target_index(inp.blocks)  # (B, Nb, bs)
     flat_final = inp.final_hidden.reshape(b * t, h_dim)
     flat_rows = rows_bt.reshape(-1)
     head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)

@@ -180,11 +180,20 @@ def _train_argv(tiny_llama_dir: Path, tmp_path: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("weight", ["dspark_ce_weight=0.5", "dspark_l1_weight=0", "dspark_confidence_weight=2"])
-def test_a_dspark_loss_weight_on_a_dflash_run_is_refused(weight, tiny_llama_dir, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "weight,kind",
+    [
+        ("dspark_ce_weight=0.5", "dspark"),
+        ("dspark_l1_weight=0", "dspark"),
+        ("dspark_confidence_weight=2", "dspark"),
+        ("selector_weight=0.5", "dflash2"),
+        ("lambda_base_start=0.5", "domino"),
+    ],
+)
+def test_another_heads_training_option_on_a_dflash_run_is_refused(weight, kind, tiny_llama_dir, tmp_path, capsys):
     line = _one_line_error(capsys, main([*_train_argv(tiny_llama_dir, tmp_path), weight]))
     name = weight.split("=")[0]
-    assert f"{name} belongs to the objective of kind=dspark drafters; this drafter is kind=dflash" in line
+    assert f"{name} belongs to the objective of kind={kind} drafters; this drafter is kind=dflash" in line
     assert not (tmp_path / "r" / "final").exists()
 
 

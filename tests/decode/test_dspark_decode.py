@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.decode import generate as decode_mod
 from dflashkit.decode.generate import DecodeSettings, GenerationError, generate
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
-from dflashkit.sampling import SamplingParams, probs
 from dflashkit.target.model import Target
+from helpers.joint_law import check_joint_law, tiny_target
 from helpers.oracles import reference_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -173,62 +172,9 @@ def test_confidence_cut_off_only_shortens_rounds(target: Target) -> None:
         generate(target, prompt, drafter=headless, settings=DecodeSettings(max_new_tokens=5, confidence_min=0.5))
 
 
-def _joint3(target, drafter, prompt, n, **kw):
-    v = target.vocab_size
-    counts = torch.zeros(v, v, v)
-    for s in range(n):
-        t = generate(target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=3, seed=s, **kw)).tokens
-        counts[t[0], t[1], t[2]] += 1
-    return counts / n
-
-
 def test_sampling_matches_the_targets_joint_distribution_of_three_tokens() -> None:
     """Tokens 2 and 3 come from one draft-and-verify round of two Markov-chained drafts."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    vocab = 3
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.5)
-    target = Target(model)
-    params = SamplingParams(temperature=1.0)
-    prompt = torch.tensor([1, 2, 0, 1])
-    exact = torch.zeros(vocab, vocab, vocab)
-    with torch.no_grad():
-        p1 = probs(model(prompt[None]).logits[0, -1], params)
-        for a in range(vocab):
-            p2 = probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], params)
-            for b in range(vocab):
-                p3 = probs(model(torch.cat([prompt, torch.tensor([a, b])])[None]).logits[0, -1], params)
-                exact[a, b] = p1[a] * p2[b] * p3
-    drafter = random_dspark(dspark_config(vocab=vocab, bs=2, hidden=32, layers=2), seed=1)
-    n = 1000
-    tol = 0.1  # E[TV] for 27 cells and n = 1000 is ≤ 0.065
-    for draft_sampling in (False, True):
-        emp = _joint3(target, drafter, prompt, n, sampling=params, draft_sampling=draft_sampling)
-        assert 0.5 * (emp - exact).abs().sum().item() < tol, draft_sampling
-    orig = decode_mod.accept_sampled_drafts
-    try:  # a wrong rule (accept every sampled draft) must fail the same test
-        decode_mod.accept_sampled_drafts = lambda d, p, q, gen=None: (len(d), int(torch.multinomial(p[-1], 1)))
-        emp = _joint3(target, drafter, prompt, 400, sampling=params, draft_sampling=True)
-    finally:
-        decode_mod.accept_sampled_drafts = orig
-    assert 0.5 * (emp - exact).abs().sum().item() > 2 * tol
+    check_joint_law(tiny_target(), random_dspark(dspark_config(vocab=3, bs=2, hidden=32, layers=2), seed=1))
 
 
 def test_cli_init_drafter_and_generate_with_confidence_cut_off(tiny_llama_dir, tmp_path, capsys) -> None:

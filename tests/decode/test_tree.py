@@ -350,7 +350,7 @@ def test_conditional_tree_is_the_top_prefixes_of_an_autoregressive_draft() -> No
     base = torch.randn(depth, vocab, generator=g) * 2
     bias = torch.randn(vocab + 1, vocab, generator=g) * 2  # row `vocab`: the root's token
 
-    def conditional(d: int, parent: int, token: int) -> torch.Tensor:
+    def conditional(d: int, parent: int, token: int, _up: int) -> torch.Tensor:
         return torch.log_softmax(base[d] + bias[vocab if parent == 0 else token], -1)
 
     tree = build_tree(torch.log_softmax(base, -1), 99, budget=budget, conditional=conditional)
@@ -378,6 +378,6 @@ def test_conditional_tree_is_the_top_prefixes_of_an_autoregressive_draft() -> No
         torch.testing.assert_close(float(tree.log_probs[i]), scores[prefix_of(i)], rtol=1e-5, atol=1e-5)
     flat = build_tree(torch.log_softmax(base, -1), 99, budget=budget)
     same = build_tree(
-        torch.log_softmax(base, -1), 99, budget=budget, conditional=lambda d, p, t: torch.log_softmax(base[d], -1)
+        torch.log_softmax(base, -1), 99, budget=budget, conditional=lambda d, p, t, u: torch.log_softmax(base[d], -1)
     )
     assert torch.equal(flat.tokens, same.tokens) and torch.equal(flat.parents, same.parents)

@@ -64,7 +64,7 @@ def _ours(
     pos = dict(context_positions=torch.arange(p)[None], block_positions=torch.arange(p, p + bs)[None])
     hidden = drafter(features[:, :p], blk, **pos)[0]  # (γ, H)
     logits = drafter.logits(hidden, target.lm_head_weight)  # (γ, V')
-    drafts, corrected = drafter.head.greedy_drafts(drafter, logits, int(ids[0, p]), hidden)
+    drafts, corrected = drafter.head.greedy_drafts(drafter, logits, int(ids[0, p]), hidden, target.embed_weight)
     prevs = torch.tensor([int(ids[0, p]), *drafts[:-1]])  # slot k reads the token before it
     return drafts, corrected, drafter.confidence_head(hidden, drafter.markov_head.prev_embeddings(prevs))
 

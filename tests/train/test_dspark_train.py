@@ -23,7 +23,7 @@ from dflashkit.train.config import TrainConfig
 from dflashkit.train.loop import train
 from dflashkit.train.metrics import read_metrics
 from dflashkit.train.packing import collate_rows, pack_row
-from dflashkit.train.slot_targets import dspark_labels
+from dflashkit.train.slot_targets import every_slot_labels
 
 DRAFTER = {"num_hidden_layers": 1, "block_size": 4, "kind": "dspark", "markov_rank": 8}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,7 +54,7 @@ def test_labels_and_prev_tokens_equal_a_python_loop(target: Target) -> None:
     rows = collate_rows([pack_row(samples, 80)], [0])
     anchors = torch.tensor([[4, 12, 16, 22, 35, 38]])  # inside docs, across a hole, over a document end
     blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=4, anchors=anchors)
-    labels, prev = dspark_labels(blocks, rows, "data")
+    labels, prev = every_slot_labels(blocks, rows, "data")
     ids, docs, lm = rows.input_ids[0].tolist(), rows.doc_ids[0].tolist(), rows.loss_mask[0].tolist()
     for n, a in enumerate(anchors[0].tolist()):
         expect, ok = [], True
@@ -64,7 +64,7 @@ def test_labels_and_prev_tokens_equal_a_python_loop(target: Target) -> None:
             expect.append(ids[i] if ok else -100)
         assert labels[0, n].tolist() == expect, a
         assert prev[0, n].tolist() == [ids[a]] + [max(x, 0) for x in expect[:-1]], a
-    target_labels, _ = dspark_labels(blocks, rows, "target")
+    target_labels, _ = every_slot_labels(blocks, rows, "target")
     tt = rows.target_tokens[0].tolist()
     for n, a in enumerate(anchors[0].tolist()):  # the target's argmax at a+k predicts the token at a+k+1
         want = [tt[a + k] if labels[0, n, k] >= 0 else -100 for k in range(4)]

@@ -11,6 +11,8 @@
   dspark_draft.py  its decoding round (the Markov head left to right) and its DDTree children's distribution
   dflash2.py  `DFlash2Head`: z-lab's DFlash2 — convolutions around every sublayer and a candidate selector
   dflash2_net.py, dflash2_draft.py, dflash2_loss.py  its network, its drafting (walk, lattice), its selector term
+  domino.py   `DominoHead`: every slot drafts; a GRU over the block's previous tokens corrects the later slots
+  domino_net.py, domino_draft.py, domino_loss.py  its network, its drafting (rollout, DDTree path states), its objective
 
 A new head: a module here with a `Head` subclass, and one entry in HEADS.
 """
@@ -20,11 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from dflashkit.drafter.config_fields import add_head_fields
-from dflashkit.drafter.heads.base import DraftRound, Head, TrainingTerms
+from dflashkit.drafter.heads.base import DraftRound, Head, HeadObjective, TrainingTerms
 from dflashkit.drafter.heads.dflash2 import DFlash2Head
+from dflashkit.drafter.heads.domino import DominoHead
 from dflashkit.drafter.heads.dspark import DSparkHead
 
-HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head())}
+HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head(), DominoHead())}
 KINDS = tuple(HEADS)
 for _head in HEADS.values():  # a hand-edited config.json's head fields are type-checked like the backbone's
     add_head_fields(_head.zlab_field_types)
@@ -58,6 +61,7 @@ __all__ = [
     "TRAIN_SETTINGS",
     "DraftRound",
     "Head",
+    "HeadObjective",
     "TrainingTerms",
     "head_of",
     "kind_fields",

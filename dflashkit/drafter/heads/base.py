@@ -26,13 +26,15 @@ its kind:
     head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
     head.check_config(cfg, where)   rules between its config fields and the backbone's, refused by field
     head.draft_round(r)             one decoding round's drafts, their distribution q (T > 0), logits and hidden states
-    head.tree_conditional(d, z, h)  how a DDTree node ranks its children (None: the per-depth marginals)
-    head.greedy_drafts(d, z, prev, h)   greedy drafts from a block's logits (and the scores they were picked from)
-    head.teacher_forced_logits(d, z, prevs, h)   slot scores given the true previous tokens (doctor, references)
+    head.tree_conditional(d, z, h, e)   how a DDTree node ranks its children (None: the per-depth marginals)
+    head.greedy_drafts(d, z, prev, h, e)   greedy drafts from a block's logits (and the scores they were picked from)
+    head.teacher_forced_logits(d, z, prevs, h, e)   slot scores given the true previous tokens (doctor, references)
+                                    (z: the draft slots' logits, h: their hidden states, e: the target's embeddings)
     head.training_loss(t)           its own training term added to the objective (`TrainingTerms`; None: none)
+    head.objective(t)               its whole objective in place of the backbone's (`HeadObjective`; None: none)
     head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
     head.llamacpp_spec_type         llama.cpp's --spec-type for this kind
-    head.vllm_cpu_problem, vllm_gpu_layout, vllm_drops_learned_mask, zlab_problem   engine verdicts of its kind
+    head.vllm_problem, vllm_cpu_problem, vllm_gpu_layout, vllm_drops_learned_mask, zlab_problem   engine verdicts
 
 A new head subclasses `Head`, overrides what differs, and is added to the registry in `__init__.py`.
 """
@@ -86,6 +88,18 @@ class TrainingTerms:
     step: int
     train_cfg: Any
     weights_of: Any  # (per-slot loss (N, bs), counted (N, bs) bool) → slot weights (N, bs): the objective's own rule
+    embed_weight: Tensor | None = None  # (V, H) the target's embedding table, frozen
+    total_steps: int = 1  # the run's planned optimiser steps (a schedule's horizon)
+
+
+@dataclass
+class HeadObjective:
+    """A head's whole objective of one step, in place of the backbone's: the loss (a scalar, already normalised) and,
+    per block slot (bs,), how many live slots its drafts got right and how many there were."""
+
+    loss: Tensor
+    correct_counts: Tensor  # (bs,) long
+    valid_counts: Tensor  # (bs,) long
 
 
 class Head:
@@ -109,6 +123,7 @@ class Head:
     quickstart_drafter: ClassVar[dict[str, Any]] = {}  # drafter fields the quickstart's budget takes for this kind
     quickstart_train: ClassVar[dict[str, Any]] = {}  # training options likewise
     vllm_cpu_problem: ClassVar[str | None] = None  # why vLLM's CPU build cannot run this kind (None: it can)
+    vllm_problem: ClassVar[str | None] = None  # why no vLLM build can run this kind (None: one can)
     vllm_gpu_layout: ClassVar[str | None] = None  # a GPU-only kind: vLLM's model for it, as `serve-check` names it
     vllm_drops_learned_mask: ClassVar[bool] = False  # vLLM's model for it feeds a token row at masked slots
     zlab_problem: ClassVar[str | None] = None  # why z-lab's drafter classes cannot run this kind (None: they can)
@@ -217,6 +232,10 @@ class Head:
         """This head's own term of the training loss (a scalar, already normalised), or None."""
         return None
 
+    def objective(self, terms: TrainingTerms) -> HeadObjective | None:
+        """This head's whole objective in place of the backbone's (None: the backbone's objective + `training_loss`)."""
+        return None
+
     def add_modules(self, drafter: Any) -> None:
         """Add this head's parameters to `drafter` (the backbone is built already)."""
 
@@ -242,18 +261,20 @@ class Head:
             draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
         return drafts, draft_q, draft_logits, hidden
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor) -> Any:
-        """A node's children ranked by a distribution given its own token (None: DDTree's per-depth marginals);
-        draft_logits (n, V') and hidden (n, H) are the block's draft slots."""
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
+        """A node's children ranked by a distribution given its path (None: DDTree's per-depth marginals);
+        draft_logits (n, V') and hidden (n, H) are the block's draft slots, embed_weight (V, H) the target's table."""
         return None
 
     def greedy_drafts(
-        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor
+        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor
     ) -> tuple[list[int], Tensor]:
         """(greedy drafts as target ids, the scores (n, V') they are the argmax of) from a block's draft logits."""
         return drafter.to_target_ids(draft_logits.argmax(-1)).tolist(), draft_logits
 
-    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+    def teacher_forced_logits(
+        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor
+    ) -> Tensor:
         """Slot scores (n, V') when slot j's previous token is `prev_tokens[j]` (a transcript's own)."""
         return draft_logits
 
@@ -262,4 +283,4 @@ def _names(settings: type | None) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(settings)) if settings is not None else ()
 
 
-__all__ = ["DraftRound", "Head", "TrainingTerms"]
+__all__ = ["DraftRound", "Head", "HeadObjective", "TrainingTerms"]

@@ -297,21 +297,23 @@ class DFlash2Head(Head):
 
         return draft_dflash2(r)
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor) -> Any:
+    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
         """Each node's children ranked by the selector's scores given the node's own token (the selector lattice)."""
         from dflashkit.drafter.heads.dflash2_draft import lattice_conditional
 
         return lattice_conditional(drafter, hidden, draft_logits)
 
     def greedy_drafts(
-        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor
+        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor
     ) -> tuple[list[int], Tensor]:
         from dflashkit.drafter.heads.dflash2_draft import walk
 
         drafts, _, dense = walk(drafter, hidden, draft_logits, first_prev)
         return drafts, dense
 
-    def teacher_forced_logits(self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+    def teacher_forced_logits(
+        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor
+    ) -> Tensor:
         from dflashkit.drafter.heads.dflash2_draft import teacher_forced_scores
 
         return teacher_forced_scores(drafter, hidden, draft_logits, prev_tokens)

@@ -67,14 +67,15 @@ def teacher_forced_scores(drafter: Any, hidden: Tensor, unary: Tensor, prev_toke
     return torch.full_like(unary, float("-inf")).scatter_(-1, cand, scores)
 
 
-def lattice_conditional(drafter: Any, hidden: Tensor, unary: Tensor) -> Callable[[int, int, int], Tensor]:
-    """For `build_tree(conditional=…)`: (depth d, parent node, parent token) → log-softmax of S_d given that token
-    over C_d (−inf elsewhere, V'); the parent token is the bonus (a target id) at node 0, a draft id below."""
+def lattice_conditional(drafter: Any, hidden: Tensor, unary: Tensor) -> Callable[[int, int, int, int], Tensor]:
+    """For `build_tree(conditional=…)`: (depth d, parent node, parent token, its parent) → log-softmax of S_d given
+    that token over C_d (−inf elsewhere, V'); the parent token is the bonus (a target id) at node 0, a draft id
+    below."""
     sel = drafter.candidate_selector
     cand = sel.candidates(unary)  # (D, K)
 
     @torch.no_grad()
-    def conditional(d: int, parent: int, token: int) -> Tensor:
+    def conditional(d: int, parent: int, token: int, _up: int) -> Tensor:
         prev = token if parent == 0 else _target_id(drafter, token)
         scores = sel.scores(unary[d], hidden[d], torch.tensor(prev), cand[d])  # (K,)
         row = torch.full_like(unary[d], float("-inf"))

@@ -75,12 +75,13 @@ def draft_dspark(
     return torch.tensor(drafts, dtype=torch.long), draft_q, base
 
 
-def dspark_conditional(base_logits: Tensor, drafter: Any) -> Callable[[int, int, int], Tensor]:
-    """For `build_tree(conditional=…)`: (depth d, parent node, parent token) → log-softmax(base_d + W2·W1[prev]) (V'),
-    prev = the parent's target id (node 0 holds the bonus, a target id; the others hold draft ids)."""
+def dspark_conditional(base_logits: Tensor, drafter: Any) -> Callable[[int, int, int, int], Tensor]:
+    """For `build_tree(conditional=…)`: (depth d, parent node, parent token, its parent) →
+    log-softmax(base_d + W2·W1[prev]) (V'), prev = the parent's target id (node 0 holds the bonus, a target id; the
+    others hold draft ids)."""
     head = drafter.markov_head
 
-    def conditional(d: int, parent: int, token: int) -> Tensor:
+    def conditional(d: int, parent: int, token: int, _up: int) -> Tensor:
         prev = token if parent == 0 else int(drafter.to_target_ids(torch.tensor(token)))
         return torch.log_softmax(base_logits[d] + head.bias(torch.tensor(prev)).float(), dim=-1)
 
