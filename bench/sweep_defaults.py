@@ -112,6 +112,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dflash2": {"settings": {"drafter_extra": {"kind": "dflash2"}}},
     "dflash2_strict": {"settings": {"drafter_extra": {"kind": "dflash2"}}, "train": {"selector_rule": "strict"}},
     "dflash2_r64": {"settings": {"drafter_extra": {"kind": "dflash2", "selector_rank": 64}}},
+    # Domino (a GRU over the previous tokens correcting the later slots; every slot drafts, as DSpark), at the
+    # quickstart's preset (GRU and correction width 128)
+    "domino": {"settings": {"drafter_extra": {"kind": "domino"}}},
     # the base run's regeneration minutes spent through llama-server (the quickstart's server route,
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},
