@@ -220,6 +220,7 @@ def _train_step(
             seed=cfg.seed,
             epoch=epoch,
             step=st.step,
+            progress=None if schedule_s is None else elapsed / schedule_s,
             noise_std=noise,
             device=run.device,
             build_masks=False,

@@ -47,6 +47,7 @@ class StepInputs:
     prev_tokens: Tensor | None = None  # DSpark: (B, Nb, bs) the previous token each slot's Markov head reads
     final_hidden: Tensor | None = None  # DSpark: (B, T, H) the target's final-layer output (its distribution)
     step: int = 0  # the optimizer step (0-based) these inputs belong to
+    progress: float | None = None  # a time-based run: the fraction of its schedule spent (None: step-based)
 
 
 def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> list[Tensor]:
@@ -89,6 +90,7 @@ def prepare_inputs(
     seed: int,
     epoch: int,
     step: int = 0,
+    progress: float | None = None,
     noise_std: float = 0.0,
     device: torch.device | str = "cpu",
     mask_dtype: torch.dtype = torch.float32,
@@ -134,6 +136,7 @@ def prepare_inputs(
         prev_tokens=prev,
         final_hidden=final,
         step=step,
+        progress=progress,
     )
 
 
@@ -174,6 +177,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         weights_of=lambda ce, counted: slot_weights(cfg, run.weights, ce, counted),
         embed_weight=run.embed,
         total_steps=run.total_steps,
+        progress=inp.progress,
     )
     own = run.drafter.head.objective(terms)
     if own is not None:

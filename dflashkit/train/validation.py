@@ -56,6 +56,8 @@ def validate(run: Run) -> dict[str, Any] | None:
             max_anchors=cfg.max_anchors,
             seed=cfg.seed,
             epoch=-1,
+            step=run.state.step,  # a head's step-dependent objective (Domino's λ) scored where training is
+            progress=run.state.elapsed_s / (60 * cfg.schedule_minutes) if cfg.schedule_minutes else None,
             device=run.device,
             mask_dtype=run.autocast_dtype or torch.float32,
         )

@@ -72,13 +72,16 @@ def test_zlab_config_and_checkpoint_round_trip(tmp_path) -> None:
         ({"gru_hidden_dim": None}, "needs dflash_config.gru_hidden_dim"),
         ({"emb_dim": "ten"}, "field 'dflash_config.emb_dim' must be an integer"),
         ({"pure_draft_prefix_len": 4}, "pure_draft_prefix_len"),
+        ({"shift_label": None}, "needs dflash_config.shift_label"),
+        ({"pure_draft_prefix_len": None}, "needs dflash_config.pure_draft_prefix_len"),
     ],
 )
 def test_configs_dflashkit_cannot_run_are_refused_by_name(change, words) -> None:
     raw = config().to_zlab_dict()
     raw["dflash_config"].update(change)
-    if change.get("gru_hidden_dim", 0) is None:
-        del raw["dflash_config"]["gru_hidden_dim"]
+    for name, value in change.items():
+        if value is None:
+            del raw["dflash_config"][name]
     with pytest.raises(ConfigError, match=words):
         DrafterConfig.from_zlab_dict(raw, source="x.json")
 

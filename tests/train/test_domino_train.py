@@ -100,8 +100,25 @@ def test_objective_and_its_gradients_equal_a_float64_reference(prefix: int, step
 def test_lambda_falls_linearly_to_zero_over_the_decay_ratio() -> None:
     cfg = SimpleNamespace(lambda_base_start=1.0, lambda_base_decay_ratio=0.5)
     assert [lambda_base_at(cfg, s, 10) for s in range(7)] == [1.0, 0.8, 0.6, 0.4, pytest.approx(0.2), 0.0, 0.0]
+    # a time-based run (its step count unknown ahead): the fraction of the schedule spent
+    assert [lambda_base_at(cfg, 10**6, 10**9, f) for f in (0.0, 0.25, 0.5, 0.9)] == [1.0, 0.5, 0.0, 0.0]
     cfg.lambda_base_start = 0.0
     assert lambda_base_at(cfg, 0, 10) == 0.0
+
+
+def test_a_block_without_live_slots_still_back_propagates() -> None:
+    d = _drafter()
+    hidden = torch.randn(2, 4, 32, requires_grad=True)
+    terms = TrainingTerms(
+        drafter=d, hidden=hidden, head_weight=torch.randn(50, 32), labels=torch.full((2, 4), -100),
+        prev_tokens=torch.zeros(2, 4, dtype=torch.long), weights=torch.ones(4), normalizer=1.0, step=0,
+        train_cfg=SimpleNamespace(lambda_base_start=1.0, lambda_base_decay_ratio=0.5), weights_of=None,
+        embed_weight=torch.randn(50, 32), total_steps=4,
+    )  # fmt: skip
+    own = head_of("domino").objective(terms)
+    own.loss.backward()  # a graph reaching every trainable input, all of it zero
+    assert float(own.loss.detach()) == 0.0 and float(hidden.grad.abs().sum()) == 0.0
+    assert d.embed_proj[2].weight.grad is not None and float(d.embed_proj[2].weight.grad.abs().sum()) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +168,28 @@ def test_trains_learns_resumes_exactly_and_warm_starts(tmp_path: Path, target: T
     assert warm.config.kind == "domino" and warm.config.gru_hidden_dim == 8
     for k, v in plain.state_dict().items():  # a step at lr 1e-12 moves nothing measurable
         torch.testing.assert_close(warm.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_a_time_based_run_decays_lambda_by_the_time_spent(tmp_path: Path, target, tiny_llama_dir, monkeypatch):
+    """With `schedule_minutes` and no max_steps the horizon is not a step count: the head is told the fraction of
+    the schedule spent (training and validation alike), so λ reaches 0 within the run."""
+    from dflashkit.drafter.heads.domino import DominoHead
+
+    seen = []
+    real = DominoHead.objective
+
+    def spy(self, terms):
+        seen.append((terms.step, terms.progress))
+        return real(self, terms)
+
+    monkeypatch.setattr(DominoHead, "objective", spy)
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
+    cfg = cfg_for(tmp_path / "t", tokens=str(tokens), online=True, target=str(tiny_llama_dir), max_steps=None,
+                  schedule_minutes=0.02, eval_every=0, save_every=0)  # fmt: skip
+    train(cfg, target=target)
+    progress = [p for _, p in seen]
+    assert progress[0] == 0.0 and all(p is not None for p in progress)
+    assert progress == sorted(progress) and progress[-1] > 0.5  # λ (ratio 0.5) has reached 0 before the end
 
 
 @pytest.mark.parametrize(

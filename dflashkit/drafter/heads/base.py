@@ -89,7 +89,8 @@ class TrainingTerms:
     train_cfg: Any
     weights_of: Any  # (per-slot loss (N, bs), counted (N, bs) bool) → slot weights (N, bs): the objective's own rule
     embed_weight: Tensor | None = None  # (V, H) the target's embedding table, frozen
-    total_steps: int = 1  # the run's planned optimiser steps (a schedule's horizon)
+    total_steps: int = 1  # the run's planned optimiser steps (a step-based schedule's horizon)
+    progress: float | None = None  # a time-based run: the fraction of its schedule spent (None: step / total_steps)
 
 
 @dataclass

@@ -101,7 +101,16 @@ class DominoHead(Head):
 
     def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         dflash = raw.get("dflash_config") or {}
-        if dflash.get("shift_label", True) is not True:
+        for name, why in (
+            ("shift_label", "Model-Optimizer writes true, SpecForge's default is false"),
+            ("pure_draft_prefix_len", "Model-Optimizer's default is 1, SpecForge's 0"),
+        ):
+            if dflash.get(name) is None:
+                raise ConfigError(
+                    f"{source}: a Domino drafter needs dflash_config.{name} ({why}: a checkpoint without it is "
+                    f"ambiguous); add the value it was trained with"
+                )
+        if dflash["shift_label"] is not True:
             raise ConfigError(
                 f"{source}: dflash_config.shift_label false (slot 0 holds the anchor, SpecForge's other alignment) "
                 f"is not supported; dflashkit's Domino drafts from every slot (shift_label: true, Model-Optimizer's "
@@ -111,7 +120,7 @@ class DominoHead(Head):
         if missing:
             raise ConfigError(f"{source}: a Domino drafter needs dflash_config.{missing[0]} (an integer ≥ 1)")
         out = {n: dflash.get(n, raw.get(n)) for n in ("gru_hidden_dim", "emb_dim")}
-        out["pure_draft_prefix_len"] = dflash.get("pure_draft_prefix_len", 1)
+        out["pure_draft_prefix_len"] = dflash["pure_draft_prefix_len"]
         return out
 
     def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
@@ -172,7 +181,7 @@ class DominoHead(Head):
             terms.drafter, terms.hidden, terms.head_weight, terms.labels, terms.prev_tokens, terms.weights,
             terms.embed_weight,
         )  # fmt: skip
-        lam = lambda_base_at(terms.train_cfg, terms.step, terms.total_steps)
+        lam = lambda_base_at(terms.train_cfg, terms.step, terms.total_steps, terms.progress)
         loss = ((1.0 - lam) * sums.final + lam * sums.base) / terms.normalizer
         return HeadObjective(loss=loss, correct_counts=sums.correct, valid_counts=sums.counted)
 

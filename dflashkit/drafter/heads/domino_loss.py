@@ -25,11 +25,15 @@ from dflashkit.drafter.heads.domino_net import prefix_states, token_embeddings
 _CHUNK_LOGITS = 1 << 25  # rows × vocabulary per chunk: a few (rows, V') float32 tensors live at once
 
 
-def lambda_base_at(train_cfg: Any, step: int, total_steps: int) -> float:
-    """λ at `step` (0-based) of a run of `total_steps` (the references' linear decay)."""
-    decay_steps = max(1, int(total_steps * train_cfg.lambda_base_decay_ratio))
-    progress = min(step / decay_steps, 1.0)
-    return max(0.0, min(1.0, train_cfg.lambda_base_start * (1.0 - progress)))
+def lambda_base_at(train_cfg: Any, step: int, total_steps: int, progress: float | None = None) -> float:
+    """λ at `step` (0-based) of a run of `total_steps` (the references' linear decay); a time-based run gives the
+    fraction of its schedule spent as `progress` instead (its step count is not known ahead)."""
+    ratio = train_cfg.lambda_base_decay_ratio
+    if progress is not None:
+        done = min(progress / ratio, 1.0) if ratio > 0 else 1.0
+    else:
+        done = min(step / max(1, int(total_steps * ratio)), 1.0)
+    return max(0.0, min(1.0, train_cfg.lambda_base_start * (1.0 - done)))
 
 
 @dataclass
@@ -48,7 +52,7 @@ def _chunk_sums(
 ) -> tuple[Tensor, Tensor]:
     """h (m, H), g (m, G), weight (V', H), labels (m,), w (m,), fixed (m,) bool (slot ≥ P), `proj` the correction
     (`embed_proj`) → ([Σ w·CE(final), Σ w·CE(base)] (2,) float32, the corrected argmax (m,))."""
-    base = (h @ weight.t().to(h.dtype)).float()  # (m, V')
+    base = (h.to(weight.dtype) @ weight.t()).float()  # (m, V'): in the LM head's dtype, no copy of it
     fix = proj(torch.cat([h, g.to(h.dtype)], dim=-1)).float()  # (m, V')
     final = base + fix * fixed[:, None]
     ce_final = F.cross_entropy(final, labels, reduction="none")  # (m,)
@@ -75,7 +79,13 @@ def domino_terms(
     w = weights.to(hidden.device, torch.float32)[slot]  # (M,)
     fixed = slot >= p
     step = max(1, _CHUNK_LOGITS // max(1, head_weight.shape[0]))
-    total = hidden.new_zeros(2, dtype=torch.float32)
+    # zero, yet tied to every trainable input: a micro-batch without a live slot still back-propagates (and its
+    # gradient reduction still runs under DDP)
+    tied = (
+        hidden.float().sum() * 0
+        + sum(p.float().sum() for p in (*drafter.prefix_gru.parameters(), *drafter.embed_proj.parameters())) * 0
+    )
+    total = hidden.new_zeros(2, dtype=torch.float32) + tied
     correct = torch.zeros(bs, dtype=torch.long, device=hidden.device)
     weight = head_weight.detach()
     for r0 in range(0, rows.numel(), step):
