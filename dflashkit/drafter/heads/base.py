@@ -257,10 +257,7 @@ class Head:
             return drafter.to_target_ids(draft_logits.argmax(-1)), None, draft_logits, hidden
         draft_q = probs(draft_logits, r.sampling)
         drafts = drafter.to_target_ids(sample(draft_q, r.generator))
-        if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
-            full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
-            draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
-        return drafts, draft_q, draft_logits, hidden
+        return drafts, q_over_target(drafter, draft_q, target.vocab_size), draft_logits, hidden
 
     def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
         """A node's children ranked by a distribution given its path (None: DDTree's per-depth marginals);
@@ -280,8 +277,17 @@ class Head:
         return draft_logits
 
 
+def q_over_target(drafter: Any, q: Tensor, vocab_size: int) -> Tensor:
+    """A draft distribution over draft ids (n, V') as the p/q rule reads it, over target ids (n, V): zero outside a
+    reduced draft vocabulary (unchanged without one)."""
+    if drafter.config.draft_vocab_size is None:
+        return q
+    full = torch.zeros(q.shape[0], vocab_size, device=q.device)
+    return full.index_copy_(1, drafter.draft_to_target.to(q.device), q)
+
+
 def _names(settings: type | None) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(settings)) if settings is not None else ()
 
 
-__all__ = ["DraftRound", "Head", "HeadObjective", "TrainingTerms"]
+__all__ = ["DraftRound", "Head", "HeadObjective", "TrainingTerms", "q_over_target"]

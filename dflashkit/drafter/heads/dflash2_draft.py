@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.drafter.heads.base import q_over_target
 from dflashkit.sampling import sample
 
 
@@ -96,9 +97,7 @@ def draft_dflash2(r: Any) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     sampled = not r.sampling.greedy and r.draft_sampling
     temperature = float(r.sampling.temperature) if sampled else 0.0
     drafts, q, _ = walk(drafter, hidden, unary, r.bonus, temperature=temperature, generator=r.generator)
-    if q is not None and drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
-        full = torch.zeros(q.shape[0], target.vocab_size, device=q.device)
-        q = full.index_copy_(1, drafter.draft_to_target.to(q.device), q)
+    q = None if q is None else q_over_target(drafter, q, target.vocab_size)
     return torch.tensor(drafts, dtype=torch.long), q, unary, hidden
 
 

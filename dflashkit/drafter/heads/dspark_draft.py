@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.drafter.heads.base import q_over_target
 from dflashkit.sampling import SamplingParams, probs, sample
 
 
@@ -68,10 +69,7 @@ def draft_dspark(
         drafts.append(prev)
     draft_q = None
     if sampled:
-        draft_q = torch.stack(qs) if qs else base[:0]
-        if drafter.config.draft_vocab_size is not None:  # q over target ids for the p/q rule
-            full = torch.zeros(draft_q.shape[0], target.vocab_size, device=draft_q.device)
-            draft_q = full.index_copy_(1, drafter.draft_to_target.to(draft_q.device), draft_q)
+        draft_q = q_over_target(drafter, torch.stack(qs) if qs else base[:0], target.vocab_size)
     return torch.tensor(drafts, dtype=torch.long), draft_q, base
 
 
