@@ -115,6 +115,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Domino (a GRU over the previous tokens correcting the later slots; every slot drafts, as DSpark), at the
     # quickstart's preset (GRU and correction width 128)
     "domino": {"settings": {"drafter_extra": {"kind": "domino"}}},
+    # XPress (a rank-r causal refiner, K Jacobi passes) at the quickstart's preset (rank 64; CE, the draft vocabulary),
+    # and with speculators' objective (0.1·CE + 0.9·TV against the target: the full vocabulary, compare with tv)
+    "xpress": {"settings": {"drafter_extra": {"kind": "xpress"}}},
+    "xpress_tv": {"settings": {"draft_vocab": 0, "drafter_extra": {"kind": "xpress"}}, "train": {"loss": "tv"}},
     # the base run's regeneration minutes spent through llama-server (the quickstart's server route,
     # F32 GGUF, 8 slots) from scratch — first turns, or every turn of each conversation
     "server_regen": {"server_regen_minutes": 6.0},

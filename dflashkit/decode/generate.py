@@ -183,6 +183,7 @@ def generate(
                 r = DraftRound(
                     target, drafter, dcache, bonus, new_ctx, new_pos, start, bs, n_verify,
                     s.sampling, s.draft_sampling, gen, s.confidence_min,
+                    result.tokens[-2] if len(result.tokens) > 1 else int(ids[0, -1]),
                 )  # fmt: skip
                 drafts, draft_q, draft_logits, draft_hidden = head.draft_round(r)
         if s.method == "tree" and drafts is not None:

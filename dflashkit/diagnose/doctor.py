@@ -39,6 +39,7 @@ from torch import Tensor
 
 from dflashkit.diagnose.inspect_checkpoint import Finding, inspect_checkpoint
 from dflashkit.drafter.config import DrafterConfig, default_geometry
+from dflashkit.drafter.heads import BlockSlots
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, DataError
 
@@ -335,7 +336,10 @@ def label_offset_accuracy(
         first = drafter.first_draft_slot()
         logits = drafter.logits(hidden[0, first:], target.lm_head_weight).float()  # (n, V')
         prevs = torch.tensor([transcript[min(a + j, t - 1)] for j in range(logits.shape[0])])  # slot j: a+j's
-        logits = drafter.head.teacher_forced_logits(drafter, logits, prevs, hidden[0, first:], target.embed_weight)
+        block = BlockSlots(hidden[0], transcript[a], transcript[a - 1])  # a ≥ 1
+        logits = drafter.head.teacher_forced_logits(
+            drafter, logits, prevs, hidden[0, first:], target.embed_weight, block
+        )
         preds = drafter.to_target_ids(logits.argmax(-1)).tolist()
         for k, p in enumerate(preds, start=1):
             for d in offsets:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.decode.tree import build_tree
+from dflashkit.drafter.heads import BlockSlots
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DataError
 from dflashkit.evaluate.stats import (
@@ -56,8 +57,9 @@ def _tree_length(
     budget: int,
     top_k: int | None,
     force_spine: bool,
+    block: BlockSlots,
 ) -> int:
-    conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden, embed_weight)
+    conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden, embed_weight, block)
     tree = build_tree(
         torch.log_softmax(draft_logits, dim=-1),
         root,
@@ -113,13 +115,14 @@ def replay(
         draft_hidden = hidden[0, first : first + n_verify]  # (nv, H)
         draft_logits = drafter.logits(draft_hidden, lm_head_weight).float()  # (nv, V')
         truth = ids[s + 1 : s + 1 + n_verify]  # the target's greedy tokens at the used draft slots
+        block = BlockSlots(hidden[0], ids[s], ids[s - 1])  # s ≥ p_len ≥ 1
         if method.kind == "tree":
             L = _tree_length(
                 draft_logits, draft_hidden, ids[s], truth, drafter, embed_weight, int(method.budget), tree_top_k,
-                force_spine,
+                force_spine, block,
             )  # fmt: skip
         else:
-            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s], draft_hidden, embed_weight)[0]
+            drafts = drafter.head.greedy_drafts(drafter, draft_logits, ids[s], draft_hidden, embed_weight, block)[0]
             acc = 0
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dflashkit.cpu_products import stock_products
+from dflashkit.drafter.heads import BlockSlots
 from dflashkit.errors import DFlashError
 from dflashkit.export import llamacpp
 
@@ -50,7 +51,8 @@ def reference_drafts(
             first = drafter.first_draft_slot()
             slots = h[0, first : first + r.drafted]  # (n, H)
             logits = drafter.logits(slots, target.lm_head_weight).float()  # (n, V')
-            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0], slots, target.embed_weight)[
+            block = BlockSlots(h[0], seq[pos0], seq[pos0 - 1] if pos0 > 0 else seq[pos0])  # as training's first block
+            logits = drafter.head.greedy_drafts(drafter, logits, seq[pos0], slots, target.embed_weight, block)[
                 1
             ]  # as llama.cpp runs it
             top = logits.topk(2, dim=-1)

@@ -164,24 +164,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         return _dspark_step_loss(run, inp, rows, hidden, normalizer)
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)  # (V', H), (B, Nb, bs)
     prev = inp.prev_tokens if inp.prev_tokens is not None else block_predecessors(rows, inp.blocks)  # (B, Nb, bs)
-    terms = TrainingTerms(
-        drafter=run.drafter,
-        hidden=hidden.reshape(-1, bs, hidden.shape[-1]),
-        head_weight=head,
-        labels=labels.reshape(-1, bs),
-        prev_tokens=prev.reshape(-1, bs),
-        weights=run.weights,
-        normalizer=normalizer,
-        step=inp.step,
-        train_cfg=cfg,
-        weights_of=lambda ce, counted: slot_weights(cfg, run.weights, ce, counted),
-        embed_weight=run.embed,
-        total_steps=run.total_steps,
-        progress=inp.progress,
-    )
-    own = run.drafter.head.objective(terms)
-    if own is not None:
-        return _head_objective_output(run, own, labels.reshape(-1, bs))
+    labels = labels.reshape(-1, bs)
     target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
     soft: dict[str, Any] = {}
     if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
@@ -192,22 +175,48 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             topk_logprobs=lps.reshape(-1, bs, lps.shape[-1]),
             ce_weight=cfg.topk_ce_weight,
         )
-    out = block_loss(
-        terms.hidden,
-        run.drafter.head.unary_weight(run.drafter.config, head),  # a head's scaling of its logits, on W's rows
-        terms.labels,
+
+    def configured_loss(states: Tensor, lm_rows: Tensor, kind: str | None = None) -> LossOutput:
+        """The configured objective (or `kind`) over the step's labels for logits states·lm_rowsᵀ."""
+        kind = kind or cfg.loss
+        return block_loss(
+            states,
+            lm_rows,
+            labels,
+            weights=run.weights,
+            kind=kind,
+            target_logits=target if kind in DISTRIBUTION_KINDS else None,
+            chunk_size=cfg.loss_chunk_size,
+            normalizer=normalizer,
+            position_weights=cfg.position_weights,
+            dpace_alpha=cfg.dpace_alpha,
+            lk_eta=cfg.lk_eta,
+            lk_kl_scale=cfg.lk_kl_scale,
+            lk_kl_decay=cfg.lk_kl_decay,
+            **(soft if kind == "topk" else {}),
+        )
+
+    terms = TrainingTerms(
+        drafter=run.drafter,
+        hidden=hidden.reshape(-1, bs, hidden.shape[-1]),
+        head_weight=head,
+        labels=labels,
+        prev_tokens=prev.reshape(-1, bs),
         weights=run.weights,
-        kind=cfg.loss,
-        target_logits=target,
-        chunk_size=cfg.loss_chunk_size,
         normalizer=normalizer,
-        position_weights=cfg.position_weights,
-        dpace_alpha=cfg.dpace_alpha,
-        lk_eta=cfg.lk_eta,
-        lk_kl_scale=cfg.lk_kl_scale,
-        lk_kl_decay=cfg.lk_kl_decay,
-        **soft,
+        step=inp.step,
+        train_cfg=cfg,
+        weights_of=lambda ce, counted: slot_weights(cfg, run.weights, ce, counted),
+        embed_weight=run.embed,
+        total_steps=run.total_steps,
+        progress=inp.progress,
+        backbone_loss=configured_loss,
     )
+    own = run.drafter.head.objective(terms)
+    if own is not None:
+        return _head_objective_output(run, own, labels)
+    # a head's scaling of its logits, on W's rows
+    out = configured_loss(terms.hidden, run.drafter.head.unary_weight(run.drafter.config, head))
     extra = run.drafter.head.training_loss(terms)
     return out if extra is None else dataclasses.replace(out, loss=out.loss + extra)
 
@@ -227,11 +236,18 @@ def _head_objective_output(run: Run, own: HeadObjective, labels: Tensor) -> Loss
 
 
 def block_predecessors(rows: RowBatch, blocks: BlockBatch) -> Tensor:
-    """(B, Nb, bs) long: the data token before each slot (index a + k − 1; slot 0 reads its own anchor's). Where a
-    slot has a label, a + k − 1 ≥ a lies in the anchor's document."""
+    """(B, Nb, bs) long: the data token before each slot (index a + k − 1). Where a slot k ≥ 1 has a label,
+    a + k − 1 ≥ a lies in the anchor's document; slot 0 reads the token before the anchor when that is in the
+    anchor's document, else the anchor itself (a document's first token has no predecessor)."""
     t = rows.input_ids.shape[1]
-    idx = blocks.anchors.clamp(min=0)[:, :, None] + torch.arange(blocks.block_size, device=blocks.anchors.device) - 1
-    idx = idx.clamp(0, t - 1).to(rows.input_ids.device)  # (B, Nb, bs)
+    anchors = blocks.anchors.clamp(min=0).to(rows.input_ids.device)  # (B, Nb)
+    idx = anchors[:, :, None] + torch.arange(blocks.block_size, device=anchors.device) - 1
+    before = (anchors - 1).clamp(min=0)  # (B, Nb)
+    same_doc = (anchors > 0) & (
+        rows.doc_ids.to(anchors.device).gather(1, before) == blocks.block_doc_ids.to(anchors.device)
+    )
+    idx[:, :, 0] = torch.where(same_doc, before, anchors)
+    idx = idx.clamp(0, t - 1)  # (B, Nb, bs)
     b, nb, bs = idx.shape
     return rows.input_ids.gather(1, idx.reshape(b, nb * bs)).view(b, nb, bs).to(blocks.anchors.device)
 

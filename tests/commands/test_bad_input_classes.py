@@ -188,6 +188,7 @@ def _train_argv(tiny_llama_dir: Path, tmp_path: Path) -> list[str]:
         ("dspark_confidence_weight=2", "dspark"),
         ("selector_weight=0.5", "dflash2"),
         ("lambda_base_start=0.5", "domino"),
+        ("consistency_weight=0.5", "xpress"),
     ],
 )
 def test_another_heads_training_option_on_a_dflash_run_is_refused(weight, kind, tiny_llama_dir, tmp_path, capsys):

@@ -66,7 +66,7 @@ def test_dspark_speculators_round_trip_is_exact(tmp_path: Path, target: Target) 
         ({"sample_from_anchor": False}, "sample_from_anchor false"),
         ({"confidence_head_with_markov": False}, "confidence_head_with_markov false"),
         ({"markov_rank": 0}, "markov_rank 0"),
-        ({"speculators_model_type": "xpress"}, "speculators_model_type 'xpress'"),
+        ({"speculators_model_type": "eagle3"}, "speculators_model_type 'eagle3'"),
     ],
 )
 def test_speculators_dspark_variants_dflashkit_cannot_run_are_refused(tmp_path: Path, change, message) -> None:

@@ -136,6 +136,27 @@ def test_quickstart_with_a_domino_drafter(tmp_path, capsys):
         assert doc["results"]["quickstart"]["chain"]["max_length"] == drafter.config.block_size + 1
 
 
+def test_quickstart_with_an_xpress_drafter(tmp_path, capsys):
+    """`quickstart --drafter kind=xpress`: it trains at the quickstart's preset (rank 64, CE: the quickstart has a
+    draft vocabulary), is exported in dflashkit's layout (no released vLLM has an XPress model: the note says so),
+    and decodes losslessly with chain and DDTree on the held-out prompts."""
+    from dflashkit.cli import main
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--out", str(out), *TINY, "--drafter", "kind=xpress"]) == 0
+    assert "τ macro" in capsys.readouterr().out
+    drafter = load_drafter(out / "drafter")
+    assert drafter.config.kind == "xpress" and drafter.config.xpress_rank == 64  # the quickstart's preset
+    state = json.loads((out / "quickstart.json").read_text())
+    assert any("no vLLM release has an XPress" in n for n in state["done"]["export"]["notes"])
+    for dataset in ("mtbench", "humaneval"):
+        doc = json.loads((out / "eval" / dataset / "results.json").read_text())
+        for method in ("chain", "ddtree:4"):
+            assert doc["results"]["quickstart"][method]["greedy_equal_fraction"] == 1.0, (dataset, method)
+        assert doc["results"]["quickstart"]["chain"]["max_length"] == drafter.config.block_size
+
+
 def test_the_quickstart_dspark_preset_and_what_overrides_it():
     """A DSpark drafter in the quickstart gets the small-budget preset (Markov rank 64, CE weight 1.0; measured in
     docs/studies.md), given values win, and DFlash runs are untouched."""

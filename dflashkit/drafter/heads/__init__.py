@@ -13,6 +13,8 @@
   dflash2_net.py, dflash2_draft.py, dflash2_loss.py  its network, its drafting (walk, lattice), its selector term
   domino.py   `DominoHead`: every slot drafts; a GRU over the block's previous tokens corrects the later slots
   domino_net.py, domino_draft.py, domino_loss.py  its network, its drafting (rollout, DDTree path states), its objective
+  xpress.py   `XPressHead`: a low-rank causal refiner biases the backbone's logits; Jacobi passes decode the block
+  xpress_net.py, xpress_draft.py, xpress_loss.py  its network (and the Jacobi passes), its drafting, its objective
 
 A new head: a module here with a `Head` subclass, and one entry in HEADS.
 """
@@ -22,12 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 from dflashkit.drafter.config_fields import add_head_fields
-from dflashkit.drafter.heads.base import DraftRound, Head, HeadObjective, TrainingTerms
+from dflashkit.drafter.heads.base import BlockSlots, DraftRound, Head, HeadObjective, TrainingTerms
 from dflashkit.drafter.heads.dflash2 import DFlash2Head
 from dflashkit.drafter.heads.domino import DominoHead
 from dflashkit.drafter.heads.dspark import DSparkHead
+from dflashkit.drafter.heads.xpress import XPressHead
 
-HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head(), DominoHead())}
+HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head(), DominoHead(), XPressHead())}
 KINDS = tuple(HEADS)
 for _head in HEADS.values():  # a hand-edited config.json's head fields are type-checked like the backbone's
     add_head_fields(_head.zlab_field_types)
@@ -59,6 +62,7 @@ __all__ = [
     "HEADS",
     "KINDS",
     "TRAIN_SETTINGS",
+    "BlockSlots",
     "DraftRound",
     "Head",
     "HeadObjective",

@@ -26,10 +26,12 @@ its kind:
     head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
     head.check_config(cfg, where)   rules between its config fields and the backbone's, refused by field
     head.draft_round(r)             one decoding round's drafts, their distribution q (T > 0), logits and hidden states
-    head.tree_conditional(d, z, h, e)   how a DDTree node ranks its children (None: the per-depth marginals)
-    head.greedy_drafts(d, z, prev, h, e)   greedy drafts from a block's logits (and the scores they were picked from)
-    head.teacher_forced_logits(d, z, prevs, h, e)   slot scores given the true previous tokens (doctor, references)
-                                    (z: the draft slots' logits, h: their hidden states, e: the target's embeddings)
+    head.tree_conditional(d, z, h, e, block)   how a DDTree node ranks its children (None: the per-depth marginals)
+    head.greedy_drafts(d, z, prev, h, e, block)   greedy drafts from a block's logits (and the scores they were picked
+                                    from)
+    head.teacher_forced_logits(d, z, prevs, h, e, block)   slot scores given the true previous tokens (doctor)
+                                    (z: the draft slots' logits, h: their hidden states, e: the target's embeddings,
+                                    block: `BlockSlots`, the whole block's states and the token before it)
     head.training_loss(t)           its own training term added to the objective (`TrainingTerms`; None: none)
     head.objective(t)               its whole objective in place of the backbone's (`HeadObjective`; None: none)
     head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
@@ -70,6 +72,17 @@ class DraftRound:
     draft_sampling: bool
     generator: torch.Generator | None
     confidence_min: float | None = None
+    before: int | None = None  # the token before the bonus (a head reading the whole block's previous tokens)
+
+
+@dataclass
+class BlockSlots:
+    """What a head reading the whole block needs beyond its draft slots: every slot's hidden state, slot 0 first, the
+    block's first token and the token before it (target ids)."""
+
+    hidden: Tensor  # (bs, H)
+    first: int
+    before: int
 
 
 @dataclass
@@ -91,6 +104,9 @@ class TrainingTerms:
     embed_weight: Tensor | None = None  # (V, H) the target's embedding table, frozen
     total_steps: int = 1  # the run's planned optimiser steps (a step-based schedule's horizon)
     progress: float | None = None  # a time-based run: the fraction of its schedule spent (None: step / total_steps)
+    # (hidden (N, bs, H'), rows (V', H'), kind=None) → LossOutput: the run's configured objective (`kind`: another
+    # loss kind) over the step's labels, slot weights and normaliser, for logits formed as hidden·rowsᵀ
+    backbone_loss: Any = None
 
 
 @dataclass
@@ -259,20 +275,27 @@ class Head:
         drafts = drafter.to_target_ids(sample(draft_q, r.generator))
         return drafts, q_over_target(drafter, draft_q, target.vocab_size), draft_logits, hidden
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
-        """A node's children ranked by a distribution given its path (None: DDTree's per-depth marginals);
-        draft_logits (n, V') and hidden (n, H) are the block's draft slots, embed_weight (V, H) the target's table."""
+    def tree_conditional(
+        self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor, block: BlockSlots | None = None
+    ) -> Any:
+        """A node's children ranked by a distribution given its path (None: DDTree's per-depth marginals of
+        `draft_logits`); draft_logits (n, V') and hidden (n, H) are the block's draft slots as `draft_round` returns
+        them, embed_weight (V, H) the target's table; `block` the whole block, where the caller ran the backbone
+        itself (draft_logits are then the backbone's)."""
         return None
 
     def greedy_drafts(
-        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor
-    ) -> tuple[list[int], Tensor]:
-        """(greedy drafts as target ids, the scores (n, V') they are the argmax of) from a block's draft logits."""
+        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor,
+        block: BlockSlots | None = None,
+    ) -> tuple[list[int], Tensor]:  # fmt: skip
+        """(greedy drafts as target ids, the scores (n, V') they are the argmax of) from a block's backbone logits
+        (`block`: the whole block, for a head that reads it)."""
         return drafter.to_target_ids(draft_logits.argmax(-1)).tolist(), draft_logits
 
     def teacher_forced_logits(
-        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor
-    ) -> Tensor:
+        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor,
+        block: BlockSlots | None = None,
+    ) -> Tensor:  # fmt: skip
         """Slot scores (n, V') when slot j's previous token is `prev_tokens[j]` (a transcript's own)."""
         return draft_logits
 
@@ -290,4 +313,4 @@ def _names(settings: type | None) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(settings)) if settings is not None else ()
 
 
-__all__ = ["DraftRound", "Head", "HeadObjective", "TrainingTerms", "q_over_target"]
+__all__ = ["BlockSlots", "DraftRound", "Head", "HeadObjective", "TrainingTerms", "q_over_target"]

@@ -297,14 +297,22 @@ class DFlash2Head(Head):
 
         return draft_dflash2(r)
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
+    def tree_conditional(
+        self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor, block: Any = None
+    ) -> Any:
         """Each node's children ranked by the selector's scores given the node's own token (the selector lattice)."""
         from dflashkit.drafter.heads.dflash2_draft import lattice_conditional
 
         return lattice_conditional(drafter, hidden, draft_logits)
 
     def greedy_drafts(
-        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor
+        self,
+        drafter: Any,
+        draft_logits: Tensor,
+        first_prev: int,
+        hidden: Tensor,
+        embed_weight: Tensor,
+        block: Any = None,
     ) -> tuple[list[int], Tensor]:
         from dflashkit.drafter.heads.dflash2_draft import walk
 
@@ -312,7 +320,13 @@ class DFlash2Head(Head):
         return drafts, dense
 
     def teacher_forced_logits(
-        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor
+        self,
+        drafter: Any,
+        draft_logits: Tensor,
+        prev_tokens: Tensor,
+        hidden: Tensor,
+        embed_weight: Tensor,
+        block: Any = None,
     ) -> Tensor:
         from dflashkit.drafter.heads.dflash2_draft import teacher_forced_scores
 

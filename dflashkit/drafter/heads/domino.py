@@ -191,21 +191,35 @@ class DominoHead(Head):
 
         return draft_domino(r)
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
+    def tree_conditional(
+        self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor, block: Any = None
+    ) -> Any:
         """Each node's children ranked by the corrected distribution given the whole path to it."""
         from dflashkit.drafter.heads.domino_draft import domino_conditional
 
         return domino_conditional(drafter, draft_logits, hidden, embed_weight)
 
     def greedy_drafts(
-        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor
+        self,
+        drafter: Any,
+        draft_logits: Tensor,
+        first_prev: int,
+        hidden: Tensor,
+        embed_weight: Tensor,
+        block: Any = None,
     ) -> tuple[list[int], Tensor]:
         from dflashkit.drafter.heads.domino_draft import greedy_chain
 
         return greedy_chain(drafter, draft_logits, first_prev, hidden, embed_weight)
 
     def teacher_forced_logits(
-        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor
+        self,
+        drafter: Any,
+        draft_logits: Tensor,
+        prev_tokens: Tensor,
+        hidden: Tensor,
+        embed_weight: Tensor,
+        block: Any = None,
     ) -> Tensor:
         from dflashkit.drafter.heads.domino_draft import teacher_forced
 

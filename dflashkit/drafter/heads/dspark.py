@@ -228,14 +228,22 @@ class DSparkHead(Head):
         )
         return drafts, q, logits, logits[:, :0]  # its DDTree children need no hidden states
 
-    def tree_conditional(self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor) -> Any:
+    def tree_conditional(
+        self, drafter: Any, draft_logits: Tensor, hidden: Tensor, embed_weight: Tensor, block: Any = None
+    ) -> Any:
         """Children ranked by the Markov-corrected distribution given the node's own token."""
         from dflashkit.drafter.heads.dspark_draft import dspark_conditional
 
         return dspark_conditional(draft_logits, drafter)
 
     def greedy_drafts(
-        self, drafter: Any, draft_logits: Tensor, first_prev: int, hidden: Tensor, embed_weight: Tensor
+        self,
+        drafter: Any,
+        draft_logits: Tensor,
+        first_prev: int,
+        hidden: Tensor,
+        embed_weight: Tensor,
+        block: Any = None,
     ) -> tuple[list[int], Tensor]:
         """The Markov head's greedy chain over the block (as llama.cpp's graph runs it): (drafts as target ids, the
         corrected logits (n, V'))."""
@@ -247,7 +255,13 @@ class DSparkHead(Head):
         return drafts, corrected
 
     def teacher_forced_logits(
-        self, drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, hidden: Tensor, embed_weight: Tensor
+        self,
+        drafter: Any,
+        draft_logits: Tensor,
+        prev_tokens: Tensor,
+        hidden: Tensor,
+        embed_weight: Tensor,
+        block: Any = None,
     ) -> Tensor:
         """Slot j corrected by the Markov bias of the true token before it."""
         return draft_logits + drafter.markov_head.bias(prev_tokens).float()

@@ -1,0 +1,199 @@
+"""Training XPress drafters: the objective L(teacher-forced) + consistency_weight·mean L(free-running rounds) +
+base_anchor_weight·L(backbone), L = (1 − α)·TV + α·CE, and its gradients against a float64 Python loop of its
+definition (the refiner's equations, argmax guesses between rounds, slot 0 reading the token before the anchor,
+unsupervised labels); the token before a document's first anchor; and end to end on the tiny target: the loss falls,
+the refiner learns, a killed run resumes exactly, a DFlash checkpoint warm-starts it, and what XPress cannot train
+with is refused by name."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.defaults import default_drafter_config
+from dflashkit.drafter.heads import TrainingTerms, head_of
+from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import ConfigError
+from dflashkit.target.model import Target
+from dflashkit.train.config import TrainConfig
+from dflashkit.train.loop import train
+from dflashkit.train.losses import DISTRIBUTION_KINDS, block_loss, decay_weights
+from dflashkit.train.metrics import read_metrics
+from helpers.train_runs import write_tokens_file
+from helpers.xpress_reference import bias64, weights64
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DRAFTER = {"num_hidden_layers": 1, "block_size": 4, "kind": "xpress", "xpress_rank": 8}
+
+
+def _drafter(bs: int = 4) -> DFlashDrafter:
+    cfg = DrafterConfig(
+        hidden_size=32, vocab_size=50, num_target_layers=6, target_layer_ids=[1, 3], num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32, block_size=bs,
+        mask_token_id=3, kind="xpress", xpress_rank=6,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in d.refiner_head.parameters():
+            p.normal_(0, 0.4)
+    return d
+
+
+def _terms(d, hidden, head, labels, prevs, weights, target, cfg, normalizer) -> TrainingTerms:
+    def backbone_loss(states, rows, kind=None):  # as the train step forms it
+        kind = kind or cfg.loss
+        t = target if kind in DISTRIBUTION_KINDS else None
+        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer)
+
+    return TrainingTerms(
+        drafter=d, hidden=hidden, head_weight=head, labels=labels, prev_tokens=prevs, weights=weights,
+        normalizer=normalizer, step=0, train_cfg=cfg, weights_of=None, backbone_loss=backbone_loss,
+    )  # fmt: skip
+
+
+def reference64(w, hidden, head, labels, prevs, weights, target, cfg, normalizer):
+    """The module docstring's loss from the definitions, block by block, slot by slot."""
+    alpha = cfg.xpress_ce_weight if cfg.loss != "ce" else 1.0
+
+    def term(n, z):  # Σ_k w_k·[(1 − α)·TV + α·CE] over block n's supervised slots
+        out = 0.0
+        for k in range(z.shape[0]):
+            y = int(labels[n, k])
+            if y < 0 or float(weights[k]) == 0:
+                continue
+            q = torch.softmax(z[k], -1)
+            tv = 1 - torch.minimum(q, torch.softmax(target[n, k].double(), -1)).sum()
+            ce = -torch.log_softmax(z[k], -1)[y]
+            out = out + float(weights[k]) * ((1 - alpha) * tv + alpha * ce)
+        return out
+
+    total = 0.0
+    for n in range(labels.shape[0]):
+        base = hidden[n] @ head.double().t()  # (bs, V)
+        total = total + term(n, base + bias64(w, hidden[n], prevs[n].tolist()))
+        guess, rounds = base.argmax(-1).tolist(), []
+        for _ in range(cfg.consistency_passes):
+            guess[0] = int(prevs[n, 1])  # the anchor
+            z = base + bias64(w, hidden[n], [int(prevs[n, 0]), *guess[:-1]])
+            rounds.append(term(n, z))
+            guess = z.argmax(-1).tolist()
+        if rounds:
+            total = total + cfg.consistency_weight * sum(rounds) / len(rounds)
+        total = total + cfg.base_anchor_weight * term(n, base)
+    return total / normalizer
+
+
+@pytest.mark.parametrize(
+    "loss,passes,cw,bw", [("tv", 3, 0.3, 0.6), ("ce", 2, 0.5, 0.0), ("tv", 0, 0.3, 0.6), ("tv", 1, 1.0, 1.0)]
+)
+def test_objective_and_its_gradients_equal_a_float64_reference(loss, passes, cw, bw) -> None:
+    d = _drafter()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 4, 32, generator=g, requires_grad=True)
+    head = torch.randn(50, 32, generator=g) * 0.5
+    target = torch.randn(3, 4, 50, generator=g) * 2
+    labels = torch.randint(0, 50, (3, 4), generator=g)
+    labels[1, 3] = labels[2, 2:] = -100
+    prevs = torch.randint(0, 50, (3, 4), generator=g)
+    weights = decay_weights(4, 3.0)
+    cfg = SimpleNamespace(loss=loss, xpress_ce_weight=0.1, consistency_weight=cw, consistency_passes=passes,
+                          base_anchor_weight=bw)  # fmt: skip
+    own = head_of("xpress").objective(_terms(d, hidden, head, labels, prevs, weights, target, cfg, 2.5))
+    hidden64 = hidden.detach().double().requires_grad_(True)
+    w = weights64(d, grad=True)
+    want = reference64(w, hidden64, head, labels, prevs, weights, target, cfg, 2.5)
+    assert float(own.loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    ref = d.refiner_head
+    params = [ref.token_embed.weight, ref.down_h.weight, ref.down_g.weight, ref.in_proj.weight, ref.mix_l,
+              ref.mlp_gate.weight, ref.mlp_up.weight, ref.mlp_down.weight, ref.readout.weight]  # fmt: skip
+    names = ["token_embed", "down_h", "down_g", "in_proj", "mix_l", "mlp_gate", "mlp_up", "mlp_down", "readout"]
+    got = torch.autograd.grad(own.loss, [hidden, *params])
+    want_g = torch.autograd.grad(want, [hidden64, *[w[n] for n in names]])
+    for name, a, b in zip(["hidden", *names], got, want_g, strict=True):
+        scale = max(1.0, float(b.abs().max()))
+        assert float((a.double() - b).abs().max()) <= 1e-5 * scale, name
+    assert own.valid_counts.tolist() == (labels >= 0).sum(0).tolist()
+
+
+def test_the_token_before_the_anchor_is_slot_zeros_previous_token() -> None:
+    """Packed rows: slot 0 reads the token before its anchor within the document, the anchor itself at a document's
+    first token (speculators' rule); slots k ≥ 1 read a + k − 1."""
+    from dflashkit.train.blocks import build_blocks
+    from dflashkit.train.packing import RowBatch
+    from dflashkit.train.step import block_predecessors
+
+    ids = torch.arange(10, 30)[None]  # (1, 20)
+    doc = torch.tensor([[0] * 8 + [1] * 12])
+    rows = RowBatch(
+        input_ids=ids, doc_ids=doc, positions=torch.cat([torch.arange(8), torch.arange(12)])[None],
+        loss_mask=torch.ones(1, 20, dtype=torch.bool), features=torch.zeros(1, 20, 1), target_tokens=None, row_ids=[0],
+    )  # fmt: skip
+    blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=4,
+                          anchors=[torch.tensor([0, 3, 8, 12])], num_blocks=4)  # fmt: skip
+    prev = block_predecessors(rows, blocks)[0]
+    assert prev.tolist() == [[10, 10, 11, 12], [12, 13, 14, 15], [18, 18, 19, 20], [21, 22, 23, 24]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir: Path) -> Target:
+    return Target.load(tiny_llama_dir)
+
+
+def cfg_for(out: Path, **kw) -> TrainConfig:
+    base = dict(
+        out=str(out), drafter=dict(DRAFTER), max_tokens=48, max_steps=8, save_every=4, progress=False,
+        tensorboard=False, lr=3e-3, val_samples=1, eval_every=4, loss="tv",
+    )  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_trains_learns_resumes_exactly_and_warm_starts(tmp_path: Path, target: Target, tiny_llama_dir: Path) -> None:
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 6)
+    kw = dict(tokens=str(tokens), online=True, target=str(tiny_llama_dir))
+    straight = train(cfg_for(tmp_path / "a", **kw), target=target)
+    assert straight.step == 8 and straight.val_metrics is not None
+    recs = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
+    assert recs[-1]["loss"] < recs[0]["loss"] and all(math.isfinite(r["loss"]) for r in recs)
+    assert len(recs[-1]["accuracy"]) == 4  # slot 0 (the given token), then the three drafts
+    d = load_drafter(tmp_path / "a" / "final")
+    assert d.config.kind == "xpress" and d.config.xpress_rank == 8
+    fresh = DFlashDrafter(d.config)
+    assert not torch.equal(d.refiner_head.mix_l, fresh.refiner_head.mix_l)  # the mixer left its zero init
+
+    def kill(end) -> None:
+        if end.step == 4:
+            raise RuntimeError("simulated kill")
+
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        train(cfg_for(tmp_path / "b", **kw), target=target, callbacks=[kill])
+    train(cfg_for(tmp_path / "b", **kw), target=target)
+    a, b = read_tensors(tmp_path / "a" / "final"), read_tensors(tmp_path / "b" / "final")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+    # a DFlash checkpoint warm-starts XPress: the backbone carried over, the refiner at its init
+    plain_cfg = default_drafter_config(target, num_hidden_layers=1, block_size=4)
+    torch.manual_seed(4)
+    save_drafter(DFlashDrafter(plain_cfg), tmp_path / "plain")
+    train(cfg_for(tmp_path / "c", init_from=str(tmp_path / "plain"), max_steps=1, lr=1e-12, **kw), target=target)
+    warm, plain = load_drafter(tmp_path / "c" / "final"), load_drafter(tmp_path / "plain")
+    assert warm.config.kind == "xpress" and warm.config.xpress_rank == 8
+    for k, v in plain.state_dict().items():  # a step at lr 1e-12 moves nothing measurable
+        torch.testing.assert_close(warm.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("train_kw,words", [({"loss": "topk"}, "loss"), ({"fsdp": True}, "fsdp")])
+def test_refusals_name_the_setting(tmp_path: Path, target: Target, tiny_llama_dir, train_kw, words) -> None:
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 2)
+    cfg = cfg_for(tmp_path / "r", tokens=str(tokens), online=True, target=str(tiny_llama_dir), **train_kw)
+    with pytest.raises(ConfigError, match=words):
+        train(cfg, target=target)
