@@ -166,35 +166,44 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         alpha: float = 0.0,
         reweight: Callable[[Tensor], Tensor] | None = None,
         divergence: tuple[str, float] = ("kl", 0.0),
+        extra: Tensor | None = None,
+        need_ge: bool = False,
     ):
-        # hidden: (M, H) with M = N·bs; weight: (V, H); labels, row_w: (M,)
+        # hidden: (M, H) with M = N·bs (H + r with `extra`); weight: (V, H); labels, row_w: (M,)
         # soft: sparse target (ids (M, k) long ≥ 0, probs (M, k); rows sum to 1, or to 0: hard label only)
+        # extra: (V, r) rows appended to weight's columns (need_ge: form their gradient)
         run = dict(hidden=hidden, weight=weight, labels=labels, target=target, bs=bs, chunk_rows=chunk_rows)
-        run.update(soft=soft, alpha=alpha, divergence=divergence)
+        run.update(soft=soft, alpha=alpha, divergence=divergence, extra=extra)
         if reweight is None:
-            total, _, preds, gh, gw = _chunked_pass(row_w=row_w, need_gh=need_gh, need_gw=need_gw, **run)
-        elif need_gw:
-            _, per, _, _, _ = _chunked_pass(row_w=row_w, need_gh=False, need_gw=False, **run)
+            total, _, preds, gh, gw, ge = _chunked_pass(
+                row_w=row_w, need_gh=need_gh, need_gw=need_gw, need_ge=need_ge, **run
+            )
+        elif need_gw or need_ge:
+            _, per, _, _, _, _ = _chunked_pass(row_w=row_w, need_gh=False, need_gw=False, need_ge=False, **run)
             w = reweight(per)  # (M,)
-            total, _, preds, gh, gw = _chunked_pass(row_w=w, need_gh=need_gh, need_gw=True, **run)
+            total, _, preds, gh, gw, ge = _chunked_pass(
+                row_w=w, need_gh=need_gh, need_gw=need_gw, need_ge=need_ge, **run
+            )
         else:
             live = (row_w != 0).to(row_w.dtype)
-            _, per, preds, gh, gw = _chunked_pass(row_w=live, need_gh=need_gh, need_gw=False, **run)
+            _, per, preds, gh, gw, ge = _chunked_pass(row_w=live, need_gh=need_gh, need_gw=False, need_ge=False, **run)
             w = reweight(per).to(per.dtype)  # (M,)
             total = (per * w).sum()
             if gh is not None:
                 gh.mul_(w[:, None].to(gh.dtype))
-        ctx.save_for_backward(gh if need_gh else None, gw if need_gw else None)
+        ctx.save_for_backward(gh if need_gh else None, gw if need_gw else None, ge if need_ge else None)
         ctx.weight_dtype = weight.dtype
+        ctx.extra_dtype = extra.dtype if extra is not None else None
         ctx.mark_non_differentiable(preds)
         return total, preds
 
     @staticmethod
     def backward(ctx, grad_total: Tensor, grad_preds: Tensor):  # type: ignore[override]
-        gh, gw = ctx.saved_tensors
+        gh, gw, ge = ctx.saved_tensors
         d_h = gh * grad_total.to(gh.dtype) if gh is not None else None
         d_w = (gw * grad_total).to(ctx.weight_dtype) if gw is not None else None
-        return d_h, d_w, None, None, None, None, None, None, None, None, None, None, None
+        d_e = (ge * grad_total).to(ctx.extra_dtype) if ge is not None else None
+        return d_h, d_w, None, None, None, None, None, None, None, None, None, None, None, d_e, None
 
 
 def _chunked_pass(
@@ -211,21 +220,30 @@ def _chunked_pass(
     soft: tuple[Tensor, Tensor] | None,
     alpha: float,
     divergence: tuple[str, float] = ("kl", 0.0),
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    extra: Tensor | None = None,
+    need_ge: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """One pass over the rows in chunks → (Σ row_w·ℓ, per-row ℓ (M,) (0 where row_w is 0), argmax ids (M,),
-    d/d hidden (M, H) or None, d/d weight (V, H) or None), the gradients of Σ row_w·ℓ."""
+    d/d hidden (M, H) or None, d/d weight (V, H) or None, d/d extra (V, r) or None), the gradients of Σ row_w·ℓ.
+    With `extra` (V, r) the logits are hidden[:, :H]·weightᵀ + hidden[:, H:]·extraᵀ: the frozen weight's
+    gradient is never formed, only the extra rows' (when they require one)."""
     m = hidden.shape[0]
+    hw = weight.shape[1]
     acc = torch.promote_types(weight.dtype, torch.float32)  # float32 for bf16/fp16, else as given
     total = torch.zeros((), dtype=acc, device=hidden.device)
     per_rows = torch.zeros(m, dtype=acc, device=hidden.device)
     preds = torch.empty(m, dtype=torch.long, device=hidden.device)
     gh = torch.empty_like(hidden) if need_gh else None
     gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_gw else None
+    ge = torch.zeros(extra.shape, dtype=acc, device=extra.device) if need_ge else None
     step = chunk_rows * bs
     for start in range(0, m, step):
         end = min(start + step, m)
-        h = hidden[start:end]  # (m_c, H)
-        z = F.linear(h, weight).to(acc)  # (m_c, V)
+        h = hidden[start:end]  # (m_c, H) (H + r with extra)
+        if extra is None:
+            z = F.linear(h, weight).to(acc)  # (m_c, V)
+        else:
+            z = F.linear(h[:, :hw], weight).to(acc) + F.linear(h[:, hw:].to(extra.dtype), extra).to(acc)
         logp = torch.log_softmax(z, dim=-1)
         w = row_w[start:end].to(acc)  # (m_c,)
         live = w != 0
@@ -251,7 +269,7 @@ def _chunked_pass(
         per_rows[start:end] = per
         total += (per * w).sum()
         preds[start:end] = z.argmax(-1)
-        if need_gh or need_gw:
+        if need_gh or need_gw or need_ge:
             g = logp.exp()  # softmax (m_c, V)
             if soft is not None:  # g −= q_mix, one chunk at a time
                 g.scatter_add_(1, ids, -(1 - a)[:, None] * q)
@@ -261,11 +279,16 @@ def _chunked_pass(
             else:
                 g = g_div
             g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
-            if need_gh:
+            if need_gh and extra is None:
                 gh[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            elif need_gh:
+                gh[start:end, :hw] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                gh[start:end, hw:] = (g.to(extra.dtype) @ extra).to(hidden.dtype)
             if need_gw:
-                gw += g.t() @ h.to(acc)
-    return total, per_rows, preds, gh, gw
+                gw += g.t() @ h[:, :hw].to(acc)
+            if need_ge:
+                ge += g.t() @ h[:, hw:].to(acc)
+    return total, per_rows, preds, gh, gw, ge
 
 
 def _divergence(divergence: tuple[str, float], p: Tensor, logp: Tensor, logq: Tensor) -> tuple[Tensor, Tensor]:
@@ -290,15 +313,15 @@ def _divergence(divergence: tuple[str, float], p: Tensor, logp: Tensor, logq: Te
     return lam[:, 0] * kl + (1 - lam[:, 0]) * tv, lam * (q - p) - (1 - lam) * d_overlap
 
 
-def _batch_lambda(args: tuple, scale: float, decay: float) -> float:
+def _batch_lambda(args: tuple, scale: float, decay: float, extra: Tensor | None = None) -> float:
     """SpecForge's λ = scale·exp(−decay·ᾱ) for `lk_lambda`: ᾱ = Σ w·α / Σ w over the live rows of `args` (the
     arguments of `_ChunkedLinearLoss`), from a pass without gradients (one more LM-head product over the rows)."""
     hidden, weight, labels, row_w, target, bs, rows = args[:7]
     with torch.no_grad():
         run = dict(hidden=hidden.detach(), weight=weight.detach(), labels=labels, target=target, bs=bs)
-        _, per, _, _, _ = _chunked_pass(
+        _, per, _, _, _, _ = _chunked_pass(
             **run, row_w=row_w, chunk_rows=rows, need_gh=False, need_gw=False, soft=None, alpha=0.0,
-            divergence=("tv", 0.0),
+            divergence=("tv", 0.0), extra=extra.detach() if extra is not None else None,
         )  # fmt: skip
         w = row_w.to(per.dtype)
         mean_alpha = 1.0 - float((w * per).sum() / w.sum().clamp_min(torch.finfo(per.dtype).tiny))
@@ -347,6 +370,7 @@ def block_loss(
     lk_eta: float = 3.0,
     lk_kl_scale: float = 1.0,
     lk_kl_decay: float = 1.0,
+    extra_rows: Tensor | None = None,
 ) -> LossOutput:
     """Weighted block loss over drafter outputs.
 
@@ -366,6 +390,8 @@ def block_loss(
         then only marks the draft slots (default `draft_slot_weights`: all but slot 0), so the default normaliser
         N is the number of valid draft slots Σ m_j — known from the labels before the forward, hence one global
         value across micro-batches and ranks, and a loss scale that does not move with the drafter's confidence.
+    extra_rows: (V, r) trainable rows appended to a frozen head's columns — logits hidden[..., :H]·Wᵀ +
+        hidden[..., H:]·extra_rowsᵀ, `hidden` then (N, bs, H + r) — whose gradient is formed without W's.
     """
     if kind not in ("ce", "topk", *DISTRIBUTION_KINDS):
         raise ValueError(f"kind must be 'ce', 'topk' or one of {DISTRIBUTION_KINDS}, got {kind!r}")
@@ -387,9 +413,12 @@ def block_loss(
     bs, h_dim = hidden.shape[-2], hidden.shape[-1]
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h_dim:
-        raise ValueError(f"lm_head_weight must be (V, {h_dim}), got {tuple(lm_head_weight.shape)}")
+    r = extra_rows.shape[-1] if extra_rows is not None else 0
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h_dim - r:
+        raise ValueError(f"lm_head_weight must be (V, {h_dim - r}), got {tuple(lm_head_weight.shape)}")
     vocab = lm_head_weight.shape[0]
+    if extra_rows is not None and (extra_rows.dim() != 2 or extra_rows.shape[0] != vocab):
+        raise ValueError(f"extra_rows must be ({vocab}, r), got {tuple(extra_rows.shape)}")
     flat_h = hidden.reshape(-1, h_dim).to(lm_head_weight.dtype)  # (M, H), M = N·bs
     flat_lab = labels.reshape(-1).long()  # (M,)
     n = flat_lab.numel() // bs if bs else 0
@@ -435,6 +464,7 @@ def block_loss(
         grad_on and flat_h.requires_grad,
         grad_on and lm_head_weight.requires_grad,
     )
+    tail = (extra_rows, grad_on and extra_rows is not None and extra_rows.requires_grad)  # the Function's last two
     reweight = None
     if dpace:
         scale = norm.clamp_min(torch.finfo(acc).tiny)
@@ -447,14 +477,14 @@ def block_loss(
             return dw / scale.to(per.dtype)
 
     if soft is not None:
-        loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight))
+        loss, preds = _ChunkedLinearLoss.apply(*args, soft, float(ce_weight), None, ("kl", 0.0), *tail)
     elif reweight is not None:
-        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, reweight)
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, reweight, ("kl", 0.0), *tail)
     elif kind in DISTRIBUTION_KINDS:  # lk_lambda: its one λ for the batch, else η
-        param = _batch_lambda(args, lk_kl_scale, lk_kl_decay) if kind == "lk_lambda" else float(lk_eta)
-        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, param))
+        param = _batch_lambda(args, lk_kl_scale, lk_kl_decay, extra_rows) if kind == "lk_lambda" else float(lk_eta)
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, (kind, param), *tail)
     else:
-        loss, preds = _ChunkedLinearLoss.apply(*args)
+        loss, preds = _ChunkedLinearLoss.apply(*args, None, 0.0, None, ("kl", 0.0), *tail)
     if live_rows is not None:  # rows the head did not run over: slot 0 is the given anchor (counted as right),
         full = torch.full((n, bs), -1, dtype=torch.long, device=preds.device)  # the others predict nothing
         full[:, 0] = all_labels.view(n, bs)[:, 0]

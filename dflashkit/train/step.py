@@ -176,8 +176,11 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             ce_weight=cfg.topk_ce_weight,
         )
 
-    def configured_loss(states: Tensor, lm_rows: Tensor, kind: str | None = None) -> LossOutput:
-        """The configured objective (or `kind`) over the step's labels for logits states·lm_rowsᵀ."""
+    def configured_loss(
+        states: Tensor, lm_rows: Tensor, kind: str | None = None, extra: Tensor | None = None
+    ) -> LossOutput:
+        """The configured objective (or `kind`) over the step's labels for logits states·lm_rowsᵀ (with `extra`
+        (V', r): states·[lm_rows ; extra]ᵀ, only extra trained)."""
         kind = kind or cfg.loss
         return block_loss(
             states,
@@ -193,6 +196,7 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             lk_eta=cfg.lk_eta,
             lk_kl_scale=cfg.lk_kl_scale,
             lk_kl_decay=cfg.lk_kl_decay,
+            extra_rows=extra,
             **(soft if kind == "topk" else {}),
         )
 

@@ -88,10 +88,11 @@ def test_speculators_xpress_forward_passes_and_loss_equal_dflashkit(tmp_path: Pa
     normalizer = float(theirs["mask"].sum()) + 1e-5  # speculators divides each term by its mask count
     train_cfg = TrainConfig(out=str(tmp_path / "unused"), loss="tv", drafter={"kind": "xpress"})
 
-    def backbone_loss(states, rows, kind=None):
+    def backbone_loss(states, rows, kind=None, extra=None):
         kind = kind or train_cfg.loss
         t = targets if kind in DISTRIBUTION_KINDS else None
-        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer)
+        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer,
+                          extra_rows=extra)  # fmt: skip
 
     terms = TrainingTerms(
         drafter=drafter, hidden=hidden, head_weight=target.lm_head_weight, labels=labels, prev_tokens=prev_tf,

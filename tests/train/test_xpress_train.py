@@ -48,10 +48,11 @@ def _drafter(bs: int = 4) -> DFlashDrafter:
 
 
 def _terms(d, hidden, head, labels, prevs, weights, target, cfg, normalizer) -> TrainingTerms:
-    def backbone_loss(states, rows, kind=None):  # as the train step forms it
+    def backbone_loss(states, rows, kind=None, extra=None):  # as the train step forms it
         kind = kind or cfg.loss
         t = target if kind in DISTRIBUTION_KINDS else None
-        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer)
+        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer,
+                          extra_rows=extra)  # fmt: skip
 
     return TrainingTerms(
         drafter=d, hidden=hidden, head_weight=head, labels=labels, prev_tokens=prevs, weights=weights,
@@ -123,6 +124,31 @@ def test_objective_and_its_gradients_equal_a_float64_reference(loss, passes, cw,
     assert own.valid_counts.tolist() == (labels >= 0).sum(0).tolist()
 
 
+@pytest.mark.parametrize("kind,dpace", [("ce", False), ("ce", True), ("tv", False), ("lk_lambda", False)])
+def test_extra_rows_equal_the_concatenated_head_without_its_gradient(kind: str, dpace: bool) -> None:
+    """block_loss over [h ; x] with frozen rows W and trainable extra rows R gives the loss, predictions and the
+    gradients of [h ; x] and R that the concatenated head [W ; R] gives, and forms no gradient for W."""
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(3, 4, 32 + 6, generator=g)
+    w, r = torch.randn(50, 32, generator=g), torch.randn(50, 6, generator=g) * 0.5
+    labels = torch.randint(0, 50, (3, 4), generator=g)
+    labels[2, 3] = -100
+    target = torch.randn(3, 4, 50, generator=g) if kind != "ce" else None
+    kw = dict(kind=kind, target_logits=target, normalizer=3.0, chunk_size=2)
+    if dpace:
+        kw["position_weights"] = "dpace"
+    a_states, a_rows = states.clone().requires_grad_(True), torch.cat([w, r], 1).requires_grad_(True)
+    want = block_loss(a_states, a_rows, labels, **kw)
+    want.loss.backward()
+    b_states, b_r = states.clone().requires_grad_(True), r.clone().requires_grad_(True)
+    got = block_loss(b_states, w, labels, extra_rows=b_r, **kw)
+    got.loss.backward()
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    assert torch.equal(got.correct_counts, want.correct_counts)
+    torch.testing.assert_close(b_states.grad, a_states.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b_r.grad, a_rows.grad[:, 32:], rtol=1e-5, atol=1e-6)
+
+
 def test_the_token_before_the_anchor_is_slot_zeros_previous_token() -> None:
     """Packed rows: slot 0 reads the token before its anchor within the document, the anchor itself at a document's
     first token (speculators' rule); slots k ≥ 1 read a + k − 1."""
@@ -191,7 +217,15 @@ def test_trains_learns_resumes_exactly_and_warm_starts(tmp_path: Path, target: T
         torch.testing.assert_close(warm.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("train_kw,words", [({"loss": "topk"}, "loss"), ({"fsdp": True}, "fsdp")])
+@pytest.mark.parametrize(
+    "train_kw,words",
+    [
+        ({"loss": "topk"}, "loss"),
+        ({"fsdp": True}, "fsdp"),
+        ({"loss": "ce", "xpress_ce_weight": 0.5}, "xpress_ce_weight: 0.5 has no effect with loss: ce"),
+        ({"loss": "ce", "consistency_weight": 0.0, "consistency_passes": 5}, "consistency_passes: 5 has no effect"),
+    ],
+)
 def test_refusals_name_the_setting(tmp_path: Path, target: Target, tiny_llama_dir, train_kw, words) -> None:
     tokens = write_tokens_file(tmp_path / "tokens.jsonl", 2)
     cfg = cfg_for(tmp_path / "r", tokens=str(tokens), online=True, target=str(tiny_llama_dir), **train_kw)

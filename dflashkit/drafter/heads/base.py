@@ -104,8 +104,9 @@ class TrainingTerms:
     embed_weight: Tensor | None = None  # (V, H) the target's embedding table, frozen
     total_steps: int = 1  # the run's planned optimiser steps (a step-based schedule's horizon)
     progress: float | None = None  # a time-based run: the fraction of its schedule spent (None: step / total_steps)
-    # (hidden (N, bs, H'), rows (V', H'), kind=None) → LossOutput: the run's configured objective (`kind`: another
-    # loss kind) over the step's labels, slot weights and normaliser, for logits formed as hidden·rowsᵀ
+    # (hidden (N, bs, H + r), rows (V', H), kind=None, extra=None) → LossOutput: the run's configured objective
+    # (`kind`: another loss kind) over the step's labels, slot weights and normaliser, for the logits
+    # hidden·[rows ; extra]ᵀ — `extra` (V', r) trainable rows beside the frozen ones (r = 0 without it)
     backbone_loss: Any = None
 
 

@@ -49,7 +49,7 @@ class XPressTrainSettings:
     consistency_passes: NonNegativeInt = 3  # drafter.kind: xpress — free-running rounds per step
     base_anchor_weight: NonNegativeFloat = 0.6  # drafter.kind: xpress — weight of the loss of the backbone's own logits
     # drafter.kind: xpress — with a distribution loss (tv, kl, …): each term is (1 − w)·that loss + w·CE
-    # (speculators' {"ce": 0.1, "tv": 0.9} for loss: tv)
+    # (speculators' {"ce": 0.1, "tv": 0.9}: loss: tv, labels: target)
     xpress_ce_weight: UnitInterval = 0.1
 
 
@@ -143,6 +143,17 @@ class XPressHead(Head):
             raise ConfigError(
                 "fsdp: True cannot train an XPress drafter (drafter.kind: xpress): its refiner runs outside the "
                 "sharded forward"
+            )
+        defaults = XPressTrainSettings()
+        if train_cfg.loss == "ce" and train_cfg.xpress_ce_weight != defaults.xpress_ce_weight:
+            raise ConfigError(
+                f"xpress_ce_weight: {train_cfg.xpress_ce_weight} has no effect with loss: ce (every term is CE "
+                f"already); leave it unset, or train a distribution loss (loss: tv)"
+            )
+        if train_cfg.consistency_weight == 0 and train_cfg.consistency_passes != defaults.consistency_passes:
+            raise ConfigError(
+                f"consistency_passes: {train_cfg.consistency_passes} has no effect with consistency_weight: 0 (no "
+                f"free-running round is trained); leave it unset"
             )
 
     def objective(self, terms: TrainingTerms) -> HeadObjective | None:

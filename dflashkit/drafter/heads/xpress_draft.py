@@ -55,9 +55,9 @@ def draft_xpress(r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     embeds = drafter.block_embeddings(torch.tensor([[r.bonus]]), target.embed_weight, r.block_size)
     positions = torch.arange(r.start, r.start + r.block_size)[None]
     hidden = drafter(r.new_ctx, embeds, context_positions=r.new_pos, block_positions=positions, cache=r.cache)[0]
-    base = drafter.logits(hidden[1:], target.lm_head_weight).float()  # (bs − 1, V'): every draft slot's
+    base = drafter.logits(hidden[1 : r.n_verify + 1], target.lm_head_weight).float()  # (nv, V'): as simulation
     before = r.bonus if r.before is None else r.before
-    rows = refined_rows(drafter, base, r.bonus, BlockSlots(hidden, r.bonus, before))[: r.n_verify]  # (nv, V')
+    rows = refined_rows(drafter, base, r.bonus, BlockSlots(hidden, r.bonus, before))  # (nv, V')
     draft_hidden = hidden[1 : r.n_verify + 1]
     if r.sampling.greedy or not r.draft_sampling:
         return drafter.to_target_ids(rows.argmax(-1)), None, rows, draft_hidden
@@ -88,7 +88,7 @@ def teacher_forced(drafter: Any, draft_logits: Tensor, prev_tokens: Tensor, bloc
     n, bs = draft_logits.shape[0], drafter.config.block_size
     prev = torch.zeros(1, bs, dtype=torch.long, device=draft_logits.device)
     prev[0, 0] = int(block.before)
-    prev[0, 1 : 1 + n] = prev_tokens.reshape(-1)[: bs - 1].to(prev.device)
+    prev[0, 1 : 1 + n] = prev_tokens.reshape(-1)[:n].to(prev.device)
     cache = drafter.refiner_head.hidden_cache(block.hidden[None])  # (1, bs, 2r)
     return refined_logits(drafter, _whole_block(draft_logits, bs), prev, cache)[0, 1 : 1 + n]
 

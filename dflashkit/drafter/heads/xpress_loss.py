@@ -8,9 +8,10 @@ free-running rounds that read the refiner's own guesses, and an anchor on the ba
                                         no gradient through a guess (an argmax) — the recurrence of Jacobi decoding
 
 L is the run's configured objective over the step's labels, slot weights and normaliser (`TrainingTerms.
-backbone_loss`): with a distribution loss (tv, kl, …) it is (1 − xpress_ce_weight)·L_loss + xpress_ce_weight·CE,
-speculators' {"ce": 0.1, "tv": 0.9} for loss: tv. Since z = [h ; x]·[W ; R]ᵀ, each term is that objective over the
-states [h ; x] and the rows [W ; R] (W frozen, R trained), chunked as the backbone's own loss is.
+backbone_loss`): with a distribution loss (tv, kl, …) it is (1 − xpress_ce_weight)·L_loss + xpress_ce_weight·CE —
+speculators' {"ce": 0.1, "tv": 0.9} for loss: tv with labels: target (speculators' CE label is the target's argmax).
+Since z = [h ; x]·[W ; R]ᵀ, each term is that objective over the states [h ; x] with the frozen rows W and the trained
+rows R, chunked as the backbone's own loss is (no (rows, V') logits, no gradient formed for W).
 """
 
 from __future__ import annotations
@@ -26,24 +27,30 @@ from dflashkit.drafter.heads.base import HeadObjective, TrainingTerms
 _CHUNK_LOGITS = 1 << 25  # rows × vocabulary per argmax chunk
 
 
-def _compound(terms: TrainingTerms, states: Tensor, rows: Tensor) -> Any:
+def _compound(terms: TrainingTerms, states: Tensor, rows: Tensor, extra: Tensor | None = None) -> Any:
     """The configured objective, with XPress's CE share under a distribution loss (a LossOutput)."""
     cfg = terms.train_cfg
-    out = terms.backbone_loss(states, rows)
+    out = terms.backbone_loss(states, rows, extra=extra)
     alpha = cfg.xpress_ce_weight
     if cfg.loss == "ce" or alpha == 0:
         return out
-    ce = terms.backbone_loss(states, rows, kind="ce")
+    ce = terms.backbone_loss(states, rows, kind="ce", extra=extra)
     return dataclasses.replace(out, loss=(1 - alpha) * out.loss + alpha * ce.loss)
 
 
 @torch.no_grad()
-def _guesses(drafter: Any, states: Tensor, rows: Tensor) -> Tensor:
-    """states (N, bs, H') · rows (V', H')ᵀ → the argmax (N, bs) as target ids, a few blocks at a time."""
-    n, bs, _ = states.shape
-    step = max(1, _CHUNK_LOGITS // max(1, bs * rows.shape[0]))
-    parts = [(states[i : i + step].to(rows.dtype) @ rows.t()).argmax(-1) for i in range(0, n, step)]
-    return drafter.to_target_ids(torch.cat(parts)) if parts else states.new_zeros(0, bs, dtype=torch.long)
+def _guesses(drafter: Any, h: Tensor, w: Tensor, x: Tensor | None = None, r: Tensor | None = None) -> Tensor:
+    """The argmax (N, bs), as target ids, of h·wᵀ (+ x·rᵀ): h (N, bs, H), w (V', H), x (N, bs, r), r (V', r); a
+    few blocks at a time."""
+    n, bs, _ = h.shape
+    step = max(1, _CHUNK_LOGITS // max(1, bs * w.shape[0]))
+    parts = []
+    for i in range(0, n, step):
+        z = h[i : i + step].to(w.dtype) @ w.t()  # (n_c, bs, V')
+        if x is not None:
+            z = z.float() + (x[i : i + step].to(r.dtype) @ r.t()).float()
+        parts.append(z.argmax(-1))
+    return drafter.to_target_ids(torch.cat(parts)) if parts else h.new_zeros(0, bs, dtype=torch.long)
 
 
 def xpress_objective(terms: TrainingTerms) -> HeadObjective:
@@ -51,15 +58,15 @@ def xpress_objective(terms: TrainingTerms) -> HeadObjective:
     cfg, drafter = terms.train_cfg, terms.drafter
     refiner = drafter.refiner_head
     h = terms.hidden  # (N, bs, H)
-    w = terms.head_weight.detach()  # (V', H)
-    rows = torch.cat([w, refiner.readout.weight.to(w.dtype)], dim=1)  # (V', H + r)
+    w = terms.head_weight.detach()  # (V', H), frozen
+    readout = refiner.readout.weight  # (V', r), trained
     cache = refiner.hidden_cache(h)  # (N, bs, 2r)
     prev = terms.prev_tokens.to(h.device)  # (N, bs) target ids
 
-    def states(prev_tokens: Tensor) -> Tensor:  # (N, bs, H + r)
-        return torch.cat([h, refiner.features(prev_tokens, cache).to(h.dtype)], dim=-1)
+    def states(x: Tensor) -> Tensor:  # (N, bs, H + r)
+        return torch.cat([h, x.to(h.dtype)], dim=-1)
 
-    tf = _compound(terms, states(prev), rows)
+    tf = _compound(terms, states(refiner.features(prev, cache)), w, readout)
     loss = tf.loss
     if cfg.consistency_weight > 0 and cfg.consistency_passes > 0:
         before, anchor = prev[:, :1], prev[:, 1:2]  # slot 0's previous token, the anchor (slot 1's)
@@ -67,9 +74,9 @@ def xpress_objective(terms: TrainingTerms) -> HeadObjective:
         rounds = []
         for _ in range(cfg.consistency_passes):
             guess = torch.cat([anchor, guess[:, 1:]], dim=1)
-            s = states(torch.cat([before, guess[:, :-1]], dim=1))
-            rounds.append(_compound(terms, s, rows).loss)
-            guess = _guesses(drafter, s, rows)
+            x = refiner.features(torch.cat([before, guess[:, :-1]], dim=1), cache)  # (N, bs, r)
+            rounds.append(_compound(terms, states(x), w, readout).loss)
+            guess = _guesses(drafter, h, w, x, readout)
         loss = loss + cfg.consistency_weight * torch.stack(rounds).mean()
     if cfg.base_anchor_weight > 0:
         loss = loss + cfg.base_anchor_weight * _compound(terms, h, w).loss
