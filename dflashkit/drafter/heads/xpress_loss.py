@@ -46,10 +46,10 @@ def _guesses(drafter: Any, h: Tensor, w: Tensor, x: Tensor | None = None, r: Ten
     step = max(1, _CHUNK_LOGITS // max(1, bs * w.shape[0]))
     parts = []
     for i in range(0, n, step):
-        z = h[i : i + step].to(w.dtype) @ w.t()  # (n_c, bs, V')
+        z = h[i : i + step].reshape(-1, h.shape[-1]).to(w.dtype) @ w.t()  # (n_c·bs, V')
         if x is not None:
-            z = z.float() + (x[i : i + step].to(r.dtype) @ r.t()).float()
-        parts.append(z.argmax(-1))
+            z = z.float().addmm_(x[i : i + step].reshape(-1, x.shape[-1]).float(), r.t().float())
+        parts.append(z.argmax(-1).view(-1, bs))
     return drafter.to_target_ids(torch.cat(parts)) if parts else h.new_zeros(0, bs, dtype=torch.long)
 
 
