@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -352,6 +353,29 @@ def sparse_topk_target(ids: Tensor, logprobs: Tensor, shape: torch.Size, vocab: 
     return ids.clamp(min=0), probs
 
 
+def _check_objective(
+    kind: str, target_logits: Any, topk_ids: Any, topk_logprobs: Any, ce_weight: float, position_weights: str
+) -> None:
+    """Raise ValueError when `block_loss`'s objective arguments do not go together."""
+    if kind not in ("ce", "topk", *DISTRIBUTION_KINDS):
+        raise ValueError(f"kind must be 'ce', 'topk' or one of {DISTRIBUTION_KINDS}, got {kind!r}")
+    if (kind in DISTRIBUTION_KINDS) != (target_logits is not None):
+        raise ValueError(f"target_logits is required for kind in {DISTRIBUTION_KINDS} and only allowed with them")
+    if (kind == "topk") != (topk_ids is not None and topk_logprobs is not None) or (
+        kind != "topk" and (topk_ids is not None or topk_logprobs is not None)
+    ):
+        raise ValueError("topk_ids and topk_logprobs are required for kind='topk' and only allowed with it")
+    if not 0.0 <= ce_weight <= 1.0 or (ce_weight and kind != "topk"):
+        raise ValueError(f"ce_weight must be in [0, 1] and is only used with kind='topk', got {ce_weight}")
+    if position_weights not in ("decay", "dpace"):
+        raise ValueError(f"position_weights must be 'decay' or 'dpace', got {position_weights!r}")
+    if position_weights == "dpace" and kind != "ce":
+        raise ValueError(
+            f"position_weights='dpace' needs hard-label cross-entropy (kind='ce'), got kind={kind!r}: its weights "
+            f"are built from exp(−CE), the drafter's probability of the label"
+        )
+
+
 def block_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -393,23 +417,7 @@ def block_loss(
     extra_rows: (V, r) trainable rows appended to a frozen head's columns — logits hidden[..., :H]·Wᵀ +
         hidden[..., H:]·extra_rowsᵀ, `hidden` then (N, bs, H + r) — whose gradient is formed without W's.
     """
-    if kind not in ("ce", "topk", *DISTRIBUTION_KINDS):
-        raise ValueError(f"kind must be 'ce', 'topk' or one of {DISTRIBUTION_KINDS}, got {kind!r}")
-    if (kind in DISTRIBUTION_KINDS) != (target_logits is not None):
-        raise ValueError(f"target_logits is required for kind in {DISTRIBUTION_KINDS} and only allowed with them")
-    if (kind == "topk") != (topk_ids is not None and topk_logprobs is not None) or (
-        kind != "topk" and (topk_ids is not None or topk_logprobs is not None)
-    ):
-        raise ValueError("topk_ids and topk_logprobs are required for kind='topk' and only allowed with it")
-    if not 0.0 <= ce_weight <= 1.0 or (ce_weight and kind != "topk"):
-        raise ValueError(f"ce_weight must be in [0, 1] and is only used with kind='topk', got {ce_weight}")
-    if position_weights not in ("decay", "dpace"):
-        raise ValueError(f"position_weights must be 'decay' or 'dpace', got {position_weights!r}")
-    if position_weights == "dpace" and kind != "ce":
-        raise ValueError(
-            f"position_weights='dpace' needs hard-label cross-entropy (kind='ce'), got kind={kind!r}: its weights "
-            f"are built from exp(−CE), the drafter's probability of the label"
-        )
+    _check_objective(kind, target_logits, topk_ids, topk_logprobs, ce_weight, position_weights)
     bs, h_dim = hidden.shape[-2], hidden.shape[-1]
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
