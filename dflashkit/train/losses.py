@@ -241,10 +241,9 @@ def _chunked_pass(
     for start in range(0, m, step):
         end = min(start + step, m)
         h = hidden[start:end]  # (m_c, H) (H + r with extra)
-        if extra is None:
-            z = F.linear(h, weight).to(acc)  # (m_c, V)
-        else:
-            z = F.linear(h[:, :hw], weight).to(acc) + F.linear(h[:, hw:].to(extra.dtype), extra).to(acc)
+        z = F.linear(h[:, :hw], weight).to(acc)  # (m_c, V)
+        if extra is not None:
+            z = z + F.linear(h[:, hw:].to(extra.dtype), extra).to(acc)
         logp = torch.log_softmax(z, dim=-1)
         w = row_w[start:end].to(acc)  # (m_c,)
         live = w != 0
@@ -280,10 +279,9 @@ def _chunked_pass(
             else:
                 g = g_div
             g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
-            if need_gh and extra is None:
-                gh[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            elif need_gh:
+            if need_gh:
                 gh[start:end, :hw] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_gh and extra is not None:
                 gh[start:end, hw:] = (g.to(extra.dtype) @ extra).to(hidden.dtype)
             if need_gw:
                 gw += g.t() @ h[:, :hw].to(acc)
