@@ -5,6 +5,10 @@
   the committed tokens are the y's themselves, so the output is exactly distributed as the target's.
 - Sampled drafts (d ~ q): accept d with probability min(1, p(d)/q(d)); on rejection resample from
   norm(max(0, p − q)) (Leviathan et al. 2023; Chen et al. 2023).
+- Tree nodes (`target_tokens`): one y ~ p per node, the walk follows the child holding y. A node's children are
+  deterministic drafts (point masses), and multi-draft recursive rejection sampling over point masses c₁ … c_m
+  ends at child cᵢ with probability exactly p(cᵢ) and otherwise draws from p restricted to the other tokens —
+  the same law as sampling y ~ p and matching it, so every committed token is distributed as the target's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,14 @@ def sample(p: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """(…, V) probabilities → (…) sampled ids."""
     flat = p.reshape(-1, p.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(p.shape[:-1])
+
+
+def target_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    """(N, V) target logits at a tree's nodes → (N,) the target's token at each node: argmax at temperature 0, else
+    one independent sample per node (only the nodes on the walked path are ever read)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(probs(logits, params), generator)
 
 
 def accept_argmax_drafts(drafts: Tensor, target_p: Tensor, generator: torch.Generator | None = None) -> tuple[int, int]:

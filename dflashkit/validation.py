@@ -306,14 +306,23 @@ def int_list(
     item: Any = NonNegativeInt, *, what: str = "comma-separated integers", allow_empty: bool = False
 ) -> Callable[[str], list[int]]:
     """An argparse `type=` for "1,8,14": a list of integers, each checked against `item`."""
+    return _number_list(int, item, what, allow_empty, "1,8,14")
+
+
+def float_list(item: Any, *, what: str = "comma-separated numbers") -> Callable[[str], list[float]]:
+    """An argparse `type=` for "0,1": a non-empty list of numbers, each checked against `item`."""
+    return _number_list(float, item, what, False, "0,1")
+
+
+def _number_list(number: type, item: Any, what: str, allow_empty: bool, example: str) -> Callable[[str], list[Any]]:
     import argparse
 
-    def parse(text: str) -> list[int]:
+    def parse(text: str) -> list[Any]:
         parts = [x.strip() for x in text.split(",") if x.strip()]
         try:
-            values = [int(x) for x in parts]
+            values = [number(x) for x in parts]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{show(text)}: expected {what}, e.g. 1,8,14") from None
+            raise argparse.ArgumentTypeError(f"{show(text)}: expected {what}, e.g. {example}") from None
         if not values and not allow_empty:
             raise argparse.ArgumentTypeError(f"{show(text)}: expected {what} (at least one)")
         for v in values:

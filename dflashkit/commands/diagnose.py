@@ -78,6 +78,14 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=32)
     p.add_argument("--features", default=None, help="a `dflashkit capture` directory the drafter was trained on")
     p.add_argument(
+        "--context",
+        type=flag(PositiveInt),
+        default=None,
+        metavar="TOKENS",
+        help="the context length you will evaluate or serve at: warn when the drafter's sliding window or longest "
+        "training row is shorter",
+    )
+    p.add_argument(
         "--dtype", default=None, choices=TARGET_DTYPES, help="target dtype (default: fp32 on CPU, bf16 on CUDA)"
     )
     p.add_argument("--json", action="store_true")
@@ -94,7 +102,12 @@ def _doctor(args: argparse.Namespace) -> int:
 
     target = Target.load(args.target, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     report = run_doctor(
-        target, args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens, features=args.features
+        target,
+        args.drafter,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        features=args.features,
+        context=args.context,
     )
     if args.json:
         print(

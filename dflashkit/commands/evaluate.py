@@ -4,14 +4,18 @@
                        [--temperature T --top-p P --top-k K] [--tree-budget B --tree-top-k K] [--target …]
     dflashkit eval --drafter NAME=CKPT [--drafter …] --dataset mtbench|humaneval|sharegpt-heldout|sharegpt|PATH
                    [--limit N] [--on-error stop|skip] [--methods ar,chain,ddtree:8,ddtree:auto]
-                   [--budget-prompts DATASET] [--max-new-tokens N] --out DIR [--target …]
-    dflashkit simulate --drafter NAME=CKPT [--drafter …] --dataset … --cache DIR [--budgets 4,8,16] --out DIR
+                   [--budget-prompts DATASET] [--max-new-tokens N] [--temperatures 0,1] [--by-length [EDGES]]
+                   --out DIR [--target …]
+    dflashkit simulate --drafter NAME=CKPT [--drafter …] --dataset … --cache DIR [--budgets 4,8,16]
+                       [--by-length [EDGES]] --out DIR
     dflashkit report RESULTS.json [MORE.json …] [--out DIR]
 
 Datasets: a bundled name or a JSONL file. Targets without a tokenizer take pre-tokenised prompts: JSONL lines
-`{"id": "...", "prompt_ids": [3, 14, 15]}` (and `generate --prompt-ids 3,14,15`).
+`{"id": "...", "prompt_ids": [3, 14, 15]}` (and `generate --prompt-ids 3,14,15`); a `category` field on either kind
+of line groups the statistics. `long-context` builds prompts of several lengths for the target (data/long_context.py).
 `eval` writes DIR/results.json (source of truth), DIR/progress.jsonl (per prompt; a rerun resumes), DIR/report.md
-and the PNG plots. `simulate` writes the transcript cache (reused by later runs), then DIR/results.json + report.
+and the PNG plots; with --temperatures, one such directory per temperature and DIR/compare.md. `simulate` writes
+the transcript cache (reused by later runs), then DIR/results.json + report.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dflashkit.validation import (
     Seed,
     UnitInterval,
     flag,
+    float_list,
     int_list,
     text_flag,
 )
@@ -79,10 +84,15 @@ def _thinking(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -
 
 
 def _read(args: argparse.Namespace) -> Any:
-    """The dataset's records, read before anything loads (a malformed line is named in seconds)."""
+    """The dataset's records, read before anything loads (a malformed line is named in seconds). The long-context
+    set is reported per length bucket unless --by-length says otherwise."""
+    from dflashkit.data.long_context import NAME
+    from dflashkit.evaluate.groups import LENGTH_BUCKETS
     from dflashkit.evaluate.stats import read_prompts
 
-    return read_prompts(args.dataset, limit=args.limit, on_error=args.on_error)
+    if args.dataset == NAME and args.by_length is None:
+        args.by_length = list(LENGTH_BUCKETS)
+    return read_prompts(args.dataset, limit=args.limit, on_error=args.on_error, lengths=args.by_length)
 
 
 def _prompts(
@@ -99,11 +109,12 @@ def _prompts(
 def _check_dataset(name: str) -> None:
     """Refuse an unknown dataset name before loading anything."""
     from dflashkit.data.datasets import DATASETS
+    from dflashkit.data.long_context import NAME
     from dflashkit.errors import DataError
 
-    if name not in DATASETS and not Path(name).expanduser().is_file():
+    if name not in DATASETS and name != NAME and not Path(name).expanduser().is_file():
         raise DataError(
-            f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)} or a path to a JSONL "
+            f"unknown dataset {name!r}: expected one of {', '.join([*DATASETS, NAME])} or a path to a JSONL "
             f'file (chat records, or pre-tokenised lines {{"prompt_ids": [...]}})'
         )
 
@@ -114,11 +125,13 @@ def _load_drafters(specs: dict[str, str], device: str) -> dict[str, Any]:
     return {name: load_drafter(path, device=device) for name, path in specs.items()}
 
 
-def _sampling(args: argparse.Namespace) -> Any:
+def _sampling(args: argparse.Namespace, temperature: float | None = None) -> Any:
+    """--temperature / --top-p / --top-k (or the given temperature) as SamplingParams."""
     from dflashkit.sampling import SamplingParams
 
+    t = args.temperature if temperature is None else temperature
     try:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        return SamplingParams(temperature=t, top_p=args.top_p, top_k=args.top_k)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -145,6 +158,21 @@ def _tree_top_k_arg(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens per depth DDTree considers (default: = the tree budget, as the DDTree reference, "
         "so the tree is the B most probable prefixes; give K to cap the branching)",
+    )
+
+
+def _by_length_arg(p: argparse.ArgumentParser) -> None:
+    from dflashkit.evaluate.groups import LENGTH_BUCKETS
+
+    p.add_argument(
+        "--by-length",
+        nargs="?",
+        type=int_list(PositiveInt, what="comma-separated prompt-token bucket edges, e.g. 512,1024,2048"),
+        const=list(LENGTH_BUCKETS),
+        default=None,
+        metavar="EDGES",
+        help="also report τ per prompt-length bucket (default edges "
+        f"{','.join(map(str, LENGTH_BUCKETS))}) and plot it against the context length",
     )
 
 
@@ -252,7 +280,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=CKPT",
         help="drafter checkpoint, repeatable; NAME= labels it in the results",
     )
-    p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
+    p.add_argument(
+        "--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, long-context, or a JSONL file"
+    )
     p.add_argument("--limit", type=flag(PositiveInt), default=None, help="use the first N prompts")
     p.add_argument(
         "--on-error",
@@ -275,6 +305,15 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
     _sampling_args(p)
+    p.add_argument(
+        "--temperatures",
+        type=float_list(NonNegativeFloat, what="comma-separated temperatures ≥ 0, e.g. 0,1"),
+        default=None,
+        metavar="T,T",
+        help="evaluate at each temperature on the same prompts (DIR/T0, DIR/T1, …) and compare them side by side in "
+        "DIR/compare.md (replaces --temperature)",
+    )
+    _by_length_arg(p)
     p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override every drafter's block size")
     _tree_top_k_arg(p)
     p.add_argument("--out", required=True, help="output directory")
@@ -301,11 +340,16 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 )
 def _eval(args: argparse.Namespace) -> int:
     from dflashkit.evaluate.evaluate import EvalSettings, evaluate
-    from dflashkit.evaluate.report import render, summary_table
+    from dflashkit.evaluate.report import compare, render, summary_table
     from dflashkit.evaluate.stats import parse_methods, prompts_for, read_prompts
     from dflashkit.target.model import Target
 
     methods = parse_methods(args.methods)  # user errors before any loading
+    if args.temperatures is not None:
+        if args.temperature != 0.0:
+            raise ConfigError("--temperatures replaces --temperature: give one of them")
+        if len(set(args.temperatures)) != len(args.temperatures):
+            raise ConfigError(f"--temperatures {args.temperatures}: each temperature once")
     output_dir(args.out, what="--out", create=False)
     _check_dataset(args.dataset)
     if args.budget_prompts is not None:
@@ -328,38 +372,51 @@ def _eval(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             chat_template_kwargs=_thinking(args, target, drafters),
         )[0]
-    doc = evaluate(
-        target,
-        drafters,
-        prompts,
-        out_dir=args.out,
-        dataset=args.dataset,
-        skipped=skipped,
-        drafter_sources=specs,
-        budget_prompts=budget_prompts,
-        settings=EvalSettings(
-            methods=[m.name for m in methods],
-            max_new_tokens=args.max_new_tokens,
-            sampling=_sampling(args),
-            resume=not args.no_resume,
-            block_size=args.block_size,
-            tree_top_k=args.tree_top_k,
-            stop_token_ids=_stops(args, target),
-            triage_threshold=args.triage_threshold,
-            seed=args.seed,
-            warmup=not args.no_warmup,
-            hf_baseline=args.hf_baseline,
-            progress=not args.quiet,
-        ),
-    )
-    render(doc, Path(args.out))
-    print(summary_table(doc))
+    temperatures = args.temperatures or [args.temperature]
+    runs = {f"T={t:g}": Path(args.out) / f"T{t:g}" if args.temperatures else Path(args.out) for t in temperatures}
+    bugs = 0
+    for t, out in zip(temperatures, runs.values(), strict=True):
+        doc = evaluate(
+            target,
+            drafters,
+            prompts,
+            out_dir=out,
+            dataset=args.dataset,
+            skipped=skipped,
+            drafter_sources=specs,
+            budget_prompts=budget_prompts,
+            settings=EvalSettings(
+                methods=[m.name for m in methods],
+                max_new_tokens=args.max_new_tokens,
+                sampling=_sampling(args, t),
+                resume=not args.no_resume,
+                block_size=args.block_size,
+                tree_top_k=args.tree_top_k,
+                stop_token_ids=_stops(args, target),
+                triage_threshold=args.triage_threshold,
+                seed=args.seed,
+                warmup=not args.no_warmup,
+                hf_baseline=args.hf_baseline,
+                progress=not args.quiet,
+                length_buckets=args.by_length,
+                thinking=args.thinking,
+            ),
+        )
+        render(doc, out)
+        if len(runs) > 1:
+            print(f"temperature {t:g}:")
+        print(summary_table(doc))
+        bugs += sum(st["divergence_verdicts"]["bug"] for m in doc["results"].values() for st in m.values())
+        for note in doc["notes"]:
+            print(f"note: {note}")
+        print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
     if skipped:
         print(f"{len(skipped)} prompts skipped (reasons in results.json)")
-    bugs = sum(st["divergence_verdicts"]["bug"] for m in doc["results"].values() for st in m.values())
     if bugs:
         print(f"WARNING: {bugs} greedy divergences not explained by numerical near-ties (see report.md)")
-    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'report.md'}")
+    if len(runs) > 1:
+        compare([out / "results.json" for out in runs.values()], out_dir=args.out, labels=list(runs))
+        print(f"wrote {Path(args.out) / 'compare.md'}: every method at temperatures {', '.join(map(str, runs))}")
     return 0
 
 
@@ -368,7 +425,9 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     _thinking_arg(p)
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT", help="repeatable")
-    p.add_argument("--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, or a JSONL file")
+    p.add_argument(
+        "--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, long-context, or a JSONL file"
+    )
     p.add_argument("--limit", type=flag(PositiveInt), default=None)
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
     p.add_argument("--cache", required=True, help="transcript cache directory (built once, reused)")
@@ -383,6 +442,7 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=flag(BlockSize), default=None)
     _tree_top_k_arg(p)
     p.add_argument("--ignore-eos", action="store_true")
+    _by_length_arg(p)
     p.add_argument("--out", required=True)
     p.add_argument("--quiet", action="store_true")
 
@@ -433,6 +493,8 @@ def _simulate(args: argparse.Namespace) -> int:
         chain=not args.no_chain,
         prompt_ids=[p.id for p in prompts],
         progress=not args.quiet,
+        categories={p.id: p.category for p in prompts},
+        length_buckets=args.by_length,
     )
     doc = simulation_results(
         cache,
@@ -442,6 +504,8 @@ def _simulate(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         tree_top_k=args.tree_top_k,
         drafter_sources=specs,
+        thinking=args.thinking,
+        length_buckets=args.by_length,
     )
     doc["dataset"]["skipped"] = skipped
     out = Path(args.out)
@@ -449,6 +513,8 @@ def _simulate(args: argparse.Namespace) -> int:
     atomic_write_text(out / "results.json", json.dumps(doc, indent=1) + "\n")
     render(doc, out)
     print(summary_table(doc))
+    for note in doc["notes"][1:]:  # the first says what a simulation is
+        print(f"note: {note}")
     print(f"wrote {out / 'results.json'} and {out / 'report.md'} (transcripts in {args.cache})")
     return 0
 

@@ -1,7 +1,7 @@
 """`dflashkit prepare`: conversations → target-regenerated responses → token ids with a loss mask.
 
-    dflashkit prepare --data sharegpt|PATH --out DIR [--limit N] [--max-new-tokens N] [--temperature T]
-                      [--batch-size N] [--max-length N] [--no-regenerate] [--on-error stop|skip]
+    dflashkit prepare --data sharegpt|long-context-train|PATH --out DIR [--limit N] [--max-new-tokens N]
+                      [--temperature T] [--batch-size N] [--max-length N] [--no-regenerate] [--on-error stop|skip]
                       [--turns first|all] [--thinking off|on|keep] [--target …]
                       [--server URL [--server URL …] [--concurrency N]] [--time-budget-minutes M]
 
@@ -31,6 +31,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from dflashkit.cli import command, target_args
+from dflashkit.data.long_context import TRAIN_NAME
 from dflashkit.data.thinking import THINKING_MODES
 from dflashkit.data.turns import TURN_MODES
 from dflashkit.validation import Expect, NonNegativeFloat, PositiveFloat, PositiveInt, Probability, Seed, flag
@@ -41,7 +42,12 @@ MinLength = Annotated[int, Field(ge=2), Expect("an integer ≥ 2")]
 
 def _args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("--data", required=True, help="sharegpt, sharegpt-heldout, mtbench, humaneval, or a JSONL file")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="sharegpt, sharegpt-heldout, mtbench, humaneval, long-context-train (long prompts: --limit per length, "
+        "lengths up to --max-length − --max-new-tokens), or a JSONL file",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--limit", type=flag(PositiveInt), default=None, help="use only the first N conversations")
     p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=256, help="response length cap for regeneration")
@@ -129,6 +135,19 @@ def _timeouts(text: str) -> Any:
     return ServerTimeouts(connect_s=values[0], first_byte_s=values[1], total_s=values[2])
 
 
+def _long_context(args: argparse.Namespace, target: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The long-context training prompts: --limit per length, each leaving room for --max-new-tokens within
+    --max-length and the target's context."""
+    from dflashkit.data.long_context import LongContextSpec, long_context_conversations
+
+    room = args.max_length
+    context = getattr(target.text_config, "max_position_embeddings", None)
+    if context is not None:
+        room = min(room, int(context))
+    spec = LongContextSpec(per_length=args.limit or 6, max_tokens=room - args.max_new_tokens, split="train")
+    return long_context_conversations(target.tokenizer, spec, kwargs)
+
+
 @command("prepare", "regenerate responses with the target and tokenise them into training samples", _args)
 def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.data.datasets import HELDOUT_POLICY, load_dataset
@@ -142,9 +161,12 @@ def _prepare(args: argparse.Namespace) -> int:
     if args.no_regenerate and (args.server or args.time_budget_minutes):
         flag_name = "--server" if args.server else "--time-budget-minutes"
         raise ConfigError(f"{flag_name} with --no-regenerate: nothing to regenerate; expected one of the two")
-    conversations, problems = load_dataset(args.data, args.limit, on_error=args.on_error)
+    long = args.data == TRAIN_NAME  # built for the target's tokenizer, once it is loaded
+    conversations, problems = ([], []) if long else load_dataset(args.data, args.limit, on_error=args.on_error)
     target, servers = _target_and_servers(args)
     kwargs = _template_kwargs(args, target)
+    if long:
+        conversations = _long_context(args, target, kwargs)
 
     with one_writer(out, "dflashkit prepare"):
         skipped: dict[str, str] = {}

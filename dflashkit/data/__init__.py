@@ -19,4 +19,6 @@ Modules and their public functions:
   tokens_file.py    `write_tokens`: tokens.jsonl from conversations and regenerated transcripts
   original_text.py  `write_original_text`: ShareGPT conversations kept with their original reply
   draft_vocab.py    `frequent_tokens(samples, vocab_size=…, size=N)`: a reduced draft vocabulary built from data
+  long_context.py   `long_context_prompts(tokenizer, LongContextSpec(…))`: chats and package sources as prompts
+                    of set token lengths (the `long-context` evaluation set)
 """

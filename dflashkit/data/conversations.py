@@ -137,7 +137,13 @@ def conversation_from_record(record: Any, *, default_id: str, source: str) -> Co
     rid = record.get("id", default_id)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise ValueError(f"field 'id': expected a string or integer, got {type(rid).__name__}")
-    return Conversation(messages, str(rid), source)
+    meta: dict[str, Any] = {}
+    if "category" in record:  # evaluation groups its statistics by it (evaluate/groups.py)
+        category = record["category"]
+        if not isinstance(category, str) or not category.strip():
+            raise ValueError("field 'category': expected a non-empty string (the prompt's category, e.g. 'coding')")
+        meta["category"] = category.strip()
+    return Conversation(messages, str(rid), source, meta)
 
 
 def read_jsonl_conversations(

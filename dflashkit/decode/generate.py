@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +38,15 @@ from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
 from dflashkit.drafter.heads import DraftRound
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DFlashError
-from dflashkit.sampling import GREEDY, SamplingParams, accept_argmax_drafts, accept_sampled_drafts, probs, sample
+from dflashkit.sampling import (
+    GREEDY,
+    SamplingParams,
+    accept_argmax_drafts,
+    accept_sampled_drafts,
+    probs,
+    sample,
+    target_tokens,
+)
 from dflashkit.target import cache as tc
 from dflashkit.target.devices import synchronize
 from dflashkit.target.model import Target, check_drafter_fits
@@ -200,6 +208,7 @@ def generate(
                 s.force_spine,
                 tree_mode,
                 clock,
+                lambda logits: target_tokens(logits, s.sampling, gen),
             )
         else:
             block = torch.tensor([[bonus] + ([] if drafts is None else drafts.tolist())])  # (1, bl)
@@ -262,8 +271,6 @@ def _checked_block_size(
         )
     if method != "ar" and drafter is None:
         raise GenerationError(f"method {method!r} needs a drafter")
-    if method == "tree" and not sampling.greedy:
-        raise GenerationError("tree verification supports greedy decoding only (temperature 0)")
     if confidence_min is not None and not (drafter is not None and drafter.head.confidence_gate and method == "chain"):
         raise GenerationError("confidence_min needs a drafter with a confidence head (DSpark) and method 'chain'")
     if confidence_min is not None and not 0.0 <= confidence_min <= 1.0:
@@ -377,8 +384,10 @@ def _verify_tree(
     force_spine: bool,
     hybrid_mode: str | None,
     clock: Any,
+    node_tokens: Callable[[Tensor], Tensor],
 ) -> tuple[list[int], int, Tensor]:
-    """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow, compact the cache.
+    """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow the target's token at each
+    node (`node_tokens`: argmax, or one sample per node at T > 0 — exact, sampling.py), compact the cache.
     Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
     draft_logits, draft_hidden = draft  # (D, V'), (D, H)
     with clock("tree_build"):
@@ -397,6 +406,7 @@ def _verify_tree(
             feature_device=drafter.device,
             mode=hybrid_mode,
             clock=clock,
+            node_tokens=node_tokens,
         )
         return tree.tokens[torch.tensor(v.path)].tolist(), v.next_token, v.features
     with clock("tree_build"):
@@ -411,12 +421,12 @@ def _verify_tree(
             attention_mask=additive,
             feature_device=drafter.device,
         )
-    target_tokens = out.logits[0].argmax(-1)  # (N,)
-    path = follow_tree(tree, target_tokens)
+    tokens = node_tokens(out.logits[0])  # (N,)
+    path = follow_tree(tree, tokens)
     with clock("commit"):
         rows = torch.tensor(path)
         tc.keep_positions(cache, start, rows)
-    return tree.tokens[rows].tolist(), int(target_tokens[path[-1]]), out.features[:, rows]
+    return tree.tokens[rows].tolist(), int(tokens[path[-1]]), out.features[:, rows]
 
 
 def _check(L: int, kv_len: int, start: int, drafter_len: int | None, bs: int, budget: int | None) -> None:

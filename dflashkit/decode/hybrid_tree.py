@@ -61,6 +61,13 @@ class HybridTreeError(DFlashError, ValueError):
     """Tree verification cannot run on this hybrid target as asked (unknown mode, unsupported recurrent layers)."""
 
 
+NodeTokens = Callable[[Tensor], Tensor]  # (N, V) logits at the tree's nodes → (N,) the target's token at each
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    return logits.argmax(-1)
+
+
 @dataclass
 class TreeVerdict:
     """The outcome of one tree verification, after the cache has been committed to the accepted path."""
@@ -335,6 +342,7 @@ def _verify_one_pass(
     feature_device: Any,
     clock: Callable[[str], AbstractContextManager],
     scan: bool,
+    node_tokens: NodeTokens,
 ) -> TreeVerdict:
     """ "scan"/"levels": one stock target pass over the flattened tree with the tree-aware Gated DeltaNet mixers,
     follow the target's tokens, compact the K/V and commit the accepted node's recurrent/conv states."""
@@ -356,7 +364,7 @@ def _verify_one_pass(
             attention_mask=bias,
             feature_device=feature_device,
         )
-    target_tokens = out.logits[0].argmax(-1)  # (N,)
+    target_tokens = node_tokens(out.logits[0])  # (N,)
     path = follow_tree(tree, target_tokens)
     with clock("commit"):
         keep_positions(cache, start, torch.tensor(path))
@@ -413,6 +421,7 @@ def _verify_paths(
     layer_ids: list[int],
     feature_device: Any,
     clock: Callable[[str], AbstractContextManager],
+    node_tokens: NodeTokens,
 ) -> TreeVerdict:
     """ "paths": the stock target on every root-to-leaf path (a batch row each) over a batched copy of the cache;
     then the accepted tokens are fed to the committed cache, which the batched pass never touched."""
@@ -432,7 +441,7 @@ def _verify_paths(
         where = {node: (r, c) for r, p in enumerate(paths) for c, node in enumerate(p)}  # node → (row, depth)
         r, c = zip(*(where[i] for i in range(tree.size)), strict=True)
         hidden = out.final_hidden[list(r), list(c)]  # (N, H): each node once
-        target_tokens = target.verifier_logits(hidden).argmax(-1)  # (N,)
+        target_tokens = node_tokens(target.verifier_logits(hidden))  # (N,)
     path = follow_tree(tree, target_tokens)
     with clock("commit"):  # the committed cache was not touched: feed it the accepted tokens
         fed = target.forward(
@@ -457,12 +466,17 @@ def verify_tree(
     feature_device: torch.device | str | None = None,
     mode: str = "auto",
     clock: Callable[[str], AbstractContextManager] | None = None,
+    node_tokens: NodeTokens = _argmax,
 ) -> TreeVerdict:
     """Verify `tree` (root = the bonus token at position `start`, the cache holding exactly the `start` tokens
     before it) on a hybrid target and commit the cache to the accepted path; see the module docstring for the
-    modes. `clock(stage)` is a context manager timing the "tree_build", "verify" and "commit" stages."""
+    modes. `clock(stage)` is a context manager timing the "tree_build", "verify" and "commit" stages; `node_tokens`
+    turns the nodes' (N, V) logits into the target's token at each node (argmax, or one sample per node at T > 0:
+    sampling.target_tokens)."""
     clock = clock or (lambda _stage: nullcontext())
     mode = resolve_mode(target, mode)
     if mode == "paths":
-        return _verify_paths(target, cache, tree, start, list(layer_ids), feature_device, clock)
-    return _verify_one_pass(target, cache, tree, start, list(layer_ids), feature_device, clock, scan=mode == "scan")
+        return _verify_paths(target, cache, tree, start, list(layer_ids), feature_device, clock, node_tokens)
+    return _verify_one_pass(
+        target, cache, tree, start, list(layer_ids), feature_device, clock, scan=mode == "scan", node_tokens=node_tokens
+    )

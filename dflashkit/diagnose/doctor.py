@@ -9,7 +9,8 @@ fc width = named layers, mask token usable, geometry not copied from the target,
 training = the target's now, hook-captured features = `output_hidden_states[i + 1]`, verifier logits = the
 target's own logits, a short greedy draft-and-verify run (τ; output = the target's greedy output), and labels or
 features shifted by one, found from the checkpoint alone: the drafter runs teacher-forced on the target's greedy
-transcript and its slot-k predictions are scored against the token at a+k−1, a+k and a+k+1.
+transcript and its slot-k predictions are scored against the token at a+k−1, a+k and a+k+1; with `--context N`,
+the drafter's sliding window and longest training row against the context it will draft after.
 
 The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
 
@@ -20,6 +21,7 @@ The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
     capture_findings(target, layer_ids, ids)        # hooked features = output_hidden_states[i + 1], logits
     label_offset_accuracy(...) / shift_finding(...) # labels or features shifted by one
     mask_finding(cfg, target, …)                    # the mask row is one no chat produces
+    context_findings(cfg, context)                  # sliding window / longest training row vs the context asked
 
 Geometry rule (docs/troubleshooting.md#pitfall-geometry): heads and head_dim different from the target's → OK. Equal →
 OK when they are also dflashkit's own default for that hidden size (a coincidence: z-lab's 32 × 128 for Qwen3-8B, or 4
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from dflashkit.diagnose.inspect_checkpoint import Finding, inspect_checkpoint
 from dflashkit.drafter.config import DrafterConfig, default_geometry
+from dflashkit.drafter.context_reach import context_warnings, trained_context
 from dflashkit.drafter.heads import BlockSlots
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, DataError
@@ -438,6 +441,25 @@ def mask_finding(
     )
 
 
+def context_findings(cfg: DrafterConfig, context: int) -> list[Finding]:
+    """The drafter's sliding window and longest training row against the context it will draft after."""
+    warnings = context_warnings(cfg, context)
+    if not warnings:
+        trained = trained_context(cfg)
+        return [
+            Finding(
+                "OK",
+                "context",
+                f"{context} tokens of context: within the longest training row"
+                + (f" ({trained} tokens)" if trained else " (not recorded by this checkpoint)"),
+            )
+        ]
+    return [
+        Finding("WARN", "context", w, "compare τ per length with `dflashkit eval --dataset long-context`")
+        for w in warnings
+    ]
+
+
 def usable_tokenizer(target: Any) -> Any:
     """The target's tokenizer, or None when it has none or an empty one (transformers makes an empty Qwen2
     tokenizer for a model directory without tokenizer files)."""
@@ -548,8 +570,10 @@ def run_doctor(
     prompt_ids: list[list[int]] | None = None,
     max_new_tokens: int = 32,
     features: str | Path | None = None,
+    context: int | None = None,
 ) -> DoctorReport:
-    """Run every check; `drafter` is a checkpoint directory or a loaded `DFlashDrafter`."""
+    """Run every check; `drafter` is a checkpoint directory or a loaded `DFlashDrafter`; `context`: the context
+    length it will draft after (its sliding window and longest training row are checked against it)."""
     from dflashkit.decode.generate import DecodeSettings, generate
 
     report = DoctorReport()
@@ -576,6 +600,8 @@ def run_doctor(
     report.findings += fit + ([load_error] if load_error else []) + chat_template_findings(cfg, target)
     if features is not None:
         report.findings += manifest_findings(cfg, target, features)
+    if context is not None:
+        report.findings += context_findings(cfg, context)
     runnable = module is not None and not any(f.status == "FAIL" for f in fit if f.check != "geometry")
     plist = prompt_ids or _prompts(target, cfg, max(1, prompts))
     layer_ids = [i for i in cfg.target_layer_ids if 0 <= i < target.num_layers] or [target.num_layers // 2]

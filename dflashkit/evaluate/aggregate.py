@@ -76,7 +76,7 @@ def method_stats(
     """One (drafter, method) over its run records: acceptance statistics, tokens/s, measured and predicted
     speedup against `ar` (from `ar_stats`), greedy equality and divergence verdicts."""
     lengths = [r["acceptance_lengths"] for r in records]
-    acc = acceptance_stats(lengths, method.max_length(block_size))
+    acc = acceptance_stats(lengths, method.max_length(block_size), method.drafts_per_round(block_size))
     tokens = sum(r["n_tokens"] for r in records)
     wall = sum(r["wall_s"] for r in records)
     t = timing_stats(records, acc["rounds"])

@@ -41,9 +41,11 @@ from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
 from dflashkit.evaluate.budget_choice import BudgetChoice, choose_tree_budget
 from dflashkit.evaluate.file_schemas import budget_choice_problem, progress_problem
+from dflashkit.evaluate.groups import PromptGroups, with_groups
 from dflashkit.evaluate.stats import (
     Method,
     Prompt,
+    context_notes,
     drafter_fingerprint,
     drafter_info,
     parse_methods,
@@ -71,10 +73,12 @@ class EvalSettings:
     block_size / tree_top_k: None = each drafter's own / the tree budget. stop_token_ids: None = the target's
     end-of-turn tokens. triage_threshold: the top-2 margin below which a divergence is a numerical near-tie
     (None: by the target's dtype). warmup: untimed runs first (on CPU they also settle the product choices).
-    hf_baseline: also time HF `generate` as a second AR baseline. resume: continue progress.jsonl when its settings
-    match. deadline: a `time.monotonic()` value; once it has passed, no further prompt is started (at least one is
-    always evaluated) and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of
-    how many. A resumed run continues with the rest.
+    hf_baseline: also time HF `generate` as a second AR baseline. length_buckets: prompt-token edges for the
+    per-length statistics (`by_length`; None: none). thinking: the thinking mode the prompts were rendered in
+    (recorded in the report's header). resume: continue progress.jsonl when its settings match. deadline: a
+    `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always evaluated)
+    and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how many.
+    A resumed run continues with the rest.
     """
 
     methods: str | Sequence[str] = ("ar", "chain", "ddtree:8")
@@ -87,6 +91,8 @@ class EvalSettings:
     seed: int = 0
     warmup: bool = True
     hf_baseline: bool = False
+    length_buckets: Sequence[int] | None = None
+    thinking: str | None = None
     resume: bool = True
     progress: bool = True
     deadline: float | None = None
@@ -143,9 +149,11 @@ def evaluate(
         "seed": int(es.seed),
         "triage_threshold": ev.threshold,
         "hf_baseline": bool(es.hf_baseline),
+        "thinking": es.thinking,
     }
     t_info = target_info(target)
     key = _settings_key(recorded, t_info, drafters)
+    recorded["length_buckets"] = sorted(int(e) for e in es.length_buckets) if es.length_buckets else None
     out = Path(out_dir)
     with one_writer(out, "dflashkit eval"):
         ppath = out / PROGRESS
@@ -271,22 +279,24 @@ class _Evaluation:
         requested = len(prompts)
         prompts = [p for p in prompts if p.id in records]  # all of them unless the deadline cut the run short
         chosen = [records[p.id] for p in prompts]
+        groups = PromptGroups.of(
+            ((p.id, _category(p, dataset), len(p.ids)) for p in prompts), settings["length_buckets"]
+        )
         ar = ar_stats([r["ar"] for r in chosen], [r["hf"] for r in chosen if "hf" in r])
         results: dict[str, dict[str, Any]] = {}
         for name, d in self.drafters.items():
             bs = verify_width(d, self.block_size)
-            results[name] = {
-                m.name: method_stats(
-                    [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen],
-                    self.method_for(name, m),
-                    bs,
-                    ar,
-                    self.sampling.greedy,
-                )
-                | ({"budget": self.auto[name].budget, "budget_choice": self.auto[name].as_dict()} if m.is_auto else {})
-                for m in self.spec
-            }
-        notes = []
+            results[name] = {}
+            for m in self.spec:
+                method = self.method_for(name, m)
+                runs = [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen]
+                st = method_stats(runs, method, bs, ar, self.sampling.greedy)
+                lengths = {r["prompt_id"]: r["acceptance_lengths"] for r in runs}
+                st = with_groups(st, lengths, groups, method.max_length(bs), method.drafts_per_round(bs))
+                if m.is_auto:
+                    st |= {"budget": self.auto[name].budget, "budget_choice": self.auto[name].as_dict()}
+                results[name][m.name] = st
+        notes = context_notes(self.drafters, max(len(p.ids) for p in prompts) + self.max_new_tokens)
         if self.target.is_hybrid and any(m.kind == "tree" for m in self.spec):
             notes.append(
                 f"hybrid target: DDTree verifies the whole tree exactly (Gated DeltaNet states followed per "
@@ -303,6 +313,8 @@ class _Evaluation:
                 "name": str(dataset),
                 "n_prompts": len(prompts),
                 "prompt_ids": [p.id for p in prompts],
+                "categories": {p.id: _category(p, dataset) for p in prompts},
+                "prompt_lengths": {p.id: len(p.ids) for p in prompts},
                 "skipped": dict(skipped or {}),
                 **time_boxed,
             },
@@ -315,6 +327,11 @@ class _Evaluation:
             "results": results,
             "notes": notes,
         }
+
+
+def _category(prompt: Prompt, dataset: str) -> str:
+    """A prompt's category; prompts made without one take the dataset's name (a file's: its stem)."""
+    return prompt.category or (Path(dataset).stem if dataset else "all")
 
 
 def _auto_budgets(
@@ -397,8 +414,6 @@ def _check_arguments(ev: _Evaluation, prompts: list[Prompt]) -> None:
         raise ConfigError(f"methods {[m.name for m in ev.spec]} need at least one drafter")
     for name, d in ev.drafters.items():
         check_drafter_fits(d.config, ev.target, source=f"drafter {name!r}")
-    if not ev.sampling.greedy and any(m.kind == "tree" for m in ev.spec):
-        raise ConfigError("ddtree methods support greedy decoding only (temperature 0)")
     if ev.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens = {ev.max_new_tokens}: expected an integer ≥ 1")
     if ev.block_size is not None and ev.block_size < 2:

@@ -53,6 +53,19 @@ class _Prefill(JsonFields):
     prefill: Number = None
 
 
+class _GroupStats(JsonFields):
+    """One category's or length bucket's acceptance statistics (evaluate/groups.py)."""
+
+    tau_micro: Number
+    n_prompts: int | None = None
+    rounds: int | None = None
+    tau_macro: Number = None
+    per_position_acceptance: list[Number] | None = None
+    accepted_drafts: int | None = None
+    drafted: int | None = None
+    acceptance_rate: Number = None
+
+
 class _Stats(JsonFields):
     tau_micro: Number  # null when no round was decoded
     histogram: list[Count]  # rounds with acceptance length L = 0, 1, 2, …
@@ -72,6 +85,11 @@ class _Stats(JsonFields):
     timings_s: _Prefill | None = None
     divergences: list[_Divergence] | None = None
     budget_choice: _BudgetChoice | None = None
+    by_category: dict[str, _GroupStats] | None = None
+    by_length: dict[str, _GroupStats] | None = None
+    accepted_drafts: int | None = None
+    drafted: int | None = None
+    acceptance_rate: Number = None
 
 
 class _AR(JsonFields):
@@ -87,6 +105,8 @@ class _Sampling(JsonFields):
 
 class _Settings(JsonFields):
     sampling: _Sampling | None = None
+    thinking: str | None = None
+    length_buckets: list[int] | None = None
 
 
 class _Dataset(JsonFields):
@@ -163,6 +183,7 @@ class _Transcript(JsonFields):
     num_tokens: Annotated[int, Field(ge=0)]
     prompt_sha: str
     stop_reason: str | None = None
+    category: str | None = None
 
 
 class _TranscriptTarget(JsonFields):

@@ -8,6 +8,8 @@ Plots (matplotlib, Agg canvas; pyplot's global state is never touched):
     survival.png                S(k) = P(L ≥ k + 1)
     per_position_acceptance.png a_k = S(k) / S(k − 1): the chance that draft slot k is accepted given slot k − 1 was
     comparison.png              τ (micro) and measured / predicted speedup per drafter·method
+    per_category.png            τ (micro) per prompt category, per drafter·method
+    tau_by_length.png           τ (micro) against the prompt-length bucket (when results carry `by_length`)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dflashkit.evaluate.file_schemas import check_results
 from dflashkit.io_utils import atomic_path, atomic_write_text
 
 PLOTS = ("acceptance_histogram.png", "survival.png", "per_position_acceptance.png", "comparison.png")
+GROUP_PLOTS = {"by_category": "per_category.png", "by_length": "tau_by_length.png"}
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
@@ -152,6 +155,63 @@ def _position_table(doc: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _group_names(series: list[tuple[str, dict[str, Any]]], key: str) -> list[str]:
+    """The groups of `key` ("by_category" / "by_length") over every series, in first appearance."""
+    names: list[str] = []
+    for _, st in series:
+        names += [g for g in st.get(key) or {} if g not in names]
+    return names
+
+
+def group_overview(series: list[tuple[str, dict[str, Any]]], key: str, title: str) -> str:
+    """One row per group, τ micro of every drafter·method side by side (the prompts counted once)."""
+    names = _group_names(series, key)
+    if not names:
+        return ""
+    rows = [
+        f"| {title} | prompts | " + " | ".join(label for label, _ in series) + " |",
+        "|---|---|" + "---|" * len(series),
+    ]
+    for g in names:
+        per = [(st.get(key) or {}).get(g) or {} for _, st in series]
+        prompts = next((x.get("n_prompts") for x in per if x.get("n_prompts") is not None), None)
+        rows.append(
+            f"| {g} | {prompts if prompts is not None else '—'} | "
+            + " | ".join(_f(x.get("tau_micro")) for x in per)
+            + " |"
+        )
+    return "\n".join(rows)
+
+
+def group_details(series: list[tuple[str, dict[str, Any]]], key: str, title: str) -> str:
+    """Per drafter·method and group: rounds, τ micro / macro, accepted / drafted, the per-position acceptance."""
+    width = max(
+        (len(g.get("per_position_acceptance") or []) for _, st in series for g in (st.get(key) or {}).values()),
+        default=0,
+    )
+    rows = [
+        f"| drafter · method | {title} | prompts | rounds | τ micro | τ macro | accepted / drafted | "
+        + " | ".join(f"a{k}" for k in range(1, width + 1))
+        + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * width,
+    ]
+    for label, st in series:
+        for g, x in (st.get(key) or {}).items():
+            a = list(x.get("per_position_acceptance") or [])
+            counts = (
+                f"{x['accepted_drafts']} / {x['drafted']} ({_f(x.get('acceptance_rate'), 3)})"
+                if x.get("drafted") is not None and x.get("accepted_drafts") is not None
+                else "—"
+            )
+            rows.append(
+                f"| {label} | {g} | {x.get('n_prompts', '—')} | {x.get('rounds', '—')} | {_f(x.get('tau_micro'))} | "
+                f"{_f(x.get('tau_macro'))} | {counts} | "
+                + " | ".join(_f(v, 3) for v in a + [None] * (width - len(a)))
+                + " |"
+            )
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------------- plots
 def _figure(width: float = 7.0, height: float = 4.0) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -237,6 +297,75 @@ def _plot_comparison(series: list[tuple[str, dict[str, Any]]], path: Path) -> No
     _save(fig, path)
 
 
+def _plot_groups(series: list[tuple[str, dict[str, Any]]], key: str, path: Path) -> None:
+    """τ micro per group: bars per category, or a line against the length buckets."""
+    names = _group_names(series, key)
+    fig = _figure(max(7.0, 0.9 * len(names) + 3), 4.0)
+    ax = fig.add_subplot()
+    xs = list(range(len(names)))
+    width = 0.8 / max(len(series), 1)
+    for j, (label, st) in enumerate(series):
+        groups = st.get(key) or {}
+        ys = [(groups.get(g) or {}).get("tau_micro") for g in names]
+        if key == "by_length":
+            pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=label)
+        else:
+            ax.bar([x - 0.4 + width * (j + 0.5) for x in xs], [y or 0 for y in ys], width=width, label=label)
+    ax.set_xticks(
+        xs,
+        names,
+        rotation=30 if key == "by_category" else 0,
+        ha="right" if key == "by_category" else "center",
+        fontsize=8,
+    )
+    ax.set_xlabel("prompt category" if key == "by_category" else "prompt length (tokens, bucket)")
+    ax.set_ylabel("τ micro (tokens per round)")
+    ax.set_title(
+        "Acceptance length by category" if key == "by_category" else "Acceptance length against context length"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _group_sections(series: list[tuple[str, dict[str, Any]]], out: Path) -> list[str]:
+    """'## Per category' and, when measured, '## Per context length': overview, plot, details."""
+    lines: list[str] = []
+    for key, title, heading in (
+        ("by_category", "category", "Per category"),
+        ("by_length", "prompt tokens", "Per context length"),
+    ):
+        overview = group_overview(series, key, title)
+        if not overview:
+            continue
+        _plot_groups(series, key, out / GROUP_PLOTS[key])
+        lines += [
+            f"## {heading}",
+            "",
+            overview,
+            "",
+            f"![{heading.lower()}]({GROUP_PLOTS[key]})",
+            "",
+            group_details(series, key, title),
+            "",
+        ]
+    return lines
+
+
+def header_settings(doc: dict[str, Any]) -> str:
+    """The sampling and prompt settings every report states: temperature, thinking mode, lengths."""
+    s = doc.get("settings") or {}
+    sampling = s.get("sampling") or {}
+    thinking = s.get("thinking")
+    return (
+        f"temperature {sampling.get('temperature', 0)}"
+        + (f", top-p {sampling['top_p']}" if sampling.get("top_p") not in (None, 1.0) else "")
+        + (f", top-k {sampling['top_k']}" if sampling.get("top_k") else "")
+        + f", thinking mode {thinking or 'the template default'}, max_new_tokens {s.get('max_new_tokens', '?')}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- documents
 def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = None) -> str:
     """Markdown report of one results.json; writes report.md + PNGs into `out_dir` (default: next to it)."""
@@ -263,8 +392,7 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
         f"- target: `{t.get('source', '?')}` ({t.get('architecture', '?')}, {t.get('num_layers', '?')} layers, "
         f"hidden {t.get('hidden_size', '?')}, {t.get('dtype', '?')}{', hybrid' if t.get('hybrid') else ''})",
         f"- prompts: {ds.get('n_prompts', '?')}" + (f" ({len(ds['skipped'])} skipped)" if ds.get("skipped") else ""),
-        f"- max_new_tokens {s.get('max_new_tokens', '?')}, temperature "
-        f"{(s.get('sampling') or {}).get('temperature', 0)}, tree top-k {s.get('tree_top_k', '—') or '= budget'}",
+        f"- {header_settings(doc)}, tree top-k {s.get('tree_top_k', '—') or '= budget'}",
         "",
         "## Summary",
         "",
@@ -296,6 +424,7 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
             "",
             "![comparison](comparison.png)",
             "",
+            *_group_sections(series, out),
         ]
     divs = [(label, d) for label, st in series for d in st.get("divergences") or []]
     if kind != "simulate":
@@ -334,6 +463,31 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
     return text
 
 
+def _compare_groups(labels: Sequence[str], docs: list[dict[str, Any]]) -> list[str]:
+    """τ micro per category (and per length bucket) of every drafter·method, the runs side by side."""
+    lines: list[str] = []
+    for key, title in (("by_category", "category"), ("by_length", "prompt tokens")):
+        cells: dict[tuple[str, str], dict[str, Any]] = {}
+        for label, doc in zip(labels, docs, strict=True):
+            for series, st in _series(doc):
+                for g, x in (st.get(key) or {}).items():
+                    cells.setdefault((series, g), {})[label] = x.get("tau_micro")
+        if not cells:
+            continue
+        lines += [
+            f"## τ micro per {title}",
+            "",
+            f"| drafter · method | {title} | " + " | ".join(labels) + " |",
+            "|---|---|" + "---|" * len(labels),
+            *[
+                f"| {series} | {g} | " + " | ".join(_f(per.get(label)) for label in labels) + " |"
+                for (series, g), per in cells.items()
+            ],
+            "",
+        ]
+    return lines
+
+
 def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None, labels: Sequence[str] | None = None) -> str:
     """Side-by-side Markdown table of several results files (+ compare.png when `out_dir` is given)."""
     docs = [load_results(p) for p in paths]
@@ -358,7 +512,8 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None, labe
                 f"{_f(st.get('greedy_equal_fraction'), 3)} |"
             )
             table.setdefault(series, {})[label] = st.get("tau_micro") or 0.0
-    text = "\n".join(["# dflashkit comparison", "", *rows, ""])
+    headers = [f"- {label}: {header_settings(doc)}" for label, doc in zip(labels, docs, strict=True)]
+    text = "\n".join(["# dflashkit comparison", "", *headers, "", *rows, "", *_compare_groups(labels, docs)])
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ there too (hybrid_tree.py), so the DDTree rows are what the real loop accepts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,11 @@ from dflashkit.decode.tree import build_tree
 from dflashkit.drafter.heads import BlockSlots
 from dflashkit.drafter.model import DFlashDrafter, DrafterCache
 from dflashkit.errors import DataError
+from dflashkit.evaluate.groups import PromptGroups, with_groups
 from dflashkit.evaluate.stats import (
     Method,
     acceptance_stats,
+    context_notes,
     drafter_info,
     parse_method,
     parse_methods,
@@ -161,11 +163,15 @@ def simulate_many(
     prompt_ids: Sequence[str] | None = None,
     force_spine: bool = False,
     progress: bool = True,
+    categories: Mapping[str, str] | None = None,
+    length_buckets: Sequence[int] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Teacher-forced acceptance statistics of every drafter × method on one transcript cache.
 
-    Returns {drafter name: {method name: stats}}, stats as `eval_stats.acceptance_stats` plus `per_prompt`
-    (prompt id → list of L). Methods: `methods` (names, `ar` ignored) or chain + ddtree:B for each budget.
+    Returns {drafter name: {method name: stats}}, stats as `stats.acceptance_stats` plus `per_prompt` (prompt id →
+    list of L), `by_category` and, with `length_buckets`, `by_length` (groups.py). Methods: `methods` (names, `ar`
+    ignored) or chain + ddtree:B for each budget. categories: prompt id → category (default: as the cache recorded
+    each prompt's, else "all").
     """
     from tqdm import tqdm
 
@@ -201,17 +207,26 @@ def simulate_many(
                     tree_top_k=tree_top_k,
                     force_spine=force_spine,
                 )
+    chosen = [cache.entries[i] for i in indices]
+    groups = PromptGroups.of(
+        (
+            (e["id"], (categories or {}).get(e["id"]) or e.get("category") or "all", int(e["prompt_len"]))
+            for e in chosen
+        ),
+        length_buckets,
+    )
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, d in drafters.items():
         bs = verify_width(d, block_size)
         out[name] = {}
         for m in todo:
             lengths = per[name][m.name]
-            out[name][m.name] = {
-                **acceptance_stats(list(lengths.values()), m.max_length(bs)),
+            st = {
+                **acceptance_stats(list(lengths.values()), m.max_length(bs), m.drafts_per_round(bs)),
                 "n_prompts": len(lengths),
                 "per_prompt": lengths,
             }
+            out[name][m.name] = with_groups(st, lengths, groups, m.max_length(bs), m.drafts_per_round(bs))
     return out
 
 
@@ -248,10 +263,15 @@ def simulation_results(
     block_size: int | None = None,
     tree_top_k: int | None = None,
     drafter_sources: dict[str, str] | None = None,
+    thinking: str | None = None,
+    length_buckets: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The results.json document of a simulation (same schema as `evaluate`; `kind` = "simulate", no timings)."""
+    """The results.json document of a simulation (same schema as `evaluate`; `kind` = "simulate", no timings).
+    thinking / length_buckets: recorded in its settings (the thinking mode the prompts were rendered in)."""
     m = cache.manifest
     notes = ["teacher-forced simulation on greedy target transcripts: τ only (no wall-clock timings)"]
+    longest = max((int(e["prompt_len"]) + int(e["num_tokens"]) for e in cache.entries), default=0)
+    notes += context_notes(drafters, longest)
     return {
         "schema": "dflashkit.eval/1",
         "kind": "simulate",
@@ -268,6 +288,8 @@ def simulation_results(
             "tree_top_k": tree_top_k or None,
             "layers_stored": cache.layer_ids,
             "stop_token_ids": m.get("stop_token_ids", []),
+            "thinking": thinking,
+            "length_buckets": sorted(int(e) for e in length_buckets) if length_buckets else None,
         },
         "drafters": {
             n: drafter_info(d, source=(drafter_sources or {}).get(n), block_size=block_size)

@@ -10,7 +10,10 @@
 - `acceptance_stats` turns acceptance lengths L (per round, bonus included; one list per prompt) into τ micro
   (Σ L / rounds), τ macro (mean of per-prompt τ), the histogram of L (a list indexed by L), survival
   S(k) = P(L ≥ k + 1) for k = 0 … Lmax − 1, per-position acceptance a_k = S(k) / S(k − 1) (k ≥ 1), the
-  full-block fraction (L = Lmax) and the zero-acceptance fraction (L = 1).
+  full-block fraction (L = Lmax) and the zero-acceptance fraction (L = 1); given the drafts a round verifies, also
+  accepted / drafted counts (Σ (L − 1) and rounds × drafts, as engines count them) and their ratio.
+- A prompt's `category` (MT-Bench's, a JSONL record's `category` field, else the dataset's name) groups the
+  statistics per category (`groups.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from dflashkit.data.jsonl import LineProblem, read_lines
+from dflashkit.data.long_context import NAME as LONG_CONTEXT
+from dflashkit.data.long_context import LongContextSpec, long_context_prompts
 from dflashkit.drafter.heads import head_of
 from dflashkit.errors import ConfigError, DataError
 
@@ -47,6 +52,13 @@ class Method:
     def with_budget(self, budget: int) -> Method:
         """ddtree:auto with its chosen budget (the name stays 'ddtree:auto')."""
         return Method(self.name, self.kind, int(budget))
+
+    def drafts_per_round(self, block_size: int) -> int:
+        """Draft tokens a round puts before the target (what engines count as drafted): the chain's drafts, the
+        tree's nodes."""
+        if self.kind == "ar" or block_size < 2:
+            return 0
+        return int(self.budget or block_size) if self.kind == "tree" else block_size - 1
 
     def max_length(self, block_size: int) -> int:
         """Largest possible acceptance length L (bonus included) for this method and block size."""
@@ -90,6 +102,7 @@ def parse_methods(spec: str | Sequence[str]) -> list[Method]:
 class Prompt:
     id: str
     ids: list[int]
+    category: str = ""  # MT-Bench's category, a JSONL record's `category`, else the dataset's name
 
 
 def prompt_sha(ids: Sequence[int]) -> str:
@@ -124,13 +137,16 @@ def _read_pretokenised(path: Path, limit: int | None, on_error: str = "stop") ->
             pid = str(rec.get("id", f"{path.stem}-{line.number}"))
             if pid in seen:
                 raise ValueError(f"field 'id': duplicate id {pid!r}")
+            category = rec.get("category", path.stem)
+            if not isinstance(category, str) or not category.strip():
+                raise ValueError("field 'category': expected a non-empty string")
         except ValueError as e:
             if on_error == "stop":
                 raise DataError(f"{path}:{line.number}: {e} (use --on-error skip to skip malformed lines)") from None
             out.append((line.number, f"{path}:{line.number}: {e}"))
             continue
         seen.add(pid)
-        out.append((line.number, Prompt(pid, list(ids))))
+        out.append((line.number, Prompt(pid, list(ids), category.strip())))
         prompts += 1
     if not prompts:
         raise DataError(f"{path}: no prompts" + (f" ({len(out)} malformed lines, first: {out[0][1]})" if out else ""))
@@ -188,17 +204,24 @@ class PromptRecords:
     on_error: str  # "stop" | "skip"
     conversations: list[Any] | None = None  # chat records (data.conversations.Conversation), rendered later
     pretokenised: list[tuple[int, Prompt | str]] | None = None  # (line, prompt or problem) of a pre-tokenised file
+    long_context: Sequence[int] | None = None  # the long-context set's lengths (built from the target's tokenizer)
     problems: list[str] = field(default_factory=list)  # malformed chat records skipped with on_error="skip"
 
 
-def read_prompts(dataset: str | Path, *, limit: int | None = None, on_error: str = "stop") -> PromptRecords:
-    """Read a dataset name or JSONL path (chat records or pre-tokenised lines) without a target."""
+def read_prompts(
+    dataset: str | Path, *, limit: int | None = None, on_error: str = "stop", lengths: Sequence[int] | None = None
+) -> PromptRecords:
+    """Read a dataset name or JSONL path (chat records or pre-tokenised lines) without a target. `long-context`
+    (data/long_context.py) is built later, for the target: `lengths` are its prompt lengths, `limit` its prompts
+    per length."""
     from dflashkit.data.datasets import load_dataset
 
     if limit is not None and limit < 1:
         raise DataError(f"limit={limit}: expected a positive number of prompts")
     if on_error not in ("stop", "skip"):
         raise DataError(f"on_error={on_error!r}: expected 'stop' or 'skip'")
+    if str(dataset) == LONG_CONTEXT:  # built per target, in prompts_for: `limit` counts prompts per length
+        return PromptRecords(LONG_CONTEXT, limit, on_error, long_context=tuple(lengths or LongContextSpec().lengths))
     path = Path(str(dataset)).expanduser()
     if _is_pretokenised(path):
         return PromptRecords(str(path), limit, on_error, pretokenised=_read_pretokenised(path, limit, on_error))
@@ -218,7 +241,17 @@ def prompts_for(
 
     skipped: dict[str, str] = {}
     problems = list(records.problems)
-    if records.conversations is None:
+    max_pos = getattr(target.text_config, "max_position_embeddings", None)
+    if records.long_context is not None:
+        spec = LongContextSpec(
+            lengths=records.long_context,
+            per_length=records.limit or LongContextSpec().per_length,
+            max_tokens=None if max_pos is None else max_pos - max_new_tokens,
+        )
+        prompts = [
+            Prompt(p.id, p.ids, p.category) for p in long_context_prompts(target.tokenizer, spec, chat_template_kwargs)
+        ]
+    elif records.conversations is None:
         prompts, vocab_problems = _in_vocabulary(records, int(target.vocab_size))
         problems += vocab_problems
     else:
@@ -229,14 +262,15 @@ def prompts_for(
                 f'prompts instead: a JSONL file with lines {{"id": ..., "prompt_ids": [...]}}'
             )
         prompts = []
+        default = Path(records.source).stem if Path(records.source).suffix else records.source
         for conv in records.conversations:
             try:
-                prompts.append(Prompt(conv.id, encode_prompt(tok, prompt_messages(conv), chat_template_kwargs)))
+                ids = encode_prompt(tok, prompt_messages(conv), chat_template_kwargs)
+                prompts.append(Prompt(conv.id, ids, str(conv.meta.get("category") or default)))
             except DataError as e:
                 skipped[conv.id] = str(e)
     for k, problem in enumerate(problems):
         skipped[f"unreadable-record-{k}"] = problem
-    max_pos = getattr(target.text_config, "max_position_embeddings", None)
     kept = []
     for p in prompts:
         if max_pos is not None and len(p.ids) + max_new_tokens > max_pos:
@@ -275,8 +309,11 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def acceptance_stats(lengths: Sequence[Sequence[int]], max_length: int) -> dict[str, Any]:
-    """Statistics of acceptance lengths (one list of L per prompt); `max_length` = the method's largest L."""
+def acceptance_stats(
+    lengths: Sequence[Sequence[int]], max_length: int, drafts_per_round: int | None = None
+) -> dict[str, Any]:
+    """Statistics of acceptance lengths (one list of L per prompt); `max_length` = the method's largest L;
+    `drafts_per_round` (Method.drafts_per_round) adds the accepted / drafted counts."""
     flat = [int(x) for per in lengths for x in per]
     rounds = len(flat)
     hist = [0] * (max(max_length, max(flat, default=1)) + 1)
@@ -299,7 +336,14 @@ def acceptance_stats(lengths: Sequence[Sequence[int]], max_length: int) -> dict[
         "per_position_acceptance": per_pos,
         "full_block_fraction": hist[max_length] / rounds if rounds and max_length < len(hist) else None,
         "zero_accept_fraction": hist[1] / rounds if rounds and len(hist) > 1 else None,
+        **({} if drafts_per_round is None else _draft_counts(flat, drafts_per_round)),
     }
+
+
+def _draft_counts(flat: list[int], drafts_per_round: int) -> dict[str, Any]:
+    """Accepted drafts Σ (L − 1), drafted = rounds × drafts per round, and accepted ÷ drafted."""
+    accepted, drafted = sum(flat) - len(flat), len(flat) * drafts_per_round
+    return {"accepted_drafts": accepted, "drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None}
 
 
 # ---------------------------------------------------------------------------------------------- identities
@@ -336,6 +380,16 @@ def drafter_info(drafter: Any, *, source: str | None = None, block_size: int | N
         "parameters": sum(p.numel() for p in drafter.parameters()),
         "fingerprint": drafter_fingerprint(drafter),
     }
+
+
+def context_notes(drafters: dict[str, Any], context_tokens: int) -> list[str]:
+    """Notes for results.json: per drafter, why it may accept less at the longest context evaluated
+    (drafter.context_reach)."""
+    from dflashkit.drafter.context_reach import context_warnings
+
+    return [
+        f"drafter {name!r}: {w}" for name, d in drafters.items() for w in context_warnings(d.config, context_tokens)
+    ]
 
 
 def target_info(target: Any) -> dict[str, Any]:

@@ -8,7 +8,8 @@ prompt + continuation capturing the union of the requested layers. Each prompt i
 with `input_ids` (T,) and one tensor per layer, `layer{L}` (T, H), stored **separately**, so drafters reading
 different layer sets run from the same cache. The embedding table and LM head (which every drafter borrows) are
 stored once in `head.safetensors`. `manifest.json` records the target (source, fingerprint, layers, hidden size),
-the layers stored, the generation settings and every finished prompt; a rerun skips finished prompts.
+the layers stored, the generation settings and every finished prompt (with its category); a rerun skips finished
+prompts.
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ def _write_transcript(
         "num_tokens": len(tr.ids) - tr.prompt_len,
         "stop_reason": tr.stop_reason,
         "prompt_sha": prompt_sha(p.ids),
+        "category": p.category or None,
     }
 
 

@@ -11,7 +11,7 @@ from dflashkit.quickstart.rates import shortfall_notes
 
 
 def summary_screen(state: dict[str, Any]) -> str:
-    """The one screen: τ, tokens/s, speedup, greedy equality, where things are."""
+    """The one screen: τ, tokens/s, speedup, greedy equality, τ by category, where things are."""
     lines = ["", "dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts (greedy)", ""]
     head = f"  {'dataset':<10} {'method':<14} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
     lines.append(head)
@@ -26,6 +26,7 @@ def summary_screen(state: dict[str, Any]) -> str:
                     f"{r['tok_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}× {r['greedy_equal_fraction']:>7.0%}"
                 )
     d = state["done"]
+    lines += [line for dataset, where in d["eval"].items() if (line := _category_line(dataset, where))]
     best = []
     for dataset, where in d["eval"].items():
         doc = json.loads(Path(where["results"]).read_text())
@@ -45,6 +46,19 @@ def summary_screen(state: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _category_line(dataset: str, where: dict[str, Any]) -> str:
+    """'  mtbench    chain τ by category: writing 1.21 · math 1.40 · …' for a dataset of several categories (the
+    full per-category table is in its report), else ''."""
+    doc = json.loads(Path(where["results"]).read_text())
+    for methods in doc["results"].values():
+        for method, r in methods.items():
+            groups = r.get("by_category") or {}
+            if len(groups) > 1:
+                parts = [f"{g} {x['tau_micro']:.2f}" for g, x in groups.items() if x.get("tau_micro") is not None]
+                return f"  {dataset:<10} {_label(method, r)} τ micro by category: {' · '.join(parts)}"
+    return ""
 
 
 def _label(method: str, r: dict[str, Any]) -> str:

@@ -210,10 +210,12 @@ class Run:
 
 
 def _record_data_info(cfg: Any, source: Any, drafter_config: DrafterConfig) -> None:
-    """Carry how the training tokens were prepared (thinking mode, turns, template kwargs) into the drafter's
-    config, so eval, simulate and doctor can refuse or flag another mode (`dflashkit.data.thinking`)."""
+    """Carry how the training tokens were prepared (thinking mode, turns, template kwargs) and the longest row
+    trained on into the drafter's config, so eval, simulate and doctor can refuse or flag another mode
+    (`dflashkit.data.thinking`) or a context longer than any seen in training (`drafter.context_reach`)."""
     from dflashkit.data.thinking import data_info
 
+    drafter_config.extra["train_max_tokens"] = int(cfg.max_tokens)
     manifest = getattr(source, "manifest", None)
     info = dict(manifest.data) if manifest is not None else data_info(cfg.tokens)
     if info:

@@ -28,7 +28,7 @@ def drafter_config(vocab: int = 97, bs: int = 6, hidden: int = 64, layers: int =
         head_dim=16,
         intermediate_size=32,
         block_size=bs,
-        mask_token_id=5,
+        mask_token_id=min(5, vocab - 1),
     )
 
 
@@ -360,3 +360,15 @@ def test_the_prompts_width_is_never_measured(tiny_llama_dir, monkeypatch):
         )
     assert measured and len(prompt) not in measured and len(prompt) + 6 not in measured, measured
     assert 1 in measured  # the AR step's width is measured as before
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6])
+def test_tree_sampling_matches_target_distribution(budget):
+    """DDTree at T = 1 is lossless: one target sample per node, the walk following it, gives the target's exact joint
+    law of three tokens for a chain-like (B = 1) and branching trees; following the nodes' argmax does not."""
+    from helpers.joint_law import VOCAB, check_tree_joint_law, exact_joint, tiny_target
+
+    target = tiny_target()
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(drafter_config(vocab=VOCAB, bs=4, hidden=32, layers=2)).eval()
+    check_tree_joint_law(target, drafter, exact_joint(target, SamplingParams(temperature=1.0)), budget=budget)

@@ -244,14 +244,6 @@ def test_validation_before_work(llama, tmp_path):
     with pytest.raises(TargetError, match="drafter 'bad': hidden_size 32"):
         evaluate(llama, {"ok": DFlashDrafter(drafter_config()), "bad": bad}, make_prompts(1), out_dir=tmp_path)
     assert not (tmp_path / "progress.jsonl").exists()
-    with pytest.raises(ConfigError, match="greedy decoding only"):
-        evaluate(
-            llama,
-            {"ok": DFlashDrafter(drafter_config())},
-            make_prompts(1),
-            out_dir=tmp_path,
-            settings=EvalSettings(methods="ddtree:4", sampling=SamplingParams(temperature=1.0)),
-        )
     with pytest.raises(ConfigError, match="need at least one drafter"):
         evaluate(llama, {}, make_prompts(1), out_dir=tmp_path, settings=EvalSettings(methods="chain"))
 
@@ -461,3 +453,46 @@ def test_deadline_time_boxes_and_resumes(llama, tmp_path):
     assert doc["results"]["random"]["chain"]["n_prompts"] == 1
     full = evaluate(llama, drafters, prompts, out_dir=tmp_path, settings=base)
     assert full["dataset"]["n_prompts"] == 3 and "time_boxed" not in full["dataset"]
+
+
+def test_cli_eval_at_two_temperatures_by_category_and_length(tiny_llama_dir, tmp_path, capsys):
+    """`eval --temperatures 0,1`: the same prompts at each temperature (DDTree included: exact at T = 1), one
+    directory each and compare.md side by side, with per-category and per-length tables in every report."""
+    from dflashkit.cli import main
+    from dflashkit.drafter.checkpoint import save_drafter
+
+    torch.manual_seed(0)
+    a = save_drafter(DFlashDrafter(drafter_config()), tmp_path / "a")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": p.id, "prompt_ids": p.ids, "category": c}) + "\n"
+            for p, c in zip(make_prompts(3), ["math", "code", "math"], strict=True)
+        )
+    )
+    argv = ["eval", "--target", str(tiny_llama_dir), "--drafter", f"a={a}", "--dataset", str(data)]
+    argv += ["--max-new-tokens", "8", "--ignore-eos", "--quiet", "--no-warmup", "--methods", "ar,chain,ddtree:3"]
+    assert main([*argv, "--temperatures", "0,1", "--by-length", "6,7", "--out", str(tmp_path / "e")]) == 0
+    out = capsys.readouterr().out
+    assert "temperature 0:" in out and "temperature 1:" in out and "compare.md" in out
+    for t, temperature in (("T0", 0.0), ("T1", 1.0)):
+        doc = json.loads((tmp_path / "e" / t / "results.json").read_text())
+        assert doc["settings"]["sampling"]["temperature"] == temperature
+        tree = doc["results"]["a"]["ddtree:3"]
+        assert set(tree["by_category"]) == {"math", "code"} and tree["by_category"]["math"]["n_prompts"] == 2
+        assert list(tree["by_length"]) == ["≤6", "≤7", ">7"]
+        report = (tmp_path / "e" / t / "report.md").read_text()
+        assert "## Per category" in report and f"temperature {temperature}" in report
+    assert (
+        json.loads((tmp_path / "e" / "T0" / "results.json").read_text())["results"]["a"]["ddtree:3"][
+            "greedy_equal_fraction"
+        ]
+        == 1.0
+    )
+    text = (tmp_path / "e" / "compare.md").read_text()
+    assert "| T=0 | " in text and "| T=1 | " in text and "## τ micro per category" in text
+    bad = ["--temperature", "0.5", "--temperatures", "0,1", "--out", str(tmp_path / "x")]
+    assert main([*argv, *bad]) == 2
+    assert "--temperatures replaces --temperature" in capsys.readouterr().err
+    assert main([*argv, "--temperatures", "0,-1", "--out", str(tmp_path / "x")]) == 2
+    assert "expected a finite number ≥ 0" in capsys.readouterr().err

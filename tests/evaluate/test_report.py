@@ -152,3 +152,44 @@ def test_fields_the_report_does_not_read_may_hold_anything(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(doc))
     assert "| a | chain (B=x) |" in render(path)
+
+
+def _with_groups(doc: dict) -> dict:
+    """fake_results with per-category and per-length statistics (as evaluate/simulate write them)."""
+    from dflashkit.evaluate.groups import PromptGroups, with_groups
+
+    groups = PromptGroups.of([("p0", "math", 300), ("p1", "writing", 1500)], [512, 1024, 2048])
+    for methods in doc["results"].values():
+        for m, st in methods.items():
+            per = {"p0": [1, 3, 6, 2], "p1": [4, 1, 6]} if m == "chain" else {"p0": [5, 5, 2], "p1": [3]}
+            methods[m] = with_groups(st, per, groups, 6 if m == "chain" else 5, 5 if m == "chain" else 4)
+    doc["settings"].update(thinking="off", length_buckets=[512, 1024, 2048])
+    return doc
+
+
+def test_report_has_per_category_and_per_length_sections(tmp_path):
+    text = render(_with_groups(fake_results()), out_dir=tmp_path)
+    for png in ("per_category.png", "tau_by_length.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in text
+    assert "## Per category" in text and "## Per context length" in text
+    assert "| math | 1 |" in text and "| ≤2k | 1 |" in text  # the overview: one row per group
+    # details: accepted / drafted and the per-position vector per group (chain, math: L = 1, 3, 6, 2 → 8 of 20)
+    assert "| a · chain | math | 1 | 4 | 3.00 | 3.00 | 8 / 20 (0.400) |" in text
+    assert "temperature 0.0" in text and "thinking mode off" in text  # the header states both
+    plain = render(fake_results(), out_dir=tmp_path / "plain")  # results without groups: no such sections
+    assert "## Per category" not in plain and "thinking mode the template default" in plain
+
+
+def test_compare_puts_categories_side_by_side(tmp_path):
+    paths = []
+    for k, t in enumerate((0.0, 1.0)):
+        doc = _with_groups(fake_results(tau_shift=k))
+        doc["settings"]["sampling"]["temperature"] = t
+        p = tmp_path / f"T{k}" / "results.json"
+        p.parent.mkdir()
+        p.write_text(json.dumps(doc))
+        paths.append(p)
+    text = compare(paths, labels=["T=0", "T=1"])
+    assert "- T=0: temperature 0.0" in text and "- T=1: temperature 1.0" in text
+    assert "## τ micro per category" in text and "| a · chain | math | 3.00 | 3.00 |" in text
+    assert "## τ micro per prompt tokens" in text

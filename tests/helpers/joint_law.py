@@ -1,6 +1,7 @@
 """The joint-law test of lossless sampling, shared by every drafter kind: a tiny random Llama over a 3-token
 vocabulary, its exact joint distribution of the next three tokens at T = 1, the empirical one from `generate`
-with a drafter, and the same run with a wrong acceptance rule (accept every sampled draft) that must fail.
+with a drafter (chain with argmax and sampled drafts, DDTree), and the same runs with a wrong rule (accept every
+sampled draft; follow the target's argmax at the tree's nodes) that must fail.
 
     check_joint_law(drafter, block)   # asserts both; `drafter` built for vocab 3, hidden 32, 2 target layers
 """
@@ -72,6 +73,31 @@ def check_joint_law(target: Target, drafter, n: int = 1000) -> None:
     finally:
         decode_mod.accept_sampled_drafts = orig
     assert 0.5 * (emp - exact).abs().sum().item() > 2 * TOL
+    check_tree_joint_law(target, drafter, exact, n)
 
 
-__all__ = ["PROMPT", "VOCAB", "check_joint_law", "empirical_joint", "exact_joint", "tiny_target"]
+def check_tree_joint_law(target: Target, drafter, exact: torch.Tensor, n: int = 1000, budget: int = 3) -> None:
+    """DDTree at T = 1 (one target sample per node, the walk following it) reproduces the exact joint; following
+    the target's argmax at the nodes instead does not."""
+    emp = empirical_joint(
+        target, drafter, n, sampling=SamplingParams(temperature=1.0), method="tree", tree_budget=budget
+    )
+    assert 0.5 * (emp - exact).abs().sum().item() < TOL
+    orig = decode_mod.target_tokens
+    try:
+        decode_mod.target_tokens = lambda logits, params, gen=None: logits.argmax(-1)
+        emp = empirical_joint(target, drafter, 200, sampling=SamplingParams(temperature=1.0), method="tree")
+    finally:
+        decode_mod.target_tokens = orig
+    assert 0.5 * (emp - exact).abs().sum().item() > 2 * TOL
+
+
+__all__ = [
+    "PROMPT",
+    "VOCAB",
+    "check_joint_law",
+    "check_tree_joint_law",
+    "empirical_joint",
+    "exact_joint",
+    "tiny_target",
+]
