@@ -44,6 +44,9 @@ from typing import Any
 from dflashkit.data.original_text import ID_PREFIX, used_conversation_ids, write_original_text
 from dflashkit.quickstart.run import QuickstartSettings, stage_capture, stage_prepare, stage_train, step_seconds
 
+# `prepare --data long-context-train` for the long-context variants: prompts per length (512, 1024, 2048 and the
+# longest that leaves room for the reply within max_length), the reply's length
+LONG_DATA = {"per_length": 8, "max_length": 4096, "max_new_tokens": 128}
 # name → (settings changes, data plan, TrainConfig changes). Data plan: "fraction" keeps that share of the base
 # responses, "more_regen_minutes" regenerates that much more, "capture_topk" captures the base tokens again with
 # the target's top-k log-probs, "original_text" adds that many further ShareGPT conversations with their ORIGINAL
@@ -131,6 +134,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # |x| is 0.8–10 on SmolLM2), and AdamW weight decay
     "fcnoise0.3": {"train": {"noise_std": 0.3}},
     "wd0.5": {"train": {"weight_decay": 0.5}},
+    # long contexts (bench/long_context.py): the base data plus the target's replies to long training prompts
+    # (`prepare --data long-context-train`), rows of up to 4096 tokens; and the same with the drafter's layer a
+    # sliding-window one (window 1024: the quickstart's row length)
+    "long_rows": {"long_context": LONG_DATA, "train": {"max_tokens": 4096}},
+    "long_rows_swa": {
+        "long_context": LONG_DATA,
+        "train": {"max_tokens": 4096},
+        "settings": {"drafter_extra": {"layer_types": ["sliding_attention"], "sliding_window": 1024}},
+    },
 }
 _DATA_KEYS = (
     "fraction",
@@ -140,6 +152,7 @@ _DATA_KEYS = (
     "drop_regen",
     "capture_final",
     "server_regen_minutes",
+    "long_context",
 )
 
 
@@ -184,12 +197,12 @@ def _shared_data(
     from dflashkit.data.samples import read_tokens
     from dflashkit.features.capture import CaptureSettings, capture
 
-    keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final")
+    keys = ("more_regen_minutes", "capture_topk", "original_text", "drop_regen", "capture_final", "long_context")
     plan = {k: spec[k] for k in (*keys, "server_regen_minutes", "regen_turns", "server_slots") if k in spec}
     if plan.get("capture_final"):  # DSpark: the target's log-sum-exp per position too, as the quickstart captures
         plan["target_lse"] = True
     name = (
-        "-".join(f"{k}{v}" for k, v in plan.items())
+        "-".join(k if isinstance(v, dict) else f"{k}{v}" for k, v in plan.items())
         + "-"
         + hashlib.sha1(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:6]
     )
@@ -224,6 +237,15 @@ def _shared_data(
         tokens = d / "data" / "tokens.jsonl.regen"
         (d / "data" / "tokens.jsonl").replace(tokens)
         _keep_base_original(tokens, base)
+    if "long_context" in plan:  # the target's replies to long training prompts, after the base samples
+        t0 = time.monotonic()
+        long_tokens = _long_context_samples(d / "long", plan["long_context"])
+        merged = d / "data" / "tokens.jsonl.long"
+        merged.write_text(tokens.read_text() + long_tokens.read_text())
+        tokens = merged
+        info.update(
+            long_samples=len(long_tokens.read_text().splitlines()), long_minutes=round((time.monotonic() - t0) / 60, 2)
+        )
     if "original_text" in plan:
         # conversations the base run did not use (neither regenerated nor, under the current defaults, as original text)
         used = {r["id"] for r in read_regenerated(d / "data" / "regenerated.jsonl")} | used_conversation_ids(
@@ -260,6 +282,17 @@ def _shared_data(
     return d, info
 
 
+def _long_context_samples(out: Path, spec: dict[str, Any]) -> Path:
+    """tokens.jsonl of `dflashkit prepare --data long-context-train` as `spec` (LONG_DATA) says, in `out`."""
+    from dflashkit.cli import main as cli
+
+    argv = ["prepare", "--target", "default", "--data", "long-context-train", "--out", str(out)]
+    argv += ["--limit", str(spec["per_length"]), "--max-length", str(spec["max_length"])]
+    if cli([*argv, "--max-new-tokens", str(spec["max_new_tokens"])]) != 0:
+        raise SystemExit(f"error: prepare --data long-context-train failed (see above); output in {out}")
+    return out / "tokens.jsonl"
+
+
 def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base: Path, out: Path) -> dict[str, Any]:
     """Data and features of a variant in `out` (links to the base run's unless the variant changes the data)."""
     from dflashkit.data.regenerate import read_regenerated
@@ -272,7 +305,14 @@ def _prepare_data(target: Any, spec: dict[str, Any], s: QuickstartSettings, base
         _link(base / "data", out / "data")
         _link(base / "features", out / "features")
         return {"data": "base"}
-    shared_keys = ("more_regen_minutes", "capture_topk", "original_text", "capture_final", "server_regen_minutes")
+    shared_keys = (
+        "more_regen_minutes",
+        "capture_topk",
+        "original_text",
+        "capture_final",
+        "server_regen_minutes",
+        "long_context",
+    )
     if any(k in spec for k in shared_keys):
         shared, info = _shared_data(target, spec, s, base, out.parent, layer_ids)
         _link(shared / "data", out / "data")

@@ -22,7 +22,8 @@ turns as a transcript and then the last question, so that `prepare` regenerates 
 with the whole chat before it (its first-turn regeneration reads the messages before the first reply only).
 
 Everything comes from files already installed by the project's pins — nothing is downloaded — and the choice is
-deterministic: the same target and spec always give the same prompts. Each prompt's `length` is the N it was built
+deterministic: the same target and spec always give the same prompts, in rounds over the lengths (the first prompt
+of every length, then the second, …). Each prompt's `length` is the N it was built
 for and its `ids` may be shorter; evaluation buckets prompts by their actual length (evaluate/groups.py).
 """
 
@@ -118,8 +119,9 @@ def long_context_conversations(
     chats = _chats(spec.split)
     files = EVAL_CODE_FILES if spec.split == "heldout" else TRAIN_CODE_FILES
     used_chats: set[str] = set()
-    out: list[Conversation] = []
+    per_length: list[list[Conversation]] = []
     for n in lengths:
+        built: list[Conversation] = []
         code_index = 0
         for k in range(spec.per_length):
             kind = KINDS[k % len(KINDS)]
@@ -131,14 +133,16 @@ def long_context_conversations(
                     conv, ids = found
                     used_chats.add(conv.id)
                     meta = {"category": "chat", "length": n, "ids": ids}
-                    out.append(Conversation(conv.messages, f"long-{n}-{k}-chat-{conv.id}", NAME, meta))
+                    built.append(Conversation(conv.messages, f"long-{n}-{k}-chat-{conv.id}", NAME, meta))
                     continue
             package, rel = files[code_index % len(files)]
             code_index += 1
             messages, ids = _code_prompt(render, package, rel, TASKS[kind], n)
             meta = {"category": kind, "length": n, "ids": ids}
-            out.append(Conversation(messages, f"long-{n}-{k}-{kind}-{package}-{Path(rel).stem}", NAME, meta))
-    return out
+            built.append(Conversation(messages, f"long-{n}-{k}-{kind}-{package}-{Path(rel).stem}", NAME, meta))
+        per_length.append(built)
+    # the k-th prompt of every length, then the next: a run cut short (a time budget, --limit) covers every length
+    return [c for k in range(spec.per_length) for built in per_length for c in built[k : k + 1]]
 
 
 class _Renderer:

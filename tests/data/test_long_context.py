@@ -32,7 +32,8 @@ def test_prompts_fit_their_length_and_bucket(tokenizer):
         if p.category != "chat":  # code is cut to the length at a token boundary
             assert len(p.ids) >= p.length - 8
     assert {p.category for p in prompts} == set(KINDS)
-    text = tokenizer.decode(prompts[1].ids)
+    assert [p.length for p in prompts[:4]] == [512, 2048, 512, 2048]  # rounds over the lengths
+    text = tokenizer.decode(next(p.ids for p in prompts if p.category == "code-explain"))
     assert "```python" in text and "Explain what this code does" in text and "<|im_start|>assistant" in text
     assert [p.ids for p in long_context_prompts(tokenizer, spec)] == [p.ids for p in prompts]  # deterministic
 
@@ -78,6 +79,7 @@ def test_prepare_builds_long_training_samples_from_the_training_split(tokenizer,
 
     convs = long_context_conversations(tokenizer, spec)
     assert [c.meta["category"] for c in convs] == list(KINDS) and all(len(c.messages) == 1 for c in convs)
+    assert convs[0].messages[0]["content"].startswith("Our conversation so far:")  # the earlier turns, flattened
     held = {c.id for c in long_context_conversations(tokenizer, LongContextSpec(lengths=(1024,), per_length=3))}
     assert not {c.id.split("-", 3)[-1] for c in convs} & {h.split("-", 3)[-1] for h in held}
     out = tmp_path / "p"
