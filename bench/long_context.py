@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         r = sweep_defaults.run_variant(target, name, sweep_defaults.VARIANTS[name], base, out, args.train_minutes, seed)
         rows.append({**r, "variant": name})
     sim = out / "sim"
-    argv_sim = ["simulate", "--dataset", "long-context", "--limit", str(args.sim_prompts), "--budgets", args.budgets]
+    from dflashkit.evaluate.groups import LENGTH_BUCKETS
+
+    limit = str(args.sim_prompts * len(LENGTH_BUCKETS))  # prompts in all, spread over the lengths
+    argv_sim = ["simulate", "--dataset", "long-context", "--limit", limit, "--budgets", args.budgets]
     argv_sim += ["--max-new-tokens", str(args.sim_max_new_tokens), "--cache", str(out / "sim_cache"), "--quiet"]
     argv_sim += ["--out", str(sim), *[a for r in rows for a in ("--drafter", f"{r['name']}={r['drafter']}")]]
     if cli(argv_sim) != 0:

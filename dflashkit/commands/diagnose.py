@@ -83,7 +83,7 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="TOKENS",
         help="the context length you will evaluate or serve at: warn when the drafter's sliding window or longest "
-        "training row is shorter",
+        "training context is shorter",
     )
     p.add_argument(
         "--dtype", default=None, choices=TARGET_DTYPES, help="target dtype (default: fp32 on CPU, bf16 on CUDA)"

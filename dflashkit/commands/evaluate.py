@@ -348,8 +348,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.temperatures is not None:
         if args.temperature != 0.0:
             raise ConfigError("--temperatures replaces --temperature: give one of them")
-        if len(set(args.temperatures)) != len(args.temperatures):
-            raise ConfigError(f"--temperatures {args.temperatures}: each temperature once")
+        if len({f"{t:g}" for t in args.temperatures}) != len(args.temperatures):  # one directory each
+            raise ConfigError(f"--temperatures {','.join(map(str, args.temperatures))}: each temperature once")
     output_dir(args.out, what="--out", create=False)
     _check_dataset(args.dataset)
     if args.budget_prompts is not None:

@@ -141,7 +141,7 @@ def _long_context(args: argparse.Namespace, target: Any, kwargs: dict[str, Any])
     from dflashkit.data.long_context import LongContextSpec, long_context_conversations
 
     room = args.max_length
-    context = getattr(target.text_config, "max_position_embeddings", None)
+    context = getattr(getattr(target, "text_config", None), "max_position_embeddings", None)  # --server: unknown
     if context is not None:
         room = min(room, int(context))
     spec = LongContextSpec(per_length=args.limit or 6, max_tokens=room - args.max_new_tokens, split="train")

@@ -110,8 +110,10 @@ def _normalise_messages(raw: Any, field_name: str, role_key: str, content_key: s
     return messages
 
 
-def conversation_from_record(record: Any, *, default_id: str, source: str) -> Conversation:
-    """Turn one parsed JSON value (any accepted format) into a Conversation; ValueError says what is wrong."""
+def conversation_from_record(record: Any, *, default_id: str, source: str, categories: bool = False) -> Conversation:
+    """Turn one parsed JSON value (any accepted format) into a Conversation; ValueError says what is wrong.
+    `categories`: keep (and check) a `category` field in `meta` — evaluation groups its statistics by it; training
+    reads past it."""
     if isinstance(record, str):
         messages = [{"role": "user", "content": record}]
         return Conversation(messages, default_id, source)
@@ -138,7 +140,7 @@ def conversation_from_record(record: Any, *, default_id: str, source: str) -> Co
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise ValueError(f"field 'id': expected a string or integer, got {type(rid).__name__}")
     meta: dict[str, Any] = {}
-    if "category" in record:  # evaluation groups its statistics by it (evaluate/groups.py)
+    if categories and "category" in record:
         category = record["category"]
         if not isinstance(category, str) or not category.strip():
             raise ValueError("field 'category': expected a non-empty string (the prompt's category, e.g. 'coding')")
@@ -147,9 +149,10 @@ def conversation_from_record(record: Any, *, default_id: str, source: str) -> Co
 
 
 def read_jsonl_conversations(
-    path: str | Path, *, on_error: Literal["stop", "skip"] = "stop", limit: int | None = None
+    path: str | Path, *, on_error: Literal["stop", "skip"] = "stop", limit: int | None = None, categories: bool = False
 ) -> tuple[list[Conversation], list[str]]:
-    """Read conversations from a JSONL file. Returns (conversations, problems).
+    """Read conversations from a JSONL file. Returns (conversations, problems). `categories`: keep each line's
+    `category` (conversation_from_record).
 
     on_error="stop": the first malformed line raises DataError naming file:line. on_error="skip": the line is
     skipped and its problem ("file:line: what") recorded in the returned list. Duplicate ids are malformed lines
@@ -169,7 +172,9 @@ def read_jsonl_conversations(
         lineno = line.number
         try:
             record = line.json()  # LineProblem: over the line-size cap, not UTF-8, or not JSON
-            conv = conversation_from_record(record, default_id=f"{path.stem}-{lineno}", source=str(path))
+            conv = conversation_from_record(
+                record, default_id=f"{path.stem}-{lineno}", source=str(path), categories=categories
+            )
             if conv.id in seen:
                 raise ValueError(f"field 'id': duplicate id {conv.id!r} (ids must be unique)")
         except ValueError as e:

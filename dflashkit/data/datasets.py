@@ -202,9 +202,14 @@ DATASETS: dict[str, DatasetInfo] = {
 
 
 def load_dataset(
-    name_or_path: str | Path, limit: int | None = None, *, on_error: Literal["stop", "skip"] = "stop"
+    name_or_path: str | Path,
+    limit: int | None = None,
+    *,
+    on_error: Literal["stop", "skip"] = "stop",
+    categories: bool = False,
 ) -> tuple[list[Conversation], list[str]]:
-    """Conversations of a bundled dataset (by name) or a JSONL file. Returns (conversations, problems)."""
+    """Conversations of a bundled dataset (by name) or a JSONL file. Returns (conversations, problems).
+    `categories`: keep a JSONL line's `category` (evaluation)."""
     if limit is not None and limit < 1:
         raise DataError(f"limit={limit}: expected a positive number of conversations")
     name = str(name_or_path)
@@ -216,5 +221,5 @@ def load_dataset(
         return convs, problems
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".json") or path.exists() or "/" in name:
-        return read_jsonl_conversations(path, on_error=on_error, limit=limit)
+        return read_jsonl_conversations(path, on_error=on_error, limit=limit, categories=categories)
     raise DataError(f"unknown dataset {name!r}: expected one of {', '.join(DATASETS)} or a path to a JSONL file")

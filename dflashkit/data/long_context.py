@@ -21,10 +21,11 @@ long contexts: training-split chats and TRAIN_CODE_FILES). A training chat is on
 turns as a transcript and then the last question, so that `prepare` regenerates the reply to the last question
 with the whole chat before it (its first-turn regeneration reads the messages before the first reply only).
 
-Everything comes from files already installed by the project's pins — nothing is downloaded — and the choice is
-deterministic: the same target and spec always give the same prompts, in rounds over the lengths (the first prompt
-of every length, then the second, …). Each prompt's `length` is the N it was built
-for and its `ids` may be shorter; evaluation buckets prompts by their actual length (evaluate/groups.py).
+Everything comes from files already installed — nothing is downloaded — and the choice is deterministic: the same
+target, spec and installed package versions give the same prompts (progress.jsonl and a transcript cache keep each
+prompt's token digest), in rounds over the lengths (the first prompt of every length, then the second, …). Each
+prompt's `length` is the N it was built for and its `ids` may be shorter; evaluation buckets prompts by their actual
+length (evaluate/groups.py).
 """
 
 from __future__ import annotations
@@ -168,8 +169,9 @@ def _chats(split: str) -> list[Conversation]:
 
     joined: dict[str, list[tuple[int, Conversation]]] = {}
     for conv in load_sharegpt(split):  # type: ignore[arg-type]
-        base, _, part = conv.id.partition(".")[0].rpartition("_")
-        key = base or conv.id
+        rid, _, dup = conv.id.partition(".")  # a repeated id's ".N" (another record): another chat
+        base, _, part = rid.rpartition("_")
+        key = (base or rid) + (f".{dup}" if dup else "")
         joined.setdefault(key, []).append((int(part) if part.isdigit() else 0, conv))
     out = []
     for key, parts in joined.items():

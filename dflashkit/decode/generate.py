@@ -63,6 +63,7 @@ class GenerationResult:
     prompt_len: int
     tokens: list[int]  # generated tokens (prompt excluded)
     acceptance_lengths: list[int] = field(default_factory=list)  # L per round, bonus included
+    drafted: list[int] = field(default_factory=list)  # draft tokens the target verified per round (tree: its nodes)
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # seconds per stage
     stop_reason: str = "max_new_tokens"
 
@@ -195,7 +196,7 @@ def generate(
                 )  # fmt: skip
                 drafts, draft_q, draft_logits, draft_hidden = head.draft_round(r)
         if s.method == "tree" and drafts is not None:
-            committed, next_token, feats = _verify_tree(
+            committed, next_token, feats, nodes = _verify_tree(
                 target,
                 cache,
                 bonus,
@@ -210,11 +211,13 @@ def generate(
                 clock,
                 lambda logits: target_tokens(logits, s.sampling, gen),
             )
+            result.drafted.append(nodes)
         else:
             block = torch.tensor([[bonus] + ([] if drafts is None else drafts.tolist())])  # (1, bl)
             committed, next_token, feats = _verify_chain(
                 target, cache, block, start, layer_ids, s.sampling, draft_q, gen, clock, drafter
             )
+            result.drafted.append(block.shape[1] - 1)
         with clock("commit"):
             stopped = _commit(result, committed, next_token, stops, s.max_new_tokens)
             if use_drafter:
@@ -385,9 +388,10 @@ def _verify_tree(
     hybrid_mode: str | None,
     clock: Any,
     node_tokens: Callable[[Tensor], Tensor],
-) -> tuple[list[int], int, Tensor]:
+) -> tuple[list[int], int, Tensor, int]:
     """DDTree: build the tree from the drafter's marginals, verify it in one pass, follow the target's token at each
-    node (`node_tokens`: argmax, or one sample per node at T > 0 — exact, sampling.py), compact the cache.
+    node (`node_tokens`: argmax, or one sample per node at T > 0 — exact, sampling.py), compact the cache. Returns
+    (committed tokens, the target's next token, their features, the tree's draft nodes).
     Hybrid targets (`hybrid_mode` set) go through hybrid_tree.verify_tree, which also commits recurrent states."""
     draft_logits, draft_hidden = draft  # (D, V'), (D, H)
     with clock("tree_build"):
@@ -408,7 +412,7 @@ def _verify_tree(
             clock=clock,
             node_tokens=node_tokens,
         )
-        return tree.tokens[torch.tensor(v.path)].tolist(), v.next_token, v.features
+        return tree.tokens[torch.tensor(v.path)].tolist(), v.next_token, v.features, tree.size - 1
     with clock("tree_build"):
         additive = tree_attention_bias(tree.parents, start, dtype=target.dtype, device=target.device)  # (1,1,N,s+N)
     with clock("verify"):
@@ -426,7 +430,7 @@ def _verify_tree(
     with clock("commit"):
         rows = torch.tensor(path)
         tc.keep_positions(cache, start, rows)
-    return tree.tokens[rows].tolist(), int(tokens[path[-1]]), out.features[:, rows]
+    return tree.tokens[rows].tolist(), int(tokens[path[-1]]), out.features[:, rows], tree.size - 1
 
 
 def _check(L: int, kv_len: int, start: int, drafter_len: int | None, bs: int, budget: int | None) -> None:

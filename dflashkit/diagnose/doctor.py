@@ -10,7 +10,7 @@ training = the target's now, hook-captured features = `output_hidden_states[i + 
 target's own logits, a short greedy draft-and-verify run (τ; output = the target's greedy output), and labels or
 features shifted by one, found from the checkpoint alone: the drafter runs teacher-forced on the target's greedy
 transcript and its slot-k predictions are scored against the token at a+k−1, a+k and a+k+1; with `--context N`,
-the drafter's sliding window and longest training row against the context it will draft after.
+the drafter's sliding window and longest training context against the context it will draft after.
 
 The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
 
@@ -21,7 +21,7 @@ The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
     capture_findings(target, layer_ids, ids)        # hooked features = output_hidden_states[i + 1], logits
     label_offset_accuracy(...) / shift_finding(...) # labels or features shifted by one
     mask_finding(cfg, target, …)                    # the mask row is one no chat produces
-    context_findings(cfg, context)                  # sliding window / longest training row vs the context asked
+    context_findings(cfg, context)                  # sliding window / longest training context vs the context
 
 Geometry rule (docs/troubleshooting.md#pitfall-geometry): heads and head_dim different from the target's → OK. Equal →
 OK when they are also dflashkit's own default for that hidden size (a coincidence: z-lab's 32 × 128 for Qwen3-8B, or 4
@@ -442,22 +442,22 @@ def mask_finding(
 
 
 def context_findings(cfg: DrafterConfig, context: int) -> list[Finding]:
-    """The drafter's sliding window and longest training row against the context it will draft after."""
+    """The drafter's sliding window and longest training context against the context it will draft after."""
     warnings = context_warnings(cfg, context)
-    if not warnings:
-        trained = trained_context(cfg)
+    if warnings:
+        fix = "compare τ per length with `dflashkit eval --dataset long-context`"
+        return [Finding("WARN", "context", w, fix) for w in warnings]
+    trained = trained_context(cfg)
+    if trained is None:
         return [
             Finding(
-                "OK",
+                "WARN",
                 "context",
-                f"{context} tokens of context: within the longest training row"
-                + (f" ({trained} tokens)" if trained else " (not recorded by this checkpoint)"),
+                f"{context} tokens of context: this checkpoint has not recorded its longest training context",
+                "measure τ per length with `dflashkit eval --dataset long-context`",
             )
         ]
-    return [
-        Finding("WARN", "context", w, "compare τ per length with `dflashkit eval --dataset long-context`")
-        for w in warnings
-    ]
+    return [Finding("OK", "context", f"{context} tokens of context: within the longest training context ({trained})")]
 
 
 def usable_tokenizer(target: Any) -> Any:
@@ -573,7 +573,7 @@ def run_doctor(
     context: int | None = None,
 ) -> DoctorReport:
     """Run every check; `drafter` is a checkpoint directory or a loaded `DFlashDrafter`; `context`: the context
-    length it will draft after (its sliding window and longest training row are checked against it)."""
+    length it will draft after (its sliding window and longest training context are checked against it)."""
     from dflashkit.decode.generate import DecodeSettings, generate
 
     report = DoctorReport()

@@ -17,5 +17,5 @@ Modules and their public functions:
   defaults.py       `default_drafter_config(target, **overrides)`, `parse_overrides`, `describe_mask`
   mask_choice.py    `unused_special_token(tokenizer)`: the mask row for targets without a spare row
   warm_start.py     `warm_start(drafter, target)`: initialise from the target's own top layers
-  context_reach.py  `context_warnings(cfg, context_tokens)`: sliding window / longest training row vs a context
+  context_reach.py  `context_warnings(cfg, context_tokens)`: sliding window / longest training context vs a context
 """

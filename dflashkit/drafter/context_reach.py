@@ -8,8 +8,9 @@ Two limits matter when a drafter drafts after a long prompt:
   only, in training and in decoding alike, so beyond W tokens such a layer sees what it saw in training; but an
   engine that runs the layer as full attention (vLLM before its drafter sliding-window support) gives it the whole
   context — a distribution it never trained on. Full-attention layers always read the whole context.
-- **The longest training row** (`train_max_tokens`, recorded at training): a drafter whose full-attention layers
-  never saw a context longer than that usually accepts less beyond it.
+- **The longest training context** (`train_context`, recorded at training: the longest training sample, cut to
+  `max_tokens` — a block never reads another document of its row): a drafter whose full-attention layers never
+  read a context longer than that usually accepts less beyond it.
 
 Both warnings are facts about the drafter and the context length, not a measurement: `eval --dataset long-context`
 measures τ per context length.
@@ -21,8 +22,8 @@ from dflashkit.drafter.config import DrafterConfig
 
 
 def trained_context(cfg: DrafterConfig) -> int | None:
-    """The longest row the drafter was trained on, when its training recorded it."""
-    value = cfg.extra.get("train_max_tokens")
+    """The longest context the drafter was trained on, when its training recorded it."""
+    value = cfg.extra.get("train_context")
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -40,9 +41,9 @@ def context_warnings(cfg: DrafterConfig, context_tokens: int) -> list[str]:
     trained = trained_context(cfg)
     if trained is not None and full and context_tokens > trained:
         out.append(
-            f"contexts of {context_tokens} tokens exceed the longest training row ({trained} tokens, max_tokens): "
-            f"its full-attention layers never read a context this long — measure with `dflashkit eval --dataset "
-            f"long-context`, train with longer rows or a sliding-window layer"
+            f"contexts of {context_tokens} tokens exceed the longest training context ({trained} tokens): its "
+            f"full-attention layers never read a context this long — measure with `dflashkit eval --dataset "
+            f"long-context`, train on longer samples and rows or with a sliding-window layer"
         )
     return out
 

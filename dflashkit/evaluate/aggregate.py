@@ -26,10 +26,17 @@ def run_record(res: Any, wall: float) -> dict[str, Any]:
     return {
         "n_tokens": len(res.tokens),
         "acceptance_lengths": list(res.acceptance_lengths),
+        "drafted": sum(res.drafted),
         "wall_s": wall,
         "timings": {k: float(res.timings.get(k, 0.0)) for k in STAGES},
         "stop_reason": res.stop_reason,
     }
+
+
+def drafted_totals(records: list[dict[str, Any]]) -> list[int] | None:
+    """The draft tokens verified per run record, or None when a record (kept from an older run) lacks them."""
+    counts = [r.get("drafted") for r in records]
+    return None if any(c is None for c in counts) else [int(c) for c in counts]
 
 
 def timing_stats(records: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -76,7 +83,7 @@ def method_stats(
     """One (drafter, method) over its run records: acceptance statistics, tokens/s, measured and predicted
     speedup against `ar` (from `ar_stats`), greedy equality and divergence verdicts."""
     lengths = [r["acceptance_lengths"] for r in records]
-    acc = acceptance_stats(lengths, method.max_length(block_size), method.drafts_per_round(block_size))
+    acc = acceptance_stats(lengths, method.max_length(block_size), drafted_totals(records))
     tokens = sum(r["n_tokens"] for r in records)
     wall = sum(r["wall_s"] for r in records)
     t = timing_stats(records, acc["rounds"])
@@ -111,4 +118,4 @@ def method_stats(
     }
 
 
-__all__ = ["STAGES", "ar_stats", "method_stats", "run_record", "timing_stats"]
+__all__ = ["STAGES", "ar_stats", "drafted_totals", "method_stats", "run_record", "timing_stats"]

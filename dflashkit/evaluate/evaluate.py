@@ -38,7 +38,7 @@ from dflashkit.decode.generate import DecodeSettings, GenerationResult, generate
 from dflashkit.decode.hybrid_tree import resolve_mode
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
-from dflashkit.evaluate.aggregate import ar_stats, method_stats, run_record
+from dflashkit.evaluate.aggregate import ar_stats, drafted_totals, method_stats, run_record
 from dflashkit.evaluate.budget_choice import BudgetChoice, choose_tree_budget
 from dflashkit.evaluate.file_schemas import budget_choice_problem, progress_problem
 from dflashkit.evaluate.groups import PromptGroups, with_groups
@@ -149,10 +149,11 @@ def evaluate(
         "seed": int(es.seed),
         "triage_threshold": ev.threshold,
         "hf_baseline": bool(es.hf_baseline),
-        "thinking": es.thinking,
+        **({"thinking": es.thinking} if es.thinking is not None else {}),  # older progress files: no such key
     }
     t_info = target_info(target)
     key = _settings_key(recorded, t_info, drafters)
+    recorded["thinking"] = es.thinking  # None: the template's default (reports say so)
     recorded["length_buckets"] = sorted(int(e) for e in es.length_buckets) if es.length_buckets else None
     out = Path(out_dir)
     with one_writer(out, "dflashkit eval"):
@@ -292,7 +293,9 @@ class _Evaluation:
                 runs = [dict(r["runs"][name][m.name], prompt_id=r["id"]) for r in chosen]
                 st = method_stats(runs, method, bs, ar, self.sampling.greedy)
                 lengths = {r["prompt_id"]: r["acceptance_lengths"] for r in runs}
-                st = with_groups(st, lengths, groups, method.max_length(bs), method.drafts_per_round(bs))
+                counts = drafted_totals(runs)
+                drafted = None if counts is None else dict(zip(lengths, counts, strict=True))
+                st = with_groups(st, lengths, groups, method.max_length(bs), drafted)
                 if m.is_auto:
                     st |= {"budget": self.auto[name].budget, "budget_choice": self.auto[name].as_dict()}
                 results[name][m.name] = st

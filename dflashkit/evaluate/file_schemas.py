@@ -141,6 +141,7 @@ class _Run(JsonFields):
 
     n_tokens: Annotated[int, Field(ge=0)]
     acceptance_lengths: list[Annotated[int, Field(ge=1)]]  # tokens committed per round (the bonus included)
+    drafted: Annotated[int, Field(ge=0)] | None = None  # draft tokens verified (absent in older records)
     wall_s: float
     timings: dict[str, float]
     divergence: _Divergence | None = None

@@ -1,7 +1,7 @@
 """Acceptance per group of prompts: by category and by context length, as users report it.
 
     groups = PromptGroups.of(prompts, length_buckets=(512, 1024, 2048))   # id → category, id → length bucket
-    stats["by_category"] = grouped_stats(lengths_by_prompt, groups.category, max_length, drafts_per_round)
+    stats["by_category"] = grouped_stats(lengths_by_prompt, groups.category, max_length, drafted_by_prompt)
 
 - A prompt's **category** is the dataset's own (MT-Bench's eight: writing, roleplay, reasoning, math, coding,
   extraction, stem, humanities), a JSONL record's `category` field, or else the dataset's name (HumanEval and
@@ -69,18 +69,22 @@ def grouped_stats(
     lengths: Mapping[str, Sequence[int]],
     groups: Mapping[str, str],
     max_length: int,
-    drafts_per_round: int,
+    drafted: Mapping[str, int] | None = None,
     order: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """{group: acceptance statistics + n_prompts} over the prompts of `lengths` (id → acceptance lengths), grouped
-    by `groups` (id → group); groups in `order` (those with no prompt left out), else in first appearance."""
-    members: dict[str, list[Sequence[int]]] = {}
-    for pid, per in lengths.items():
-        members.setdefault(groups.get(pid, ""), []).append(per)
+    by `groups` (id → group); `drafted`: id → draft tokens verified (adds the accepted / drafted counts); groups in
+    `order` (those with no prompt left out), else in first appearance."""
+    members: dict[str, list[str]] = {}
+    for pid in lengths:
+        members.setdefault(groups.get(pid, ""), []).append(pid)
     names = [g for g in order if g in members] if order is not None else list(members)
-    return {
-        g: {**acceptance_stats(members[g], max_length, drafts_per_round), "n_prompts": len(members[g])} for g in names
-    }
+    out = {}
+    for g in names:
+        ids = members[g]
+        counts = None if drafted is None else [drafted[p] for p in ids]
+        out[g] = {**acceptance_stats([lengths[p] for p in ids], max_length, counts), "n_prompts": len(ids)}
+    return out
 
 
 def with_groups(
@@ -88,12 +92,12 @@ def with_groups(
     lengths: Mapping[str, Sequence[int]],
     groups: PromptGroups,
     max_length: int,
-    drafts_per_round: int,
+    drafted: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """`stats` with `by_category` (always) and `by_length` (when the groups have length buckets)."""
-    out = dict(stats, by_category=grouped_stats(lengths, groups.category, max_length, drafts_per_round))
+    out = dict(stats, by_category=grouped_stats(lengths, groups.category, max_length, drafted))
     if groups.length:
-        out["by_length"] = grouped_stats(lengths, groups.length, max_length, drafts_per_round, groups.length_order)
+        out["by_length"] = grouped_stats(lengths, groups.length, max_length, drafted, groups.length_order)
     return out
 
 

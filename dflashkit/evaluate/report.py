@@ -148,11 +148,23 @@ def _position_table(doc: dict[str, Any]) -> str:
     width = max((len(st.get("per_position_acceptance") or []) for _, st in series), default=0)
     if not width:
         return "_no draft positions_"
-    rows = ["| drafter · method | " + " | ".join(f"a{k}" for k in range(1, width + 1)) + " |", "|---|" + "---|" * width]
+    rows = [
+        "| drafter · method | accepted / drafted | " + " | ".join(f"a{k}" for k in range(1, width + 1)) + " |",
+        "|---|---|" + "---|" * width,
+    ]
     for label, st in series:
         a = list(st.get("per_position_acceptance") or [])
-        rows.append(f"| {label} | " + " | ".join(_f(x, 3) for x in a + [None] * (width - len(a))) + " |")
+        rows.append(
+            f"| {label} | {_counts(st)} | " + " | ".join(_f(x, 3) for x in a + [None] * (width - len(a))) + " |"
+        )
     return "\n".join(rows)
+
+
+def _counts(st: dict[str, Any]) -> str:
+    """'8 / 20 (0.400)': accepted drafts / draft tokens verified (their ratio), or — when not recorded."""
+    if st.get("drafted") is None or st.get("accepted_drafts") is None:
+        return "—"
+    return f"{st['accepted_drafts']} / {st['drafted']} ({_f(st.get('acceptance_rate'), 3)})"
 
 
 def _group_names(series: list[tuple[str, dict[str, Any]]], key: str) -> list[str]:
@@ -198,14 +210,9 @@ def group_details(series: list[tuple[str, dict[str, Any]]], key: str, title: str
     for label, st in series:
         for g, x in (st.get(key) or {}).items():
             a = list(x.get("per_position_acceptance") or [])
-            counts = (
-                f"{x['accepted_drafts']} / {x['drafted']} ({_f(x.get('acceptance_rate'), 3)})"
-                if x.get("drafted") is not None and x.get("accepted_drafts") is not None
-                else "—"
-            )
             rows.append(
                 f"| {label} | {g} | {x.get('n_prompts', '—')} | {x.get('rounds', '—')} | {_f(x.get('tau_micro'))} | "
-                f"{_f(x.get('tau_macro'))} | {counts} | "
+                f"{_f(x.get('tau_macro'))} | {_counts(x)} | "
                 + " | ".join(_f(v, 3) for v in a + [None] * (width - len(a)))
                 + " |"
             )
@@ -357,12 +364,12 @@ def header_settings(doc: dict[str, Any]) -> str:
     """The sampling and prompt settings every report states: temperature, thinking mode, lengths."""
     s = doc.get("settings") or {}
     sampling = s.get("sampling") or {}
-    thinking = s.get("thinking")
+    thinking = "not recorded" if "thinking" not in s else s["thinking"] or "the template default"
     return (
         f"temperature {sampling.get('temperature', 0)}"
         + (f", top-p {sampling['top_p']}" if sampling.get("top_p") not in (None, 1.0) else "")
         + (f", top-k {sampling['top_k']}" if sampling.get("top_k") else "")
-        + f", thinking mode {thinking or 'the template default'}, max_new_tokens {s.get('max_new_tokens', '?')}"
+        + f", thinking mode {thinking}, max_new_tokens {s.get('max_new_tokens', '?')}"
     )
 
 

@@ -60,7 +60,8 @@ def _tree_length(
     top_k: int | None,
     force_spine: bool,
     block: BlockSlots,
-) -> int:
+) -> tuple[int, int]:
+    """(acceptance length, the tree's draft nodes) of one DDTree round on the transcript."""
     conditional = drafter.head.tree_conditional(drafter, draft_logits, draft_hidden, embed_weight, block)
     tree = build_tree(
         torch.log_softmax(draft_logits, dim=-1),
@@ -79,7 +80,7 @@ def _tree_length(
         if nxt is None:
             break
         cur, depth = nxt, depth + 1
-    return depth + 1
+    return depth + 1, tree.size - 1
 
 
 @torch.no_grad()
@@ -96,12 +97,41 @@ def replay(
     force_spine: bool = False,
 ) -> list[int]:
     """Acceptance lengths (per round, bonus included) of `method` on one fixed greedy transcript."""
+    return replay_rounds(
+        drafter,
+        transcript,
+        embed_weight=embed_weight,
+        lm_head_weight=lm_head_weight,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        block_size=block_size,
+        tree_top_k=tree_top_k,
+        force_spine=force_spine,
+    )[0]
+
+
+@torch.no_grad()
+def replay_rounds(
+    drafter: DFlashDrafter,
+    transcript: Transcript,
+    *,
+    embed_weight: Tensor,
+    lm_head_weight: Tensor,
+    max_new_tokens: int,
+    method: Method,
+    block_size: int | None = None,
+    tree_top_k: int | None = None,
+    force_spine: bool = False,
+) -> tuple[list[int], list[int]]:
+    """(acceptance lengths, draft tokens verified) per round of `method` on one fixed greedy transcript."""
     ids, p_len = transcript.ids, transcript.prompt_len
     last = len(ids) - 1
     bs = block_size or drafter.config.block_size
     lengths: list[int] = []
+    drafted: list[int] = []
     if method.kind == "ar" or bs < 2:  # one token per round, exactly as the loop without a drafter
-        return [1] * max(0, min(last, p_len + max_new_tokens - 1) - p_len)
+        rounds = max(0, min(last, p_len + max_new_tokens - 1) - p_len)
+        return [1] * rounds, [0] * rounds
     feats = transcript.features(drafter.config.target_layer_ids).to(drafter.device)  # (1, T, K·H)
     dcache = DrafterCache()
     new_ctx, new_pos = feats[:, :p_len], torch.arange(p_len)[None]
@@ -119,7 +149,7 @@ def replay(
         truth = ids[s + 1 : s + 1 + n_verify]  # the target's greedy tokens at the used draft slots
         block = BlockSlots(hidden[0], ids[s], ids[s - 1])  # s ≥ p_len ≥ 1
         if method.kind == "tree":
-            L = _tree_length(
+            L, nodes = _tree_length(
                 draft_logits, draft_hidden, ids[s], truth, drafter, embed_weight, int(method.budget), tree_top_k,
                 force_spine, block,
             )  # fmt: skip
@@ -128,12 +158,13 @@ def replay(
             acc = 0
             while acc < len(truth) and drafts[acc] == truth[acc]:
                 acc += 1
-            L = acc + 1
+            L, nodes = acc + 1, len(drafts)
         L = min(L, last - s)  # what the output keeps: the transcript ends at max_new_tokens or a stop token
         lengths.append(L)
+        drafted.append(nodes)
         new_ctx, new_pos = feats[:, s : s + L], torch.arange(s, s + L)[None]
         s += L
-    return lengths
+    return lengths, drafted
 
 
 def _sim_methods(tree_budgets: Sequence[int], chain: bool, methods: Sequence[str] | None) -> list[Method]:
@@ -188,6 +219,7 @@ def simulate_many(
         indices = [where[p] for p in prompt_ids]
     embed, head = cache.head()
     per: dict[str, dict[str, dict[str, list[int]]]] = {n: {m.name: {} for m in todo} for n in drafters}
+    drafted: dict[str, dict[str, dict[str, int]]] = {n: {m.name: {} for m in todo} for n in drafters}
     heads = {}
     for t_index in tqdm(indices, desc="simulate", unit="prompt", disable=not progress):
         tr = cache.load(t_index)
@@ -196,7 +228,7 @@ def simulate_many(
                 heads[d.device] = (embed.to(d.device), head.to(d.device))
             e_w, h_w = heads[d.device]
             for m in todo:
-                per[name][m.name][tr.id] = replay(
+                per[name][m.name][tr.id], rounds = replay_rounds(
                     d.eval(),
                     tr,
                     embed_weight=e_w,
@@ -207,6 +239,7 @@ def simulate_many(
                     tree_top_k=tree_top_k,
                     force_spine=force_spine,
                 )
+                drafted[name][m.name][tr.id] = sum(rounds)
     chosen = [cache.entries[i] for i in indices]
     groups = PromptGroups.of(
         (
@@ -220,13 +253,13 @@ def simulate_many(
         bs = verify_width(d, block_size)
         out[name] = {}
         for m in todo:
-            lengths = per[name][m.name]
+            lengths, counts = per[name][m.name], drafted[name][m.name]
             st = {
-                **acceptance_stats(list(lengths.values()), m.max_length(bs), m.drafts_per_round(bs)),
+                **acceptance_stats(list(lengths.values()), m.max_length(bs), [counts[p] for p in lengths]),
                 "n_prompts": len(lengths),
                 "per_prompt": lengths,
             }
-            out[name][m.name] = with_groups(st, lengths, groups, m.max_length(bs), m.drafts_per_round(bs))
+            out[name][m.name] = with_groups(st, lengths, groups, m.max_length(bs), counts)
     return out
 
 
@@ -270,7 +303,10 @@ def simulation_results(
     thinking / length_buckets: recorded in its settings (the thinking mode the prompts were rendered in)."""
     m = cache.manifest
     notes = ["teacher-forced simulation on greedy target transcripts: τ only (no wall-clock timings)"]
-    longest = max((int(e["prompt_len"]) + int(e["num_tokens"]) for e in cache.entries), default=0)
+    done = {p for per in results.values() for st in per.values() for p in st.get("per_prompt", {})}
+    longest = max(
+        (int(e["prompt_len"]) + int(e["num_tokens"]) for e in cache.entries if e["id"] in done), default=0
+    )  # the prompts of this simulation, not every prompt the cache holds
     notes += context_notes(drafters, longest)
     return {
         "schema": "dflashkit.eval/1",

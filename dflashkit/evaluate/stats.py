@@ -10,8 +10,9 @@
 - `acceptance_stats` turns acceptance lengths L (per round, bonus included; one list per prompt) into τ micro
   (Σ L / rounds), τ macro (mean of per-prompt τ), the histogram of L (a list indexed by L), survival
   S(k) = P(L ≥ k + 1) for k = 0 … Lmax − 1, per-position acceptance a_k = S(k) / S(k − 1) (k ≥ 1), the
-  full-block fraction (L = Lmax) and the zero-acceptance fraction (L = 1); given the drafts a round verifies, also
-  accepted / drafted counts (Σ (L − 1) and rounds × drafts, as engines count them) and their ratio.
+  full-block fraction (L = Lmax) and the zero-acceptance fraction (L = 1); given the draft tokens the target
+  verified (per prompt, counted by the loop: the chain's drafts, the tree's nodes, fewer in a last round cut by
+  max_new_tokens), also the accepted / drafted counts (Σ (L − 1), Σ drafted) and their ratio.
 - A prompt's `category` (MT-Bench's, a JSONL record's `category` field, else the dataset's name) groups the
   statistics per category (`groups.py`).
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,6 @@ class Method:
     def with_budget(self, budget: int) -> Method:
         """ddtree:auto with its chosen budget (the name stays 'ddtree:auto')."""
         return Method(self.name, self.kind, int(budget))
-
-    def drafts_per_round(self, block_size: int) -> int:
-        """Draft tokens a round puts before the target (what engines count as drafted): the chain's drafts, the
-        tree's nodes."""
-        if self.kind == "ar" or block_size < 2:
-            return 0
-        return int(self.budget or block_size) if self.kind == "tree" else block_size - 1
 
     def max_length(self, block_size: int) -> int:
         """Largest possible acceptance length L (bonus included) for this method and block size."""
@@ -212,20 +206,20 @@ def read_prompts(
     dataset: str | Path, *, limit: int | None = None, on_error: str = "stop", lengths: Sequence[int] | None = None
 ) -> PromptRecords:
     """Read a dataset name or JSONL path (chat records or pre-tokenised lines) without a target. `long-context`
-    (data/long_context.py) is built later, for the target: `lengths` are its prompt lengths, `limit` its prompts
-    per length."""
+    (data/long_context.py) is built later, for the target: `lengths` are its prompt lengths; `limit` prompts in all,
+    spread over them (default: 6 per length)."""
     from dflashkit.data.datasets import load_dataset
 
     if limit is not None and limit < 1:
         raise DataError(f"limit={limit}: expected a positive number of prompts")
     if on_error not in ("stop", "skip"):
         raise DataError(f"on_error={on_error!r}: expected 'stop' or 'skip'")
-    if str(dataset) == LONG_CONTEXT:  # built per target, in prompts_for: `limit` counts prompts per length
+    if str(dataset) == LONG_CONTEXT:  # built per target, in prompts_for
         return PromptRecords(LONG_CONTEXT, limit, on_error, long_context=tuple(lengths or LongContextSpec().lengths))
     path = Path(str(dataset)).expanduser()
     if _is_pretokenised(path):
         return PromptRecords(str(path), limit, on_error, pretokenised=_read_pretokenised(path, limit, on_error))
-    conversations, problems = load_dataset(dataset, limit, on_error=on_error)  # type: ignore[arg-type]
+    conversations, problems = load_dataset(dataset, limit, on_error=on_error, categories=True)  # type: ignore[arg-type]
     return PromptRecords(str(dataset), limit, on_error, conversations=conversations, problems=problems)
 
 
@@ -245,12 +239,12 @@ def prompts_for(
     if records.long_context is not None:
         spec = LongContextSpec(
             lengths=records.long_context,
-            per_length=records.limit or LongContextSpec().per_length,
             max_tokens=None if max_pos is None else max_pos - max_new_tokens,
         )
-        prompts = [
-            Prompt(p.id, p.ids, p.category) for p in long_context_prompts(target.tokenizer, spec, chat_template_kwargs)
-        ]
+        if records.limit is not None:  # rounds over the lengths: the first `limit` cover them evenly
+            spec = replace(spec, per_length=-(-records.limit // max(1, len(spec.targets()))))
+        built = long_context_prompts(target.tokenizer, spec, chat_template_kwargs)[: records.limit]
+        prompts = [Prompt(p.id, p.ids, p.category) for p in built]
     elif records.conversations is None:
         prompts, vocab_problems = _in_vocabulary(records, int(target.vocab_size))
         problems += vocab_problems
@@ -310,10 +304,10 @@ def _mean(xs: Sequence[float]) -> float | None:
 
 
 def acceptance_stats(
-    lengths: Sequence[Sequence[int]], max_length: int, drafts_per_round: int | None = None
+    lengths: Sequence[Sequence[int]], max_length: int, drafted: Sequence[int] | None = None
 ) -> dict[str, Any]:
     """Statistics of acceptance lengths (one list of L per prompt); `max_length` = the method's largest L;
-    `drafts_per_round` (Method.drafts_per_round) adds the accepted / drafted counts."""
+    `drafted` (the draft tokens verified, one total per prompt) adds the accepted / drafted counts."""
     flat = [int(x) for per in lengths for x in per]
     rounds = len(flat)
     hist = [0] * (max(max_length, max(flat, default=1)) + 1)
@@ -336,13 +330,13 @@ def acceptance_stats(
         "per_position_acceptance": per_pos,
         "full_block_fraction": hist[max_length] / rounds if rounds and max_length < len(hist) else None,
         "zero_accept_fraction": hist[1] / rounds if rounds and len(hist) > 1 else None,
-        **({} if drafts_per_round is None else _draft_counts(flat, drafts_per_round)),
+        **({} if drafted is None else _draft_counts(flat, sum(drafted))),
     }
 
 
-def _draft_counts(flat: list[int], drafts_per_round: int) -> dict[str, Any]:
-    """Accepted drafts Σ (L − 1), drafted = rounds × drafts per round, and accepted ÷ drafted."""
-    accepted, drafted = sum(flat) - len(flat), len(flat) * drafts_per_round
+def _draft_counts(flat: list[int], drafted: int) -> dict[str, Any]:
+    """Accepted drafts Σ (L − 1) (those the output keeps), the drafts verified, and accepted ÷ drafted."""
+    accepted = sum(flat) - len(flat)
     return {"accepted_drafts": accepted, "drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None}
 
 

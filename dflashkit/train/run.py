@@ -210,12 +210,10 @@ class Run:
 
 
 def _record_data_info(cfg: Any, source: Any, drafter_config: DrafterConfig) -> None:
-    """Carry how the training tokens were prepared (thinking mode, turns, template kwargs) and the longest row
-    trained on into the drafter's config, so eval, simulate and doctor can refuse or flag another mode
-    (`dflashkit.data.thinking`) or a context longer than any seen in training (`drafter.context_reach`)."""
+    """Carry how the training tokens were prepared (thinking mode, turns, template kwargs) into the drafter's
+    config, so eval, simulate and doctor can refuse or flag another mode (`dflashkit.data.thinking`)."""
     from dflashkit.data.thinking import data_info
 
-    drafter_config.extra["train_max_tokens"] = int(cfg.max_tokens)
     manifest = getattr(source, "manifest", None)
     info = dict(manifest.data) if manifest is not None else data_info(cfg.tokens)
     if info:
@@ -248,6 +246,9 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     source = dataset if dataset is not None else open_feature_source(cfg, target, drafter.config)
     _record_data_info(cfg, source, drafter.config)
     data = _plan_data(cfg, source, dist.world_size)
+    # the longest context a training block reads (blocks never see another document): doctor, eval and simulate
+    # warn beyond it (drafter.context_reach)
+    drafter.config.extra["train_context"] = int(data.info["longest_context"])
     embed = target.embed_weight.detach().to(device)
     lm_head = embed if target.lm_head_weight is target.embed_weight else target.lm_head_weight.detach().to(device)
     core, module = _wrap(cfg, drafter, embed, dist, device)
@@ -410,6 +411,7 @@ def _plan_data(cfg: Any, source: Any, world_size: int) -> _DataPlan:
         "rows": len(rows),
         "val_rows": len(val_rows) if val_rows is not None else 0,
         "truncated": plan.truncated,
+        "longest_context": min(max((lengths[i] for i in train_idx), default=0), cfg.max_tokens),
         "fill": plan.fill,
         "steps_per_epoch": spe,
         "total_steps": total,

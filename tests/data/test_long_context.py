@@ -53,10 +53,12 @@ def test_load_prompts_builds_the_set_for_the_target(tokenizer):
     target = SimpleNamespace(
         tokenizer=tokenizer, vocab_size=len(tokenizer), text_config=SimpleNamespace(max_position_embeddings=2048)
     )
-    prompts, skipped = load_prompts(target, "long-context", limit=3, max_new_tokens=48)  # 3 per length
+    prompts, skipped = load_prompts(target, "long-context", limit=9, max_new_tokens=48)  # 9 in all
     assert not skipped and {p.category for p in prompts} == set(KINDS)
     assert max(len(p.ids) for p in prompts) <= 2048 - 48  # 4k and 8k capped to the context left
-    assert len(prompts) == 3 * 3  # 512, 1024, and the capped 2000
+    assert len(prompts) == 9 and len({length_bucket(len(p.ids), (512, 1024, 2048)) for p in prompts}) == 3
+    few, _ = load_prompts(target, "long-context", limit=2, max_new_tokens=48)
+    assert [len(p.ids) <= 512 for p in few] == [True, False]  # the first prompt of two lengths
 
 
 def test_code_sources_are_installed_files():

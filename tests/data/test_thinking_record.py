@@ -51,9 +51,8 @@ def test_data_info_and_capture_record_the_mode(thinking_dir, prepared, tmp_path)
 
     for source, tokens in ((CapturedFeatures(feats), None), (object(), prepared / "tokens.jsonl")):
         cfg = DrafterConfig(hidden_size=16, vocab_size=49152, num_target_layers=2, target_layer_ids=[0, 1])
-        _record_data_info(SimpleNamespace(tokens=tokens, max_tokens=1536), source, cfg)
+        _record_data_info(SimpleNamespace(tokens=tokens), source, cfg)
         assert cfg.extra["data"] == info and cfg.extra["chat_template_kwargs"] == {"enable_thinking": True}
-        assert cfg.extra["train_max_tokens"] == 1536  # the longest row: drafter/context_reach.py
 
 
 def test_capture_refuses_a_drafter_of_another_mode(thinking_dir, prepared, tmp_path, capsys):

@@ -436,3 +436,23 @@ def test_eval_report_says_hybrid_ddtree_verifies_the_whole_tree(targets, tmp_pat
     res = doc["results"]["oracle"]
     assert res["ddtree:16"]["greedy_equal_fraction"] == 1.0
     assert res["ddtree:16"]["tau_micro"] > res["chain"]["tau_micro"]
+
+
+@pytest.mark.parametrize("mode", ["scan", "levels", "paths"])
+def test_tree_sampling_on_a_hybrid_target_matches_its_distribution(mode):
+    """DDTree at T = 1 on a hybrid target, each mode: one sample per node from the logits of that node's own
+    recurrent state reproduces the target's exact joint law of three tokens; the nodes' argmax does not."""
+    from dflashkit.drafter.config import DrafterConfig
+    from dflashkit.sampling import SamplingParams
+    from helpers.joint_law import VOCAB, check_tree_joint_law, exact_joint, tiny_target
+
+    target = tiny_target(hybrid=True)
+    assert target.is_hybrid
+    torch.manual_seed(1)
+    cfg = DrafterConfig(
+        hidden_size=32, vocab_size=VOCAB, num_target_layers=2, target_layer_ids=[0, 1], num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32, block_size=4,
+        mask_token_id=VOCAB - 1,
+    )  # fmt: skip
+    exact = exact_joint(target, SamplingParams(temperature=1.0))
+    check_tree_joint_law(target, DFlashDrafter(cfg).eval(), exact, budget=4, hybrid_tree=mode)

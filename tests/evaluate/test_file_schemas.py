@@ -25,7 +25,11 @@ def record(prompt_id: str = "p1") -> dict:
 
     def res(lengths):
         return SimpleNamespace(
-            tokens=list(range(sum(lengths))), acceptance_lengths=lengths, timings=timings, stop_reason="max_new_tokens"
+            tokens=list(range(sum(lengths))),
+            acceptance_lengths=lengths,
+            drafted=[3] * len(lengths),
+            timings=timings,
+            stop_reason="max_new_tokens",
         )
 
     chain = run_record(res([3, 1, 2]), 0.2)

@@ -13,13 +13,13 @@ from dflashkit.errors import DataError
 from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 from dflashkit.evaluate.groups import PromptGroups, bucket_order, grouped_stats, length_bucket
 from dflashkit.evaluate.simulate import simulate_many
-from dflashkit.evaluate.stats import Prompt, acceptance_stats, load_prompts, parse_method
+from dflashkit.evaluate.stats import Prompt, acceptance_stats, load_prompts
 from dflashkit.evaluate.transcripts import build_transcripts
 from dflashkit.target.model import Target
 from helpers.oracles import PositionalOracle, drafter_config, make_prompts
 
 
-def _reference(lengths: list[list[int]], max_length: int, drafts: int) -> dict:
+def _reference(lengths: list[list[int]], max_length: int, drafted: list[int]) -> dict:
     """τ micro / macro, per-position acceptance and accepted / drafted by plain loops over rounds, exact fractions."""
     rounds = [x for per in lengths for x in per]
     survive = [sum(1 for x in rounds if x >= k + 1) for k in range(max_length)]  # rounds with L ≥ k + 1
@@ -30,18 +30,19 @@ def _reference(lengths: list[list[int]], max_length: int, drafts: int) -> dict:
             Fraction(survive[k], survive[k - 1]) if survive[k - 1] else None for k in range(1, max_length)
         ],
         "accepted_drafts": sum(x - 1 for x in rounds),
-        "drafted": len(rounds) * drafts,
+        "drafted": sum(drafted),
     }
 
 
 def test_grouped_statistics_equal_a_reference_by_hand():
     lengths = {"a": [1, 4, 2], "b": [3, 3], "c": [1, 1, 1, 2], "d": [4]}
+    drafted = {"a": 9, "b": 5, "c": 12, "d": 2}  # the last round of b and d verified fewer drafts
     groups = {"a": "math", "b": "writing", "c": "math", "d": "writing"}
-    got = grouped_stats(lengths, groups, max_length=4, drafts_per_round=3)
+    got = grouped_stats(lengths, groups, max_length=4, drafted=drafted)
     assert list(got) == ["math", "writing"]  # first appearance
     for g in ("math", "writing"):
         members = [lengths[p] for p in lengths if groups[p] == g]
-        ref = _reference(members, 4, 3)
+        ref = _reference(members, 4, [drafted[p] for p in lengths if groups[p] == g])
         st = got[g]
         assert st["n_prompts"] == len(members) and st["rounds"] == sum(map(len, members))
         assert st["tau_micro"] == pytest.approx(float(ref["tau_micro"]), abs=1e-12)
@@ -51,15 +52,28 @@ def test_grouped_statistics_equal_a_reference_by_hand():
         for x, y in zip(st["per_position_acceptance"], ref["per_position_acceptance"], strict=True):
             assert (x is None and y is None) or x == pytest.approx(float(y), abs=1e-12)
     # the groups partition the rounds: their counts add up to the overall statistics
-    overall = acceptance_stats(list(lengths.values()), 4, 3)
+    overall = acceptance_stats(list(lengths.values()), 4, list(drafted.values()))
     assert sum(st["rounds"] for st in got.values()) == overall["rounds"]
     assert sum(st["accepted_drafts"] for st in got.values()) == overall["accepted_drafts"]
 
 
-def test_drafted_counts_the_drafts_a_round_puts_before_the_target():
-    assert parse_method("chain").drafts_per_round(6) == 5  # the block's drafts
-    assert parse_method("ddtree:8").drafts_per_round(6) == 8  # the tree's nodes
-    assert parse_method("ar").drafts_per_round(6) == 0
+def test_drafted_counts_what_the_loop_verified(llama):
+    """drafted = the drafts each round put before the target: the chain's bs − 1, fewer in a last round cut by
+    max_new_tokens; the tree's nodes (≤ B, fewer when few prefixes exist)."""
+    from dflashkit.decode.generate import DecodeSettings, generate
+    from dflashkit.drafter.model import DFlashDrafter
+
+    drafter = DFlashDrafter(drafter_config(bs=6)).eval()
+    prompt = make_prompts(1)[0].ids
+    res = generate(llama, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=9, stop_token_ids=()))
+    room, want = 8, []  # the prefill gives the first token
+    for L in res.acceptance_lengths:
+        want.append(min(5, room))
+        room -= L
+    assert res.drafted == want and res.drafted[-1] < 5 <= res.drafted[0]
+    tree = DecodeSettings(method="tree", tree_budget=6, tree_top_k=1, max_new_tokens=9, stop_token_ids=())
+    res = generate(llama, prompt, drafter=drafter, settings=tree)
+    assert res.drafted[0] == 5  # top-1 per depth: one path of bs − 1 nodes, not the budget's 6
 
 
 def test_length_buckets():
@@ -74,7 +88,7 @@ def test_length_buckets():
     ]
     assert bucket_order(edges) == ["≤512", "≤1k", "≤2k", ">2k"]
     groups = PromptGroups.of([("a", "x", 3000), ("b", "x", 100)], edges)
-    st = grouped_stats({"a": [2], "b": [1]}, groups.length, 3, 2, groups.length_order)
+    st = grouped_stats({"a": [2], "b": [1]}, groups.length, 3, order=groups.length_order)
     assert list(st) == ["≤512", ">2k"]  # ascending, empty buckets left out
 
 
@@ -142,8 +156,10 @@ def test_chat_records_and_mtbench_carry_their_category(tmp_path):
         + "\n"
     )
     with pytest.raises(DataError, match=r"chat.jsonl:2: field 'category': expected a non-empty string"):
-        read_jsonl_conversations(path)
-    convs, problems = read_jsonl_conversations(path, on_error="skip")
+        read_jsonl_conversations(path, categories=True)
+    convs, problems = read_jsonl_conversations(path, on_error="skip", categories=True)
     assert convs[0].meta["category"] == "greeting" and len(problems) == 1
+    convs, problems = read_jsonl_conversations(path)  # training reads past the field
+    assert len(convs) == 2 and not problems and "category" not in convs[0].meta
     cats = {c.meta["category"] for c in load_mtbench()}
     assert cats == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

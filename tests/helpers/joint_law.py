@@ -20,17 +20,28 @@ PROMPT = torch.tensor([1, 2, 0, 1])
 TOL = 0.1  # E[TV] for 27 cells and n = 1000 is ≤ 0.065
 
 
-def tiny_target() -> Target:
-    """A random 2-layer Llama (hidden 32) over 3 tokens, with weights large enough for peaked distributions."""
+def tiny_target(hybrid: bool = False) -> Target:
+    """A random 2-layer Llama (hidden 32) over 3 tokens, with weights large enough for peaked distributions;
+    `hybrid`: a Qwen3.5 text model instead, its first layer Gated DeltaNet (linear attention), its second full."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-        )
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
+    if hybrid:
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+        model = Qwen3_5ForCausalLM(
+            Qwen3_5TextConfig(
+                **common, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            )
+        )  # fmt: skip
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -76,17 +87,18 @@ def check_joint_law(target: Target, drafter, n: int = 1000) -> None:
     check_tree_joint_law(target, drafter, exact, n)
 
 
-def check_tree_joint_law(target: Target, drafter, exact: torch.Tensor, n: int = 1000, budget: int = 3) -> None:
+def check_tree_joint_law(
+    target: Target, drafter, exact: torch.Tensor, n: int = 1000, budget: int = 3, **settings
+) -> None:
     """DDTree at T = 1 (one target sample per node, the walk following it) reproduces the exact joint; following
-    the target's argmax at the nodes instead does not."""
-    emp = empirical_joint(
-        target, drafter, n, sampling=SamplingParams(temperature=1.0), method="tree", tree_budget=budget
-    )
+    the target's argmax at the nodes instead does not. `settings`: more DecodeSettings (e.g. hybrid_tree)."""
+    params = SamplingParams(temperature=1.0)
+    emp = empirical_joint(target, drafter, n, sampling=params, method="tree", tree_budget=budget, **settings)
     assert 0.5 * (emp - exact).abs().sum().item() < TOL
     orig = decode_mod.target_tokens
     try:
         decode_mod.target_tokens = lambda logits, params, gen=None: logits.argmax(-1)
-        emp = empirical_joint(target, drafter, 200, sampling=SamplingParams(temperature=1.0), method="tree")
+        emp = empirical_joint(target, drafter, 200, sampling=params, method="tree", tree_budget=budget, **settings)
     finally:
         decode_mod.target_tokens = orig
     assert 0.5 * (emp - exact).abs().sum().item() > 2 * TOL
