@@ -88,6 +88,8 @@ def llamacpp_side(
     acceptance on the same rounds (module docstring). `known_output`: dflashkit's greedy output, which fills the
     accepted drafts of rounds llama.cpp does not log (`SpecRun.fill_unlogged`: DFlash2)."""
     slots = drafter.config.block_size - drafter.first_draft_slot()  # drafts a round proposes
+    # llama-speculative-simple takes the prompt in one batch and its context defaults to 4096: long prompts need both
+    need = len(prompt_ids) + max_new_tokens + slots + 1
     run = llamacpp.run_speculative(
         target_gguf,
         prompt_text(target.tokenizer, prompt_ids),
@@ -96,6 +98,7 @@ def llamacpp_side(
         n_predict=max_new_tokens,
         verbose=True,
         spec_type=drafter.head.llamacpp_spec_type,
+        extra=["-c", str(max(4096, need)), "-b", str(max(2048, need))],
     )
     if known_output is not None:
         run.fill_unlogged(known_output)
