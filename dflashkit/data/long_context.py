@@ -30,13 +30,13 @@ length (evaluate/groups.py).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflashkit.data.conversations import Conversation, encode_prompt
+from dflashkit.data.datasets import load_sharegpt, package_file
 from dflashkit.errors import DataError
 
 NAME, TRAIN_NAME = "long-context", "long-context-train"  # the dataset names eval / simulate and prepare know
@@ -165,8 +165,6 @@ class _Renderer:
 # ---------------------------------------------------------------------------------------------- chats
 def _chats(split: str) -> list[Conversation]:
     """ShareGPT conversations of a split, the `_<part>` pieces of one chat joined in order (longest contexts)."""
-    from dflashkit.data.datasets import load_sharegpt
-
     joined: dict[str, list[tuple[int, Conversation]]] = {}
     for conv in load_sharegpt(split):  # type: ignore[arg-type]
         rid, _, dup = conv.id.partition(".")  # a repeated id's ".N" (another record): another chat
@@ -220,23 +218,12 @@ def _chat_prompt(
 
 
 # ---------------------------------------------------------------------------------------------- code
-def source_file(package: str, relative: str) -> Path:
-    """A source file of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"{NAME}: package {package!r} is not installed (its source files are the code contexts)")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
-        raise DataError(f"{NAME}: {path}: source file missing from the installed {package}")
-    return path
-
-
 def _code_prompt(
     render: _Renderer, package: str, relative: str, task: str, n: int
 ) -> tuple[list[dict[str, str]], list[int]]:
     """The file's first tokens in a code block, then the task, cut so that the prompt is about n tokens.
     Returns (the one user message, its token ids)."""
-    path = source_file(package, relative)
+    path = package_file(package, relative)
     code = render.text_tokens(path.read_text(encoding="utf-8"))
 
     def prompt(k: int) -> tuple[list[dict[str, str]], list[int]]:
@@ -263,5 +250,4 @@ __all__ = [
     "LongPrompt",
     "long_context_conversations",
     "long_context_prompts",
-    "source_file",
 ]

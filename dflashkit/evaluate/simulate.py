@@ -83,31 +83,10 @@ def _tree_length(
     return depth + 1, tree.size - 1
 
 
-@torch.no_grad()
-def replay(
-    drafter: DFlashDrafter,
-    transcript: Transcript,
-    *,
-    embed_weight: Tensor,
-    lm_head_weight: Tensor,
-    max_new_tokens: int,
-    method: Method,
-    block_size: int | None = None,
-    tree_top_k: int | None = None,
-    force_spine: bool = False,
-) -> list[int]:
-    """Acceptance lengths (per round, bonus included) of `method` on one fixed greedy transcript."""
-    return replay_rounds(
-        drafter,
-        transcript,
-        embed_weight=embed_weight,
-        lm_head_weight=lm_head_weight,
-        max_new_tokens=max_new_tokens,
-        method=method,
-        block_size=block_size,
-        tree_top_k=tree_top_k,
-        force_spine=force_spine,
-    )[0]
+def replay(drafter: DFlashDrafter, transcript: Transcript, **settings: Any) -> list[int]:
+    """Acceptance lengths (per round, bonus included) of one fixed greedy transcript: `replay_rounds` (same
+    keyword settings) without the drafted counts."""
+    return replay_rounds(drafter, transcript, **settings)[0]
 
 
 @torch.no_grad()

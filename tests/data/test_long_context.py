@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflashkit.data.long_context import KINDS, LongContextSpec, long_context_prompts, source_file
+from dflashkit.data.datasets import package_file as source_file
+from dflashkit.data.long_context import KINDS, LongContextSpec, long_context_prompts
 from dflashkit.errors import DataError
 from dflashkit.evaluate.groups import length_bucket
 
