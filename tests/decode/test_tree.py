@@ -317,7 +317,7 @@ def test_every_tree_top_k_default_is_the_budget() -> None:
 
     speed = load_bench("speed")
     for fn in (
-        simulate.replay,
+        simulate.replay_rounds,
         simulate.simulate_many,
         simulate.simulate,
         simulate.simulation_results,
