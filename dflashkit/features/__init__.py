@@ -14,4 +14,7 @@ Modules and their public functions:
                shards that tile the samples, checked before any shard is read or written
   shards.py    `shard_problem(path, entry)`: a shard on disk checked against its manifest entry
   rank_shards.py  capture over torchrun ranks: `owned_by`, `record_finished`, `fold_rank_records` (one manifest)
+  footprint.py what capture stores per token and holds in memory, from shapes alone: `token_bytes`, `capture_disk`
+               (shards' data + headers + manifest), `capture_memory` (weights, shard buffer, each moment of a
+               batch), `forward_transient` (one target forward above its weights)
 """
