@@ -115,11 +115,13 @@ def stores_target_layer_ids(raw: dict[str, Any]) -> bool:
     return dflash.get("target_layer_ids", raw.get("target_layer_ids")) is not None
 
 
-def default_geometry(hidden_size: int) -> dict[str, int]:
-    """The drafter's own attention/MLP geometry, derived from the hidden size alone.
+def default_geometry(hidden_size: int, target_intermediate_size: int | None = None) -> dict[str, int]:
+    """The drafter's own attention/MLP geometry, derived from the hidden size (and, for large targets, the
+    target's MLP width).
 
-    Large targets (hidden ≥ 2048) get z-lab's Qwen3-style 32 heads × 128 with 8 kv heads; mid-size ones 16 × 128
-    with 4 kv heads; small ones (SmolLM2's 576) 8 × 64 with 4 kv heads. The MLP is 3× hidden rounded up to 128.
+    Large targets (hidden ≥ 2048) get z-lab's Qwen3-style 32 heads × 128 with 8 kv heads and the target's MLP width
+    when known (z-lab's drafters: 12288 for Qwen3-8B, 17408 for Qwen3.6-27B); mid-size ones 16 × 128 with 4 kv
+    heads; small ones (SmolLM2's 576) 8 × 64 with 4 kv heads. Otherwise the MLP is 3× hidden rounded up to 128.
     """
     if hidden_size >= 2048:
         heads, kv_heads, head_dim = 32, 8, 128
@@ -130,6 +132,8 @@ def default_geometry(hidden_size: int) -> dict[str, int]:
         heads = max(2, min(8, hidden_size // head_dim))
         kv_heads = max(1, heads // 2)
     intermediate = int(math.ceil(3 * hidden_size / 128) * 128)
+    if hidden_size >= 2048 and target_intermediate_size:
+        intermediate = int(target_intermediate_size)
     return {
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -215,13 +219,15 @@ class DrafterConfig(*DRAFTER_SETTINGS):
         num_features: int = 5,
         target_layer_ids: list[int] | None = None,
         mask_token_id: int | None = None,
+        target_intermediate_size: int | None = None,
         **overrides: Any,
     ) -> DrafterConfig:
-        """Default drafter for a target: own geometry from the hidden size, z-lab layer ids, mask token choice.
+        """Default drafter for a target: own geometry from the hidden size (and the target's MLP width: large
+        targets), z-lab layer ids, mask token choice.
 
         `mask_token_id=None` means the target has no spare embedding row: a learned mask embedding is used.
         """
-        geometry = default_geometry(hidden_size)
+        geometry = default_geometry(hidden_size, target_intermediate_size)
         geometry.update({k: v for k, v in overrides.items() if k in geometry})
         rest = {k: v for k, v in overrides.items() if k not in geometry}
         ids = (

@@ -87,6 +87,7 @@ def default_drafter_config(target: Any, **overrides: Any) -> DrafterConfig:
         hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         num_target_layers=target.num_layers,
+        target_intermediate_size=getattr(getattr(target, "text_config", None), "intermediate_size", None),
         mask_token_id=mask,
         extra=extra,
         **overrides,

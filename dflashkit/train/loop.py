@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.errors import DFlashError
+from dflashkit.errors import ConfigError, DFlashError
 from dflashkit.output_dir import one_writer
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.distributed import read_env
@@ -135,6 +135,8 @@ def train(
     cfg.validate()  # every value checked before the output directory is touched
     if dataset is None:
         cfg.check_inputs()
+    if dataset is None and target is None:
+        _check_memory(cfg)
     with one_writer(cfg.out, "dflashkit train", enabled=read_env()[1] == 0):  # rank 0 writes, so rank 0 holds it
         run = setup_run(cfg, dataset=dataset, target=target)
         try:
@@ -142,6 +144,17 @@ def train(
                 return _loop(run, callbacks, loss_hook)
         finally:
             run.close()
+
+
+def _check_memory(cfg: TrainConfig) -> None:
+    """Refuse, before anything loads, a run whose step will not fit its device (`train.memory_check`)."""
+    from dflashkit.train.memory_check import fit_problem
+
+    if str(cfg.target).endswith(".gguf"):  # the shape is read from config.json files
+        return
+    problem = fit_problem(cfg)
+    if problem:
+        raise ConfigError(f"train: {problem}")
 
 
 def _save(run: Run) -> Path:

@@ -50,7 +50,7 @@ from torch import Tensor
 # Block size → γ measured by the DFlash authors; other sizes interpolate (see `default_gamma`).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
 # Default chunk budget: at most this many logits (rows·bs·V, float32) materialised at once (256 MiB).
-_CHUNK_LOGITS = 1 << 26
+CHUNK_LOGITS = 1 << 26
 
 TargetLogits = Tensor | Callable[[int, int], Tensor]
 # Objectives against the target's full distribution p at each slot (q: the drafter's), per slot:
@@ -447,7 +447,7 @@ def block_loss(
     soft = None
     if kind == "topk":
         soft = sparse_topk_target(topk_ids, topk_logprobs, labels.shape, vocab)
-    rows = chunk_size if chunk_size is not None else max(1, _CHUNK_LOGITS // max(1, bs * vocab))
+    rows = chunk_size if chunk_size is not None else max(1, CHUNK_LOGITS // max(1, bs * vocab))
     if rows < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
     grad_on = torch.is_grad_enabled()

@@ -249,8 +249,8 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     # the longest context a training block reads (blocks never see another document): doctor, eval and simulate
     # warn beyond it (drafter.context_reach)
     drafter.config.extra["train_context"] = int(data.info["longest_context"])
-    embed = target.embed_weight.detach().to(device)
-    lm_head = embed if target.lm_head_weight is target.embed_weight else target.lm_head_weight.detach().to(device)
+    keep_target = cfg.online or cfg.loss in DISTRIBUTION_KINDS or head_of(drafter.config).training_needs_target
+    embed, lm_head = _frozen_tables(target, device, own=not keep_target)
     core, module = _wrap(cfg, drafter, embed, dist, device)
     optimizer, scheduler, state = _optimizer(cfg, drafter, core, data.total, blob, dist.world_size, dist.all_reduce)
     logger = MetricsLogger(
@@ -266,13 +266,15 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     }
     if dist.is_main:
         _announce(cfg, info, data, state, ckpt)
-    keep_target = cfg.online or cfg.loss in DISTRIBUTION_KINDS or head_of(drafter.config).training_needs_target
+    if not keep_target:  # its modules sit in reference cycles: free its weights now, not at some later collection
+        target = None
+        gc.collect()
     return Run(
         cfg=cfg,
         dist=dist,
         device=device,
         out=out,
-        target=target if keep_target else None,
+        target=target,
         embed=embed,
         lm_head=lm_head,
         drafter=drafter,
@@ -290,6 +292,19 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
         autocast_dtype=torch.bfloat16 if use_bf16 else None,
         info=info,
     )
+
+
+def _frozen_tables(target: Any, device: torch.device, *, own: bool) -> tuple[Tensor, Tensor]:
+    """(embedding table, LM head) of the target on `device`, the same tensor when tied. `own`: in memory of their
+    own — a weight read from a safetensors file shares the file's buffer with every other weight, and would keep
+    the whole target in memory after it is dropped (offline training needs only these two tables)."""
+
+    def moved(w: Tensor) -> Tensor:
+        out = w.detach().to(device)
+        return out.clone() if own and out.data_ptr() == w.data_ptr() else out
+
+    embed = moved(target.embed_weight)
+    return embed, embed if target.lm_head_weight is target.embed_weight else moved(target.lm_head_weight)
 
 
 def slot_weights(cfg: Any, drafter_config: DrafterConfig) -> torch.Tensor:

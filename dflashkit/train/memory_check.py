@@ -1,0 +1,109 @@
+"""Will a training run fit its device? The check `train` runs before it loads anything, and `doctor` reports:
+the memory model (`train.memory`) applied to a `TrainConfig`, against the memory the device has.
+
+    est = run_memory(cfg)                  # MemoryEstimate of cfg's step on its drafter device (config files only)
+    problem = fit_problem(cfg)             # None, or one line: what it needs, what the device has, what to change
+
+The row a step is sized for holds one document with `max_anchors` blocks (fewer when `max_tokens` is shorter):
+the least a row of long documents needs. Rows of several short documents hold more blocks; `dflashkit plan`
+sizes those from the data's expected lengths.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.train.losses import DISTRIBUTION_KINDS
+from dflashkit.train.memory import MemoryEstimate, MemorySettings, StepShape, step_memory
+
+# Memory kept free for what the model leaves out: the CUDA context, the allocator's fragmentation, libraries.
+HEADROOM = 0.10
+
+
+def run_drafter_config(cfg: Any, shape: Any) -> DrafterConfig:
+    """The drafter a run trains, from files only: a resumed run's checkpoint, `init_from`'s config, or the default
+    drafter for the target's shape with the config's `drafter:` overrides (the mask row is decided at load)."""
+    from dflashkit.drafter.checkpoint import load_config
+    from dflashkit.train.state import latest_checkpoint
+
+    ckpt = latest_checkpoint(cfg.out) if Path(cfg.out).is_dir() else None
+    if ckpt is not None or cfg.init_from:
+        return load_config(ckpt if ckpt is not None else cfg.init_from)
+    overrides = {k: v for k, v in dict(cfg.drafter).items() if k not in ("mask_token_id", "learned_mask_embedding")}
+    return DrafterConfig.for_target(
+        hidden_size=shape.hidden_size,
+        vocab_size=shape.vocab_size,
+        num_target_layers=shape.num_layers,
+        target_intermediate_size=shape.intermediate_size,
+        mask_token_id=0,
+        **overrides,
+    )
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: a GPU's free memory, or the RAM this process could allocate."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = None) -> MemoryEstimate:
+    """The memory model of one step of `cfg` on its drafter device (`shape`: the target's, read from cfg.target)."""
+    from dflashkit.target.devices import resolve_device
+    from dflashkit.target.distributed import read_env
+    from dflashkit.target.shape import read_target_shape
+
+    world, _, local = read_env()
+    device = device or resolve_device(cfg.drafter_device, local)
+    shape = shape or read_target_shape(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    drafter = run_drafter_config(cfg, shape)
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    target_here = cfg.target_device in ("auto", str(device))
+    settings = MemorySettings(
+        device=device.type,
+        precision="bf16" if bf16 else "fp32",
+        layout="fsdp" if cfg.fsdp else ("ddp" if world > 1 else "single"),
+        world=world,
+        loss=cfg.loss,
+        online=cfg.online,
+        target_dtype_bytes=(2 if device.type == "cuda" else 4) if target_here else 0,
+        loss_chunk_rows=cfg.loss_chunk_size,
+    )
+    row = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=min(cfg.max_anchors, cfg.max_tokens - 1))
+    return step_memory(drafter, shape, row, settings)
+
+
+def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device | None = None) -> str | None:
+    """None when one step of `cfg` fits its device with HEADROOM to spare; else one line saying what it needs,
+    what the device has and what to change."""
+    from dflashkit.target.devices import resolve_device
+    from dflashkit.target.distributed import read_env
+
+    device = device or resolve_device(cfg.drafter_device, read_env()[2])
+    est = run_memory(cfg, device=device)
+    have = device_memory(device) if available is None else available
+    if est.peak <= have * (1 - HEADROOM):
+        return None
+    biggest = max({**est.parts, **est.phases}.items(), key=lambda kv: kv[1])
+    changes = [f"max_anchors (now {cfg.max_anchors})", f"max_tokens (now {cfg.max_tokens})"]
+    if cfg.batch_rows > 1:
+        changes.append(f"batch_rows (now {cfg.batch_rows}; grad_accum keeps the batch)")
+    if cfg.online or cfg.loss in DISTRIBUTION_KINDS:
+        changes.append("online: false (offline features keep only the target's embedding table and LM head)")
+    if not cfg.fsdp:
+        changes.append("fsdp: true under torchrun (shards the drafter and its optimizer state)")
+    return (
+        f"this run needs about {est.peak / 2**30:,.1f} GiB on {device} per step (largest: {biggest[0]} "
+        f"{biggest[1] / 2**30:,.1f} GiB) but {device} has {have / 2**30:,.1f} GiB free; lower "
+        + ", ".join(changes[:-1])
+        + f" or set {changes[-1]} (dflashkit plan sizes a run for a device)"
+    )
+
+
+__all__ = ["HEADROOM", "device_memory", "fit_problem", "run_drafter_config", "run_memory"]

@@ -1,0 +1,130 @@
+"""A run that will not fit its device is refused before anything loads (`train.memory_check`, the same estimate
+`plan` and `doctor` report); the FLOPs the time model prices against a count by hand; offline training lets the
+target go once it has its embedding table and LM head."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflashkit.drafter.config import DrafterConfig
+from dflashkit.errors import ConfigError
+from dflashkit.target.model import Target
+from dflashkit.train.config import TrainConfig
+from dflashkit.train.memory import StepShape
+from dflashkit.train.memory_check import fit_problem, run_memory
+from tests.helpers.published_configs import QWEN3_8B, write_config
+from tests.helpers.train_runs import write_tokens_file
+
+
+def _config(tmp_path: Path, target: Path, **kw) -> TrainConfig:
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
+    base = dict(target=str(target), tokens=str(tokens), online=True, out=str(tmp_path / "run"), progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_a_run_that_does_not_fit_is_refused_naming_what_to_change(tmp_path) -> None:
+    target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)  # config only: nothing may be loaded
+    cfg = _config(tmp_path, target)
+    est = run_memory(cfg, device=torch.device("cpu"))
+    assert est.parts["target weights"] == 8_190_735_360 * 4  # fp32 on a CPU, all of it online
+    problem = fit_problem(cfg, available=int(est.peak * 0.5), device=torch.device("cpu"))
+    assert problem is not None
+    for lever in ("max_anchors (now 512)", "max_tokens (now 3072)", "online: false", "fsdp: true"):
+        assert lever in problem
+    assert fit_problem(cfg, available=int(est.peak * 1.2), device=torch.device("cpu")) is None
+    offline = run_memory(_config(tmp_path, target, online=False, features=str(tmp_path)), device=torch.device("cpu"))
+    assert offline.parts["target weights"] == 2 * 151936 * 4096 * 4  # embedding table and LM head only
+
+
+def test_train_refuses_before_loading_anything(tmp_path) -> None:
+    """The CLI: a config that cannot fit this machine (the target alone is 33 GB in fp32) ends in one line, exit
+    2, in seconds — the target's weights do not exist, so reaching a load would fail differently."""
+    target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)
+    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflashkit", "train", "-", f"target={target}", f"tokens={tokens}", "online=true",
+         f"out={tmp_path / 'run'}", "max_anchors=100000", "max_tokens=65536"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert (
+        "train: this run needs about" in line and "max_anchors (now 100000)" in line and "Traceback" not in proc.stderr
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_doctor_reports_the_training_memory(tmp_path) -> None:
+    from dflashkit.diagnose.doctor import memory_finding
+
+    target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)
+    yaml = tmp_path / "train.yaml"
+    yaml.write_text(f"target: {target}\ntokens: {tmp_path / 'x.jsonl'}\nonline: false\nfeatures: {tmp_path}\n")
+    finding = memory_finding(yaml)
+    assert finding.check == "training memory" and "GiB" in finding.what
+    assert finding.status in ("OK", "FAIL")  # this machine's free memory decides; the text names the parts
+    assert "target weights" in finding.what or "needs about" in finding.what
+
+
+def test_drafter_flops_equal_a_count_by_hand() -> None:
+    """The FLOP counter over the drafter's linear layers against 2·m·n·k summed by hand, forward and backward
+    (the backward of a frozen-input product: both gradients; of the fc over the features: the weight's only)."""
+    from dflashkit.train.step_cost import drafter_flops
+
+    cfg = DrafterConfig.for_target(
+        hidden_size=64, vocab_size=97, num_target_layers=8, mask_token_id=3, num_hidden_layers=2, block_size=4
+    )
+    shape = StepShape(rows=1, tokens=40, blocks=5)
+    t, nq, h = shape.tokens, shape.blocks * cfg.block_size, cfg.hidden_size
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    fc = 2 * t * cfg.num_features * h * h  # features (T, K·H) → (T, H)
+    layer = 2 * (nq * h * q + (t + nq) * h * 2 * kv + nq * q * h + nq * h * 2 * inter + nq * inter * h)
+    forward = fc + cfg.num_hidden_layers * layer
+    # backward: weight gradients of every product + input gradients of all but fc (its input, the features, is data)
+    backward = 2 * forward - fc
+    assert drafter_flops(cfg, shape) == forward + backward
+
+
+def test_offline_training_lets_the_target_go(tmp_path, tiny_llama_dir) -> None:
+    """Offline, the run keeps the target's embedding table and LM head in memory of their own: nothing keeps the
+    target's modules (or the file buffer its weights share) alive once setup is done."""
+    from dflashkit.features.capture import CaptureSettings, capture
+    from dflashkit.train.run import setup_run
+    from tests.helpers.train_runs import cfg_for, make_samples
+
+    target = Target.load(tiny_llama_dir)
+    ids = DrafterConfig.for_target(hidden_size=64, vocab_size=97, num_target_layers=8, mask_token_id=3).target_layer_ids
+    samples = make_samples(target, ids, n=3)
+    capture(target, samples, tmp_path / "f", settings=CaptureSettings(layer_ids=tuple(ids), dtype="fp32"))
+    del target, samples
+    loaded: list[weakref.ref] = []
+    real_load = Target.load.__func__
+
+    def spy(cls, *a, **k):
+        t = real_load(cls, *a, **k)
+        loaded.append(weakref.ref(t.model))
+        return t
+
+    cfg = cfg_for(tmp_path / "run", target=str(tiny_llama_dir), features=str(tmp_path / "f"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Target, "load", classmethod(spy))
+        run = setup_run(cfg)
+    gc.collect()
+    assert loaded and loaded[0]() is None
+    assert run.embed.untyped_storage().nbytes() == run.embed.numel() * run.embed.element_size()
+    run.close()
+
+
+def test_bad_layout_values_are_refused() -> None:
+    from dflashkit.diagnose.plan import Hardware
+
+    with pytest.raises(ConfigError, match="expected N×NAME"):
+        Hardware.parse("8xTPU")
+    assert Hardware.parse("2xh200").count == 2 and Hardware.parse("H100").gpu_mem_gib == 80.0
