@@ -2,7 +2,8 @@
 
     dflashkit inspect CKPT [--json]
     dflashkit diff A B [--target T] [--json]
-    dflashkit doctor --target T --drafter D [--prompts N] [--max-new-tokens N] [--features DIR] [--json]
+    dflashkit doctor --target T --drafter D [--prompts N] [--max-new-tokens N] [--features DIR]
+                     [--train-config YAML] [--json]
     dflashkit logs RUN [RUN …] [--acc 0.5] [--acc-slot K] [--out DIR] [--json]
 
 `doctor` exits 1 when a check FAILs; `inspect` exits 1 when the checkpoint has a FAIL finding.
@@ -88,6 +89,12 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default=None, choices=TARGET_DTYPES, help="target dtype (default: fp32 on CPU, bf16 on CUDA)"
     )
+    p.add_argument(
+        "--train-config",
+        default=None,
+        metavar="YAML",
+        help="a training config: will one step fit its device (the estimate train checks before it starts)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -108,6 +115,7 @@ def _doctor(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         features=args.features,
         context=args.context,
+        train_config=args.train_config,
     )
     if args.json:
         print(

@@ -10,7 +10,8 @@ training = the target's now, hook-captured features = `output_hidden_states[i + 
 target's own logits, a short greedy draft-and-verify run (τ; output = the target's greedy output), and labels or
 features shifted by one, found from the checkpoint alone: the drafter runs teacher-forced on the target's greedy
 transcript and its slot-k predictions are scored against the token at a+k−1, a+k and a+k+1; with `--context N`,
-the drafter's sliding window and longest training context against the context it will draft after.
+the drafter's sliding window and longest training context against the context it will draft after; with
+`--train-config YAML`, whether one training step of that config fits its device (the estimate `train` refuses with).
 
 The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
 
@@ -22,6 +23,7 @@ The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
     label_offset_accuracy(...) / shift_finding(...) # labels or features shifted by one
     mask_finding(cfg, target, …)                    # the mask row is one no chat produces
     context_findings(cfg, context)                  # sliding window / longest training context vs the context
+    memory_finding(train_config)                    # one training step fits its device (train.memory_check)
 
 Geometry rule (docs/troubleshooting.md#pitfall-geometry): heads and head_dim different from the target's → OK. Equal →
 OK when they are also dflashkit's own default for that hidden size (a coincidence: z-lab's 32 × 128 for Qwen3-8B, or 4
@@ -460,6 +462,21 @@ def context_findings(cfg: DrafterConfig, context: int) -> list[Finding]:
     return [Finding("OK", "context", f"{context} tokens of context: within the longest training context ({trained})")]
 
 
+def memory_finding(train_config: str | Path) -> Finding:
+    """Will the training run of `train_config` (a YAML) fit its device: the estimate `train` checks before it loads
+    anything (`train.memory_check`), with its parts."""
+    from dflashkit.train.config import TrainConfig
+    from dflashkit.train.memory_check import fit_problem, run_memory
+
+    cfg = TrainConfig.load(str(train_config), [])
+    problem = fit_problem(cfg)
+    if problem:
+        return Finding("FAIL", "training memory", problem, "see the changes named, or run `dflashkit plan`")
+    est = run_memory(cfg)
+    parts = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in {**est.parts, **est.phases}.items())
+    return Finding("OK", "training memory", f"{train_config}: about {est.peak / 2**30:,.2f} GiB per step ({parts} GiB)")
+
+
 def usable_tokenizer(target: Any) -> Any:
     """The target's tokenizer, or None when it has none or an empty one (transformers makes an empty Qwen2
     tokenizer for a model directory without tokenizer files)."""
@@ -479,6 +496,7 @@ __all__ = [
     "label_offset_accuracy",
     "manifest_findings",
     "mask_finding",
+    "memory_finding",
     "shift_finding",
     "usable_tokenizer",
 ]
@@ -571,9 +589,11 @@ def run_doctor(
     max_new_tokens: int = 32,
     features: str | Path | None = None,
     context: int | None = None,
+    train_config: str | Path | None = None,
 ) -> DoctorReport:
     """Run every check; `drafter` is a checkpoint directory or a loaded `DFlashDrafter`; `context`: the context
-    length it will draft after (its sliding window and longest training context are checked against it)."""
+    length it will draft after (its sliding window and longest training context are checked against it);
+    `train_config`: a training YAML whose memory per step is checked against its device."""
     from dflashkit.decode.generate import DecodeSettings, generate
 
     report = DoctorReport()
@@ -602,6 +622,8 @@ def run_doctor(
         report.findings += manifest_findings(cfg, target, features)
     if context is not None:
         report.findings += context_findings(cfg, context)
+    if train_config is not None:
+        report.findings.append(memory_finding(train_config))
     runnable = module is not None and not any(f.status == "FAIL" for f in fit if f.check != "geometry")
     plist = prompt_ids or _prompts(target, cfg, max(1, prompts))
     layer_ids = [i for i in cfg.target_layer_ids if 0 <= i < target.num_layers] or [target.num_layers // 2]
