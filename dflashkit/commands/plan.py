@@ -34,7 +34,10 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--avg-tokens", type=flag(PositiveInt), default=None, help="tokens per conversation (assumed 1000; CPU 400)"
     )
-    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=None, help="reply cap for regeneration")
+    p.add_argument(
+        "--max-new-tokens", type=flag(PositiveInt), default=None, help="reply cap for regeneration (2048 GPU, 192 CPU)"
+    )
+    p.add_argument("--data", default=None, help="prepare's --data (default: sharegpt when it holds enough)")
     p.add_argument("--gen-tokens-per-s", type=flag(PositiveFloat), default=None, help="regeneration rate per GPU")
     p.add_argument("--max-anchors", type=flag(PositiveInt), default=None, help="blocks per document (default 512)")
     p.add_argument("--epochs", type=flag(PositiveInt), default=None)
@@ -62,6 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
         avg_tokens=args.avg_tokens,
         gen_tokens_per_s=args.gen_tokens_per_s,
         max_new_tokens=args.max_new_tokens,
+        data=args.data,
         max_anchors=args.max_anchors,
         epochs=args.epochs,
         calibrate=args.calibrate,

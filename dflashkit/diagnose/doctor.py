@@ -464,17 +464,28 @@ def context_findings(cfg: DrafterConfig, context: int) -> list[Finding]:
 
 def memory_finding(train_config: str | Path) -> Finding:
     """Will the training run of `train_config` (a YAML) fit its device: the estimate `train` checks before it loads
-    anything (`train.memory_check`), with its parts."""
+    anything (`train.memory_check`), against the device's total memory (doctor itself holds a target now), for
+    this process's world size (1 outside torchrun)."""
+    from dflashkit.target.devices import resolve_device
+    from dflashkit.target.distributed import read_env
     from dflashkit.train.config import TrainConfig
-    from dflashkit.train.memory_check import fit_problem, run_memory
+    from dflashkit.train.memory_check import device_memory, fit_problem, run_memory
 
     cfg = TrainConfig.load(str(train_config), [])
-    problem = fit_problem(cfg)
+    cfg.validate()
+    if str(cfg.target).endswith(".gguf"):
+        return Finding("WARN", "training memory", f"{train_config}: not estimated for a .gguf target (no config.json)")
+    world, _, local = read_env()
+    device = resolve_device(cfg.drafter_device, local)
+    problem = fit_problem(cfg, available=device_memory(device, total=True), device=device)
     if problem:
         return Finding("FAIL", "training memory", problem, "see the changes named, or run `dflashkit plan`")
-    est = run_memory(cfg)
+    est = run_memory(cfg, device=device)
     parts = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in {**est.parts, **est.phases}.items())
-    return Finding("OK", "training memory", f"{train_config}: about {est.peak / 2**30:,.2f} GiB per step ({parts} GiB)")
+    return Finding(
+        "OK", "training memory", f"{train_config}: about {est.peak / 2**30:,.2f} GiB per step on {device}, {world} "
+        f"rank(s) ({parts} GiB)",
+    )  # fmt: skip
 
 
 def usable_tokenizer(target: Any) -> Any:

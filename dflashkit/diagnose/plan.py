@@ -22,6 +22,7 @@ from typing import Any
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import HEADS
 from dflashkit.errors import ConfigError
+from dflashkit.train.memory_check import HEADROOM
 
 # Regenerated samples of the public recipes: the DFlash paper trained its Qwen3 drafters on ~800k; the public
 # small-target recipes (SpecForge, speculators examples on ShareGPT/UltraChat-size sets) use ~100k.
@@ -41,11 +42,11 @@ LONG_CONTEXT = 131_072
 DRAFTER_WINDOW = 2048
 # A CPU run's sizes (configs/smollm2.yaml, docs/pipeline.md "Sizing a run for a CPU"; the quickstart's data).
 CPU_SIZES = {"seq_len": 1024, "max_anchors": 64, "avg_tokens": 400, "max_new_tokens": 192, "samples": 500}
-GPU_SIZES = {"seq_len": 3072, "max_anchors": 512, "avg_tokens": AVG_TOKENS}
+GPU_SIZES = {"seq_len": 3072, "max_anchors": 512, "avg_tokens": AVG_TOKENS, "max_new_tokens": 2048}
+# The built-in conversations (`prepare --data sharegpt`): larger plans name a JSONL file of the user's.
+SHAREGPT_CONVERSATIONS = 17_000
 # An assumed CPU rate when the plan is not calibrated (FLOP/s for the whole machine).
 CPU_ASSUMED_FLOPS = 50e9
-# Memory kept free for the allocator's fragmentation, CUDA context and buffers not modelled.
-HEADROOM = 0.10
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class PlanRequest:
     max_anchors: int | None = None  # blocks per document: 512 on GPUs (the paper), 64 on a CPU
     epochs: int | None = None
     calibrate: bool = False
+    data: str | None = None  # prepare's --data (default: sharegpt when it holds enough conversations)
     trust_remote_code: bool = False
     name: str | None = None  # the run's name in paths (default: the target directory's name)
     out: str = "plan"  # where plan.json, plan.md and train.yaml go (the commands name train.yaml there)
@@ -236,7 +238,19 @@ def plan_data(shape: Any, request: PlanRequest) -> dict[str, Any]:
             "tokens/s",
         )  # fmt: skip
     hours = reply / (float(rate["value"]) * max(hw.count, 1)) / 3600
+    data = request.data or ("sharegpt" if n <= SHAREGPT_CONVERSATIONS else None)
+    source = (
+        figure(data, "given" if request.data else "rule", "prepare --data")
+        if data
+        else figure(
+            "conversations.jsonl (yours)",
+            "rule",
+            f"the built-in ShareGPT holds ~{SHAREGPT_CONVERSATIONS:,} conversations, fewer than {n:,}: pass "
+            "--data FILE.jsonl (docs/data.md)",
+        )
+    )
     return {
+        "conversations": source,
         "samples": samples,
         "tokens": figure(tokens, "assumed", f"{request.avg_tokens:,} tokens per regenerated conversation", "tokens"),
         "reply tokens": figure(round(reply), "assumed", f"{SUPERVISED_FRACTION:.0%} of them the target's reply"),
@@ -300,19 +314,33 @@ def plan_memory(plan: Plan, max_anchors: int) -> dict[str, Any]:
             target_dtype_bytes=2 if hw.count else 4,
         )  # fmt: skip
         est = step_memory(plan.drafter, plan.target, shape, settings)
-        fits = est.peak <= budget * (1 - HEADROOM)
+        capture = None if online else _capture_peak(plan, hw)
+        fits = est.peak <= budget * (1 - HEADROOM) and (capture is None or capture <= budget * (1 - HEADROOM))
         out["layouts"][name] = {
             "peak GiB": round(est.peak / 2**30, 2),
             "fits": fits,
             "parts GiB": {k: round(v / 2**30, 3) for k, v in {**est.parts, **est.phases}.items()},
             "basis": "computed",
         }
+        if capture is not None:
+            out["layouts"][name]["parts GiB"]["capture (its own run)"] = round(capture / 2**30, 3)
         if fits and chosen is None:
             chosen = (name, online, layout)
     out["chosen"] = chosen[0] if chosen else None
     out["_choice"] = chosen
     out["_shape"] = shape
     return out
+
+
+def _capture_peak(plan: Plan, hw: Hardware) -> int:
+    """The device's peak while capture runs the target over a row-long sample (offline features need it once)."""
+    from dflashkit.drafter.capture_needs import capture_layer_ids
+    from dflashkit.features.capture import CaptureSettings
+    from dflashkit.features.footprint import capture_memory
+
+    settings = CaptureSettings(layer_ids=tuple(capture_layer_ids(plan.drafter)), dtype="bf16")
+    mem = capture_memory(plan.target, settings=settings, tokens=plan.request.seq_len, dtype_bytes=2 if hw.count else 4)
+    return mem.device if hw.count else mem.peak
 
 
 def fitting_anchors(plan: Plan) -> int | None:
@@ -327,13 +355,16 @@ def fitting_anchors(plan: Plan) -> int | None:
 
 def plan_time(plan: Plan, memory: dict[str, Any], rate: Any) -> dict[str, Any]:
     """Steps, step time and hours per epoch for the chosen layout; capture time when offline."""
-    from dflashkit.train.step_cost import step_cost
+    from dflashkit.train.step_cost import step_cost, target_forward_flops
 
     request, hw = plan.request, plan.request.hardware
     choice = memory["_choice"]
     online = bool(choice and choice[1])
     shape = memory["_shape"]
-    cost = step_cost(plan.drafter, plan.target, shape, online=online)
+    visible = None
+    if hw.count:  # flex attention skips masked blocks: a query sees its document's context before it, its block
+        visible = (1 - SUPERVISED_FRACTION / 2) * min(request.avg_tokens, request.seq_len) + plan.drafter.block_size
+    cost = step_cost(plan.drafter, plan.target, shape, online=online, visible_keys=visible)
     step_s = rate.seconds(cost)
     basis, why = rate.source.split(": ", 1)
     tokens = int(plan.sections["data"]["tokens"]["value"])
@@ -358,14 +389,18 @@ def plan_time(plan: Plan, memory: dict[str, Any], rate: Any) -> dict[str, Any]:
             steps, "computed", f"{rows:,} packed rows / ({world} ranks × {grad_accum} micro-batches)"
         ),
         "hours per epoch": figure(round(steps * grad_accum * step_s / 3600, 2), "computed", unit="hours"),
-        "epochs": figure(epochs, "rule", "the paper's 6 (fewer for a warm start)"),
+        "epochs": figure(epochs, "given")
+        if request.epochs
+        else figure(epochs, "rule", "the paper's 6 (2 for a warm start)"),
     }
     out["training hours"] = figure(round(epochs * out["hours per epoch"]["value"], 2), "computed", unit="hours")
     if not online:
-        fwd = 2.0 * plan.target.num_active_parameters * tokens
+        samples = int(plan.sections["data"]["samples"]["value"])
+        fwd = target_forward_flops(plan.target, samples, request.avg_tokens)
+        rate_fwd = rate.forward_flops_per_s or rate.flops_per_s
         out["capture hours"] = figure(
-            round(fwd / (rate.flops_per_s * world) / 3600, 2), "computed",
-            "the target's forward over every token once, at the same rate", "hours",
+            round(fwd / (rate_fwd * world) / 3600, 2), "computed",
+            f"the target's forward over every token once, {world} process(es) (torchrun splits the shards)", "hours",
         )  # fmt: skip
     return out
 
@@ -413,12 +448,20 @@ def _has_weights(target: str) -> bool:
 def resolved(request: PlanRequest) -> PlanRequest:
     """`request` with the sizes it left open set for its hardware (GPU_SIZES, or CPU_SIZES on this machine)."""
     sizes = GPU_SIZES if request.hardware.count else CPU_SIZES
-    return replace(request, **{k: v for k, v in sizes.items() if k != "samples" and getattr(request, k) is None})
+    out = replace(request, **{k: v for k, v in sizes.items() if k != "samples" and getattr(request, k) is None})
+    if out.seq_len < 64:
+        raise ConfigError(f"--seq-len {out.seq_len}: expected at least 64 tokens per packed row")
+    if out.from_drafter and out.kind != PlanRequest.kind:  # a kind asked for beside a base drafter
+        raise ConfigError(
+            f"--kind {out.kind} with --from-drafter: a warm start keeps the base drafter's kind (drop --kind)"
+        )
+    return out
 
 
 def make_plan(request: PlanRequest) -> Plan:
     """The whole plan: target, drafter, data, features (disk, memory), time, training YAML and commands."""
     from dflashkit.diagnose.plan_files import plan_commands, plan_yaml
+    from dflashkit.drafter.capture_needs import capture_layer_ids
     from dflashkit.features.footprint import token_bytes
     from dflashkit.target.shape import read_target_shape
     from dflashkit.train.memory import drafter_parameters
@@ -442,7 +485,7 @@ def make_plan(request: PlanRequest) -> Plan:
     plan.sections["data"] = plan_data(shape, request)
     tokens = int(plan.sections["data"]["tokens"]["value"])
     per_token = {
-        d: token_bytes(hidden_size=shape.hidden_size, num_layers=cfg.num_features, dtype=d).total
+        d: token_bytes(hidden_size=shape.hidden_size, num_layers=len(capture_layer_ids(cfg)), dtype=d).total
         for d in ("bf16", "fp32")
     }
     disk = {

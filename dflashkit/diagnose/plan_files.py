@@ -52,6 +52,8 @@ def plan_yaml(plan: Any) -> dict[str, Any]:
     if req.from_drafter:
         drafter = {}  # init_from brings its own config
     out: dict[str, Any] = {"target": req.target}
+    if req.trust_remote_code:
+        out["trust_remote_code"] = True
     if choice[1]:
         out.update(tokens=paths["tokens"], online=True)
     else:
@@ -78,56 +80,60 @@ def plan_yaml(plan: Any) -> dict[str, Any]:
 
 
 def plan_commands(plan: Any) -> list[tuple[str, str]]:
-    """(what it does, the command) in the order to run them."""
+    """(what it does, the command) in the order to run them; on GPUs every step runs on them (vLLM data parallel
+    over the GPUs, torchrun for capture and training)."""
     req, paths, hw = plan.request, _paths(plan), plan.request.hardware
     target = shlex.quote(req.target)
     n = int(plan.sections["data"]["samples"]["value"])
+    data = shlex.quote(str(plan.sections["data"]["conversations"]["value"]).split(" ")[0])
+    device = " --device cuda" if hw.count else ""
+    remote = " --trust-remote-code" if req.trust_remote_code else ""
+    thinking = " --thinking off" if thinking_template(req.target) else ""
     out: list[tuple[str, str]] = []
     if req.from_drafter:
         out.append(
             (
                 "how much the base model's drafter accepts on the fine-tune (the number to beat)",
-                f"dflashkit eval --target {target} --drafter base={shlex.quote(req.from_drafter)} --dataset mtbench "
-                f"--limit 20 --out {paths['eval']}-base",
+                f"dflashkit eval --target {target}{device}{remote} --drafter base={shlex.quote(req.from_drafter)} "
+                f"--dataset mtbench --limit 20{thinking} --out {paths['eval']}-base",
             )
         )
     server = ""
     if hw.count:
+        parallel = f" --data-parallel-size {hw.count}" if hw.count > 1 else ""
         out.append(
             (
-                "serve the target for regeneration (one vLLM server per GPU, or SGLang; docs/data.md)",
-                f"vllm serve {target} --port 8000",
+                "serve the target for regeneration on every GPU (or SGLang; docs/data.md)",
+                f"vllm serve {target} --port 8000{parallel}{remote}",
             )
         )
-        server = " --server http://localhost:8000/v1 --concurrency 64"
-    thinking = " --thinking off" if thinking_template(req.target) else ""
-    cap = f" --max-new-tokens {req.max_new_tokens}" if req.max_new_tokens else ""
+        server = " --server http://127.0.0.1:8000 --concurrency 256"
     out.append(
         (
             "regenerate the replies with the target and tokenise them",
-            f"dflashkit prepare --target {target} --data sharegpt --limit {n}{cap} --out {paths['data']}"
-            f"{thinking}{server}",
+            f"dflashkit prepare --target {target}{remote} --data {data} --limit {n} --max-new-tokens "
+            f"{req.max_new_tokens} --out {paths['data']}{thinking}{server}",
         )
     )
+    launch = f"torchrun --standalone --nproc_per_node {hw.count} -m dflashkit" if hw.count > 1 else "dflashkit"
     if _offline(plan):
-        ids = ",".join(str(i) for i in plan.drafter.target_layer_ids)
+        from dflashkit.drafter.capture_needs import capture_layer_ids
+
+        ids = ",".join(str(i) for i in capture_layer_ids(plan.drafter))
         out.append(
             (
                 "capture the target's features once (the layout chosen is offline)",
-                f"dflashkit capture --target {target} --tokens {paths['tokens']} --out {paths['features']} "
-                f"--layer-ids {ids} --dtype bf16",
+                f"{launch} capture --target {target}{device}{remote} --tokens {paths['tokens']} "
+                f"--out {paths['features']} --layer-ids {ids} --dtype bf16",
             )
         )
     yaml_path = shlex.quote(str(Path(req.out) / "train.yaml"))
-    train = f"dflashkit train {yaml_path}"
-    if hw.count > 1:
-        train = f"torchrun --standalone --nproc_per_node {hw.count} -m dflashkit train {yaml_path}"
-    out.append(("train the drafter (re-running resumes)", train))
+    out.append(("train the drafter (re-running resumes)", f"{launch} train {yaml_path}"))
     out.append(
         (
             "measure it: τ per category, speedup, greedy equality",
-            f"dflashkit eval --target {target} --drafter {plan.name}={paths['run']}/final --dataset mtbench "
-            f"--out {paths['eval']}{thinking}",
+            f"dflashkit eval --target {target}{device}{remote} --drafter {plan.name}={paths['run']}/final "
+            f"--dataset mtbench{thinking} --out {paths['eval']}",
         )
     )
     return out

@@ -31,7 +31,7 @@ I intermediate, K captured layers); the peak is the resident parts plus the larg
     shard of several forwards adds them to the forward's moments.
 Checked against PyTorch's CPU allocator (tests/features/test_footprint.py). Not counted: SDPA's per-thread scratch
 (< 1 MB a thread), Python objects, the allocator's slack; linear-attention layers count as full-attention ones, a
-MoE MLP as a dense one 4·H wide.
+MoE MLP as a dense one of the config's `intermediate_size` (4·H when it names none).
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def forward_moments(
     hid = n * width * b  # (B, T, H): the residual stream, a norm's output, a layer's output
     q = n * target.num_attention_heads * target.head_dim * b  # (B, nh, T, hd)
     kv = n * target.num_key_value_heads * target.head_dim * b  # (B, nkv, T, hd)
-    inter = n * (target.intermediate_size or 4 * width) * b  # (B, T, I); a MoE target: a dense MLP 4·H wide
+    inter = n * (target.intermediate_size or 4 * width) * b  # (B, T, I); 4·H when the config names no width
     k, kept, kept_end = _hooked(target, layers)
     stream = hid + 2 * tokens * target.head_dim * b  # embeddings (B, T, H) + RoPE's cos, sin (1, T, hd)
     # an RMSNorm computes in float32 whatever the dtype: its input upcast or x², then x·rsqrt and the output

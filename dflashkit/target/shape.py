@@ -4,10 +4,11 @@
     shape.num_parameters, shape.layer_types        # 8_190_735_360, ("full_attention",) * 36
 
 transformers builds the text model on the meta device (parameters with shapes and no storage: a 27 B config builds
-in a tenth of a second once its modeling code is imported), so the counts are those of the model `Target.load`
-builds: the decoder, its embeddings and LM head (a tied head counted once); a VL wrapper's text model only, without
-its vision tower. A MoE target runs `experts_per_token` of its `num_experts` routed experts per token (the
-parameters under an `experts` module); everything else runs for every token.
+in a tenth of a second once its modeling code is imported), so the counts are those of the text model: the decoder,
+its embeddings and LM head (a tied head counted once). A VL wrapper's vision tower is not counted (families that
+`Target.load` opens as image-text models keep it in memory too: Gemma 3, Qwen2.5-VL, Qwen3-VL). A MoE target runs
+`experts_per_token` of its `num_experts` routed experts per token (the parameters under an `experts` module);
+everything else runs for every token.
 
 The config's fields are checked first, a bad one reported as one line naming the file and the field
 (`read_config_json`, which `files.check_model_dir` runs before every load too). Nothing is downloaded, and a

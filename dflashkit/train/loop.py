@@ -150,8 +150,6 @@ def _check_memory(cfg: TrainConfig) -> None:
     """Refuse, before anything loads, a run whose step will not fit its device (`train.memory_check`)."""
     from dflashkit.train.memory_check import fit_problem
 
-    if str(cfg.target).endswith(".gguf"):  # the shape is read from config.json files
-        return
     problem = fit_problem(cfg)
     if problem:
         raise ConfigError(f"train: {problem}")

@@ -11,6 +11,9 @@ Per device (a rank), the peak of one optimizer step is
     + the larger of
       online    the target's forward over the step's rows (`features.footprint.forward_transient`), before the
                 drafter runs
+      setup     offline: the whole target, loaded while setup takes its two tables (then freed)
+      optimizer AdamW's step: the gradients and a foreach implementation's temporaries
+    FSDP adds the parameters and gradients it gathers (the root's and one decoder layer's) to the drafter's phase.
       drafter   the context features (B, T, K·H) and dense masks, then the largest of: the drafter's forward, the
                 loss over its saved activations, its backward (with the parameters' gradients) — the forward and
                 backward traced by running the real drafter on fake tensors, so every head and attention path is
@@ -33,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dflashkit.drafter.capture_needs import capture_layer_ids
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
 from dflashkit.train.losses import CHUNK_LOGITS, DISTRIBUTION_KINDS
@@ -64,6 +68,7 @@ class MemorySettings:
     loss: str = "ce"
     online: bool = False
     target_dtype_bytes: int = 4  # the target's weights as loaded (bf16 on GPUs: 2)
+    target_elsewhere: bool = False  # the target on another device (`target_device`): only its two tables here
     loss_chunk_rows: int | None = None  # blocks per chunk of the loss (default: `losses.CHUNK_LOGITS` logits)
     open_shard_bytes: int = 0  # offline: the capture shards the reader keeps open (memory-mapped in host memory)
 
@@ -147,6 +152,16 @@ def drafter_parameters(cfg: DrafterConfig) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def _largest_gathered(cfg: DrafterConfig) -> int:
+    """Parameters FSDP holds unsharded at once beside the shards: the root's (fc, norms) plus one decoder layer's."""
+    from dflashkit.drafter.model import DFlashDrafter
+
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    layer = max((sum(p.numel() for p in block.parameters()) for block in model.layers), default=0)
+    return sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.layers.parameters()) + layer
+
+
 def trace_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySettings) -> dict[str, int]:
     """The drafter's forward and backward over one micro-batch, run on fake tensors (no memory, any size):
     {"forward_peak", "saved" (live after the forward: the activations kept for backward), "backward_peak"} in
@@ -209,7 +224,7 @@ def step_memory(
     p = drafter_parameters(cfg)
     shard = s.world if s.layout == "fsdp" else 1
     head = head_of(cfg)
-    resident = s.online or s.loss in DISTRIBUTION_KINDS or head.training_needs_target
+    resident = (s.online or s.loss in DISTRIBUTION_KINDS or head.training_needs_target) and not s.target_elsewhere
     tw = target.num_parameters if resident else target.embedding_parameters * (1 if target.tie_word_embeddings else 2)
     est.parts["target weights"] = tw * s.target_dtype_bytes
     est.notes["target weights"] = (
@@ -231,9 +246,14 @@ def step_memory(
     if s.device == "cpu":  # dense masks: the boolean one and its additive copy per layer type (CUDA: flex)
         inputs += len(set(cfg.layer_types)) * b * nq * (t + nq) * (1 + (2 if s.bf16 else 4))
     grads = math.ceil(p / shard) * 4
+    if shard > 1:  # FSDP gathers one decoder layer at a time (and the root: fc, norms), with its gradients
+        grads += 2 * 4 * _largest_gathered(cfg)
     loss = loss_working_set(cfg, shape, s)
     if s.loss in DISTRIBUTION_KINDS:  # the target's logits over every row position (`kl_target_logits`)
         inputs += b * t * cfg.vocab_size * 4
+    # AdamW's step: every gradient, and a foreach implementation's temporaries (one per parameter, at most)
+    est.phases["optimizer step"] = 2 * math.ceil(p / shard) * 4
+    est.notes["optimizer step"] = "the gradients and the optimizer's temporaries (foreach: one per parameter)"
     est.phases["drafter step"] = inputs + max(
         traced["forward_peak"], traced["saved"] + loss, traced["backward_peak"] + grads
     )
@@ -242,11 +262,14 @@ def step_memory(
         f"{(traced['saved'] + loss) / 2**30:.3f} / backward + gradients "
         f"{(traced['backward_peak'] + grads) / 2**30:.3f} GiB (traced on fake tensors)"
     )
-    if s.online:
+    if s.online and not s.target_elsewhere:
         est.phases["online features"] = forward_transient(
-            target, rows=b, tokens=t, layers=list(cfg.target_layer_ids), dtype_bytes=s.target_dtype_bytes
+            target, rows=b, tokens=t, layers=capture_layer_ids(cfg), dtype_bytes=s.target_dtype_bytes
         )
         est.notes["online features"] = "the target's forward over the rows (before the drafter runs)"
+    elif not resident and not s.target_elsewhere:  # setup loads the whole target, keeps its two tables, frees it
+        est.phases["setup"] = target.num_parameters * s.target_dtype_bytes - est.parts["target weights"]
+        est.notes["setup"] = "the whole target while setup takes its embedding table and LM head (then freed)"
     return est
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import head_of
 from dflashkit.train.losses import DISTRIBUTION_KINDS
 from dflashkit.train.memory import MemoryEstimate, MemorySettings, StepShape, step_memory
 
@@ -32,7 +33,12 @@ def run_drafter_config(cfg: Any, shape: Any) -> DrafterConfig:
 
     ckpt = latest_checkpoint(cfg.out) if Path(cfg.out).is_dir() else None
     if ckpt is not None or cfg.init_from:
-        return load_config(ckpt if ckpt is not None else cfg.init_from)
+        saved = load_config(ckpt if ckpt is not None else cfg.init_from)
+        kind = dict(cfg.drafter).get("kind", saved.kind)
+        if ckpt is None and kind != saved.kind:  # a warm start of another head on the checkpoint's backbone
+            fields = {f: cfg.drafter[f] for f in head_of(kind).fields if f in cfg.drafter}
+            saved = saved.replace(kind=kind, **fields)
+        return saved
     overrides = {k: v for k, v in dict(cfg.drafter).items() if k not in ("mask_token_id", "learned_mask_embedding")}
     return DrafterConfig.for_target(
         hidden_size=shape.hidden_size,
@@ -44,13 +50,16 @@ def run_drafter_config(cfg: Any, shape: Any) -> DrafterConfig:
     )
 
 
-def device_memory(device: torch.device) -> int:
-    """Bytes free on `device` now: a GPU's free memory, or the RAM this process could allocate."""
+def device_memory(device: torch.device, *, total: bool = False) -> int:
+    """Bytes free on `device` now — a GPU's free memory, or the RAM this process could allocate — or its `total`
+    (a process that already holds a target, such as doctor, asks for the total)."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        free, whole = torch.cuda.mem_get_info(device)
+        return int(whole if total else free)
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    memory = psutil.virtual_memory()
+    return int(memory.total if total else memory.available)
 
 
 def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = None) -> MemoryEstimate:
@@ -61,10 +70,11 @@ def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = Non
 
     world, _, local = read_env()
     device = device or resolve_device(cfg.drafter_device, local)
+    target_device = device if cfg.target_device == "auto" else torch.device(cfg.target_device)
+    elsewhere = (target_device.type, target_device.index or 0) != (device.type, device.index or 0)
     shape = shape or read_target_shape(cfg.target, trust_remote_code=cfg.trust_remote_code)
     drafter = run_drafter_config(cfg, shape)
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-    target_here = cfg.target_device in ("auto", str(device))
     settings = MemorySettings(
         device=device.type,
         precision="bf16" if bf16 else "fp32",
@@ -72,11 +82,25 @@ def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = Non
         world=world,
         loss=cfg.loss,
         online=cfg.online,
-        target_dtype_bytes=(2 if device.type == "cuda" else 4) if target_here else 0,
+        target_dtype_bytes=2 if target_device.type == "cuda" else 4,
+        target_elsewhere=elsewhere,
         loss_chunk_rows=cfg.loss_chunk_size,
     )
-    row = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=min(cfg.max_anchors, cfg.max_tokens - 1))
+    row = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=_blocks_per_row(cfg))
     return step_memory(drafter, shape, row, settings)
+
+
+def _blocks_per_row(cfg: Any) -> int:
+    """Blocks of a row holding one document: `max_anchors`, fewer when no document has that many supervised tokens
+    (a capture's manifest says; a tokens file would need a full read) or the row is shorter."""
+    blocks = min(cfg.max_anchors, cfg.max_tokens - 1)
+    if cfg.features and not cfg.online:
+        from dflashkit.features.manifest import Manifest
+
+        samples = Manifest.load(Path(cfg.features)).samples
+        most = max((int(s.get("supervised", s["length"])) for s in samples), default=blocks)
+        blocks = min(blocks, max(1, most - 1))
+    return max(1, blocks)
 
 
 def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device | None = None) -> str | None:
@@ -85,6 +109,8 @@ def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device 
     from dflashkit.target.devices import resolve_device
     from dflashkit.target.distributed import read_env
 
+    if str(cfg.target).endswith(".gguf"):  # the shape is read from config.json files
+        return None
     device = device or resolve_device(cfg.drafter_device, read_env()[2])
     est = run_memory(cfg, device=device)
     have = device_memory(device) if available is None else available
@@ -100,7 +126,7 @@ def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device 
         changes.append("fsdp: true under torchrun (shards the drafter and its optimizer state)")
     return (
         f"this run needs about {est.peak / 2**30:,.1f} GiB on {device} per step (largest: {biggest[0]} "
-        f"{biggest[1] / 2**30:,.1f} GiB) but {device} has {have / 2**30:,.1f} GiB free; lower "
+        f"{biggest[1] / 2**30:,.1f} GiB) but {device} has {have / 2**30:,.1f} GiB available; lower "
         + ", ".join(changes[:-1])
         + f" or set {changes[-1]} (dflashkit plan sizes a run for a device)"
     )

@@ -106,9 +106,17 @@ def open_feature_source(cfg: Any, target: Any, drafter_config: DrafterConfig) ->
     return OnlineFeatures(target, samples, layer_ids=ids, store_topk=min(topk, target.vocab_size), store_target_lse=lse)
 
 
-def _check_same_drafter(saved: DrafterConfig, wanted: DrafterConfig, where: str) -> None:
+# Drafter fields a resumed checkpoint must match even when the config does not name them: those that follow the
+# target (a checkpoint of another target's drafter). Fields the config leaves to dflashkit's defaults do not count:
+# a default that changed between versions must not stop a run from resuming its own checkpoint.
+_FOLLOW_THE_TARGET = ("hidden_size", "vocab_size", "num_target_layers", "target_layer_ids", "mask_token_id")
+
+
+def _check_same_drafter(saved: DrafterConfig, wanted: DrafterConfig, where: str, asked: set[str]) -> None:
+    """The checkpoint's drafter has every field the config asks for (`asked`: its `drafter:` keys) and the
+    target's coupling."""
     for f in fields(DrafterConfig):
-        if f.name == "extra":
+        if f.name == "extra" or (f.name not in asked and f.name not in _FOLLOW_THE_TARGET):
             continue
         a, b = getattr(saved, f.name), getattr(wanted, f.name)
         if a != b:
@@ -359,7 +367,7 @@ def _drafter_to_train(
             )
         drafter = load_drafter(ckpt)
         if cfg.init_from is None:
-            _check_same_drafter(drafter.config, wanted, f"from {ckpt}")
+            _check_same_drafter(drafter.config, wanted, f"from {ckpt}", set(cfg.drafter))
     elif cfg.init_from is not None:
         drafter = load_drafter(cfg.init_from)
         kind = cfg.drafter.get("kind", drafter.config.kind)

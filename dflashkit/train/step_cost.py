@@ -29,13 +29,14 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
 from dflashkit.train.memory import StepShape
 
-# Dense bf16 tensor-core peaks (FLOP/s) and memory (GiB) of the GPUs people train drafters on (vendor sheets).
+# Dense bf16 tensor-core peaks (FLOP/s, vendor sheets) and memory in GiB as the driver reports it (nvidia-smi's
+# MiB / 1024) of the GPUs people train drafters on.
 GPUS: dict[str, tuple[float, float]] = {
-    "H100": (989e12, 80.0),
-    "H200": (989e12, 141.0),
-    "B200": (2250e12, 180.0),
+    "H100": (989e12, 79.6),
+    "H200": (989e12, 140.4),
+    "B200": (2250e12, 178.4),
     "A100": (312e12, 80.0),
-    "L40S": (362e12, 48.0),
+    "L40S": (362e12, 45.0),
     "RTX4090": (165e12, 24.0),
 }
 # The fraction of that peak a drafter's training step reaches: small matmuls (a drafter of 5 layers) and the
@@ -78,10 +79,11 @@ def gpu_rate(name: str, utilisation: float = GPU_UTILISATION) -> Rate:
     )
 
 
-def _attention_flops(cfg: DrafterConfig, shape: StepShape) -> float:
-    """Forward + backward FLOPs of the drafter's attention products over [context | block] keys."""
+def _attention_flops(cfg: DrafterConfig, shape: StepShape, visible_keys: float | None = None) -> float:
+    """Forward + backward FLOPs of the drafter's attention products: over every [context | block] key with a dense
+    mask (CPU), over the `visible_keys` a query sees on average with flex attention's block masks (CUDA)."""
     nq = shape.blocks * cfg.block_size
-    keys = shape.tokens + nq
+    keys = shape.tokens + nq if visible_keys is None else visible_keys
     forward = 4 * shape.rows * cfg.num_attention_heads * nq * keys * cfg.head_dim  # QKᵀ and PV
     return 3.0 * forward * cfg.num_hidden_layers  # backward: twice the forward
 
@@ -111,10 +113,14 @@ def drafter_flops(cfg: DrafterConfig, shape: StepShape) -> float:
     return float(counter.get_total_flops())
 
 
-def step_cost(cfg: DrafterConfig, target: Any, shape: StepShape, *, online: bool = False) -> StepCost:
-    """FLOPs of one micro-batch: drafter forward + backward, loss, and the target's forward online."""
+def step_cost(
+    cfg: DrafterConfig, target: Any, shape: StepShape, *, online: bool = False, visible_keys: float | None = None
+) -> StepCost:
+    """FLOPs of one micro-batch: drafter forward + backward, loss, and the target's forward online.
+    `visible_keys`: the keys a block query sees on average where the attention skips masked blocks (CUDA)."""
     cost = StepCost()
-    cost.flops["drafter"] = drafter_flops(cfg, shape) + _attention_flops(cfg, shape)
+    counted = drafter_flops(cfg, shape)
+    cost.flops["drafter"] = counted + _attention_flops(cfg, shape, visible_keys)
     vocab = cfg.draft_vocab_size or cfg.vocab_size
     m = shape.rows * shape.blocks * (cfg.block_size - head_of(cfg).first_draft_slot)  # rows carrying a loss
     cost.flops["loss"] = 2 * 2.0 * m * cfg.hidden_size * vocab  # logits, and the states' gradient through W

@@ -91,9 +91,33 @@ def test_layouts_follow_the_memory_model(plans) -> None:
     assert not moe["layouts"]["online, DDP"]["fits"] and moe["chosen"].startswith("offline")
     assert any("dflashkit capture" in cmd for _, cmd in plans["qwen3-30b-a3b"].commands)
     assert dense["chosen"] == "online, FSDP" and not dense["layouts"]["online, DDP"]["fits"]
-    for lay in dense["layouts"].values():  # FSDP shards the drafter's weights and moments: never more than DDP
-        assert lay["peak GiB"] > 0
-    assert dense["layouts"]["online, FSDP"]["peak GiB"] < dense["layouts"]["online, DDP"]["peak GiB"]
+    online, sharded = dense["layouts"]["online, DDP"]["parts GiB"], dense["layouts"]["online, FSDP"]["parts GiB"]
+    assert online["target weights"] == sharded["target weights"] == pytest.approx(8_190_735_360 * 2 / 2**30, abs=1e-3)
+    assert sharded["optimizer state"] == pytest.approx(online["optimizer state"] / 8, rel=1e-3)  # sharded over 8
+    assert "DDP gradient buckets" in online and "DDP gradient buckets" not in sharded
+    offline = dense["layouts"]["offline, DDP"]["parts GiB"]
+    assert offline["target weights"] == pytest.approx(2 * 151936 * 4096 * 2 / 2**30, abs=1e-3)  # the two tables
+    assert "capture (its own run)" in offline and "setup" in offline
+
+
+def test_gpu_commands_run_on_the_gpus(plans) -> None:
+    """Every step of an 8-GPU plan runs on its GPUs: vLLM data-parallel over them, capture and train under torchrun,
+    eval on CUDA; prepare caps replies and names data large enough for the plan."""
+    everything = [c for _, c in plans["qwen3-30b-a3b"].commands]
+    assert "--data-parallel-size 4" in next(c for c in everything if c.startswith("vllm serve"))
+    prepare = next(c for c in everything if " prepare " in c)
+    assert "--max-new-tokens 2048" in prepare and "--data conversations.jsonl" in prepare and "--server" in prepare
+    capture = next(c for c in everything if " capture " in c)
+    assert (
+        capture.startswith("torchrun --standalone --nproc_per_node 4 -m dflashkit capture")
+        and "--device cuda" in capture
+    )
+    assert "--layer-ids 1,12,23,34,45" in capture
+    train = next(c for c in everything if " train " in c)
+    assert train.startswith("torchrun --standalone --nproc_per_node 4 -m dflashkit train")
+    assert "--device cuda" in next(c for c in everything if c.startswith("dflashkit eval"))
+    data = plans["qwen3-30b-a3b"].sections["data"]["conversations"]
+    assert data["basis"] == "rule" and "17,000" in data["why"]
 
 
 def test_blocks_per_row_counts_documents_and_their_replies() -> None:

@@ -39,7 +39,7 @@ def test_a_run_that_does_not_fit_is_refused_naming_what_to_change(tmp_path) -> N
     for lever in ("max_anchors (now 512)", "max_tokens (now 3072)", "online: false", "fsdp: true"):
         assert lever in problem
     assert fit_problem(cfg, available=int(est.peak * 1.2), device=torch.device("cpu")) is None
-    offline = run_memory(_config(tmp_path, target, online=False, features=str(tmp_path)), device=torch.device("cpu"))
+    offline = run_memory(_config(tmp_path, target, online=False), device=torch.device("cpu"))
     assert offline.parts["target weights"] == 2 * 151936 * 4096 * 4  # embedding table and LM head only
 
 
@@ -66,11 +66,15 @@ def test_doctor_reports_the_training_memory(tmp_path) -> None:
 
     target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)
     yaml = tmp_path / "train.yaml"
-    yaml.write_text(f"target: {target}\ntokens: {tmp_path / 'x.jsonl'}\nonline: false\nfeatures: {tmp_path}\n")
-    finding = memory_finding(yaml)
-    assert finding.check == "training memory" and "GiB" in finding.what
-    assert finding.status in ("OK", "FAIL")  # this machine's free memory decides; the text names the parts
-    assert "target weights" in finding.what or "needs about" in finding.what
+    yaml.write_text(f"target: {target}\ntokens: {tmp_path / 'x.jsonl'}\nonline: true\n")
+    with pytest.MonkeyPatch.context() as mp:  # the device's total memory decides: 128 GiB, then 8 GiB
+        mp.setattr("dflashkit.train.memory_check.device_memory", lambda device, total=False: 128 * 2**30)
+        ok = memory_finding(yaml)
+        mp.setattr("dflashkit.train.memory_check.device_memory", lambda device, total=False: 8 * 2**30)
+        fail = memory_finding(yaml)
+    assert ok.status == "OK" and ok.check == "training memory" and "target weights 30.51" in ok.what
+    assert "online features" in ok.what and "1 rank(s)" in ok.what
+    assert fail.status == "FAIL" and "needs about" in fail.what and "has 8.0 GiB available" in fail.what
 
 
 def test_drafter_flops_equal_a_count_by_hand() -> None:
@@ -127,4 +131,36 @@ def test_bad_layout_values_are_refused() -> None:
 
     with pytest.raises(ConfigError, match="expected N×NAME"):
         Hardware.parse("8xTPU")
-    assert Hardware.parse("2xh200").count == 2 and Hardware.parse("H100").gpu_mem_gib == 80.0
+    assert Hardware.parse("2xh200").count == 2 and Hardware.parse("H100").gpu_mem_gib == 79.6
+
+
+def test_a_run_resumes_its_checkpoint_when_only_a_default_changed(tmp_path, tiny_llama_dir, monkeypatch) -> None:
+    """A field the config leaves to dflashkit's defaults (the MLP width, whose default for large targets now follows
+    the target) does not stop a run from resuming its own checkpoint; one that follows the target does."""
+    import dflashkit.drafter.config as drafter_config
+    from dflashkit.train.loop import train
+    from tests.helpers.train_runs import cfg_for, make_samples
+
+    target = Target.load(tiny_llama_dir)
+    ids = DrafterConfig.for_target(hidden_size=64, vocab_size=97, num_target_layers=8, mask_token_id=3).target_layer_ids
+    samples = make_samples(target, ids, n=4)
+    train(cfg_for(tmp_path / "run", max_steps=3, save_every=2), dataset=samples, target=target)
+    real = drafter_config.default_geometry
+
+    def changed(hidden: int, target_intermediate: int | None = None) -> dict[str, int]:
+        out = real(hidden, target_intermediate)
+        return {**out, "intermediate_size": out["intermediate_size"] + 32}  # a later version's default
+
+    monkeypatch.setattr(drafter_config, "default_geometry", changed)
+    assert train(cfg_for(tmp_path / "run", max_steps=4, save_every=2), dataset=samples, target=target) is not None
+    monkeypatch.setattr(DrafterConfig, "for_target", classmethod(_other_layers(DrafterConfig.for_target.__func__)))
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        train(cfg_for(tmp_path / "run", max_steps=5, save_every=2), dataset=samples, target=target)
+
+
+def _other_layers(for_target):
+    def build(cls, **kw):
+        cfg = for_target(cls, **kw)
+        return cfg.replace(target_layer_ids=[i + 1 for i in cfg.target_layer_ids[:-1]] + [cfg.target_layer_ids[-1]])
+
+    return build
