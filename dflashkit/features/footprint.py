@@ -280,34 +280,16 @@ def forward_moments(
     return {"layers": stream + kept * hid + max(attention, mlp), "end": end}
 
 
-def forward_transient(
-    target: TargetShape,
-    *,
-    rows: int,
-    tokens: int,
-    layers: int | Sequence[int],
-    dtype_bytes: int = 4,
-    feature_bytes: int = 4,
-    logits: bool = True,
-) -> int:
-    """The most bytes one `Target.forward` holds above its weights (the larger of `forward_moments`); online
-    features' pass by default (float32 features, logits formed)."""
-    moments = forward_moments(
-        target,
-        rows=rows,
-        tokens=tokens,
-        layers=layers,
-        dtype_bytes=dtype_bytes,
-        feature_bytes=feature_bytes,
-        logits=logits,
-    )
-    return max(moments.values())
+def forward_transient(target: TargetShape, **moments: Any) -> int:
+    """The most bytes one `Target.forward` holds above its weights: the larger of `forward_moments(target,
+    **moments)` (the same keywords; online features' pass by default: float32 features, logits formed)."""
+    return max(forward_moments(target, **moments).values())
 
 
 @dataclass
-class CaptureMemory:
-    """Bytes of one capture process: `parts` resident (name → bytes), `phases` the moments of its largest forward
-    (the largest counts), `notes` how each was obtained."""
+class MemoryParts:
+    """Bytes of a piece of work: `parts` resident (name → bytes), `phases` its transient moments (the largest
+    counts), `notes` how each was obtained. Capture's here (`CaptureMemory`); a training step's: `train.memory`."""
 
     parts: dict[str, int] = field(default_factory=dict)
     phases: dict[str, int] = field(default_factory=dict)
@@ -319,8 +301,22 @@ class CaptureMemory:
 
     @property
     def peak(self) -> int:
-        """All of it in one memory: the target on the CPU."""
         return self.resident + max(self.phases.values(), default=0)
+
+    def lines(self) -> list[str]:
+        """One line per part and phase: name, GiB, how obtained."""
+        out = [f"{k:<24} {v / 2**30:9.3f} GiB  {self.notes.get(k, '')}" for k, v in self.parts.items()]
+        top = max(self.phases, key=self.phases.__getitem__) if self.phases else None
+        for k, v in self.phases.items():
+            mark = "  ← the peak" if k == top else ""
+            out.append(f"{'+ ' + k:<24} {v / 2**30:9.3f} GiB  {self.notes.get(k, '')}{mark}")
+        out.append(f"{'peak':<24} {self.peak / 2**30:9.3f} GiB")
+        return out
+
+
+@dataclass
+class CaptureMemory(MemoryParts):
+    """Bytes of one capture process: the weights and samples resident, the moments of its largest forward."""
 
     @property
     def device(self) -> int:
@@ -332,16 +328,6 @@ class CaptureMemory:
     def host(self) -> int:
         """The host's share when the target runs on an accelerator: the samples and the shard's stored tensors."""
         return self.resident - self.parts.get("target weights", 0)
-
-    def lines(self) -> list[str]:
-        """One line per part and phase: name, GiB, how obtained."""
-        out = [f"{k:<20} {v / 2**30:9.3f} GiB  {self.notes.get(k, '')}" for k, v in self.parts.items()]
-        top = max(self.phases, key=self.phases.__getitem__) if self.phases else None
-        for k, v in self.phases.items():
-            mark = "  ← the peak" if k == top else ""
-            out.append(f"{'+ ' + k:<20} {v / 2**30:9.3f} GiB  {self.notes.get(k, '')}{mark}")
-        out.append(f"{'peak':<20} {self.peak / 2**30:9.3f} GiB")
-        return out
 
 
 def _forward_outputs(target: TargetShape, settings: CaptureSettings, n: int, dtype_bytes: int) -> dict[str, int]:
@@ -435,6 +421,7 @@ __all__ = [
     "TOPK_CHUNK_VALUES",
     "CaptureMemory",
     "DiskFootprint",
+    "MemoryParts",
     "TokenBytes",
     "capture_disk",
     "capture_memory",

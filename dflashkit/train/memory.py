@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dflashkit.drafter.capture_needs import capture_layer_ids
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
+from dflashkit.features.footprint import MemoryParts
 from dflashkit.train.losses import CHUNK_LOGITS, DISTRIBUTION_KINDS
 
 # Arrays of one chunk's width (rows_c, V) live at once at the peak of the chunked loss pass (`_chunked_pass`):
@@ -75,33 +76,6 @@ class MemorySettings:
     @property
     def bf16(self) -> bool:
         return self.precision == "bf16" or (self.precision == "auto" and self.device == "cuda")
-
-
-@dataclass
-class MemoryEstimate:
-    """Bytes per rank: `parts` (name → bytes, in the order they add up), `peak` their sum at the step's peak."""
-
-    parts: dict[str, int] = field(default_factory=dict)
-    phases: dict[str, int] = field(default_factory=dict)  # the step's transient phases; the largest counts
-    notes: dict[str, str] = field(default_factory=dict)  # part → how it was obtained
-
-    @property
-    def resident(self) -> int:
-        return sum(self.parts.values())
-
-    @property
-    def peak(self) -> int:
-        return self.resident + max(self.phases.values(), default=0)
-
-    def lines(self) -> list[str]:
-        """One line per part and phase: name, GiB, how obtained."""
-        out = [f"{k:<24} {v / 2**30:9.3f} GiB  {self.notes.get(k, '')}" for k, v in self.parts.items()]
-        top = max(self.phases, key=self.phases.__getitem__) if self.phases else None
-        for k, v in self.phases.items():
-            mark = "  ← the peak" if k == top else ""
-            out.append(f"{'+ ' + k:<24} {v / 2**30:9.3f} GiB  {self.notes.get(k, '')}{mark}")
-        out.append(f"{'peak':<24} {self.peak / 2**30:9.3f} GiB")
-        return out
 
 
 class LiveBytes(TorchDispatchMode):
@@ -215,12 +189,12 @@ def loss_working_set(cfg: DrafterConfig, shape: StepShape, settings: MemorySetti
 
 def step_memory(
     cfg: DrafterConfig, target: Any, shape: StepShape, settings: MemorySettings | None = None
-) -> MemoryEstimate:
+) -> MemoryParts:
     """The peak bytes per rank of one training step of drafter `cfg` on `target` (a `TargetShape`)."""
     from dflashkit.features.footprint import forward_transient
 
     s = settings or MemorySettings()
-    est = MemoryEstimate()
+    est = MemoryParts()
     p = drafter_parameters(cfg)
     shard = s.world if s.layout == "fsdp" else 1
     head = head_of(cfg)
@@ -275,7 +249,6 @@ def step_memory(
 
 __all__ = [
     "LiveBytes",
-    "MemoryEstimate",
     "MemorySettings",
     "StepShape",
     "drafter_parameters",

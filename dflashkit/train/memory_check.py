@@ -1,7 +1,7 @@
 """Will a training run fit its device? The check `train` runs before it loads anything, and `doctor` reports:
 the memory model (`train.memory`) applied to a `TrainConfig`, against the memory the device has.
 
-    est = run_memory(cfg)                  # MemoryEstimate of cfg's step on its drafter device (config files only)
+    est = run_memory(cfg)                  # MemoryParts of cfg's step on its drafter device (config files only)
     problem = fit_problem(cfg)             # None, or one line: what it needs, what the device has, what to change
 
 The row a step is sized for holds one document with `max_anchors` blocks (fewer when `max_tokens` is shorter):
@@ -18,8 +18,9 @@ import torch
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
+from dflashkit.features.footprint import MemoryParts
 from dflashkit.train.losses import DISTRIBUTION_KINDS
-from dflashkit.train.memory import MemoryEstimate, MemorySettings, StepShape, step_memory
+from dflashkit.train.memory import MemorySettings, StepShape, step_memory
 
 # Memory kept free for what the model leaves out: the CUDA context, the allocator's fragmentation, libraries.
 HEADROOM = 0.10
@@ -62,7 +63,7 @@ def device_memory(device: torch.device, *, total: bool = False) -> int:
     return int(memory.total if total else memory.available)
 
 
-def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = None) -> MemoryEstimate:
+def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = None) -> MemoryParts:
     """The memory model of one step of `cfg` on its drafter device (`shape`: the target's, read from cfg.target)."""
     from dflashkit.target.devices import resolve_device
     from dflashkit.target.distributed import read_env
