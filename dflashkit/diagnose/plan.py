@@ -475,6 +475,17 @@ def make_plan(request: PlanRequest) -> Plan:
         "config": {k: getattr(cfg, k) for k in _DRAFTER_FIELDS if getattr(cfg, k, None) is not None},
         "parameters": figure(drafter_parameters(cfg), "computed", "built on the meta device"),
         "why": why,
+        "draft vocabulary": figure(
+            cfg.draft_vocab_size or shape.vocab_size,
+            "given" if cfg.draft_vocab_size else "rule",
+            "the base drafter's"
+            if cfg.draft_vocab_size
+            else "the target's whole vocabulary; a reduced one (the N most "
+            "frequent reply tokens) is built from the data: `dflashkit init-drafter OUT draft_vocab_size=N "
+            "--draft-vocab-from data/…/tokens.jsonl`, then `init_from: OUT` (docs/drafters.md; it pays most on a CPU: "
+            'docs/studies.md "Draft vocabulary")',
+            "tokens",
+        ),
         "mask token": figure(
             "chosen when the drafter is built",
             "rule",

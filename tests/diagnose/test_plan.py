@@ -49,6 +49,9 @@ def plans(tmp_path_factory) -> dict[str, object]:
 def test_the_planned_drafter_is_the_reference_geometry(plans, name, reference) -> None:
     cfg = plans[name].drafter
     assert {k: getattr(cfg, k) for k in reference} == reference
+    section = plans[name].sections["drafter"]
+    assert section["draft vocabulary"]["value"] == plans[name].target.vocab_size
+    assert "--draft-vocab-from" in section["draft vocabulary"]["why"]
 
 
 def test_the_yaml_builds_the_planned_drafter_and_train_accepts_it(plans, tmp_path) -> None:
