@@ -26,8 +26,10 @@ Checked against the allocator's own peak on CPU (tests/train/test_memory.py: wit
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,41 +138,73 @@ def _largest_gathered(cfg: DrafterConfig) -> int:
     return sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.layers.parameters()) + layer
 
 
-def trace_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySettings) -> dict[str, int]:
-    """The drafter's forward and backward over one micro-batch, run on fake tensors (no memory, any size):
-    {"forward_peak", "saved" (live after the forward: the activations kept for backward), "backward_peak"} in
-    bytes above the inputs (features, masks, parameters), the gradient arriving from the loss included."""
+@dataclass
+class FakeStep:
+    """The drafter and one micro-batch's inputs as fake tensors (shapes only, no memory): `fake_step` makes it."""
+
+    drafter: Any
+    embed: torch.Tensor  # (V, H) the target's table, frozen
+    features: torch.Tensor  # (B, T, K·H)
+    first: torch.Tensor  # (B, Nb) the blocks' given tokens
+    context_positions: torch.Tensor  # (B, T)
+    block_positions: torch.Tensor  # (B, Nq)
+    masks: dict[str, torch.Tensor]  # per layer type (B, 1, Nq, T + Nq)
+    bf16: bool
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """Every tensor that exists before the step runs: its inputs, the drafter's parameters and buffers."""
+        made = [self.embed, self.features, self.first, self.context_positions, self.block_positions]
+        return [*made, *self.masks.values(), *self.drafter.parameters(), *self.drafter.buffers()]
+
+    def forward(self) -> torch.Tensor:
+        """The drafter's forward as a training step runs it → (B, Nq, H)."""
+        bs = self.drafter.config.block_size
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            embeds = self.drafter.block_embeddings(self.first, self.embed, bs)  # (B, Nq, H)
+            return self.drafter(
+                self.features, embeds, context_positions=self.context_positions,
+                block_positions=self.block_positions, attention_mask=self.masks, block_len=bs,
+            )  # fmt: skip
+
+
+@contextlib.contextmanager
+def fake_step(cfg: DrafterConfig, shape: StepShape, *, bf16: bool = False) -> Iterator[FakeStep]:
+    """The drafter of `cfg` and a micro-batch of `shape`, built under a FakeTensorMode that stays on while used."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dflashkit.drafter.model import DFlashDrafter
 
-    b, t, bs = shape.rows, shape.tokens, cfg.block_size
-    nq = shape.blocks * bs
-    dtype = torch.bfloat16 if settings.bf16 else torch.float32
+    b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
+    dtype = torch.bfloat16 if bf16 else torch.float32
     with FakeTensorMode():
-        drafter = DFlashDrafter(cfg).train()
-        embed = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # (V, H) the target's table, frozen
-        features = torch.empty(b, t, cfg.num_features * cfg.hidden_size)  # (B, T, K·H)
-        first = torch.zeros(b, shape.blocks, dtype=torch.long)  # (B, Nb)
-        ctx_pos = torch.arange(t).expand(b, t)  # (B, T)
-        blk_pos = torch.arange(nq).expand(b, nq)  # (B, Nq)
-        masks = {kind: torch.zeros(b, 1, nq, t + nq, dtype=dtype) for kind in set(cfg.layer_types)}
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16)
+        yield FakeStep(
+            drafter=DFlashDrafter(cfg).train(),
+            embed=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+            features=torch.empty(b, t, cfg.num_features * cfg.hidden_size),
+            first=torch.zeros(b, shape.blocks, dtype=torch.long),
+            context_positions=torch.arange(t).expand(b, t),
+            block_positions=torch.arange(nq).expand(b, nq),
+            masks={kind: torch.zeros(b, 1, nq, t + nq, dtype=dtype) for kind in set(cfg.layer_types)},
+            bf16=bf16,
+        )
+
+
+def trace_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySettings) -> dict[str, int]:
+    """The drafter's forward and backward over one micro-batch, run on fake tensors (no memory, any size):
+    {"forward_peak", "saved" (live after the forward: the activations kept for backward), "backward_peak"} in
+    bytes above the inputs (features, masks, parameters), the gradient arriving from the loss included."""
+    with fake_step(cfg, shape, bf16=settings.bf16) as step:
         live = LiveBytes()
-        live.known(embed, features, first, ctx_pos, blk_pos, *masks.values(), *drafter.parameters(), *drafter.buffers())
+        live.known(*step.inputs)
         with live:
-            with autocast:
-                embeds = drafter.block_embeddings(first, embed, bs)  # (B, Nq, H)
-                hidden = drafter(
-                    features, embeds, context_positions=ctx_pos, block_positions=blk_pos, attention_mask=masks,
-                    block_len=bs,
-                )  # fmt: skip
+            hidden = step.forward()  # (B, Nq, H)
             forward_peak, saved = live.peak, live.now
             grad = torch.empty_like(hidden)  # (B, Nq, H) d loss / d hidden, from the loss's chunks
             live.reset_peak()
             hidden.backward(grad)
             backward_peak = live.peak
-        del drafter, hidden, grad
+        del step, hidden, grad
     return {"forward_peak": forward_peak, "saved": saved, "backward_peak": backward_peak}
 
 
@@ -248,10 +282,12 @@ def step_memory(
 
 
 __all__ = [
+    "FakeStep",
     "LiveBytes",
     "MemorySettings",
     "StepShape",
     "drafter_parameters",
+    "fake_step",
     "loss_working_set",
     "step_memory",
     "trace_drafter_step",

@@ -27,7 +27,7 @@ import torch
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
-from dflashkit.train.memory import StepShape
+from dflashkit.train.memory import StepShape, fake_step
 
 # Dense bf16 tensor-core peaks (FLOP/s, vendor sheets) and memory in GiB as the driver reports it (nvidia-smi's
 # MiB / 1024) of the GPUs people train drafters on.
@@ -90,26 +90,11 @@ def _attention_flops(cfg: DrafterConfig, shape: StepShape, visible_keys: float |
 
 def drafter_flops(cfg: DrafterConfig, shape: StepShape) -> float:
     """FLOPs the counter sees in the drafter's forward + backward, run on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflashkit.drafter.model import DFlashDrafter
-
-    b, t, bs = shape.rows, shape.tokens, cfg.block_size
-    nq = shape.blocks * bs
-    with FakeTensorMode():
-        drafter = DFlashDrafter(cfg).train()
-        embed = torch.empty(cfg.vocab_size, cfg.hidden_size)  # (V, H)
-        features = torch.empty(b, t, cfg.num_features * cfg.hidden_size)  # (B, T, K·H)
-        first = torch.zeros(b, shape.blocks, dtype=torch.long)  # (B, Nb)
-        masks = {kind: torch.zeros(b, 1, nq, t + nq) for kind in set(cfg.layer_types)}  # (B, 1, Nq, T + Nq)
-        with FlopCounterMode(display=False) as counter:
-            embeds = drafter.block_embeddings(first, embed, bs)  # (B, Nq, H)
-            hidden = drafter(
-                features, embeds, context_positions=torch.arange(t).expand(b, t),
-                block_positions=torch.arange(nq).expand(b, nq), attention_mask=masks, block_len=bs,
-            )  # fmt: skip
-            hidden.backward(torch.empty_like(hidden))
+    with fake_step(cfg, shape) as step, FlopCounterMode(display=False) as counter:
+        hidden = step.forward()  # (B, Nq, H)
+        hidden.backward(torch.empty_like(hidden))
     return float(counter.get_total_flops())
 
 
