@@ -27,6 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflashkit.cpu_products import linear_product, route_linears
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
+from dflashkit.drafter.tiled_attention import TiledMask, tiled_attention
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").
@@ -171,18 +172,19 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self._kv(block, *block_rope)  # (B, kvh, Tq, hd)
         k = torch.cat([k_ctx, k_blk], dim=2)  # (B, kvh, Tc_all + Tq, hd)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        if mask is not None and not isinstance(mask, Tensor):  # a flex-attention BlockMask (CUDA training)
-            out = _flex_attention()(
-                q, k, v, block_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
-            )
+        scale, gqa = self.head_dim**-0.5, self.num_heads != self.num_kv_heads
+        if isinstance(mask, TiledMask):  # a training mask on CPU: only the keys each query tile can see
+            out = tiled_attention(q, k, v, mask, scale=scale, enable_gqa=gqa)
+        elif mask is not None and not isinstance(mask, Tensor):  # a flex-attention BlockMask (CUDA training)
+            out = _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
                 attn_mask=None if mask is None else to_additive(mask, q.dtype),
-                scale=self.head_dim**-0.5,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                scale=scale,
+                enable_gqa=gqa,
             )
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim))
 

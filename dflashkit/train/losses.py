@@ -278,15 +278,20 @@ def _chunked_pass(
                 g[torch.arange(end - start, device=g.device), lab] -= 1.0
             else:
                 g = g_div
-            g = torch.where(live[:, None], g * w[:, None], 0.0)  # d(loss)/d(logits)
+            # d(loss)/d(logits) = w ⊙ g row by row: the row weight scales the products' smaller sides (m_c × H
+            # instead of m_c × V), and a row of weight 0 is zeroed (not multiplied: its g may hold inf·0)
+            rw = torch.where(live, w, 0.0)[:, None]  # (m_c, 1)
             if need_gh:
-                gh[start:end, :hw] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                gh[start:end, :hw] = torch.where(live[:, None], (g.to(weight.dtype) @ weight).to(acc) * rw, 0.0)
             if need_gh and extra is not None:
-                gh[start:end, hw:] = (g.to(extra.dtype) @ extra).to(hidden.dtype)
+                gh[start:end, hw:] = torch.where(live[:, None], (g.to(extra.dtype) @ extra).to(acc) * rw, 0.0)
+            if need_gw or need_ge:  # a row of weight 0 may hold non-finite g: zero it on both sides
+                g = torch.where(live[:, None], g, 0.0)
+                hw_rows = torch.where(live[:, None], h.to(acc) * rw, 0.0)  # (m_c, H + r)
             if need_gw:
-                gw += g.t() @ h[:, :hw].to(acc)
+                gw += g.t() @ hw_rows[:, :hw]
             if need_ge:
-                ge += g.t() @ h[:, hw:].to(acc)
+                ge += g.t() @ hw_rows[:, hw:]
     return total, per_rows, preds, gh, gw, ge
 
 

@@ -41,13 +41,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dflashkit.drafter.capture_needs import capture_layer_ids
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
+from dflashkit.drafter.tiled_attention import DEFAULT_TILE
 from dflashkit.features.footprint import MemoryParts
 from dflashkit.train.losses import CHUNK_LOGITS, DISTRIBUTION_KINDS
 
 # Arrays of one chunk's width (rows_c, V) live at once at the peak of the chunked loss pass (`_chunked_pass`):
-# CE/top-k — the logits z, log p, g = exp(log p), g·w and the masked copy; the distribution objectives add the
-# target's chunk, its log-probabilities, both probabilities and the divergence's gradient.
-_LOSS_ARRAYS = {"ce": 5, "topk": 5, "distribution": 9}
+# CE/top-k — the logits z, log p and g = exp(log p) (and g's bf16 copy for the product under bf16); the
+# distribution objectives add the target's chunk, its log-probabilities, both probabilities and the divergence's
+# gradient.
+_LOSS_ARRAYS = {"ce": 3, "topk": 3, "distribution": 7}
 
 
 @dataclass(frozen=True)
@@ -148,14 +150,15 @@ class FakeStep:
     first: torch.Tensor  # (B, Nb) the blocks' given tokens
     context_positions: torch.Tensor  # (B, T)
     block_positions: torch.Tensor  # (B, Nq)
-    masks: dict[str, torch.Tensor]  # per layer type (B, 1, Nq, T + Nq)
+    masks: dict[str, Any]  # per layer type: (B, 1, Nq, T + Nq) dense, or its widest query tiles (CPU)
     bf16: bool
 
     @property
     def inputs(self) -> list[torch.Tensor]:
         """Every tensor that exists before the step runs: its inputs, the drafter's parameters and buffers."""
         made = [self.embed, self.features, self.first, self.context_positions, self.block_positions]
-        return [*made, *self.masks.values(), *self.drafter.parameters(), *self.drafter.buffers()]
+        masks = [t for m in self.masks.values() for t in ([m] if isinstance(m, torch.Tensor) else m.additive)]
+        return [*made, *masks, *self.drafter.parameters(), *self.drafter.buffers()]
 
     def forward(self) -> torch.Tensor:
         """The drafter's forward as a training step runs it → (B, Nq, H)."""
@@ -169,11 +172,13 @@ class FakeStep:
 
 
 @contextlib.contextmanager
-def fake_step(cfg: DrafterConfig, shape: StepShape, *, bf16: bool = False) -> Iterator[FakeStep]:
-    """The drafter of `cfg` and a micro-batch of `shape`, built under a FakeTensorMode that stays on while used."""
+def fake_step(cfg: DrafterConfig, shape: StepShape, *, bf16: bool = False, tiled: bool = False) -> Iterator[FakeStep]:
+    """The drafter of `cfg` and a micro-batch of `shape`, built under a FakeTensorMode that stays on while used.
+    `tiled`: the masks as CPU training cuts them (`tiled_attention`), at their widest; else dense."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.drafter.tiled_attention import widest_tiles
 
     b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -185,7 +190,10 @@ def fake_step(cfg: DrafterConfig, shape: StepShape, *, bf16: bool = False) -> It
             first=torch.zeros(b, shape.blocks, dtype=torch.long),
             context_positions=torch.arange(t).expand(b, t),
             block_positions=torch.arange(nq).expand(b, nq),
-            masks={kind: torch.zeros(b, 1, nq, t + nq, dtype=dtype) for kind in set(cfg.layer_types)},
+            masks={
+                kind: widest_tiles(b, nq, t, dtype) if tiled else torch.zeros(b, 1, nq, t + nq, dtype=dtype)
+                for kind in set(cfg.layer_types)
+            },
             bf16=bf16,
         )
 
@@ -194,7 +202,7 @@ def trace_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySet
     """The drafter's forward and backward over one micro-batch, run on fake tensors (no memory, any size):
     {"forward_peak", "saved" (live after the forward: the activations kept for backward), "backward_peak"} in
     bytes above the inputs (features, masks, parameters), the gradient arriving from the loss included."""
-    with fake_step(cfg, shape, bf16=settings.bf16) as step:
+    with fake_step(cfg, shape, bf16=settings.bf16, tiled=settings.device == "cpu") as step:
         live = LiveBytes()
         live.known(*step.inputs)
         with live:
@@ -218,7 +226,8 @@ def loss_working_set(cfg: DrafterConfig, shape: StepShape, settings: MemorySetti
     chunk_blocks = settings.loss_chunk_rows or max(1, CHUNK_LOGITS // max(1, bs * vocab))
     rows_c = min(m, chunk_blocks * bs)
     kind = settings.loss if settings.loss in ("ce", "topk") else "distribution"
-    return 2 * m * cfg.hidden_size * 4 + _LOSS_ARRAYS[kind] * rows_c * vocab * 4
+    arrays = _LOSS_ARRAYS[kind] * 4 + (2 if settings.bf16 else 0)  # bytes per (row, vocabulary entry)
+    return 2 * m * cfg.hidden_size * 4 + arrays * rows_c * vocab
 
 
 def step_memory(
@@ -251,8 +260,10 @@ def step_memory(
     traced = trace_drafter_step(cfg, shape, s)
     b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
     inputs = b * t * cfg.num_features * cfg.hidden_size * 4  # (B, T, K·H) float32 features
-    if s.device == "cpu":  # dense masks: the boolean one and its additive copy per layer type (CUDA: flex)
-        inputs += len(set(cfg.layer_types)) * b * nq * (t + nq) * (1 + (2 if s.bf16 else 4))
+    if s.device == "cpu":  # per layer type the additive masks of the query tiles, at their widest (CUDA: flex)
+        tiles = range(0, nq, DEFAULT_TILE)
+        inputs += len(set(cfg.layer_types)) * b * sum(min(nq - q, DEFAULT_TILE) * (t + min(nq - q, DEFAULT_TILE))
+                                                      for q in tiles) * (2 if s.bf16 else 4)  # fmt: skip
     grads = math.ceil(p / shard) * 4
     if shard > 1:  # FSDP gathers one decoder layer at a time (and the root: fc, norms), with its gradients
         grads += 2 * 4 * _largest_gathered(cfg)

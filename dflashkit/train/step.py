@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dflashkit.drafter.capture_needs import capture_target_lse
 from dflashkit.drafter.heads import HeadObjective, TrainingTerms, head_of
-from dflashkit.drafter.model import to_additive
+from dflashkit.drafter.tiled_attention import tile_mask
 from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
 from dflashkit.train.config import TrainConfig
@@ -142,11 +142,11 @@ def prepare_inputs(
 
 def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype) -> dict[str, Any]:
     """Training mask per layer type: flex-attention BlockMasks on CUDA (sparse, no dense (Nq, T + Nq) tensor),
-    additive (B, 1, Nq, T + Nq) tensors in the attention dtype elsewhere. Both are tested against the same
-    naive reference (tests/train/test_blocks.py)."""
+    elsewhere the dense boolean mask cut into query tiles over the keys they see (`tile_mask`: additive, in the
+    attention dtype). Both are tested against the same naive reference (tests/train/test_blocks.py)."""
     if blocks.anchors.device.type == "cuda":
         return masks_for_layer_types(drafter_config, blocks, backend="flex")
-    return {k: to_additive(m, dtype) for k, m in masks_for_layer_types(drafter_config, blocks).items()}
+    return {k: tile_mask(m, dtype) for k, m in masks_for_layer_types(drafter_config, blocks).items()}
 
 
 def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | float) -> LossOutput:
@@ -182,23 +182,24 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         """The configured objective (or `kind`) over the step's labels for logits states·lm_rowsᵀ (with `extra`
         (V', r): states·[lm_rows ; extra]ᵀ, only extra trained)."""
         kind = kind or cfg.loss
-        return block_loss(
-            states,
-            lm_rows,
-            labels,
-            weights=run.weights,
-            kind=kind,
-            target_logits=target if kind in DISTRIBUTION_KINDS else None,
-            chunk_size=cfg.loss_chunk_size,
-            normalizer=normalizer,
-            position_weights=cfg.position_weights,
-            dpace_alpha=cfg.dpace_alpha,
-            lk_eta=cfg.lk_eta,
-            lk_kl_scale=cfg.lk_kl_scale,
-            lk_kl_decay=cfg.lk_kl_decay,
-            extra_rows=extra,
-            **(soft if kind == "topk" else {}),
-        )
+        with run.autocast():  # the LM-head products at the drafter's precision (on CUDA the head is bf16 already)
+            return block_loss(
+                states,
+                lm_rows,
+                labels,
+                weights=run.weights,
+                kind=kind,
+                target_logits=target if kind in DISTRIBUTION_KINDS else None,
+                chunk_size=cfg.loss_chunk_size,
+                normalizer=normalizer,
+                position_weights=cfg.position_weights,
+                dpace_alpha=cfg.dpace_alpha,
+                lk_eta=cfg.lk_eta,
+                lk_kl_scale=cfg.lk_kl_scale,
+                lk_kl_decay=cfg.lk_kl_decay,
+                extra_rows=extra,
+                **(soft if kind == "topk" else {}),
+            )
 
     terms = TrainingTerms(
         drafter=run.drafter,
