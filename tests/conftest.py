@@ -48,6 +48,10 @@ os.environ["DFLASHKIT_PACKED_MAX_GB"] = "1"
 # tests/train/test_optimizer_choice.py measures with this unset.
 os.environ["DFLASHKIT_ADAMW"] = "fused"
 
+# Likewise a CPU run's precision (dtype: auto) is timed at its start; the suite trains in fp32, the reference.
+# tests/train/test_precision_choice.py measures with this unset.
+os.environ["DFLASHKIT_TRAIN_PRECISION"] = "fp32"
+
 
 def _tiny_config(kind: str):
     from transformers import LlamaConfig, Qwen3Config

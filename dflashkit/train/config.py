@@ -162,7 +162,7 @@ class TrainConfig(*TRAIN_SETTINGS):
     progress: Bool = True  # a progress bar on the terminal
     # ---- execution
     seed: Seed = 0  # seeds init, packing order and anchors (per epoch and row: a resume repeats them)
-    dtype: choice("auto", "fp32", "bf16") = "auto"  # auto: fp32 on CPU, bf16 autocast on CUDA
+    dtype: choice("auto", "fp32", "bf16") = "auto"  # auto: bf16 autocast on CUDA; on CPU timed (precision_choice)
     drafter_device: _Device = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     target_device: _Device = "auto"  # auto: the drafter's device
     compile: Bool = False  # torch.compile the drafter

@@ -75,6 +75,7 @@ def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = Non
     elsewhere = (target_device.type, target_device.index or 0) != (device.type, device.index or 0)
     shape = shape or read_target_shape(cfg.target, trust_remote_code=cfg.trust_remote_code)
     drafter = run_drafter_config(cfg, shape)
+    # auto on a CPU is timed when the run starts (precision_choice): its fp32 step is the larger, so it is checked
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     settings = MemorySettings(
         device=device.type,
@@ -87,11 +88,11 @@ def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = Non
         target_elsewhere=elsewhere,
         loss_chunk_rows=cfg.loss_chunk_size,
     )
-    row = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=_blocks_per_row(cfg))
+    row = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
     return step_memory(drafter, shape, row, settings)
 
 
-def _blocks_per_row(cfg: Any) -> int:
+def blocks_per_row(cfg: Any) -> int:
     """Blocks of a row holding one document: `max_anchors`, fewer when no document has that many supervised tokens
     (a capture's manifest says; a tokens file would need a full read) or the row is shorter."""
     blocks = min(cfg.max_anchors, cfg.max_tokens - 1)
@@ -133,4 +134,4 @@ def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device 
     )
 
 
-__all__ = ["HEADROOM", "device_memory", "fit_problem", "run_drafter_config", "run_memory"]
+__all__ = ["HEADROOM", "blocks_per_row", "device_memory", "fit_problem", "run_drafter_config", "run_memory"]

@@ -264,7 +264,8 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     logger = MetricsLogger(
         out, enabled=dist.is_main, tensorboard=cfg.tensorboard, resume_step=state.step if blob is not None else None
     )
-    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    state.precision = _precision(cfg, drafter.config, device, state, fresh=blob is None, dist=dist)
+    use_bf16 = state.precision == "bf16"
     info = {
         **data.info,
         "resumed_from": str(ckpt) if ckpt is not None else None,
@@ -521,6 +522,29 @@ def _adamw_impl(
             flush=True,
         )
     return impl
+
+
+def _precision(
+    cfg: Any, drafter_config: DrafterConfig, device: torch.device, state: TrainState, *, fresh: bool, dist: Any
+) -> str:
+    """The run's precision: a named `dtype`; bf16 autocast on CUDA; on a CPU the run's own when resuming (a state
+    that records none trained in fp32), else measured (`choose_precision`) at the run's geometry."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    if device.type == "cuda":
+        return "bf16"
+    if not fresh:
+        return state.precision or "fp32"
+    from dflashkit.train.memory import StepShape
+    from dflashkit.train.memory_check import blocks_per_row
+    from dflashkit.train.precision_choice import choose_precision
+
+    shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
+    choice, timings = choose_precision(drafter_config, shape, all_reduce=dist.all_reduce if dist.distributed else None)
+    if dist.is_main:
+        measured = ", ".join(f"{k} {v:.0f} ms" for k, v in timings.items()) + " a step" if timings else "stored"
+        print(f"[dflashkit train] precision: {measured} on this machine → {choice}", flush=True)
+    return choice
 
 
 def _announce(cfg: Any, info: dict[str, Any], data: _DataPlan, state: TrainState, ckpt: Path | None) -> None:

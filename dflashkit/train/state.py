@@ -55,6 +55,7 @@ class TrainState:
     best_val_tau: float | None = None  # keep_best: the highest validation τ so far, and its step (OUT/best)
     best_val_step: int = 0
     optimizer_impl: str = "default"  # AdamW's implementation, fixed for the run (a state that records none: torch's)
+    precision: str = ""  # "fp32" / "bf16", fixed for the run (a state that records none: fp32 on CPU, bf16 on CUDA)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -123,10 +123,13 @@ def target_forward_flops(target: Any, rows: int, tokens: int) -> float:
     return 2.0 * target.num_active_parameters * n + attention * full
 
 
-def time_drafter_step(cfg: DrafterConfig, shape: StepShape, *, steps: int = 3, seed: int = 0) -> float:
+def time_drafter_step(
+    cfg: DrafterConfig, shape: StepShape, *, steps: int = 3, seed: int = 0, bf16: bool = False
+) -> float:
     """Seconds of one real training step of the drafter on this machine over random rows (one document each):
-    anchors, blocks and dense masks as training builds them, forward, loss, backward, AdamW — the fastest of
-    `steps` after one untimed step (the least disturbed by other work)."""
+    anchors, blocks and masks as training builds them, forward, loss over the draft vocabulary, backward, AdamW —
+    the fastest of `steps` after one untimed step (the least disturbed by other work). `bf16`: the forward and the
+    loss's products under bf16 autocast, as a bf16 run computes them."""
     from dflashkit.drafter.model import DFlashDrafter
     from dflashkit.train.blocks import build_blocks
     from dflashkit.train.losses import block_loss, decay_weights
@@ -136,9 +139,10 @@ def time_drafter_step(cfg: DrafterConfig, shape: StepShape, *, steps: int = 3, s
     g = torch.Generator().manual_seed(seed)
     b, t, bs = shape.rows, shape.tokens, cfg.block_size
     drafter = DFlashDrafter(cfg).train()
+    vocab = cfg.draft_vocab_size or cfg.vocab_size  # the head the loss runs over
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02  # (V, H)
     features = torch.randn(b, t, cfg.num_features * cfg.hidden_size, generator=g)  # (B, T, K·H)
-    ids = torch.randint(0, cfg.vocab_size, (b, t), generator=g)  # (B, T)
+    ids = torch.randint(0, vocab, (b, t), generator=g)  # (B, T) labels inside the draft vocabulary
     positions = torch.arange(t).expand(b, t)  # (B, T)
     anchors = torch.linspace(0, t - bs - 1, shape.blocks).long().expand(b, shape.blocks)  # (B, Nb)
     optimizer = make_adamw(drafter.parameters(), "foreach", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
@@ -153,14 +157,16 @@ def time_drafter_step(cfg: DrafterConfig, shape: StepShape, *, steps: int = 3, s
             block_size=bs,
             anchors=anchors,
         )
-        masks = attention_masks(cfg, blocks, torch.float32)
-        embeds = drafter.block_embeddings(blocks.first_tokens, embed, bs)  # (B, Nq, H)
-        hidden = drafter(
-            features, embeds, context_positions=blocks.context_positions,
-            block_positions=blocks.block_positions, attention_mask=masks, block_len=bs,
-        )  # fmt: skip
-        labels = blocks.labels.reshape(-1, bs)  # (B·Nb, bs)
-        loss = block_loss(hidden.reshape(-1, bs, cfg.hidden_size), embed, labels, weights=decay_weights(bs)).loss
+        masks = attention_masks(cfg, blocks, torch.bfloat16 if bf16 else torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            embeds = drafter.block_embeddings(blocks.first_tokens, embed, bs)  # (B, Nq, H)
+            hidden = drafter(
+                features, embeds, context_positions=blocks.context_positions,
+                block_positions=blocks.block_positions, attention_mask=masks, block_len=bs,
+            )  # fmt: skip
+            labels = blocks.labels.reshape(-1, bs)  # (B·Nb, bs)
+            states = hidden.reshape(-1, bs, cfg.hidden_size)
+            loss = block_loss(states, embed[:vocab], labels, weights=decay_weights(bs)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
