@@ -298,7 +298,8 @@ def analyze(log: RunLog) -> dict[str, Any]:
             )
     _, clipped = log.series("clipped")
     if clipped:
-        out["clipped_fraction"] = sum(clipped) / len(clipped)
+        out["clipped_fraction"] = share = sum(clipped) / len(clipped)
+        find.append(_clipping_finding(share, len(clipped), out.get("grad_norm", {}).get("median")))
     _, loss = log.series("loss")
     if loss:
         out["loss"] = {
@@ -345,6 +346,28 @@ def analyze(log: RunLog) -> dict[str, Any]:
     if noise:
         out["noise_std"] = {"first": noise[0], "last": noise[-1], "max": max(noise)}
     return out
+
+
+CLIP_RULE = 0.5  # clipping on more than this share of steps is the rule, not a guard against spikes
+CLIP_MIN_RECORDS = 20
+
+
+def _clipping_finding(share: float, records: int, median_norm: float | None) -> Finding:
+    """Gradient clipping meant to catch spikes: a warning when it acts on most steps — every clipped step moves the
+    weights by lr·clip/‖g‖ instead of lr, so the configured learning rate (and its schedule) is not the one applied."""
+    if records < CLIP_MIN_RECORDS:
+        few = f"acted on {share:.0%} of {records} records: too few to judge (≥ {CLIP_MIN_RECORDS})"
+        return Finding("OK", "clipping", few)
+    if share <= CLIP_RULE:
+        return Finding("OK", "clipping", f"acted on {share:.1%} of steps: it catches spikes")
+    norm = f" (grad norm median {median_norm:.3g})" if median_norm is not None else ""
+    return Finding(
+        "WARN",
+        "clipping",
+        f"acted on {share:.1%} of steps{norm}: the rule, not the exception",
+        "each clipped step applies lr·grad_clip/‖g‖, not the configured lr: raise grad_clip above the typical norm "
+        "(about twice the median) so it only catches spikes, or lower lr",
+    )
 
 
 def compare(logs: list[RunLog], *, acc: float = 0.5, slot: int | None = None) -> dict[str, Any]:

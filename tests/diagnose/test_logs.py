@@ -24,6 +24,7 @@ def synthetic_run(
     keys: tuple[str, ...] | None = None,
     seed: int = 0,
     speed: float = 60.0,
+    clip: float = 1.5,
 ) -> Path:
     """metrics.jsonl as dflashkit training writes it (train records every step, val every 40)."""
     rng = random.Random(seed)
@@ -50,7 +51,7 @@ def synthetic_run(
             "tau": 1 + sum(math.prod(acc[1 : k + 1]) for k in range(1, 8)),
             "lr": lr,
             "grad_norm": grad,
-            "clipped": grad > 1.0,
+            "clipped": grad > clip,
             "noise_std": 0.05 * (1 - step / steps),
             "loss_p10": loss,
             "loss_median": loss,
@@ -80,7 +81,7 @@ def statuses(analysis: dict) -> dict[str, str]:
 def test_collapsed_grad_norm_and_bimodal_loss_are_flagged(tmp_path, capsys):
     run = synthetic_run(tmp_path / "bad", collapse_at=150, bimodal=True)
     a = analyze(read_run(run))
-    assert statuses(a) == {"grad norm": "WARN", "loss": "WARN"}
+    assert statuses(a) == {"grad norm": "WARN", "clipping": "OK", "loss": "WARN"}
     text = "\n".join(f.line() for f in a["findings"])
     assert "WARN grad norm: collapsed: below 1e-3 × its early median" in text and "from step 150" in text
     assert "WARN loss: bimodal step losses (BC" in text
@@ -92,14 +93,27 @@ def test_collapsed_grad_norm_and_bimodal_loss_are_flagged(tmp_path, capsys):
 
 def test_healthy_run_flags_nothing(tmp_path):
     a = analyze(read_run(synthetic_run(tmp_path / "good")))
-    assert statuses(a) == {"grad norm": "OK", "loss": "OK"}
+    assert statuses(a) == {"grad norm": "OK", "clipping": "OK", "loss": "OK"}
     g, lo = a["grad_norm"], a["loss"]
     assert g["warmup_records"] == 9 and 0.3 < g["mean_after_warmup"] < 1.8
     assert lo["p10"] < lo["median"] < lo["p90"] and a["lr"]["peak_step"] == 10
     assert a["clipped_fraction"] == pytest.approx(
-        sum(1 for r in read_run(tmp_path / "good").train if r["grad_norm"] > 1.0) / 240
+        sum(1 for r in read_run(tmp_path / "good").train if r["grad_norm"] > 1.5) / 240
     )
     assert a["train_tau"]["last"] > a["train_tau"]["first"] and a["noise_std"]["first"] > a["noise_std"]["last"]
+
+
+def test_clipping_on_most_steps_is_flagged(tmp_path, capsys):
+    """A clip below the typical gradient norm acts on nearly every step: the configured lr is not the one applied."""
+    a = analyze(read_run(synthetic_run(tmp_path / "clipped", clip=0.5)))
+    assert statuses(a)["clipping"] == "WARN" and a["clipped_fraction"] > 0.95
+    line = next(f.line() for f in a["findings"] if f.check == "clipping")
+    assert "of steps (grad norm median" in line and "the rule, not the exception" in line
+    assert main(["logs", str(tmp_path / "clipped")]) == 0
+    assert "raise grad_clip above the typical norm" in capsys.readouterr().out
+    few = analyze(read_run(synthetic_run(tmp_path / "short", steps=15, clip=0.5)))
+    assert statuses(few)["clipping"] == "OK"
+    assert "too few to judge" in next(f.line() for f in few["findings"] if f.check == "clipping")
 
 
 def test_bimodality_statistics():
