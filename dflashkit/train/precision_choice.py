@@ -83,8 +83,15 @@ def stored_choices(path: Path | None = None) -> dict[str, dict[str, Any]]:
     return {
         k: e
         for k, e in (choices.items() if isinstance(choices, dict) else [])
-        if isinstance(e, dict) and e.get("choice") in PRECISIONS and fresh(e, now, age)
+        if isinstance(e, dict)
+        and e.get("choice") in PRECISIONS
+        and all(_timing(e.get(f"{p}_ms")) for p in PRECISIONS)
+        and fresh(e, now, age)
     }
+
+
+def _timing(ms: object) -> bool:
+    return isinstance(ms, int | float) and not isinstance(ms, bool) and ms >= 0
 
 
 def _store(path: Path | None, key: str, entry: dict[str, Any]) -> None:
