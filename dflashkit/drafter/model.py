@@ -276,12 +276,12 @@ class DFlashDrafter(nn.Module):
         """Draft logits from the target's LM head: (…, H) → (…, V), or (…, draft_vocab) with a reduced vocab."""
         weight = lm_head_weight
         if self.config.draft_vocab_size is not None:
-            weight = self._reduced_head_weight(lm_head_weight)  # (V', H)
+            weight = self.reduced_head_weight(lm_head_weight)  # (V', H)
         weight = weight.to(hidden.device) if weight.device != hidden.device else weight
         out = linear_product(hidden.to(weight.dtype), weight)  # a round's few rows: the measured product
         return self.head.unary_logits(self.config, out)
 
-    def _reduced_head_weight(self, lm_head_weight: Tensor) -> Tensor:
+    def reduced_head_weight(self, lm_head_weight: Tensor) -> Tensor:
         """The target's LM head rows of the draft vocabulary (V', H): gathered once per head tensor (and its in-place
         version) and map, then reused every round — in eval and train mode alike (gathering the rows is a copy of
         megabytes, a large part of a draft, and a drafter used without `.eval()` would pay it every round). Gathered

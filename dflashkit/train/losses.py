@@ -379,6 +379,21 @@ def _check_objective(
         )
 
 
+def _cast_frozen(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """A frozen head in `dtype`, the same tensor from step to step while the head is unchanged (its version), kept
+    on the head itself (so it lives as long as the head): a product's library keeps its own layout of a weight it has
+    seen (oneDNN's reordered bf16 weights on CPU), which a fresh copy every step would pay again."""
+    if weight.dtype == dtype:
+        return weight
+    key = (weight._version, dtype)
+    hit = getattr(weight, "_dflashkit_cast", None)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = (key, weight.detach().to(dtype))
+        weight._dflashkit_cast = hit
+    return hit[1]
+
+
 def block_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -430,6 +445,10 @@ def block_loss(
     vocab = lm_head_weight.shape[0]
     if extra_rows is not None and (extra_rows.dim() != 2 or extra_rows.shape[0] != vocab):
         raise ValueError(f"extra_rows must be ({vocab}, r), got {tuple(extra_rows.shape)}")
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev) and not lm_head_weight.requires_grad:
+        # a frozen head under autocast: cast once, not in every chunk's two products
+        lm_head_weight = _cast_frozen(lm_head_weight, torch.get_autocast_dtype(dev))
     flat_h = hidden.reshape(-1, h_dim).to(lm_head_weight.dtype)  # (M, H), M = N·bs
     flat_lab = labels.reshape(-1).long()  # (M,)
     n = flat_lab.numel() // bs if bs else 0

@@ -153,10 +153,9 @@ def draft_vocab_head(drafter: Any, lm_head: Tensor, labels: Tensor) -> tuple[Ten
     be drafted, which evaluation measures). Without one: the full head and the labels unchanged."""
     if drafter.config.draft_vocab_size is None:
         return lm_head, labels
-    d2t = drafter.draft_to_target.to(lm_head.device)  # (N,)
     t2d = _target_to_draft(drafter, lm_head.shape[0], labels.device)
     mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], torch.full_like(labels, -100))
-    return lm_head.index_select(0, d2t), mapped
+    return drafter.reduced_head_weight(lm_head), mapped  # a frozen head's rows: gathered once, kept
 
 
 def draft_vocab_topk(drafter: Any, ids: Tensor, vocab: int) -> Tensor:

@@ -151,3 +151,28 @@ def test_bf16_inputs_close_to_float32() -> None:
     ref = block_loss(h16.detach().float(), weight.to(torch.bfloat16).float(), labels)
     assert out.loss.dtype == torch.float32 and h16.grad.dtype == torch.bfloat16
     torch.testing.assert_close(out.loss, ref.loss, rtol=2e-2, atol=2e-2)
+
+
+def test_under_bf16_autocast_the_frozen_head_is_cast_once_and_the_loss_follows_fp32() -> None:
+    """A bf16 run's LM-head products: the frozen head is cast once and the same copy reused while the head is
+    unchanged (a new one after an in-place change); loss and gradient follow fp32's within bf16's rounding."""
+    from dflashkit.train.losses import _cast_frozen
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 4, 16, generator=g, requires_grad=True)
+    head = torch.randn(40, 16, generator=g)
+    labels = torch.randint(0, 40, (6, 4), generator=g)
+    ref = block_loss(hidden, head, labels)
+    (grad_ref,) = torch.autograd.grad(ref.loss, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block_loss(hidden, head, labels)
+        first = _cast_frozen(head, torch.bfloat16)
+        assert _cast_frozen(head, torch.bfloat16) is first and first.dtype == torch.bfloat16
+        (grad,) = torch.autograd.grad(out.loss, hidden)
+    assert grad.dtype == torch.float32
+    torch.testing.assert_close(out.loss, ref.loss, rtol=2e-2, atol=0)
+    torch.testing.assert_close(grad, grad_ref, rtol=5e-2, atol=5e-3)
+    head.mul_(2)  # a changed head is cast again
+    again = _cast_frozen(head, torch.bfloat16)
+    assert again is not first and torch.equal(again, head.to(torch.bfloat16))
+    assert _cast_frozen(head, torch.float32) is head
