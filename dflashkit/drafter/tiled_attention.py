@@ -87,6 +87,7 @@ def widest_tiles(rows: int, queries: int, context: int, dtype: torch.dtype, *, t
     return TiledMask(tiles, additive, context + queries, index)
 
 
+@torch.compiler.disable  # its tiles are data: a compiled drafter runs it eagerly instead of recompiling every step
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale: float, enable_gqa: bool) -> Tensor:
     """q (B, nh, Nq, d), k / v (B, kvh, Tk, d) → (B, nh, Nq, d): SDPA under the mask `tiled` was cut from."""
     if k.shape[2] != tiled.key_length:
