@@ -94,15 +94,19 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale:
         raise ValueError(f"keys of length {k.shape[2]} under a mask over {tiled.key_length} keys")
     # one gather and one split per tensor: their backward is one scatter-add and one concatenation, where slicing
     # per tile would add a zero-filled full-size gradient for every tile
+    # scores and softmax in float32 at least: under bf16 autocast the products around the attention stay bf16, but
+    # a softmax over hundreds of keys is where bf16's 8 bits would show (and CPU kernels work in float32 anyway)
+    dtype = torch.promote_types(q.dtype, torch.float32)
     sizes = [sum(z - a for a, z in spans) for _, _, spans in tiled.tiles]
-    ks = k.index_select(2, tiled.index).split(sizes, 2)  # per tile (B, kvh, Σ spans, d)
-    vs = v.index_select(2, tiled.index).split(sizes, 2)
-    qs = q.split([q1 - q0 for q0, q1, _ in tiled.tiles], 2)  # per tile (B, nh, q1 − q0, d)
-    outs = [
-        F.scaled_dot_product_attention(qt, kt, vt, attn_mask=add.to(q.dtype), scale=scale, enable_gqa=enable_gqa)
-        for qt, kt, vt, add in zip(qs, ks, vs, tiled.additive, strict=True)
-    ]  # per tile (B, nh, q1 − q0, d)
-    return torch.cat(outs, 2)
+    ks = k.to(dtype).index_select(2, tiled.index).split(sizes, 2)  # per tile (B, kvh, Σ spans, d)
+    vs = v.to(dtype).index_select(2, tiled.index).split(sizes, 2)
+    qs = q.to(dtype).split([q1 - q0 for q0, q1, _ in tiled.tiles], 2)  # per tile (B, nh, q1 − q0, d)
+    with torch.autocast(q.device.type, enabled=False):
+        outs = [
+            F.scaled_dot_product_attention(qt, kt, vt, attn_mask=add.to(dtype), scale=scale, enable_gqa=enable_gqa)
+            for qt, kt, vt, add in zip(qs, ks, vs, tiled.additive, strict=True)
+        ]  # per tile (B, nh, q1 − q0, d)
+    return torch.cat(outs, 2).to(q.dtype)
 
 
 __all__ = ["DEFAULT_TILE", "TiledMask", "tile_mask", "tiled_attention", "widest_tiles"]

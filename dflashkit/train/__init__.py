@@ -21,6 +21,8 @@ Modules and their public functions:
   target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary,
                    unless the features carry it: `dflashkit capture --target-lse`)
   optimizer_choice.py  `choose_adamw_impl` (fused or foreach AdamW, timed on this machine), `make_adamw`
+  precision_choice.py  `choose_precision` (fp32 or bf16 autocast for a CPU run's `dtype: auto`, timed at its
+                   geometry and kept in the user cache)
   slot_targets.py  `block_labels`, `every_slot_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
   metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`
   distributed.py   `DistContext.from_env()`

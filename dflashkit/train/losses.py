@@ -241,10 +241,11 @@ def _chunked_pass(
     for start in range(0, m, step):
         end = min(start + step, m)
         h = hidden[start:end]  # (m_c, H) (H + r with extra)
-        z = F.linear(h[:, :hw], weight).to(acc)  # (m_c, V)
+        z = F.linear(h[:, :hw], weight)  # (m_c, V), in the head's dtype (bf16 under autocast)
         if extra is not None:
-            z = z + F.linear(h[:, hw:].to(extra.dtype), extra).to(acc)
-        logp = torch.log_softmax(z, dim=-1)
+            z = z.to(acc) + F.linear(h[:, hw:].to(extra.dtype), extra).to(acc)
+        preds[start:end] = z.argmax(-1)  # a bf16 z's argmax is its float32 copy's: the cast is exact
+        logp = torch.log_softmax(z, dim=-1, dtype=acc)  # (m_c, V) float32, cast inside the kernel
         w = row_w[start:end].to(acc)  # (m_c,)
         live = w != 0
         if soft is not None:
@@ -268,7 +269,6 @@ def _chunked_pass(
             per = torch.where(live, per, 0.0)
         per_rows[start:end] = per
         total += (per * w).sum()
-        preds[start:end] = z.argmax(-1)
         if need_gh or need_gw or need_ge:
             g = logp.exp()  # softmax (m_c, V)
             if soft is not None:  # g −= q_mix, one chunk at a time

@@ -537,13 +537,16 @@ def _precision(
         return state.precision or "fp32"
     from dflashkit.train.memory import StepShape
     from dflashkit.train.memory_check import blocks_per_row
-    from dflashkit.train.precision_choice import choose_precision
+    from dflashkit.train.precision_choice import ENV_VAR, choose_precision, forced_precision
 
     shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
     choice, timings = choose_precision(drafter_config, shape, all_reduce=dist.all_reduce if dist.distributed else None)
     if dist.is_main:
-        measured = ", ".join(f"{k} {v:.0f} ms" for k, v in timings.items()) + " a step" if timings else "stored"
-        print(f"[dflashkit train] precision: {measured} on this machine → {choice}", flush=True)
+        if timings:
+            why = ", ".join(f"{k} {v:.0f} ms" for k, v in timings.items()) + " a step on this machine"
+        else:
+            why = ENV_VAR if forced_precision() else "timed before on this machine (dflashkit info)"
+        print(f"[dflashkit train] precision: {why} → {choice}", flush=True)
     return choice
 
 

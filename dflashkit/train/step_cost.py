@@ -196,14 +196,18 @@ def calibrate(
 ) -> tuple[Rate, list[dict[str, Any]]]:
     """This machine's rates, measured: real drafter steps at each of `shapes` (the median of their FLOPs per
     second), and with a loaded `target` (and its `target_shape`) its forward over the largest shape's row, whose
-    FLOPs per second price the target's forward in online training. Returns the rate and one record per timing."""
+    FLOPs per second price the target's forward in online training. Steps run in the precision a CPU run of the
+    largest shape takes (`precision_choice`). Returns the rate and one record per timing."""
     from dflashkit.cpu_products.machine import machine_line
+    from dflashkit.train.precision_choice import choose_precision
 
+    precision = choose_precision(cfg, max(shapes, key=lambda s: s.rows * s.tokens * s.blocks))[0]
     records = []
     for shape in shapes:
         cost = step_cost(cfg, None, shape)
+        seconds = time_drafter_step(cfg, shape, steps=steps, bf16=precision == "bf16")
         records.append({"what": "drafter step", "shape": dict(shape.__dict__), "flops": cost.total_flops,
-                        "s": time_drafter_step(cfg, shape, steps=steps)})  # fmt: skip
+                        "precision": precision, "s": seconds})  # fmt: skip
     rates = sorted(r["flops"] / r["s"] for r in records)
     forward_rate = None
     if target is not None:
@@ -215,7 +219,7 @@ def calibrate(
     rate = Rate(
         flops_per_s=rates[len(rates) // 2],
         forward_flops_per_s=forward_rate,
-        source=f"measured: real steps of {len(shapes)} shapes"
+        source=f"measured: real {precision} steps of {len(shapes)} shapes"
         + (" and the target's forward" if forward_rate else "")
         + f" on {machine_line()}",
     )
