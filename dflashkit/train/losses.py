@@ -244,8 +244,10 @@ def _chunked_pass(
         z = F.linear(h[:, :hw], weight)  # (m_c, V), in the head's dtype (bf16 under autocast)
         if extra is not None:
             z = z.to(acc) + F.linear(h[:, hw:].to(extra.dtype), extra).to(acc)
-        preds[start:end] = z.argmax(-1)  # a bf16 z's argmax is its float32 copy's: the cast is exact
         logp = torch.log_softmax(z, dim=-1, dtype=acc)  # (m_c, V) float32, cast inside the kernel
+        # the accuracy's argmax: of z itself in float32; of log p (z − lse, the same order) for a bf16 z, whose own
+        # argmax has no vectorised kernel on CPU
+        preds[start:end] = (z if z.dtype == acc else logp).argmax(-1)
         w = row_w[start:end].to(acc)  # (m_c,)
         live = w != 0
         if soft is not None:
