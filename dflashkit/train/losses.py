@@ -272,12 +272,19 @@ def _chunked_pass(
         per_rows[start:end] = per
         total += (per * w).sum()
         if need_gh or need_gw or need_ge:
-            g = logp.exp()  # softmax (m_c, V)
-            if soft is not None:  # g −= q_mix, one chunk at a time
+            rows = torch.arange(end - start, device=logp.device)
+            if soft is None and target is None and extra is None and weight.dtype != acc and not need_gw:
+                # hard labels, a lower-precision head and only d/d hidden: softmax − onehot written straight in the
+                # head's dtype — the values of computing it in float32 and casting, without the float32 copy
+                g = torch.exp(logp, out=torch.empty_like(logp, dtype=weight.dtype))
+                g[rows, lab] = (logp[rows, lab].exp() - 1.0).to(weight.dtype)
+            elif soft is not None:  # g = softmax − q_mix, one chunk at a time
+                g = logp.exp()
                 g.scatter_add_(1, ids, -(1 - a)[:, None] * q)
-                g[torch.arange(end - start, device=g.device), lab] -= a
-            elif target is None:
-                g[torch.arange(end - start, device=g.device), lab] -= 1.0
+                g[rows, lab] -= a
+            elif target is None:  # softmax − onehot
+                g = logp.exp()
+                g[rows, lab] -= 1.0
             else:
                 g = g_div
             # d(loss)/d(logits) = w ⊙ g row by row: the row weight scales the products' smaller sides (m_c × H

@@ -176,3 +176,23 @@ def test_under_bf16_autocast_the_frozen_head_is_cast_once_and_the_loss_follows_f
     again = _cast_frozen(head, torch.bfloat16)
     assert again is not first and torch.equal(again, head.to(torch.bfloat16))
     assert _cast_frozen(head, torch.float32) is head
+
+
+def test_a_bf16_heads_gradient_equals_float32_softmax_cast_to_bf16() -> None:
+    """With a bf16 head the chunked pass writes softmax − onehot straight in bf16: exactly the float32 values cast."""
+    from dflashkit.train.losses import _chunked_pass
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(12, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(40, 16, generator=g).to(torch.bfloat16)
+    lab = torch.randint(0, 40, (12,), generator=g)
+    row_w = torch.rand(12, generator=g)
+    row_w[3] = 0.0
+    run = dict(hidden=h, weight=w, labels=lab, row_w=row_w, target=None, bs=4, chunk_rows=2)
+    _, _, _, gh, _, _ = _chunked_pass(**run, need_gh=True, need_gw=False, soft=None, alpha=0.0)
+    logp = torch.log_softmax(F.linear(h, w), dim=-1, dtype=torch.float32)
+    ref = logp.exp()
+    ref[torch.arange(12), lab] -= 1.0
+    want = (ref.to(torch.bfloat16) @ w).float() * row_w[:, None]
+    want[3] = 0.0
+    assert torch.equal(gh, want.to(torch.bfloat16))
