@@ -8,7 +8,7 @@ seconds — assumed for a named GPU, or measured on the machine at hand (`calibr
 
 The drafter's forward and backward are counted by running them on fake tensors under PyTorch's FLOP counter
 (every head's layers counted as they run), plus the attention products the fused kernels hide from it
-(4·Nq·S·hd per head forward, twice that backward, over S = T + Nq keys: a dense mask computes them all). The
+(4·Nq·S·hd per head forward, twice that backward, over S = T + Nq keys, or the keys flex attention visits). The
 loss: the LM head over the rows that carry one (forward and the states' gradient), the target's forward in online
 training: 2 FLOPs per active parameter per token plus its attention.
 
@@ -80,8 +80,9 @@ def gpu_rate(name: str, utilisation: float = GPU_UTILISATION) -> Rate:
 
 
 def _attention_flops(cfg: DrafterConfig, shape: StepShape, visible_keys: float | None = None) -> float:
-    """Forward + backward FLOPs of the drafter's attention products: over every [context | block] key with a dense
-    mask (CPU), over the `visible_keys` a query sees on average with flex attention's block masks (CUDA)."""
+    """Forward + backward FLOPs of the drafter's attention products: over every [context | block] key (CPU: its
+    query tiles skip most, and a calibrated rate counted the same way absorbs that), over the `visible_keys` a query
+    sees on average with flex attention's block masks (CUDA)."""
     nq = shape.blocks * cfg.block_size
     keys = shape.tokens + nq if visible_keys is None else visible_keys
     forward = 4 * shape.rows * cfg.num_attention_heads * nq * keys * cfg.head_dim  # QKᵀ and PV
