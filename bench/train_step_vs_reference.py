@@ -136,10 +136,9 @@ def _dflashkit_child(args: argparse.Namespace) -> dict:
     """One implementation's run (this process: dflashkit at `args.child` precision) → its record."""
     torch.set_num_threads(args.threads)
     from dflashkit.drafter.checkpoint import load_drafter
-    from dflashkit.train.blocks import build_blocks
+    from dflashkit.train.blocks import attention_masks, build_blocks
     from dflashkit.train.losses import block_loss, decay_weights
     from dflashkit.train.optimizer_choice import make_adamw
-    from dflashkit.train.step import attention_masks
 
     work = Path(args.workdir)
     bf16 = args.child == "bf16"

@@ -14,7 +14,7 @@ Modules and their public functions:
   state.py         `save_checkpoint`, `save_final`, `latest_checkpoint`, `TrainState`
   schedule.py      `cosine_with_warmup`, `cosine_at`
   packing.py       `plan_rows`, `PackedRows`, `collate_rows`, `step_rows`, `split_indices`
-  blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `reference_mask`
+  blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `attention_masks`, `reference_mask`
   losses.py        `block_loss`, `decay_weights`, `dpace_weights`, `estimated_tau`
   objective_reference.py  every objective of `block_loss` in float64 loops: the definitions, and its test reference
   dspark_loss.py   `dspark_loss` (CE + L1 to the target + confidence BCE), `dspark_slot_weights`

@@ -26,7 +26,9 @@ Attention (keys = [T context keys | Nb·bs block keys], queries = the Nb·bs blo
 
 Three builders of the same mask: `reference_mask` (plain Python loops, for tests), `dense_mask` (vectorised bool
 (B, 1, Nq, T + Nq) for SDPA) and `flex_mask_mod` / `flex_block_mask` (FlexAttention on CUDA); all three share
-nothing but the definition above. `masks_for_layer_types` builds one mask per layer type of a drafter config.
+nothing but the definition above. `masks_for_layer_types` builds one mask per layer type of a drafter config;
+`attention_masks` is what a training step hands the drafter (CUDA: flex block masks; CPU: the dense mask cut into
+query tiles, `drafter.tiled_attention`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.tiled_attention import tile_mask
 from dflashkit.errors import DataError
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -314,6 +317,15 @@ def masks_for_layer_types(config: DrafterConfig, batch: BlockBatch, *, backend: 
         build = dense_mask if backend == "dense" else flex_block_mask
         out[layer_type] = build(batch, causal_in_block=causal, window=window)
     return out
+
+
+def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype) -> dict[str, Any]:
+    """Training mask per layer type: flex-attention BlockMasks on CUDA (sparse, no dense (Nq, T + Nq) tensor),
+    elsewhere the dense boolean mask cut into query tiles over the keys they see (`tile_mask`: additive, in the
+    attention dtype). Both are tested against the same naive reference (tests/train/test_blocks.py)."""
+    if blocks.anchors.device.type == "cuda":
+        return masks_for_layer_types(drafter_config, blocks, backend="flex")
+    return {k: tile_mask(m, dtype) for k, m in masks_for_layer_types(drafter_config, blocks).items()}
 
 
 def reference_mask(

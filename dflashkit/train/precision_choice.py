@@ -1,13 +1,13 @@
 """Which precision a CPU training run computes its drafter in (`dtype: auto`), chosen by timing both on this machine.
 
-    precision, timings = choose_precision(drafter_cfg, StepShape(rows=1, tokens=1024, blocks=128))
+    precision, timings = choose_precision(drafter_cfg, StepShape(rows=1, tokens=1024, blocks=128), timer)
     # "bf16" or "fp32", {"fp32": ms per step, "bf16": ms per step} (empty when stored or forced)
 
 bf16 autocast runs the drafter's matrix products (and the loss's LM-head products) in bf16 with fp32 weights, fp32
 optimizer state and an fp32 loss. Whether that is faster on a CPU depends on its bf16 arithmetic (AVX512-BF16 and
 AMX do it natively; elsewhere bf16 is converted around fp32 products and is slower) and on the step's shapes, so
-`dtype: auto` on a CPU times one real step of each at the run's geometry (`step_cost.time_drafter_step`, a few
-seconds) and takes bf16 only when it is at least `MARGIN` faster: bf16 rounds, so a tie goes to fp32, the reference.
+`dtype: auto` on a CPU times one real step of each at the run's geometry (`timer`: `step_cost.time_drafter_step`, a
+few seconds) and takes bf16 only when it is at least `MARGIN` faster: bf16 rounds, so a tie goes to fp32, the reference.
 On CUDA `auto` is bf16 (tensor cores compute it natively).
 
 A choice is kept in the user cache (`~/.cache/dflashkit/train_precision/<machine>.json`, keyed by the drafter's
@@ -123,15 +123,15 @@ def forced_precision() -> str | None:
 def choose_precision(
     cfg: DrafterConfig,
     shape: StepShape,
+    timer: Callable[[DrafterConfig, StepShape, bool], float],
     *,
     all_reduce: Callable[[Tensor], Tensor] | None = None,
-    timer: Callable[[DrafterConfig, StepShape, bool], float] | None = None,
     path: Path | None = None,
     use_store: bool = True,
 ) -> tuple[str, dict[str, float]]:
     """(the precision a CPU run of drafter `cfg` at `shape` computes in, {precision: ms per step} when timed now).
-    `timer(cfg, shape, bf16)` → seconds of one step (default `time_drafter_step`); `all_reduce` sums timings over
-    ranks; `path` the store (default this machine's file), `use_store` False: neither read nor written."""
+    `timer(cfg, shape, bf16)` → seconds of one real step (`step_cost.time_drafter_step`); `all_reduce` sums timings
+    over ranks; `path` the store (default this machine's file), `use_store` False: neither read nor written."""
     forced = forced_precision()
     if forced:
         return forced, {}
@@ -140,12 +140,6 @@ def choose_precision(
     stored = stored_choices(path).get(key) if path is not None else None
     if stored is not None and all_reduce is None:
         return str(stored["choice"]), {}
-    if timer is None:
-        from dflashkit.train.step_cost import time_drafter_step
-
-        def timer(c: DrafterConfig, s: StepShape, bf16: bool) -> float:
-            return time_drafter_step(c, s, steps=2, bf16=bf16)
-
     threads = torch.get_num_threads()
     ms = torch.tensor([1000.0 * timer(cfg, shape, p == "bf16") for p in PRECISIONS], dtype=torch.float64)
     torch.set_num_threads(threads)

@@ -19,9 +19,8 @@ from torch import Tensor
 
 from dflashkit.drafter.capture_needs import capture_target_lse
 from dflashkit.drafter.heads import HeadObjective, TrainingTerms, head_of
-from dflashkit.drafter.tiled_attention import tile_mask
 from dflashkit.target.logsumexp import vocab_subset_logits
-from dflashkit.train.blocks import BlockBatch, build_blocks, masks_for_layer_types, sample_anchors
+from dflashkit.train.blocks import BlockBatch, attention_masks, build_blocks, sample_anchors
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
 from dflashkit.train.losses import DISTRIBUTION_KINDS, LossOutput, block_loss, dpace_weights
@@ -138,15 +137,6 @@ def prepare_inputs(
         step=step,
         progress=progress,
     )
-
-
-def attention_masks(drafter_config: Any, blocks: BlockBatch, dtype: torch.dtype) -> dict[str, Any]:
-    """Training mask per layer type: flex-attention BlockMasks on CUDA (sparse, no dense (Nq, T + Nq) tensor),
-    elsewhere the dense boolean mask cut into query tiles over the keys they see (`tile_mask`: additive, in the
-    attention dtype). Both are tested against the same naive reference (tests/train/test_blocks.py)."""
-    if blocks.anchors.device.type == "cuda":
-        return masks_for_layer_types(drafter_config, blocks, backend="flex")
-    return {k: tile_mask(m, dtype) for k, m in masks_for_layer_types(drafter_config, blocks).items()}
 
 
 def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | float) -> LossOutput:
@@ -354,7 +344,6 @@ def micro_batches(run: Run, epoch: int, first_step: int) -> Iterator[RowBatch]:
 
 __all__ = [
     "StepInputs",
-    "attention_masks",
     "fc_noise",
     "micro_batches",
     "noise_std_at",

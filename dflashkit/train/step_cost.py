@@ -132,10 +132,9 @@ def time_drafter_step(
     the fastest of `steps` after one untimed step (the least disturbed by other work). `bf16`: the forward and the
     loss's products under bf16 autocast, as a bf16 run computes them."""
     from dflashkit.drafter.model import DFlashDrafter
-    from dflashkit.train.blocks import build_blocks
+    from dflashkit.train.blocks import attention_masks, build_blocks
     from dflashkit.train.losses import block_loss, decay_weights
     from dflashkit.train.optimizer_choice import make_adamw
-    from dflashkit.train.step import attention_masks
 
     g = torch.Generator().manual_seed(seed)
     b, t, bs = shape.rows, shape.tokens, cfg.block_size
@@ -202,7 +201,10 @@ def calibrate(
     from dflashkit.cpu_products.machine import machine_line
     from dflashkit.train.precision_choice import choose_precision
 
-    precision = choose_precision(cfg, max(shapes, key=lambda s: s.rows * s.tokens * s.blocks))[0]
+    def timer(c: DrafterConfig, s: StepShape, bf16: bool) -> float:
+        return time_drafter_step(c, s, steps=2, bf16=bf16)
+
+    precision = choose_precision(cfg, max(shapes, key=lambda s: s.rows * s.tokens * s.blocks), timer)[0]
     records = []
     for shape in shapes:
         cost = step_cost(cfg, None, shape)

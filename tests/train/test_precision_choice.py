@@ -34,13 +34,13 @@ def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_stored(
 ) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     cfg, path, calls = tiny_config(), tmp_path / "store.json", []
-    assert choose_precision(cfg, SHAPE, timer=_timer(0.010, 0.010 / (MARGIN - 0.05), calls), path=path) == (
+    assert choose_precision(cfg, SHAPE, _timer(0.010, 0.010 / (MARGIN - 0.05), calls), path=path) == (
         "fp32",
         {"fp32": 10.0, "bf16": round(10.0 / (MARGIN - 0.05), 2)},
     )
     assert calls == [False, True]
     wide = StepShape(rows=1, tokens=64, blocks=16)  # another shape: timed on its own
-    choice, timings = choose_precision(cfg, wide, timer=_timer(0.020, 0.010, calls), path=path)
+    choice, timings = choose_precision(cfg, wide, _timer(0.020, 0.010, calls), path=path)
     assert (choice, timings) == ("bf16", {"fp32": 20.0, "bf16": 10.0})
     stored = stored_choices(path)
     assert stored[geometry_key(cfg, SHAPE)]["choice"] == "fp32" and stored[geometry_key(cfg, wide)]["choice"] == "bf16"
@@ -48,7 +48,7 @@ def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_stored(
     def never(*a) -> float:
         raise AssertionError("a stored choice is not timed again")
 
-    assert choose_precision(cfg, wide, timer=never, path=path) == ("bf16", {})
+    assert choose_precision(cfg, wide, never, path=path) == ("bf16", {})
 
 
 def test_a_stale_or_damaged_store_is_timed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,23 +58,23 @@ def test_a_stale_or_damaged_store_is_timed_again(tmp_path: Path, monkeypatch: py
     key = geometry_key(cfg, SHAPE)
     path.write_text(json.dumps({"choices": {key: {"choice": "bf16", "fp32_ms": 9, "bf16_ms": 1, "measured_at": old}}}))
     calls: list[bool] = []
-    assert choose_precision(cfg, SHAPE, timer=_timer(0.01, 0.01, calls), path=path)[0] == "fp32"
+    assert choose_precision(cfg, SHAPE, _timer(0.01, 0.01, calls), path=path)[0] == "fp32"
     assert calls == [False, True]
     path.write_text("{not json")
     assert stored_choices(path) == {}
-    assert choose_precision(cfg, SHAPE, timer=_timer(0.03, 0.01, calls), path=path)[0] == "bf16"
+    assert choose_precision(cfg, SHAPE, _timer(0.03, 0.01, calls), path=path)[0] == "bf16"
 
 
 def test_ranks_sum_their_timings_and_do_not_read_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     cfg, path, calls = tiny_config(), tmp_path / "store.json", []
-    choose_precision(cfg, SHAPE, timer=_timer(0.03, 0.01, calls), path=path)  # stored: bf16
+    choose_precision(cfg, SHAPE, _timer(0.03, 0.01, calls), path=path)  # stored: bf16
 
     def peer_finds_bf16_slow(ms: torch.Tensor) -> torch.Tensor:
         return ms + torch.tensor([10.0, 100.0], dtype=ms.dtype)
 
     choice, timings = choose_precision(
-        cfg, SHAPE, timer=_timer(0.03, 0.01, calls), path=path, all_reduce=peer_finds_bf16_slow
+        cfg, SHAPE, _timer(0.03, 0.01, calls), path=path, all_reduce=peer_finds_bf16_slow
     )
     assert (choice, timings) == ("fp32", {"fp32": 40.0, "bf16": 110.0})
     assert calls == [False, True, False, True]
@@ -85,15 +85,18 @@ def test_the_environment_names_one_and_a_bad_name_is_refused(monkeypatch: pytest
         raise AssertionError("not timed")
 
     monkeypatch.setenv(ENV_VAR, "bf16")
-    assert choose_precision(tiny_config(), SHAPE, timer=never, use_store=False) == ("bf16", {})
+    assert choose_precision(tiny_config(), SHAPE, never, use_store=False) == ("bf16", {})
     monkeypatch.setenv(ENV_VAR, "fp16")
     with pytest.raises(ConfigError, match="DFLASHKIT_TRAIN_PRECISION='fp16': expected one of fp32, bf16"):
-        choose_precision(tiny_config(), SHAPE, timer=never, use_store=False)
+        choose_precision(tiny_config(), SHAPE, never, use_store=False)
 
 
 def test_both_precisions_time_a_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    choice, timings = choose_precision(tiny_config(), SHAPE, use_store=False)
+    from dflashkit.train.step_cost import time_drafter_step
+
+    timer = lambda c, s, bf16: time_drafter_step(c, s, steps=1, bf16=bf16)  # noqa: E731
+    choice, timings = choose_precision(tiny_config(), SHAPE, timer, use_store=False)
     assert choice in ("fp32", "bf16") and set(timings) == {"fp32", "bf16"}
     assert all(0 < t < 60_000 for t in timings.values())
 
@@ -156,7 +159,7 @@ def test_info_reports_the_forced_or_stored_precision(tmp_path: Path, monkeypatch
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
     assert "none stored yet" in _machine_lines_subset(_training_precision())[0]
     cfg = tiny_config()
-    choose_precision(cfg, SHAPE, timer=_timer(0.03, 0.01, []))  # this machine's store in the cache
+    choose_precision(cfg, SHAPE, _timer(0.03, 0.01, []))  # this machine's store in the cache
     lines = _machine_lines_subset(_training_precision())
     assert lines == [
         "  training (CPU)    dtype auto, timed per drafter geometry and step shape:",
