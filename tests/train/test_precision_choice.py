@@ -13,9 +13,9 @@ import torch
 
 from dflashkit.errors import ConfigError
 from dflashkit.train import precision_choice
-from dflashkit.train.config import TrainConfig
 from dflashkit.train.memory import StepShape
 from dflashkit.train.precision_choice import ENV_VAR, MARGIN, choose_precision, geometry_key, stored_choices
+from tests.helpers.train_runs import DRAFTER, cfg_for, make_samples
 from tests.train.test_blocks import tiny_config
 
 SHAPE = StepShape(rows=1, tokens=64, blocks=8)
@@ -106,7 +106,6 @@ def test_a_run_records_its_precision_and_keeps_it_on_resume(
 ) -> None:
     """A fresh run under dtype: auto times both (here: bf16 twice as fast), trains under bf16 autocast and records
     it; resumed where the machine would now choose fp32, it keeps bf16. An explicit dtype always wins."""
-    from dflashkit.data.samples import Sample
     from dflashkit.target.model import Target
     from dflashkit.train.loop import train
 
@@ -115,17 +114,8 @@ def test_a_run_records_its_precision_and_keeps_it_on_resume(
     monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", "off")
     calls: list[bool] = []
     monkeypatch.setattr("dflashkit.train.step_cost.time_drafter_step", lambda c, s, steps, bf16: 0.01 if bf16 else 0.02)
-    g = torch.Generator().manual_seed(0)
-    width = 3 * target.hidden_size
-    samples = [
-        Sample(f"s{i}", torch.randint(3, 97, (24,), generator=g), torch.ones(24, dtype=torch.bool),
-               torch.randn(24, width, generator=g))
-        for i in range(3)
-    ]  # fmt: skip
-    drafter = {"num_hidden_layers": 1, "block_size": 4, "target_layer_ids": [1, 3, 5]}
-    cfg = dict(
-        out=str(tmp_path / "run"), drafter=drafter, max_tokens=48, save_every=2, progress=False, tensorboard=False
-    )
+    samples = make_samples(target, [1, 3, 5], n=3)
+    drafter = {**DRAFTER, "target_layer_ids": [1, 3, 5]}
 
     def kill(end) -> None:
         if end.step == 2:
@@ -133,17 +123,18 @@ def test_a_run_records_its_precision_and_keeps_it_on_resume(
 
     seen = []
     with pytest.raises(RuntimeError, match="simulated kill"):
-        train(TrainConfig(**cfg, max_steps=4), dataset=samples, target=target, callbacks=[kill, seen.append])
+        train(cfg_for(tmp_path / "run", drafter=drafter, max_steps=4, save_every=2), dataset=samples, target=target,
+              callbacks=[kill, seen.append])  # fmt: skip
     assert "precision: fp32 20 ms, bf16 10 ms a step on this machine → bf16" in capsys.readouterr().out
     assert seen[-1].run.autocast_dtype == torch.bfloat16
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-000002" / "train_state.pt", weights_only=True)
     assert state["state"]["precision"] == "bf16"
     monkeypatch.setattr(precision_choice, "choose_precision", lambda *a, **k: calls.append(True) or ("fp32", {}))
     seen.clear()
-    train(TrainConfig(**cfg, max_steps=4), dataset=samples, target=target, callbacks=[seen.append])
+    train(cfg_for(tmp_path / "run", drafter=drafter, max_steps=4, save_every=2), dataset=samples, target=target,
+          callbacks=[seen.append])  # fmt: skip
     assert not calls and seen[-1].run.state.precision == "bf16" and seen[-1].run.autocast_dtype == torch.bfloat16
-    out2 = str(tmp_path / "fp32")
-    train(TrainConfig(**{**cfg, "out": out2}, max_steps=1, dtype="fp32"), dataset=samples, target=target,
+    train(cfg_for(tmp_path / "fp32", drafter=drafter, max_steps=1, dtype="fp32"), dataset=samples, target=target,
           callbacks=[seen.append])  # fmt: skip
     assert not calls and seen[-1].run.state.precision == "fp32" and seen[-1].run.autocast_dtype is None
 
