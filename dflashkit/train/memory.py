@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dflashkit.drafter.capture_needs import capture_layer_ids
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
-from dflashkit.drafter.tiled_attention import DEFAULT_TILE
+from dflashkit.drafter.tiled_attention import widest_tiles
 from dflashkit.features.footprint import MemoryParts
 from dflashkit.train.losses import CHUNK_LOGITS, DISTRIBUTION_KINDS
 
@@ -178,7 +178,6 @@ def fake_step(cfg: DrafterConfig, shape: StepShape, *, bf16: bool = False, tiled
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dflashkit.drafter.model import DFlashDrafter
-    from dflashkit.drafter.tiled_attention import widest_tiles
 
     b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -261,9 +260,9 @@ def step_memory(
     b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
     inputs = b * t * cfg.num_features * cfg.hidden_size * 4  # (B, T, K·H) float32 features
     if s.device == "cpu":  # per layer type the additive masks of the query tiles, at their widest (CUDA: flex)
-        tiles = range(0, nq, DEFAULT_TILE)
-        inputs += len(set(cfg.layer_types)) * b * sum(min(nq - q, DEFAULT_TILE) * (t + min(nq - q, DEFAULT_TILE))
-                                                      for q in tiles) * (2 if s.bf16 else 4)  # fmt: skip
+        with torch.device("meta"):
+            tiled = widest_tiles(b, nq, t, torch.bfloat16 if s.bf16 else torch.float32)
+        inputs += len(set(cfg.layer_types)) * sum(m.nbytes for m in tiled.additive)
     grads = math.ceil(p / shard) * 4
     if shard > 1:  # FSDP gathers one decoder layer at a time (and the root: fc, norms), with its gradients
         grads += 2 * 4 * _largest_gathered(cfg)

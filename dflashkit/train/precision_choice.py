@@ -95,17 +95,10 @@ def _timing(ms: object) -> bool:
 
 
 def _store(path: Path | None, key: str, entry: dict[str, Any]) -> None:
-    """Add one choice to the file, atomically; a read-only cache only costs the timing again next time."""
-    if path is None:
-        return
-    from dflashkit.cpu_products.machine import describe_machine
-    from dflashkit.io_utils import atomic_write_text
+    """Add one choice to the file, as the product choices are written (`cpu_products.store.write_choices`)."""
+    from dflashkit.cpu_products.store import write_choices
 
-    try:
-        doc = {"machine": describe_machine(), "choices": {**stored_choices(path), key: entry}}
-        atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    except OSError:
-        pass
+    write_choices(path, {**stored_choices(path), key: entry})
 
 
 def forced_precision() -> str | None:

@@ -538,14 +538,11 @@ def _precision(
     from dflashkit.train.memory import StepShape
     from dflashkit.train.memory_check import blocks_per_row
     from dflashkit.train.precision_choice import ENV_VAR, choose_precision, forced_precision
-    from dflashkit.train.step_cost import time_drafter_step
-
-    def timer(c: DrafterConfig, s: StepShape, bf16: bool) -> float:
-        return time_drafter_step(c, s, steps=2, bf16=bf16)
+    from dflashkit.train.step_cost import precision_timer
 
     shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
     reduce = dist.all_reduce if dist.distributed else None
-    choice, timings = choose_precision(drafter_config, shape, timer, all_reduce=reduce)
+    choice, timings = choose_precision(drafter_config, shape, precision_timer, all_reduce=reduce)
     if dist.is_main:
         if timings:
             why = ", ".join(f"{k} {v:.0f} ms" for k, v in timings.items()) + " a step on this machine"

@@ -175,6 +175,11 @@ def time_drafter_step(
     return min(times)
 
 
+def precision_timer(cfg: DrafterConfig, shape: StepShape, bf16: bool) -> float:
+    """Seconds of one step in fp32 or bf16, as `precision_choice.choose_precision` times the two (two steps each)."""
+    return time_drafter_step(cfg, shape, steps=2, bf16=bf16)
+
+
 def time_target_forward(target: Any, tokens: int, *, repeats: int = 2, seed: int = 0) -> float:
     """Seconds of the target's forward over one row of `tokens` tokens, as online features run it (the drafter's
     layers hooked, logits formed, no gradient): the fastest of `repeats` after one untimed pass."""
@@ -201,10 +206,7 @@ def calibrate(
     from dflashkit.cpu_products.machine import machine_line
     from dflashkit.train.precision_choice import choose_precision
 
-    def timer(c: DrafterConfig, s: StepShape, bf16: bool) -> float:
-        return time_drafter_step(c, s, steps=2, bf16=bf16)
-
-    precision = choose_precision(cfg, max(shapes, key=lambda s: s.rows * s.tokens * s.blocks), timer)[0]
+    precision = choose_precision(cfg, max(shapes, key=lambda s: s.rows * s.tokens * s.blocks), precision_timer)[0]
     records = []
     for shape in shapes:
         cost = step_cost(cfg, None, shape)
@@ -237,6 +239,7 @@ __all__ = [
     "calibrate",
     "drafter_flops",
     "gpu_rate",
+    "precision_timer",
     "step_cost",
     "target_forward_flops",
     "time_drafter_step",
