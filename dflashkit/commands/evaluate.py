@@ -375,6 +375,7 @@ def _eval(args: argparse.Namespace) -> int:
     temperatures = args.temperatures or [args.temperature]
     runs = {f"T={t:g}": Path(args.out) / f"T{t:g}" if args.temperatures else Path(args.out) for t in temperatures}
     bugs = 0
+    chosen = None  # ddtree:auto's budgets, chosen at the first temperature: every temperature compares the same trees
     for t, out in zip(temperatures, runs.values(), strict=True):
         doc = evaluate(
             target,
@@ -385,6 +386,7 @@ def _eval(args: argparse.Namespace) -> int:
             skipped=skipped,
             drafter_sources=specs,
             budget_prompts=budget_prompts,
+            budget_choices=chosen,
             settings=EvalSettings(
                 methods=[m.name for m in methods],
                 max_new_tokens=args.max_new_tokens,
@@ -403,6 +405,7 @@ def _eval(args: argparse.Namespace) -> int:
             ),
         )
         render(doc, out)
+        chosen = chosen or _budget_choices(doc)
         if len(runs) > 1:
             print(f"temperature {t:g}:")
         print(summary_table(doc))
@@ -418,6 +421,19 @@ def _eval(args: argparse.Namespace) -> int:
         compare([out / "results.json" for out in runs.values()], out_dir=args.out, labels=list(runs))
         print(f"wrote {Path(args.out) / 'compare.md'}: every method at temperatures {', '.join(map(str, runs))}")
     return 0
+
+
+def _budget_choices(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """Drafter name → the ddtree:auto budget an evaluation chose (None when it ran no ddtree:auto)."""
+    from dflashkit.evaluate.budget_choice import BudgetChoice
+
+    found = {
+        name: BudgetChoice.from_dict(st["budget_choice"])
+        for name, methods in doc["results"].items()
+        for st in methods.values()
+        if "budget_choice" in st
+    }
+    return found or None
 
 
 # ---------------------------------------------------------------------------------------------- simulate

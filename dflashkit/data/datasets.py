@@ -134,7 +134,9 @@ def load_sharegpt(
 # ---------------------------------------------------------------------------------------------- benchmarks
 def load_mtbench(turn: int = 1, limit: int | None = None) -> list[Conversation]:
     """MT-Bench: one user message per question (its `turn`-th turn, 1-based; turn 2 alone lacks the context of
-    the model's first answer, so evaluation code runs it after turn 1 using `meta["turns"]`)."""
+    the model's first answer, so evaluation code runs it after turn 1 using `meta["turns"]`). All 80 in file order;
+    with a `limit`, its eight categories in turn (the first question of each, then the second, …), so that a few
+    prompts still cover every category instead of the file's first ten, which are all "writing"."""
     if turn not in (1, 2):
         raise DataError(f"MT-Bench turn {turn}: expected 1 or 2")
     path = package_file(MTBENCH_PACKAGE, MTBENCH_FILE)
@@ -155,9 +157,17 @@ def load_mtbench(turn: int = 1, limit: int | None = None) -> list[Conversation]:
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
                 raise DataError(f"{path}:{lineno}: expected a question with 'question_id' and 'turns' ({e})") from None
             out.append(conv)
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+    return out if limit is None else in_turn_by_category(out)[:limit]
+
+
+def in_turn_by_category(convs: list[Conversation]) -> list[Conversation]:
+    """The conversations in rounds over their categories (`meta["category"]`, in order of first appearance): the
+    first of each category, then the second of each, …; within a category, the given order."""
+    by_category: dict[object, list[Conversation]] = {}
+    for c in convs:
+        by_category.setdefault(c.meta.get("category"), []).append(c)
+    rounds = max((len(v) for v in by_category.values()), default=0)
+    return [group[i] for i in range(rounds) for group in by_category.values() if i < len(group)]
 
 
 def load_humaneval(limit: int | None = None) -> list[Conversation]:

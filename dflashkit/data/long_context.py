@@ -174,7 +174,7 @@ def _chats(split: str) -> list[Conversation]:
     out = []
     for key, parts in joined.items():
         messages = [m for _, conv in sorted(parts, key=lambda x: x[0]) for m in conv.messages if m["role"] != "system"]
-        out.append(Conversation(messages, key, "sharegpt:heldout"))
+        out.append(Conversation(messages, key, f"sharegpt:{split}"))
     return out
 
 

@@ -470,9 +470,12 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
     return text
 
 
-def _compare_groups(labels: Sequence[str], docs: list[dict[str, Any]]) -> list[str]:
-    """τ micro per category (and per length bucket) of every drafter·method, the runs side by side."""
+def _compare_groups(labels: Sequence[str], docs: list[dict[str, Any]], out: Path | None) -> list[str]:
+    """Per category (and per length bucket): τ micro of every drafter·method with the runs side by side, a plot of
+    the same (compare_per_category.png, compare_tau_by_length.png, when `out` is given), and every run's details —
+    τ micro / macro, accepted / drafted, the per-position acceptance."""
     lines: list[str] = []
+    runs = [(f"{label} · {series}", st) for label, doc in zip(labels, docs, strict=True) for series, st in _series(doc)]
     for key, title in (("by_category", "category"), ("by_length", "prompt tokens")):
         cells: dict[tuple[str, str], dict[str, Any]] = {}
         for label, doc in zip(labels, docs, strict=True):
@@ -492,6 +495,11 @@ def _compare_groups(labels: Sequence[str], docs: list[dict[str, Any]]) -> list[s
             ],
             "",
         ]
+        if out is not None:
+            plot = f"compare_{GROUP_PLOTS[key]}"
+            _plot_groups(runs, key, out / plot)
+            lines += [f"![τ per {title}]({plot})", ""]
+        lines += [f"### Details per {title}", "", group_details(runs, key, title), ""]
     return lines
 
 
@@ -520,10 +528,11 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path | None = None, labe
             )
             table.setdefault(series, {})[label] = st.get("tau_micro") or 0.0
     headers = [f"- {label}: {header_settings(doc)}" for label, doc in zip(labels, docs, strict=True)]
-    text = "\n".join(["# dflashkit comparison", "", *headers, "", *rows, "", *_compare_groups(labels, docs)])
-    if out_dir is not None:
-        out = Path(out_dir)
+    out = None if out_dir is None else Path(out_dir)
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(["# dflashkit comparison", "", *headers, "", *rows, "", *_compare_groups(labels, docs, out)])
+    if out is not None:
         fig = _figure(max(6.0, 1.2 * len(table) + 2), 4.0)
         ax = fig.add_subplot()
         width = 0.8 / len(labels)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashkit.drafter.config import SLIDING_ATTENTION
 from dflashkit.errors import DFlashError
 
 ENGINES = ("vllm", "llamacpp")
@@ -221,8 +222,28 @@ def run_vllm(
 
 
 # ---------------------------------------------------------------------------------------------- comparison
-def compare(ours: list[PromptCounts], theirs: list[PromptCounts], block_size: int) -> list[str]:
-    """Mismatch lines (empty when the engine agrees exactly): the first differing prompt and round, and why."""
+def window_cause(window: int | None, prompt_tokens: int) -> str | None:
+    """Why acceptance may differ at a long prompt: the drafter has sliding-window layers (`window` tokens, None: none)
+    and the prompt is longer, so an engine that runs them as full attention drafts from more context than
+    dflashkit's drafter reads (None when that cannot be the reason)."""
+    if window is None or prompt_tokens <= window:
+        return None
+    return (
+        f"the drafter's sliding-window layers (window {window}) at a prompt of {prompt_tokens} tokens: an engine that "
+        "runs them as full attention (ignoring the window) drafts differently beyond it"
+    )
+
+
+def compare(
+    ours: list[PromptCounts],
+    theirs: list[PromptCounts],
+    block_size: int,
+    *,
+    window: int | None = None,
+    prompt_tokens: list[int] | None = None,
+) -> list[str]:
+    """Mismatch lines (empty when the engine agrees exactly): the first differing prompt and round, and why.
+    `window`: the drafter's sliding window (None: every layer attends fully), `prompt_tokens`: each prompt's length."""
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         if a.tokens != b.tokens:
             k = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y), None)
@@ -238,10 +259,12 @@ def compare(ours: list[PromptCounts], theirs: list[PromptCounts], block_size: in
         if a.drafts != b.drafts or per_a != per_b:
             j = next((j for j, (x, y) in enumerate(zip(per_a, per_b, strict=True)) if x != y), None)
             where = f"first at draft position {j}" if j is not None else "in the number of rounds"
+            windowed = window_cause(window, prompt_tokens[i]) if prompt_tokens else None
             return [
                 f"prompt {i}: same tokens, different acceptance {where} (dflashkit {a.drafts} drafts, accepted per "
                 f"position {per_a}; engine {b.drafts} drafts, {per_b})",
-                f"likely: {DRAFTER_CAUSES}",
+                *([f"likely: {windowed}"] if windowed else []),
+                f"{'else' if windowed else 'likely'}: {DRAFTER_CAUSES}",
             ]
     return []
 
@@ -286,8 +309,15 @@ def serve_check(
         version, theirs = run_vllm(
             target.source, drafter_dir, prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=bs - 1
         )
-        out.append(EngineComparison(engine, version, ours, theirs, compare(ours, theirs, _width(drafter))))
+        found = compare(ours, theirs, _width(drafter), window=_window(drafter), prompt_tokens=[len(p) for p in prompts])
+        out.append(EngineComparison(engine, version, ours, theirs, found))
     return ServeCheckReport(str(drafter_dir), str(target.source), len(prompts), max_new_tokens, bs, out)
+
+
+def _window(drafter: Any) -> int | None:
+    """The drafter's sliding window when some layer uses it (None: every layer attends to the whole context)."""
+    cfg = drafter.config
+    return cfg.sliding_window if cfg.sliding_window and SLIDING_ATTENTION in cfg.layer_types else None
 
 
 def _width(drafter: Any) -> int:
@@ -348,7 +378,8 @@ def _llamacpp(
                 f"own rounds"
             )
             a.tokens = list(b.tokens)
-    return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, compare(ours, theirs, _width(drafter)), notes)
+    found = compare(ours, theirs, _width(drafter), window=_window(drafter), prompt_tokens=[len(p) for p in prompts])
+    return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, found, notes)
 
 
 def target_tie(target: Any, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float] | None:

@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflashkit.evaluate.report import header_settings
 from dflashkit.quickstart.rates import shortfall_notes
 
 
 def summary_screen(state: dict[str, Any]) -> str:
     """The one screen: τ, tokens/s, speedup, greedy equality, τ by category, where things are."""
-    lines = ["", "dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts (greedy)", ""]
+    docs = [json.loads(Path(w["results"]).read_text()) for w in state["done"]["eval"].values()]
+    settings = f" ({header_settings(docs[0])})" if docs else ""
+    lines = ["", f"dflashkit quickstart — SmolLM2-135M-Instruct target, held-out prompts{settings}", ""]
     head = f"  {'dataset':<10} {'method':<14} {'τ macro':>8} {'τ micro':>8} {'tok/s':>7} {'speedup':>8} {'greedy=':>8}"
     lines.append(head)
     for dataset, where in state["done"]["eval"].items():

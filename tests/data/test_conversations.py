@@ -243,6 +243,18 @@ def test_benchmarks():
     assert text.endswith("```")
 
 
+def test_a_limited_mtbench_takes_its_categories_in_turn():
+    every = load_mtbench()
+    cats = list(dict.fromkeys(c.meta["category"] for c in every))  # the file's order of first appearance
+    assert len(cats) == 8
+    few = load_mtbench(limit=10)
+    assert [c.meta["category"] for c in few] == cats + cats[:2]
+    first = {cat: [c.id for c in every if c.meta["category"] == cat] for cat in cats}
+    assert [c.id for c in few[:8]] == [first[cat][0] for cat in cats]  # each category's first question
+    assert few[8].id == first[cats[0]][1] and load_dataset("mtbench", limit=10)[0] == few
+    assert sorted(c.id for c in load_mtbench(limit=80)) == sorted(c.id for c in every)
+
+
 def test_load_dataset_registry(tmp_path):
     assert set(DATASETS) == {"sharegpt", "sharegpt-heldout", "mtbench", "humaneval"}
     convs, problems = load_dataset("mtbench", limit=3)

@@ -455,7 +455,7 @@ def test_deadline_time_boxes_and_resumes(llama, tmp_path):
     assert full["dataset"]["n_prompts"] == 3 and "time_boxed" not in full["dataset"]
 
 
-def test_cli_eval_at_two_temperatures_by_category_and_length(tiny_llama_dir, tmp_path, capsys):
+def test_cli_eval_at_two_temperatures_by_category_and_length(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     """`eval --temperatures 0,1`: the same prompts at each temperature (DDTree included: exact at T = 1), one
     directory each and compare.md side by side, with per-category and per-length tables in every report."""
     from dflashkit.cli import main
@@ -491,6 +491,19 @@ def test_cli_eval_at_two_temperatures_by_category_and_length(tiny_llama_dir, tmp
     )
     text = (tmp_path / "e" / "compare.md").read_text()
     assert "| T=0 | " in text and "| T=1 | " in text and "## τ micro per category" in text
+    # ddtree:auto: the budget chosen at the first temperature is the one every temperature runs (measured once)
+    import dflashkit.evaluate.evaluate as evaluate_mod
+
+    chooser, calls = evaluate_mod.choose_tree_budget, []
+    monkeypatch.setattr(evaluate_mod, "choose_tree_budget", lambda *a, **k: calls.append(1) or chooser(*a, **k))
+    auto = [*argv[:-1], "ar,ddtree:auto", "--temperatures", "0,1", "--out", str(tmp_path / "auto")]
+    assert main(auto) == 0 and len(calls) == 1
+    capsys.readouterr()
+    budgets = [
+        json.loads((tmp_path / "auto" / t / "results.json").read_text())["results"]["a"]["ddtree:auto"]["budget"]
+        for t in ("T0", "T1")
+    ]
+    assert budgets[0] == budgets[1]
     bad = ["--temperature", "0.5", "--temperatures", "0,1", "--out", str(tmp_path / "x")]
     assert main([*argv, *bad]) == 2
     assert "--temperatures replaces --temperature" in capsys.readouterr().err

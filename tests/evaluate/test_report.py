@@ -190,7 +190,12 @@ def test_compare_puts_categories_side_by_side(tmp_path):
         p.parent.mkdir()
         p.write_text(json.dumps(doc))
         paths.append(p)
-    text = compare(paths, labels=["T=0", "T=1"])
+    text = compare(paths, out_dir=tmp_path / "cmp", labels=["T=0", "T=1"])
     assert "- T=0: temperature 0.0" in text and "- T=1: temperature 1.0" in text
     assert "## τ micro per category" in text and "| a · chain | math | 3.00 | 3.00 |" in text
     assert "## τ micro per prompt tokens" in text
+    # every run's details per category: τ micro / macro, accepted / drafted, the per-position vector
+    assert "### Details per category" in text
+    assert "| T=1 · a · chain | math | 1 | 4 | 3.00 | 3.00 | 8 / 20 (0.400) |" in text
+    for png in ("compare_per_category.png", "compare_tau_by_length.png", "compare.png"):
+        assert (tmp_path / "cmp" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in text

@@ -76,6 +76,12 @@ def test_compare_names_the_first_difference_and_its_likely_causes():
     assert "in the number of rounds" in rounds[0]
     shorter = compare(a, [PromptCounts([1, 2], 2, 1, [1, 0, 0]), a[1]], 4)
     assert shorter[0].startswith("prompt 0: token 2 differs (dflashkit 3, engine None)")
+    # a drafter with a sliding window: at a prompt longer than the window, the window comes first among the causes
+    windowed = compare(a, [PromptCounts([1, 2, 3], 2, 2, [1, 1, 0]), a[1]], 4, window=1024, prompt_tokens=[4000, 9])
+    assert windowed[1].startswith("likely: the drafter's sliding-window layers (window 1024) at a prompt of 4000")
+    assert windowed[2].startswith("else: the engine runs another drafter")
+    within = compare(a, [PromptCounts([1, 2, 3], 2, 2, [1, 1, 0]), a[1]], 4, window=1024, prompt_tokens=[800, 9])
+    assert within == accept  # a prompt inside the window: the window cannot be the reason
 
 
 def test_report_renders_both_sides_and_json():

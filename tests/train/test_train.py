@@ -381,3 +381,11 @@ def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Pat
     # on CPU the paper's 512 anchors per document (left at its default here) are named before any model loads
     lines = capsys.readouterr().out.splitlines()
     assert any("note        training on CPU with the GPU-sized default max_anchors 512" in line for line in lines[:10])
+    # the longest context a training block read is recorded (rows of max_tokens = 32), and doctor warns beyond it
+    from dflashkit.drafter.checkpoint import load_drafter
+
+    trained = load_drafter(out / "final").config.extra["train_context"]
+    assert 0 < trained <= 32
+    argv = ["doctor", "--target", str(tiny_llama_dir), "--drafter", str(out / "final"), "--prompts", "1"]
+    main([*argv, "--max-new-tokens", "4", "--context", "5000"])
+    assert f"exceed the longest training context ({trained} tokens)" in capsys.readouterr().out
