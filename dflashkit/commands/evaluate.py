@@ -283,7 +283,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, long-context, or a JSONL file"
     )
-    p.add_argument("--limit", type=flag(PositiveInt), default=None, help="use the first N prompts")
+    p.add_argument(
+        "--limit",
+        type=flag(PositiveInt),
+        default=None,
+        help="use N prompts: the first N (MT-Bench: its categories in turn; long-context: spread over its lengths)",
+    )
     p.add_argument(
         "--on-error",
         choices=("stop", "skip"),
