@@ -85,7 +85,11 @@ def main() -> None:
             log=None,
             on_shard=interleave,
             settings=CaptureSettings(
-                layer_ids=layer_ids, dtype=args.dtype, shard_max_tokens=args.length, store_target_lse=args.target_lse
+                layer_ids=layer_ids,
+                dtype=args.dtype,
+                shard_max_tokens=args.length,
+                store_target_lse=args.target_lse,
+                precision="fp32",  # the plain forward's: this compares what capture adds around it
             ),
         )
         starts = [t0, *resumed[:-1]]

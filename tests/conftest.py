@@ -52,6 +52,10 @@ os.environ["DFLASHKIT_ADAMW"] = "fused"
 # tests/train/test_precision_choice.py measures with this unset.
 os.environ["DFLASHKIT_TRAIN_PRECISION"] = "fp32"
 
+# And a capture's (capture precision auto): the suite captures with the fp32 target, the reference.
+# tests/features/test_capture_precision.py measures with this unset.
+os.environ["DFLASHKIT_CAPTURE_PRECISION"] = "fp32"
+
 
 def _tiny_config(kind: str):
     from transformers import LlamaConfig, Qwen3Config

@@ -2,12 +2,15 @@
 
     dflashkit capture --tokens data/tokens.jsonl --out data/features [--layer-ids 1,8,14,20,27 |
         --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N] [--topk K]
-        [--target-lse auto|on|off]
+        [--target-lse auto|on|off] [--precision auto|fp32|bf16]
 
 --topk K also stores the target's top-K log-probs per position (K·6 bytes per token) for `loss: topk`.
 --target-lse stores the log-sum-exp of the target's logits per position (4 bytes per token; one more LM-head pass):
 a DSpark drafter with a reduced draft vocabulary then trains without a full-vocabulary product (auto: on for such
 a --drafter-config).
+--precision: what the target computes in — fp32 (a float32 target as loaded, the reference), bf16 (autocast), or
+auto (the default: both timed on this machine at the samples' length, bf16 only when clearly faster; kept in the user
+cache, `DFLASHKIT_CAPTURE_PRECISION` overrides; dflashkit.features.capture_precision). A rerun keeps its capture's.
 
 Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,
 sha256) are kept, the rest (and any damaged one) are captured.
@@ -70,6 +73,12 @@ def _args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="also store the log-sum-exp of the target's logits per position (4 B per token) for DSpark training "
         "with a draft vocabulary (auto: on when --drafter-config is such a drafter)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="what the target computes in: fp32, bf16 autocast, or auto (timed on this machine; default)",
     )
     p.add_argument(
         "--verify",
@@ -145,6 +154,7 @@ def _capture(args: argparse.Namespace) -> int:
             shard_max_tokens=args.shard_tokens,
             batch_tokens=args.batch_tokens,
             verify=args.verify,
+            precision=args.precision,
         ),
     )
     dist.close()
@@ -156,6 +166,7 @@ def _capture(args: argparse.Namespace) -> int:
     topk += ", target log-sum-exp" if m.store_target_lse else ""
     print(
         f"captured {m.num_samples} samples, {m.total_tokens:,} tokens ({m.total_supervised:,} supervised), "
-        f"layers {m.layer_ids}{topk}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) → {args.out} ({rate})"
+        f"layers {m.layer_ids}{topk}, computed in {m.precision}, {format_bytes(m.bytes)} in {len(m.shards)} shard(s) "
+        f"→ {args.out} ({rate})"
     )
     return 0

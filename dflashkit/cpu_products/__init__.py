@@ -1,9 +1,10 @@
-"""CPU matrix products of a decoding step, each shape computed the way this machine does it fastest — chosen by
-measurement at run time, kept in the user cache, overridable by `DFLASHKIT_PRODUCTS` (docs/cpu-performance.md).
+"""How this CPU computes, chosen by measurement at run time and kept in the user cache: the matrix products of a
+decoding step, each shape the way this machine does it fastest (overridable by `DFLASHKIT_PRODUCTS`), and the
+precision of whole passes — a training step, a capture forward (`precision_store.py`) (docs/cpu-performance.md).
 
-Reads: nothing but the tensors it is handed and its store of choices. Writes: the choices
-(`~/.cache/dflashkit/products/<machine>.json`) and the compiled kernel (`~/.cache/dflashkit/kernels/`), both in the
-user cache (`io_utils.cache_root()`).
+Reads: nothing but the tensors it is handed and its stores of choices. Writes: the choices
+(`~/.cache/dflashkit/products/<machine>.json`, `…/train_precision/`, `…/capture_precision/`) and the compiled kernel
+(`~/.cache/dflashkit/kernels/`), all in the user cache (`io_utils.cache_root()`).
 
 The one entry point for the stages above (the target's decoder layers, the drafter, the decoding baselines):
 
@@ -20,6 +21,8 @@ Modules:
   packed_weights.py MKL's packed GEMM, one packed copy per weight and row count, within a memory budget
   native_rows.py  a few-row kernel compiled for this CPU at first use (kernels/rows_linear.cpp)
   store.py        where the choices are kept between runs (`~/.cache/dflashkit/products/`), and for how long
+  precision_store.py fp32 or bf16 autocast for a whole pass (a training step, a capture forward), timed on this
+                  machine and kept in the user cache: `MeasuredPrecision(folder, env_var).choose(key, timer)`
   report.py       what was chosen so far (`dflashkit info`), and whether a choice is still being timed
   machine.py      the CPU, its vector extensions, BLAS and threads, and a measured memory bandwidth
 

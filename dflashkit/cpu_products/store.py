@@ -52,7 +52,17 @@ def max_age_seconds() -> float:
 def store_path() -> Path | None:
     """<machine>.json in ~/.cache/dflashkit/products, or in $DFLASHKIT_PRODUCTS_STORE (None when that is "off" or
     the cache cannot be used)."""
-    from dflashkit.cpu_products.machine import describe_machine
+    from dflashkit.cpu_products.native_rows import SOURCE
+
+    folder = chosen_folder("products")
+    kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return None if folder is None else machine_file(folder, kernel)
+
+
+def chosen_folder(name: str, *, env_subfolder: bool = False) -> Path | None:
+    """Where a store of measured choices lives: None under DFLASHKIT_PRODUCTS_STORE=off; the directory it names
+    (its `name` subfolder with `env_subfolder`; a file is a ConfigError); else <cache>/<name> (None when the cache
+    cannot be used)."""
     from dflashkit.io_utils import cache_root
 
     chosen = os.environ.get(STORE_ENV, "").strip()
@@ -62,16 +72,20 @@ def store_path() -> Path | None:
         folder = Path(chosen).expanduser()
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{STORE_ENV}={chosen!r} is a file; expected 'off' or a directory")
-    else:
-        try:
-            folder = cache_root() / "products"
-        except ConfigError:
-            return None
-    from dflashkit.cpu_products.native_rows import SOURCE
+        return folder / name if env_subfolder else folder
+    try:
+        return cache_root() / name
+    except ConfigError:
+        return None
+
+
+def machine_file(folder: Path, *extra: str) -> Path:
+    """<folder>/<machine>.json, the machine being its CPU model, flags, BLAS, torch version, thread count and `extra`
+    (another machine, build or thread count never reads it)."""
+    from dflashkit.cpu_products.machine import describe_machine
 
     m = describe_machine()
-    kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"], kernel])
+    ident = json.dumps([m["cpu"], m["flags"], m["blas"], m["torch"], m["threads"], *extra])
     return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
@@ -136,7 +150,9 @@ __all__ = [
     "DEFAULT_MAX_AGE_DAYS",
     "MAX_AGE_ENV",
     "STORE_ENV",
+    "chosen_folder",
     "fresh",
+    "machine_file",
     "max_age_seconds",
     "read_choices",
     "store_path",

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.cpu_products.precision_store import MeasuredPrecision
 from dflashkit.drafter.defaults import default_drafter_config, describe_mask
 from dflashkit.errors import ConfigError
+from dflashkit.features.capture_precision import CAPTURE
+from dflashkit.train.precision_choice import TRAINING
 
 
 def _count(n: int) -> str:
@@ -101,25 +104,24 @@ def _machine() -> dict[str, Any]:
         "products_max_age_days": max_age_seconds() / DAY,
         "products_oldest_days": round((time.time() - min(stamps)) / DAY, 2) if stamps else None,
         "products_by_rows": {str(k): v for k, v in choices_by_rows(report).items()},
-        **_training_precision(),
+        **_measured_precision("train", TRAINING),
+        **_measured_precision("capture", CAPTURE),
     }
 
 
-def _training_precision() -> dict[str, Any]:
-    """The precision CPU training runs take under dtype: auto (train/precision_choice.py): forced by the
-    environment, or the choices timed so far on this machine, by drafter geometry and step shape."""
-    from dflashkit.train.precision_choice import ENV_VAR, forced_precision, store_path, stored_choices
-
+def _measured_precision(name: str, kind: MeasuredPrecision) -> dict[str, Any]:
+    """The precision CPU runs of `name` (training under dtype: auto, capture under --precision auto) take here:
+    forced by the environment, or the choices timed so far on this machine, by key (cpu_products.precision_store)."""
     try:
-        forced = forced_precision()
+        forced = kind.forced()
     except ConfigError as e:
         forced = f"invalid: {e}"
-    path = store_path()
+    path = kind.store_path()
     fields = ("choice", "fp32_ms", "bf16_ms")
     return {
-        "train_precision_forced": forced and f"{forced} ({ENV_VAR})",
-        "train_precision_store": str(path) if path is not None else None,
-        "train_precision_by_geometry": {k: {x: e.get(x) for x in fields} for k, e in stored_choices().items()},
+        f"{name}_precision_forced": forced and f"{forced} ({kind.env_var})",
+        f"{name}_precision_store": str(path) if path is not None else None,
+        f"{name}_precision_by_key": {k: {x: e.get(x) for x in fields} for k, e in kind.stored_choices().items()},
     }
 
 
@@ -191,21 +193,25 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         ),
         *([f"  native kernel     {_native(m['products_native'])}"] if "products_native" in m else []),
         f"  choices kept      {_kept(m)}",
-        f"  training (CPU)    {_precision_line(m)}",
-        *[
-            f"    {key}: {e['choice']} (fp32 {e['fp32_ms']:g} ms, bf16 {e['bf16_ms']:g} ms a step)"
-            for key, e in m.get("train_precision_by_geometry", {}).items()
-        ],
+        *_precision_lines(m, "train", "training (CPU)", "dtype auto", "drafter geometry and step shape", "a step"),
+        *_precision_lines(m, "capture", "capture (CPU)", "precision auto", "target and sequence length", "a forward"),
     ]
 
 
-def _precision_line(m: dict[str, Any]) -> str:
-    """What dtype: auto trains in on this CPU: forced, or timed per geometry (each listed below the line)."""
-    if m.get("train_precision_forced"):
-        return f"{m['train_precision_forced']} for every run"
-    if m.get("train_precision_by_geometry"):
-        return "dtype auto, timed per drafter geometry and step shape:"
-    return "dtype auto: fp32 or bf16, timed at a run's start (none stored yet)"
+def _precision_lines(m: dict[str, Any], name: str, title: str, auto: str, per: str, unit: str) -> list[str]:
+    """What `name` computes in on this CPU under `auto`: forced, or timed per key (each listed below the line)."""
+    forced, by_key = m.get(f"{name}_precision_forced"), m.get(f"{name}_precision_by_key") or {}
+    if forced:
+        head = f"{forced} for every run"
+    elif by_key:
+        head = f"{auto}, timed per {per}:"
+    else:
+        head = f"{auto}: fp32 or bf16, timed at a run's start (none stored yet)"
+    rows = [] if forced else by_key.items()
+    return [
+        f"  {title:<18}{head}",
+        *[f"    {k}: {e['choice']} (fp32 {e['fp32_ms']:g} ms, bf16 {e['bf16_ms']:g} ms {unit})" for k, e in rows],
+    ]
 
 
 def _native(status: dict[str, Any]) -> str:

@@ -1,12 +1,15 @@
 """Stage `features`: the target's hidden states for every training token. Imports: `target`, `data`.
 
 Reads: `tokens.jsonl` samples and a target. Writes a capture directory: `manifest.json` (target fingerprint,
-layer ids, storage dtype, shard plan, per-sample index; resumable shard by shard) and `shard-NNNNN.safetensors`
+layer ids, storage dtype, the precision the target computed in, shard plan, per-sample index; resumable shard
+by shard) and `shard-NNNNN.safetensors`
 (per sample: features (T, K·H), input_ids, loss_mask, optionally the target's argmax tokens and top-k
 log-probs). Online features compute the same thing in memory, nothing written.
 
 Modules and their public functions:
   capture.py   `capture(target, samples, out_dir, settings=CaptureSettings(layer_ids=…))`: a capture dir, resumable
+  capture_precision.py `capture_precision(target, lengths)` (fp32 or bf16 autocast, timed on this machine under
+               "auto"), `capture_forward(target, ids, precision, …)`: one capture forward in that precision
   captured.py  `CapturedFeatures(dir)[i]`: read it back (checked against the target and the drafter's layers)
   online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
   manifest.py  `Manifest.load(dir)`, `target_fingerprint`, `bytes_per_token`, `plan_shards`, `format_bytes`

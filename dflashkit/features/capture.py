@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 from dflashkit.data.samples import Sample, check_token_ids
 from dflashkit.errors import DataError
+from dflashkit.features.capture_precision import as_loaded, capture_forward, capture_precision
 from dflashkit.features.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -86,6 +87,7 @@ _RESUME_FIELDS = (
     "store_target_tokens",
     "store_topk",
     "store_target_lse",
+    "precision",
     "samples_sha256",
     "shard_max_tokens",
 )
@@ -113,6 +115,7 @@ def _new_manifest(
     tokens_file: str | None,
     data: dict[str, Any] | None = None,
     store_target_lse: bool = False,
+    precision: str = "fp32",
 ) -> Manifest:
     shards = plan_shards([len(s) for s in samples], shard_max_tokens)
     entries: list[dict[str, Any]] = []
@@ -138,16 +141,22 @@ def _new_manifest(
         samples=entries,
         store_topk=store_topk,
         store_target_lse=store_target_lse,
+        precision=precision,
         data=dict(data or {}),
     )
 
 
-def _resume(out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: str = "full") -> Manifest:
+def _resume(
+    out_dir: Path, fresh: Manifest, log: Callable[[str], None], verify: str = "full", loaded: str = "fp32"
+) -> Manifest:
     """The manifest to work from: `fresh`, or the one already in out_dir when every setting matches; finished
-    shards that no longer match their entry (size, header, sha256 unless verify="size") are marked to redo."""
+    shards that no longer match their entry (size, header, sha256 unless verify="size") are marked to redo.
+    `loaded`: the precision of the target as loaded, what a manifest older than the field was captured in."""
     if not (out_dir / MANIFEST_NAME).is_file():
         return fresh
     old = Manifest.load(out_dir)
+    if old.precision is None:
+        old.precision = loaded
     for name in _RESUME_FIELDS:
         if old.get(name) != fresh.get(name):
             raise DataError(
@@ -175,8 +184,10 @@ def _capture_shard(
     batch_tokens: int,
     bar: tqdm,
     store_target_lse: bool = False,
+    precision: str = "fp32",
 ) -> dict[str, Tensor]:
-    """Run the target over one shard's samples; equal-length samples may share a forward (no padding)."""
+    """Run the target over one shard's samples in `precision` (`capture_precision.capture_forward`); equal-length
+    samples may share a forward (no padding)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(chunk)), key=lambda i: (len(chunk[i]), i)) if batch_tokens > 0 else range(len(chunk)):
         n = len(chunk[i])
@@ -187,9 +198,8 @@ def _capture_shard(
     tensors: dict[str, Tensor] = {}
     for g in groups:
         ids = torch.stack([chunk[i].input_ids for i in g])  # (B, T)
-        out = target.forward(
-            ids, layer_ids=layer_ids, logits=store_target_tokens or store_topk > 0, feature_dtype=store
-        )
+        logits = store_target_tokens or store_topk > 0
+        out = capture_forward(target, ids, precision, layer_ids=layer_ids, logits=logits, feature_dtype=store)
         feats = out.features.cpu()  # (B, T, K·H) in the storage dtype
         tokens = out.logits.argmax(-1).cpu() if store_target_tokens else None  # (B, T) final-layer argmax
         top = [t.cpu() for t in topk_logprobs(out.logits, store_topk)] if store_topk else None  # (B, T, k) ×2
@@ -226,6 +236,8 @@ class CaptureSettings:
     (0 = one sequence per forward, bit-identical to a plain per-sample forward).
     verify: how a resumed run checks finished shards: "full" (size, header, sha256) or "size" (no full read of
     a very large capture); damaged shards are captured again.
+    precision: what the target computes in: "fp32" (a float32 target as loaded, the reference), "bf16" (autocast),
+    or "auto" (timed on this machine: `dflashkit.features.capture_precision`); a resumed capture keeps its own.
     """
 
     layer_ids: tuple[int, ...]
@@ -236,6 +248,7 @@ class CaptureSettings:
     shard_max_tokens: int | None = None
     batch_tokens: int = 0
     verify: str = "full"
+    precision: str = "auto"
 
 
 def capture(
@@ -285,6 +298,7 @@ def capture(
             )
         if shard_max_tokens < 1:
             raise DataError(f"shard_max_tokens must be ≥ 1, got {shard_max_tokens}")
+        precision = _precision(target, samples, out_dir, cs.precision, dist, main_log)
         fresh = _new_manifest(
             target,
             samples,
@@ -296,9 +310,10 @@ def capture(
             tokens_file=None if tokens_file is None else str(Path(tokens_file).resolve()),
             data=data,
             store_target_lse=bool(cs.store_target_lse),
+            precision=precision,
         )
         if dist.is_main:
-            manifest = _resume(out_dir, fresh, log, cs.verify)
+            manifest = _resume(out_dir, fresh, log, cs.verify, loaded=as_loaded(target))
             folded = fold_rank_records(out_dir, manifest, verify=cs.verify, log=log)  # of a killed multi-rank run
             if folded or (dist.distributed and (out_dir / MANIFEST_NAME).is_file()):
                 manifest.save(out_dir)  # the other ranks read what rank 0 found (damaged shards to redo)
@@ -336,6 +351,28 @@ def capture(
                 manifest = Manifest.load(out_dir)
                 manifest.run_stats = stats
         return manifest
+
+
+def _precision(
+    target: Target,
+    samples: Sequence[Sample],
+    out_dir: Path,
+    requested: str,
+    dist: DistContext,
+    log: Callable[[str], None],
+) -> str:
+    """The precision of this capture: a resumed one's own under "auto" (one capture never mixes two), else as
+    `capture_precision` resolves `requested` (timed alike on every rank)."""
+    if requested == "auto" and (out_dir / MANIFEST_NAME).is_file():  # checked against the target's dtype below
+        requested = Manifest.load(out_dir).precision or as_loaded(target)
+    reduce = dist.all_reduce if dist.distributed else None
+    precision, ms = capture_precision(target, [len(s) for s in samples], requested, all_reduce=reduce)
+    if ms:
+        log(
+            f"capture: the target computes in {precision} (one forward timed: fp32 {ms['fp32']:,.0f} ms, "
+            f"bf16 autocast {ms['bf16']:,.0f} ms; kept for this machine)"
+        )
+    return precision
 
 
 def _capture_shards(
@@ -378,6 +415,7 @@ def _capture_shards(
                 batch_tokens=cs.batch_tokens,
                 bar=bar,
                 store_target_lse=bool(cs.store_target_lse),
+                precision=manifest.precision,
             )
             _write_shard(out_dir, sh, tensors)
             finished.append(j)

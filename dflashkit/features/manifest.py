@@ -6,8 +6,9 @@
     m.store_target_lse                 # whether each position's log-sum-exp of the target's logits is stored
 
 Written by `dflashkit.features.capture.capture` (which also describes the shard format) and re-exported from
-`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored) and without
-`store_target_lse` as false, so feature dirs captured before those options stay valid with the same format_version.
+`dflashkit.features.capture`. Older manifests without `store_topk` read as 0 (no top-k log-probs stored), without
+`store_target_lse` as false and without `precision` as None (the target as it was loaded: a resumed capture takes
+that), so feature dirs captured before those options stay valid with the same format_version.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     store_topk: int = 0  # top-k log-probs stored per position (0: none; manifests older than the option)
     store_target_lse: bool = False  # the target's log-sum-exp stored per position (false in older manifests)
+    # what the target computed in (features.capture_precision.RECORDED): fp32, bf16 (autocast), bf16-weights /
+    # fp16-weights (a target loaded so); None in manifests older than the field (the target as it was loaded)
+    precision: str | None = None
     data: dict[str, Any] = field(default_factory=dict)  # how the tokens were prepared (thinking, turns); {} unknown
     run_stats: dict[str, float] = field(default_factory=dict, repr=False)  # this process only, never saved
 
@@ -135,6 +139,7 @@ class Manifest:
             "store_target_tokens": self.store_target_tokens,
             "store_topk": self.store_topk,
             "store_target_lse": self.store_target_lse,
+            "precision": self.precision,
             "shard_max_tokens": self.shard_max_tokens,
             "tokens_file": self.tokens_file,
             "data": self.data,
@@ -195,6 +200,7 @@ class Manifest:
                 },
                 store_topk=topk,
                 store_target_lse=lse,
+                precision=raw.get("precision"),  # absent in manifests written before it was recorded
                 data=dict(raw.get("data") or {}),  # absent in manifests written before it was recorded
             )
         except json.JSONDecodeError as e:

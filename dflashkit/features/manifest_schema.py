@@ -55,6 +55,7 @@ class _Manifest(JsonFields):
     samples: list[_Sample]
     store_topk: Count = 0
     store_target_lse: bool = False
+    precision: Literal["fp32", "bf16", "bf16-weights", "fp16-weights"] | None = None
     data: dict[str, Any] | None = None
 
 

@@ -64,15 +64,19 @@ def _decode_rate(target: Any, prompts: list[list[int]]) -> float:
 
 
 def _capture_rate(target: Any, layer_ids: list[int], tokens: int = 384, target_lse: bool = False) -> float:
-    """Tokens per second of a target forward with feature capture (the best of two); with `target_lse` also the
-    log-sum-exp pass capture makes for a DSpark drafter (`dflashkit.features.capture`: one more LM-head pass)."""
+    """Tokens per second of a target forward with feature capture (the best of two), in the precision a capture of
+    samples of about `tokens` tokens takes on this machine (`features.capture_precision`, chosen for the median
+    length rounded up: the quickstart's replies are of this order); with `target_lse` also the log-sum-exp pass
+    capture makes for a DSpark drafter (`dflashkit.features.capture`: one more LM-head pass)."""
+    from dflashkit.features.capture_precision import capture_forward, capture_precision
     from dflashkit.target.logsumexp import row_logsumexp
 
+    precision, _ = capture_precision(target, [tokens])
     ids = torch.randint(10, target.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     best = float("inf")
     for _ in range(2):
         t0 = time.perf_counter()
-        out = target.forward(ids, layer_ids=layer_ids, logits=True)
+        out = capture_forward(target, ids, precision, layer_ids=layer_ids, logits=True)
         if target_lse:
             row_logsumexp(target, out.final_hidden[0].to(torch.bfloat16).float())
         best = min(best, time.perf_counter() - t0)

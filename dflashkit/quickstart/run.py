@@ -304,6 +304,7 @@ def stage_capture(target: Any, layer_ids: list[int], out: Path, topk: int = 0, l
         "tokens": sum(len(x) for x in samples),
         "dir": str(out / "features"),
         "complete": manifest.complete,
+        "precision": manifest.precision,
     }
 
 

@@ -293,6 +293,9 @@ def test_cli_capture_end_to_end(tiny_llama_dir, llama, tmp_path, capsys):
     )
     assert main([*base, "--out", str(out), "--layer-ids", "1,4,6", "--dtype", "fp32", "--limit", "3"]) == 0
     assert "nothing to do" in capsys.readouterr().out
+    # --precision: bf16 autocast for this capture (the suite's environment says fp32), recorded and printed
+    assert main([*base, "--out", str(tmp_path / "b"), "--layer-ids", "1,4,6", "--precision", "bf16"]) == 0
+    assert "computed in bf16" in capsys.readouterr().out and Manifest.load(tmp_path / "b").precision == "bf16"
     # default layer ids come from the default drafter config; --drafter-config reads a config's
     assert main([*base, "--out", str(tmp_path / "d")]) == 0
     assert CapturedFeatures(tmp_path / "d").layer_ids == default_drafter_config(llama).target_layer_ids

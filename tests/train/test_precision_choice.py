@@ -140,19 +140,20 @@ def test_a_run_records_its_precision_and_keeps_it_on_resume(
 
 
 def test_info_reports_the_forced_or_stored_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dflashkit.diagnose.info import _training_precision
+    from dflashkit.diagnose.info import _measured_precision
+
+    def info() -> dict:
+        return _measured_precision("train", precision_choice.TRAINING)
 
     monkeypatch.setenv(ENV_VAR, "fp32")  # as the suite runs
-    m = _training_precision()
-    assert _machine_lines_subset(m) == ["  training (CPU)    fp32 (DFLASHKIT_TRAIN_PRECISION) for every run"]
+    assert _machine_lines_subset(info()) == ["  training (CPU)    fp32 (DFLASHKIT_TRAIN_PRECISION) for every run"]
     monkeypatch.delenv(ENV_VAR)
     monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
-    assert "none stored yet" in _machine_lines_subset(_training_precision())[0]
+    assert "none stored yet" in _machine_lines_subset(info())[0]
     cfg = tiny_config()
     choose_precision(cfg, SHAPE, _timer(0.03, 0.01, []))  # this machine's store in the cache
-    lines = _machine_lines_subset(_training_precision())
-    assert lines == [
+    assert _machine_lines_subset(info()) == [
         "  training (CPU)    dtype auto, timed per drafter geometry and step shape:",
         f"    {geometry_key(cfg, SHAPE)}: bf16 (fp32 30 ms, bf16 10 ms a step)",
     ]
@@ -165,4 +166,5 @@ def _machine_lines_subset(m: dict) -> list[str]:
     base = {"flags": [], "products_by_rows": {}, "products_mode": "auto", "cpu": "x", "threads": 1, "blas": "b"}
     lines = _machine_lines({**base, "torch": "t", "products_store": None, **m})
     start = next(i for i, line in enumerate(lines) if line.startswith("  training (CPU)"))
-    return lines[start:]
+    end = next(i for i, line in enumerate(lines) if line.startswith("  capture (CPU)"))
+    return lines[start:end]
