@@ -24,6 +24,7 @@ The checks, one function each; each returns `Finding`s (OK / WARN / FAIL lines):
     mask_finding(cfg, target, …)                    # the mask row is one no chat produces
     context_findings(cfg, context)                  # sliding window / longest training context vs the context
     memory_finding(train_config)                    # one training step fits its device (train.memory_check)
+    engine_findings(path, verdicts, target)         # what each serving engine does with the directory
 
 Geometry rule (docs/troubleshooting.md#pitfall-geometry): heads and head_dim different from the target's → OK. Equal →
 OK when they are also dflashkit's own default for that hidden size (a coincidence: z-lab's 32 × 128 for Qwen3-8B, or 4

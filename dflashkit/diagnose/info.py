@@ -193,13 +193,21 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         ),
         *([f"  native kernel     {_native(m['products_native'])}"] if "products_native" in m else []),
         f"  choices kept      {_kept(m)}",
-        *_precision_lines(m, "train", "training (CPU)", "dtype auto", "drafter geometry and step shape", "a step"),
-        *_precision_lines(m, "capture", "capture (CPU)", "precision auto", "target and sequence length", "a forward"),
+        *_precision_lines(m, "train"),
+        *_precision_lines(m, "capture"),
     ]
 
 
-def _precision_lines(m: dict[str, Any], name: str, title: str, auto: str, per: str, unit: str) -> list[str]:
+# a measured precision's lines: (title, its `auto` setting, what a choice is kept per, what a timing is of)
+_PRECISION_TEXT = {
+    "train": ("training (CPU)", "dtype auto", "drafter geometry and step shape", "a step"),
+    "capture": ("capture (CPU)", "precision auto", "target and sequence length", "a forward"),
+}
+
+
+def _precision_lines(m: dict[str, Any], name: str) -> list[str]:
     """What `name` computes in on this CPU under `auto`: forced, or timed per key (each listed below the line)."""
+    title, auto, per, unit = _PRECISION_TEXT[name]
     forced, by_key = m.get(f"{name}_precision_forced"), m.get(f"{name}_precision_by_key") or {}
     if forced:
         head = f"{forced} for every run"

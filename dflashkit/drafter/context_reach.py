@@ -1,6 +1,7 @@
 """How far back a drafter reads, and what to warn about when it drafts after longer contexts.
 
     context_warnings(drafter.config, context_tokens=6000)   # → ["sliding-window layers see the last 2048 …", …]
+    smallest_window(drafter.config)                          # → 2048, or None when no layer is windowed
 
 Two limits matter when a drafter drafts after a long prompt:
 
@@ -27,14 +28,19 @@ def trained_context(cfg: DrafterConfig) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def smallest_window(cfg: DrafterConfig) -> int | None:
+    """The narrowest sliding window among the drafter's layers (None: every layer attends to the whole context)."""
+    return min((w for i in range(cfg.num_hidden_layers) if (w := cfg.layer_window(i)) is not None), default=None)
+
+
 def context_warnings(cfg: DrafterConfig, context_tokens: int) -> list[str]:
     """The reasons to expect less acceptance after `context_tokens` tokens of context (empty: none known)."""
     out = []
-    windows = sorted({w for i in range(cfg.num_hidden_layers) if (w := cfg.layer_window(i)) is not None})
-    if windows and context_tokens > windows[0]:
+    window = smallest_window(cfg)
+    if window is not None and context_tokens > window:
         out.append(
-            f"contexts of {context_tokens} tokens exceed the drafter's sliding window of {windows[0]}: its sliding "
-            f"layers read the last {windows[0]} positions (as in training) only where the engine honours the window "
+            f"contexts of {context_tokens} tokens exceed the drafter's sliding window of {window}: its sliding "
+            f"layers read the last {window} positions (as in training) only where the engine honours the window "
             f"(docs/evaluation.md#long-context)"
         )
     full = [i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i) is None]

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashkit.drafter.config import SLIDING_ATTENTION
+from dflashkit.drafter.context_reach import smallest_window
 from dflashkit.errors import DFlashError
 
 ENGINES = ("vllm", "llamacpp")
@@ -309,15 +309,15 @@ def serve_check(
         version, theirs = run_vllm(
             target.source, drafter_dir, prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=bs - 1
         )
-        found = compare(ours, theirs, _width(drafter), window=_window(drafter), prompt_tokens=[len(p) for p in prompts])
+        found = compare(
+            ours,
+            theirs,
+            _width(drafter),
+            window=smallest_window(drafter.config),
+            prompt_tokens=[len(p) for p in prompts],
+        )
         out.append(EngineComparison(engine, version, ours, theirs, found))
     return ServeCheckReport(str(drafter_dir), str(target.source), len(prompts), max_new_tokens, bs, out)
-
-
-def _window(drafter: Any) -> int | None:
-    """The drafter's sliding window when some layer uses it (None: every layer attends to the whole context)."""
-    cfg = drafter.config
-    return cfg.sliding_window if cfg.sliding_window and SLIDING_ATTENTION in cfg.layer_types else None
 
 
 def _width(drafter: Any) -> int:
@@ -378,7 +378,9 @@ def _llamacpp(
                 f"own rounds"
             )
             a.tokens = list(b.tokens)
-    found = compare(ours, theirs, _width(drafter), window=_window(drafter), prompt_tokens=[len(p) for p in prompts])
+    found = compare(
+        ours, theirs, _width(drafter), window=smallest_window(drafter.config), prompt_tokens=[len(p) for p in prompts]
+    )
     return EngineComparison("llama.cpp", llamacpp.VERSION, ours, theirs, found, notes)
 
 

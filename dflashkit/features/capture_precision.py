@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -42,7 +42,6 @@ CHOICES = ("auto", *PRECISIONS)
 # a target loaded in a half type computes in it: recorded apart from bf16 autocast (whose residual stream and labels
 # stay fp32), so a capture begun one way is never resumed the other
 WEIGHTS = {torch.bfloat16: "bf16-weights", torch.float16: "fp16-weights"}
-RECORDED = ("fp32", "bf16", *WEIGHTS.values())  # what a manifest's `precision` may hold
 MIN_TOKENS, MAX_TOKENS = 64, 2048  # the timed length's range: short enough to time in seconds
 
 
@@ -67,16 +66,9 @@ def as_loaded(target: Target) -> str:
     return WEIGHTS.get(target.dtype, "fp32")
 
 
-def autocast_body(target: Target, precision: str) -> bool:
+def _bf16_body(target: Target, precision: str) -> bool:
     """Whether a capture forward runs the target's layers under bf16 autocast: a float32 target asked for bf16."""
     return precision == "bf16" and target.dtype == torch.float32
-
-
-def compute_context(target: Target, precision: str) -> Any:
-    """The context a capture forward runs in: bf16 autocast for a float32 target asked for bf16, else none."""
-    if autocast_body(target, precision):
-        return torch.autocast(device_type=target.device.type, dtype=torch.bfloat16)
-    return nullcontext()
 
 
 def capture_forward(
@@ -91,9 +83,9 @@ def capture_forward(
     """One capture forward of ids (B, T) in `precision`. Under bf16 autocast only the decoder layers run in bf16: the
     verifier logits (B, T, V) are formed afterwards in float32 from the fp32 residual stream, so the labels' argmax
     and the top-k log-probs do not round at bf16, where close logits would tie."""
-    if not autocast_body(target, precision):
+    if not _bf16_body(target, precision):
         return target.forward(ids, layer_ids=list(layer_ids), logits=logits, feature_dtype=feature_dtype)
-    with compute_context(target, precision):
+    with torch.autocast(device_type=target.device.type, dtype=torch.bfloat16):
         out = target.forward(ids, layer_ids=list(layer_ids), logits=False, feature_dtype=feature_dtype)
     if logits:  # a one-off pass over whole sequences: the products Target.forward takes for one (stock, unless forced)
         with torch.no_grad(), stock_products() if products_mode() == "auto" else nullcontext():
@@ -164,13 +156,10 @@ def capture_precision(
 __all__ = [
     "CAPTURE",
     "CHOICES",
-    "RECORDED",
     "as_loaded",
-    "autocast_body",
     "capture_forward",
     "capture_precision",
     "choice_key",
-    "compute_context",
     "time_target_forward",
     "timed_length",
 ]

@@ -89,7 +89,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     store_topk: int = 0  # top-k log-probs stored per position (0: none; manifests older than the option)
     store_target_lse: bool = False  # the target's log-sum-exp stored per position (false in older manifests)
-    # what the target computed in (features.capture_precision.RECORDED): fp32, bf16 (autocast), bf16-weights /
+    # what the target computed in (features.capture_precision): fp32, bf16 (autocast), bf16-weights /
     # fp16-weights (a target loaded so); None in manifests older than the field (the target as it was loaded)
     precision: str | None = None
     data: dict[str, Any] = field(default_factory=dict)  # how the tokens were prepared (thinking, turns); {} unknown
