@@ -15,6 +15,8 @@ pays n = 1 per token. For each n this times (all interleaved, on the same cache,
                  torch has MKL)
   native_rows    the same pass with every product through the few-row kernel compiled for this CPU
                  (DFLASHKIT_PRODUCTS=native_rows; where a C++ compiler is)
+  native_layers  the same pass with every decoder layer one compiled call (DFLASHKIT_PRODUCTS=native_layers;
+                 a Llama-family target, where a C++ compiler is: target/native_layers.py)
   body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
 and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
 the product chosen per width (how many of the pass's weight shapes took each path) and the physical floor: the
@@ -46,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_args import positive_ints
 
 FUSED = (products.FUSED,) if "onednn" in products.CANDIDATES else ()
-PATHS = ("forward", *products.CANDIDATES, *FUSED)  # forward (the measured choice), stock, few_rows, onednn, …
+LAYERS = (products.LAYERS,) if products.NATIVE in products.CANDIDATES else ()
+PATHS = ("forward", *products.CANDIDATES, *FUSED, *LAYERS)  # forward (the measured choice), stock, few_rows, …
 
 
 def _mode(path: str):

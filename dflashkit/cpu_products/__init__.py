@@ -19,7 +19,8 @@ Modules:
   step_trial.py   a pass group's candidates timed inside real decoding steps; `decide`
   siblings.py     a layer's products of one input (q/k/v, gate/up) as one product over stacked weights
   packed_weights.py MKL's packed GEMM, one packed copy per weight and row count, within a memory budget
-  native_rows.py  a few-row kernel compiled for this CPU at first use (kernels/rows_linear.cpp)
+  native_rows.py  the kernels compiled for this CPU at first use: a few-row product (kernels/rows_linear.cpp) and a
+                  whole decoder layer (kernels/decoder_layer.cpp, driven by target/native_layers.py)
   store.py        where the choices are kept between runs (`~/.cache/dflashkit/products/`), and for how long
   precision_store.py fp32 or bf16 autocast for a whole pass (a training step, a capture forward), timed on this
                   machine and kept in the user cache: `MeasuredPrecision(folder, env_var).choose(key, timer)`

@@ -37,7 +37,10 @@ from torch import Tensor
 
 from dflashkit.errors import DFlashError
 
-SOURCE = Path(__file__).with_name("kernels") / "rows_linear.cpp"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "rows_linear.cpp"  # the product; decoder_layer.cpp (a whole layer) is built into the same library
+SOURCES = (SOURCE, KERNELS / "decoder_layer.cpp")
+HEADERS = (KERNELS / "rows_tiles.h",)
 ENV = "DFLASHKIT_NATIVE"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 BUILD_TIMEOUT_S = 300
@@ -77,9 +80,14 @@ def library_path(cxx: str) -> Path:
     from dflashkit.cpu_products.machine import cpu_signature
     from dflashkit.io_utils import cache_root
 
-    parts = [SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(FLAGS).encode(), cpu_signature().encode()]
-    digest = hashlib.sha256(b"\0".join([*parts, torch.__version__.encode()])).hexdigest()[:16]
+    parts = [source_digest().encode(), _compiler_version(cxx).encode(), " ".join(FLAGS).encode()]
+    digest = hashlib.sha256(b"\0".join([*parts, cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
     return cache_root() / "kernels" / f"rows_linear-{digest}.so"
+
+
+def source_digest() -> str:
+    """A digest of the kernels' source files: a changed kernel is another library, and its choices are timed anew."""
+    return hashlib.sha256(b"\0".join(f.read_bytes() for f in (*SOURCES, *HEADERS))).hexdigest()[:16]
 
 
 def _build(cxx: str, target: Path) -> None:
@@ -89,7 +97,7 @@ def _build(cxx: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [cxx, *FLAGS, "-o", tmp, *(str(f) for f in SOURCES)]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -129,6 +137,10 @@ def _load() -> object:
         fn.restype = None
         p, n = ctypes.c_void_p, ctypes.c_long
         fn.argtypes = [p, n, n, p, n, p, p, ctypes.c_int]
+        for name in ("dfk_decoder_layer", "dfk_layer_scratch"):
+            entry = getattr(lib, name)
+            entry.restype, entry.argtypes = (None if name == "dfk_decoder_layer" else n), [p]
+            _STATE[name] = entry
         _STATE["lib"], _STATE["path"] = fn, str(path)
         return fn
     except RuntimeError as e:
@@ -170,9 +182,27 @@ def native_product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return F.linear(x, w, b)  # other dtypes, devices, layouts; torch's own error for shapes that do not fit
 
 
+def layer_kernel() -> tuple[object, object]:
+    """(dfk_decoder_layer, dfk_layer_scratch) of the same library (kernels/decoder_layer.cpp: one decoder layer of a
+    Llama-family target per call, target/native_layers.py); RuntimeError where the library cannot be built."""
+    _load()
+    return _STATE["dfk_decoder_layer"], _STATE["dfk_layer_scratch"]
+
+
 def reset() -> None:
     """Forget this process's build result (tests: another cache directory, compiler or DFLASHKIT_NATIVE)."""
     _STATE.clear()
 
 
-__all__ = ["ENV", "SOURCE", "enabled", "library_path", "native_product", "reset", "status"]
+__all__ = [
+    "ENV",
+    "SOURCE",
+    "SOURCES",
+    "enabled",
+    "layer_kernel",
+    "library_path",
+    "native_product",
+    "reset",
+    "source_digest",
+    "status",
+]

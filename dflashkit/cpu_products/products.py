@@ -4,7 +4,7 @@ measurement, never by a rule from another CPU.
     logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
-    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed|native_rows  # measured (default), or forced
+    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed|native_rows|native_layers  # or forced
     DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
     DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (store.py)
 
@@ -24,6 +24,10 @@ every weight matrix. Ways to compute the same float32 products, whose speed depe
               the weights per width it runs, within a memory budget (packed_weights.py); where torch has MKL
   native_rows a few-row kernel compiled for this CPU at first use (native_rows.py): each block of weight rows
               streamed once, every row multiplied by it from L1; where a C++ compiler is
+  native_layers a whole decoder layer a call, compiled for this CPU (kernels/decoder_layer.cpp, driven by
+              target/native_layers.py): the products of native_rows and the work between them (norms, rotary, the
+              cache write, attention) in one parallel region; a Llama-family target's layers only, a pass its caller
+              opens (`open_pass`: the caller runs the whole pass one way or the other)
 The same candidate can make a few-token verify pass cost about one AR step on one CPU and be slower than stock at
 every width on another, with the same BLAS (docs/studies.md, "Verification cost and product selection"). So the
 choice is timed on the machine at hand, interleaved (ABBA), and the fastest other candidate is kept only when it
@@ -74,7 +78,8 @@ MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer 
 FUSED = "onednn_fused"  # oneDNN over the stacked weights of products of one input (sibling_products.py)
 PACKED = "mkl_packed"  # MKL's packed GEMM, a copy of the weights per row count (packed_weights.py)
 NATIVE = "native_rows"  # a few-row kernel compiled for this CPU at first use (native_rows.py)
-MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED, NATIVE)
+LAYERS = "native_layers"  # whole decoder layers compiled for this CPU (target/native_layers.py)
+MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED, NATIVE, LAYERS)
 ENV = "DFLASHKIT_PRODUCTS"
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
@@ -119,12 +124,21 @@ if native_rows.enabled():
     CANDIDATES[NATIVE] = native_rows.native_product
 
 
+def _no_kernel(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    raise RuntimeError("no compiled kernel on this machine")
+
+
 def group_candidates(group: PassGroup) -> dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
     """A pass group's candidates: the products', plus the fused one for a group that may fuse (where it found no
-    siblings, that one cannot run: recorded unusable, as a candidate this build lacks)."""
-    if group.siblings is None:
-        return CANDIDATES
-    return {**CANDIDATES, FUSED: _onednn_fused if group.siblings.sets else _no_siblings}
+    siblings, that one cannot run: recorded unusable, as a candidate this build lacks), plus whole compiled layers
+    for a group whose caller can run them (`whole_layers`; a product of such a pass outside them, e.g. a batch the
+    layers do not take, is native_rows')."""
+    out = dict(CANDIDATES)
+    if group.siblings is not None:
+        out[FUSED] = _onednn_fused if group.siblings.sets else _no_siblings
+    if group.whole_layers:
+        out[LAYERS] = CANDIDATES.get(NATIVE, _no_kernel)
+    return out
 
 
 @contextlib.contextmanager
@@ -147,9 +161,11 @@ def mode() -> str:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
-    native = native_rows.status() if value == NATIVE else None
+    native = native_rows.status() if value in (NATIVE, LAYERS) else None
     if native is not None and not native["available"]:
         raise ConfigError(f"{ENV}={value}: the kernel cannot be had here ({native['reason']})")
+    if value == LAYERS:
+        return value
     if value != "auto" and value not in CANDIDATES and not (value == FUSED and "onednn" in CANDIDATES):
         lacks = "MKL's packed GEMM (torch.ops.mkl)" if value == PACKED else "oneDNN (torch.backends.mkldnn)"
         raise ConfigError(f"{ENV}={value}: this torch build has no {lacks}; use auto or stock")
@@ -316,8 +332,11 @@ class Chooser:
 
 
 def _names(key: str) -> list[str]:
-    """The candidates a stored choice must have timed: a fusing pass group's include the fused product."""
-    return [*CANDIDATES, FUSED] if "-fuse:" in key and "onednn" in CANDIDATES else list(CANDIDATES)
+    """The candidates a stored choice must have timed: a fusing pass group's include the fused product, a group of
+    whole layers the compiled layers."""
+    group = key.split(":")[0]
+    fused = [FUSED] if "-fuse" in group and "onednn" in CANDIDATES else []
+    return [*CANDIDATES, *fused, *([LAYERS] if group.endswith("-layers") else [])]
 
 
 def _runnable(
@@ -350,11 +369,13 @@ class PassGroup:
     """The linears of one model part (e.g. a target's decoder layers), in the order a pass runs them: they share
     one measured choice per row count. Its key names the row count and the group's shapes (a digest)."""
 
-    def __init__(self, linears: list[nn.Linear], *, fuse: bool = False) -> None:
+    def __init__(self, linears: list[nn.Linear], *, fuse: bool = False, whole_layers: bool = False) -> None:
         self.linears = linears
         shapes = [(m.in_features, m.out_features, m.bias is not None) for m in linears]
         digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:10]
-        self.signature = f"pass{len(linears)}-{digest}{'-fuse' if fuse else ''}"
+        self.signature = f"pass{len(linears)}-{digest}{'-fuse' if fuse else ''}{'-layers' if whole_layers else ''}"
+        self.whole_layers = whole_layers  # its caller can run a whole pass as compiled layers (LAYERS)
+        self.opened_outside = False  # a pass opened by its caller (`open_pass`): the first linear does not open it
         self.siblings = Siblings(linears) if fuse and "onednn" in CANDIDATES else None  # fused once a pass was seen
         # (leading shape, dtype, CPU or not, choice) of the pass under way when its opening found the width settled:
         # the group's other products in that pass take it without a lookup (microseconds a call, ~200 calls a step)
@@ -409,7 +430,7 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     siblings = group.siblings if group is not None else None
     if siblings is not None and not siblings.done and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]:
         siblings.observe(weight, x)  # a decoding pass (a prefill's inputs are not held to watch it)
-    opening = group is None or group.linears[0].weight is weight
+    opening = group is None or (group.linears[0].weight is weight and not group.opened_outside)
     fast = None if opening else group.this_pass
     if fast is not None and fast[0] == x.shape[:-1] and fast[1] == x.dtype and fast[2] == x.is_cpu:
         how = fast[3]  # the rest of a pass whose opening found its width settled: no lookup
@@ -420,7 +441,8 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     if how == FUSED:
         return _onednn_fused(x, weight, bias)  # (..., V): by the module's own input, which its siblings share
     rows = x.numel() // x.shape[-1]
-    out = CANDIDATES[how](x.reshape(rows, x.shape[-1]), weight, bias)  # (M, V)
+    product = CANDIDATES[NATIVE if how == LAYERS else how]  # a pass of whole layers run another way: native_rows
+    out = product(x.reshape(rows, x.shape[-1]), weight, bias)  # (M, V)
     return out.reshape(*x.shape[:-1], weight.shape[0])  # (..., V)
 
 
@@ -459,24 +481,43 @@ def _choose(c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: P
     if how != "auto":
         return how, True
     if group is not None:
-        how = c.choose_pass(group, rows, x.dtype, opens_pass=group.linears[0].weight is weight)
+        opens = group.linears[0].weight is weight and not group.opened_outside
+        how = c.choose_pass(group, rows, x.dtype, opens_pass=opens)
         return how, group.key(rows, x.dtype) in c.choices
     how = c.choose(x.reshape(rows, x.shape[-1]), weight, bias)
     return how, shape_key(rows, weight, bias) in c.choices
+
+
+def open_pass(group: PassGroup, lead: tuple[int, ...], dtype: torch.dtype) -> str:
+    """Open a decoding pass of `group` over CPU inputs of leading shape `lead` (e.g. (1, n)) from outside its
+    linears, for a caller that may run the whole pass another way (target/native_layers.py): the pass's candidate,
+    timed and chosen as when its first linear opens it. Until `close_pass` the group's linears follow that
+    candidate without opening the pass again."""
+    m = group.linears[0]
+    x = torch.empty(*lead, m.in_features, dtype=dtype)  # its shape, dtype and device are all that is read
+    how = _settled_or_chosen(x, m.weight, m.bias, group, True)
+    group.opened_outside = True
+    return how
+
+
+def close_pass(group: PassGroup) -> None:
+    """The end of a pass `open_pass` opened: the next pass opens at its first linear again."""
+    group.opened_outside = False
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return linear_product(x, self.weight, self.bias, self._pass_group)
 
 
-def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False) -> int:
+def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False, whole_layers: bool = False) -> int:
     """Send every plain nn.Linear under `module` through `linear_product`, as one pass group timed in real steps, or
     with `lone` each as a lone product timed per shape (an LM head: a pass group of its own would be timed in the
     same steps as the layers', its candidates in lockstep with theirs). Idempotent: linears routed before keep
     their way; returns how many were routed now. With `fuse` (frozen weights that are never saved from this model:
-    a target's layers) the products of one input may be computed as one (`siblings.py`, a timed candidate)."""
+    a target's layers) the products of one input may be computed as one (`siblings.py`, a timed candidate); with
+    `whole_layers` (a caller that opens its passes and can run them as compiled layers) LAYERS is one more."""
     fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
-    group = None if lone else PassGroup(fresh, fuse=fuse)
+    group = None if lone else PassGroup(fresh, fuse=fuse, whole_layers=whole_layers)
     for m in fresh:
         m.forward = types.MethodType(_forward, m)
         m._routed = True
@@ -487,16 +528,19 @@ def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False) 
 __all__ = [
     "CANDIDATES",
     "FUSED",
+    "LAYERS",
     "MAX_ROWS",
     "MIN_GAIN",
     "NATIVE",
     "PACKED",
     "Chooser",
     "PassGroup",
+    "close_pass",
     "decide",
     "group_candidates",
     "linear_product",
     "mode",
+    "open_pass",
     "route_linears",
     "shape_key",
     "stock_products",

@@ -52,10 +52,10 @@ def max_age_seconds() -> float:
 def store_path() -> Path | None:
     """<machine>.json in ~/.cache/dflashkit/products, or in $DFLASHKIT_PRODUCTS_STORE (None when that is "off" or
     the cache cannot be used)."""
-    from dflashkit.cpu_products.native_rows import SOURCE
+    from dflashkit.cpu_products.native_rows import source_digest
 
     folder = chosen_folder("products")
-    kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    kernel = source_digest()
     return None if folder is None else machine_file(folder, kernel)
 
 

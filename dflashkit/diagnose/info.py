@@ -69,6 +69,8 @@ def gather_info(
             "parameters": target.parameter_count(),
             "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device),
+            # None: its decoding passes may run as compiled whole layers (a timed candidate); else why they cannot
+            "compiled_layers_refused": _compiled_layers_refused(target),
             "load_seconds": round(load_s, 2),
             "converted_now": is_default and not was_cached,
         },
@@ -83,12 +85,20 @@ def gather_info(
     }
 
 
+def _compiled_layers_refused(target: Any) -> str | None:
+    """None when the target's decoding passes can run as compiled whole layers (target/native_layers.py), else why
+    not."""
+    from dflashkit.target.native_layers import LayerPlan
+
+    return None if target.native_layers is not None else LayerPlan.why_not(target.text_model)
+
+
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
     from dflashkit.cpu_products.machine import describe_machine
     from dflashkit.cpu_products.native_rows import status as native_status
     from dflashkit.cpu_products.packed_weights import budget_bytes
-    from dflashkit.cpu_products.products import CANDIDATES, FUSED, PACKED, mode
+    from dflashkit.cpu_products.products import CANDIDATES, FUSED, LAYERS, NATIVE, PACKED, mode
     from dflashkit.cpu_products.report import choices_by_rows, choices_report
     from dflashkit.cpu_products.store import DAY, max_age_seconds
 
@@ -97,7 +107,11 @@ def _machine() -> dict[str, Any]:
     return {
         **describe_machine(),
         "products_mode": mode(),
-        "products_candidates": [*CANDIDATES, *([f"{FUSED} (the target's layers)"] if "onednn" in CANDIDATES else [])],
+        "products_candidates": [
+            *CANDIDATES,
+            *([f"{FUSED} (the target's layers)"] if "onednn" in CANDIDATES else []),
+            *([f"{LAYERS} (a Llama-family target's layers)"] if NATIVE in CANDIDATES else []),
+        ],
         "products_packed_budget_gib": round(budget_bytes() / (1 << 30), 2) if PACKED in CANDIDATES else None,
         "products_native": native_status(),  # built now if this machine has none yet (~2 s, once)
         "products_store": report["store"],
@@ -144,6 +158,12 @@ def render_info(info: dict[str, Any]) -> str:
         f"  chat template     {'present' if t['chat_template']['present'] else 'absent'}"
         + (", thinking switch" if t["chat_template"]["thinking_switch"] else ""),
         f"  parameters        {_count(t['parameters'])} ({t['dtype']} on {t['device']})",
+        "  compiled layers   "
+        + (
+            "a candidate of its decoding passes (native_layers, timed at first use)"
+            if t["compiled_layers_refused"] is None
+            else f"no ({t['compiled_layers_refused']}): its layers run as transformers computes them"
+        ),
         f"  load time         {t['load_seconds']} s"
         + (" (first use: converted from GGUF)" if t["converted_now"] else ""),
         "",

@@ -17,6 +17,8 @@ Modules and their public functions:
                 (recurrent states of hybrid Gated DeltaNet layers)
   kv_buffer.py  `growing_cache(config)`: attention K/V in buffers with room, a step's tokens written in place
   attention.py  `route_attention(model)`: a verify pass's GQA attention on CPU without copying K/V per query head
+  native_layers.py `LayerPlan.of(text_model)`: a decoding pass of a Llama-family float32 target through compiled
+                whole layers (the `native_layers` product candidate; cpu_products/kernels/decoder_layer.cpp)
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
   devices.py    `device_problem(spec)`: whether a device string names a device this machine has;

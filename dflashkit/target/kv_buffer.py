@@ -62,6 +62,15 @@ class _Buffer:
     def append(self, x: Tensor) -> Tensor:
         """Write x (B, kvh, t, hd) after the used length; a new buffer when there is no room or it is not owned."""
         n, t = self.length, int(x.shape[-2])
+        self.make_room(x, t)
+        self.data[:, :, n : n + t] = x
+        self.length = n + t
+        return self.data[:, :, : n + t]
+
+    def make_room(self, x: Tensor, t: int) -> None:
+        """An owned buffer shaped as x (B, kvh, ·, hd), of x's dtype and device, with room for t tokens after the
+        used length (a new one, the used tokens copied, when there is none)."""
+        n = self.length
         d = self.data
         fits = (
             d is not None
@@ -78,9 +87,6 @@ class _Buffer:
             if n:
                 new[:, :, :n] = d[:, :, :n]
             self.data, self.owned = new, True
-        self.data[:, :, n : n + t] = x
-        self.length = n + t
-        return self.data[:, :, : n + t]
 
 
 class GrowingLayer(DynamicLayer):
@@ -121,6 +127,22 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         _separate(self)
         return self._k.append(key_states), self._v.append(value_states)
+
+    def reserve(self, like: Tensor, t: int) -> tuple[Tensor, Tensor, int]:
+        """Room for t more tokens, for a caller that writes them itself (target/native_layers.py): (K buffer, V
+        buffer, tokens held), the buffers owned and shaped as `like` (B, kv_heads, ·, hd) with capacity ≥ held + t;
+        the caller fills positions held … held + t − 1 of both, then calls `advance(t)`."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        _separate(self)
+        self._k.make_room(like, t)
+        self._v.make_room(like, t)
+        return self._k.data, self._v.data, self._k.length
+
+    def advance(self, t: int) -> None:
+        """The t tokens written after `reserve` are now part of the cache."""
+        self._k.length += t
+        self._v.length += t
 
     def get_seq_length(self) -> int:
         return self._k.length if self.is_initialized and self._k.data is not None else 0

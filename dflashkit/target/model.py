@@ -27,13 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflashkit.cpu_products import linear_product, route_linears, stock_products
+from dflashkit.cpu_products import linear_product, route_linears, stock_active, stock_products
 from dflashkit.cpu_products import mode as products_mode
+from dflashkit.cpu_products.products import LAYERS, close_pass, open_pass
 from dflashkit.errors import TargetError
 from dflashkit.target.attention import route_attention
 from dflashkit.target.files import check_gguf, check_model_dir
 from dflashkit.target.kv_buffer import growing_cache
 from dflashkit.target.layer_ids import layer_ids_problem
+from dflashkit.target.native_layers import LayerPlan
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -104,7 +106,11 @@ class Target:
             raise TargetError(f"{type(model).__name__} has no LM head (expected a causal LM)")
         self.lm_head: nn.Module = head
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
-        route_linears(self.layers, fuse=True)  # decoding steps' few rows: the measured products (products.py)
+        # a decoding pass of a Llama-family float32 CPU target may run as compiled whole layers (native_layers.py)
+        self.native_layers = LayerPlan.of(self.text_model)
+        # decoding steps' few rows: the measured products (products.py), whole compiled layers one more candidate
+        route_linears(self.layers, fuse=True, whole_layers=self.native_layers is not None)
+        self._pass_group = next((m._pass_group for m in self.layers.modules() if type(m) is nn.Linear), None)
         route_linears(self.lm_head, lone=True)  # HF `generate` (regeneration) calls the head module itself
         route_attention(self.model)  # a verify pass's GQA attention on CPU without copies of K/V (attention.py)
         cfg = self.text_config
@@ -262,19 +268,40 @@ class Target:
         Without a cache the pass is a one-off over whole sequences (capture, features, checks), not a decoding
         step: under the measured choice (`auto`) it takes stock products, so a short sample met twice is never
         timed as a decoding width; products forced by DFLASHKIT_PRODUCTS hold here as in every other pass.
+        A decoding pass the compiled layers take (native_layers.py) is opened here: when its measured candidate
+        is `native_layers` it runs compiled, else through transformers' layers.
         """
         layer_ids = [int(i) for i in layer_ids]
         self.check_layer_ids(layer_ids)
+        plan = self.native_layers
+        opened = (
+            plan is not None
+            and cache is not None
+            and use_cache
+            and not stock_active()
+            and plan.takes(input_ids, attention_mask, cache)
+        )
         one_off = cache is None and products_mode() == "auto"
-        with stock_products() if one_off else nullcontext(), self._hooks(layer_ids) as captured:
-            out = self.text_model(
-                input_ids=input_ids.to(self.device),
-                position_ids=None if position_ids is None else position_ids.to(self.device),
-                attention_mask=attention_mask,
-                cache=cache,
-                use_cache=use_cache,
-            )
-            final_hidden = captured[self.num_layers - 1]
+        with stock_products() if one_off else nullcontext():
+            try:
+                if opened and open_pass(self._pass_group, tuple(input_ids.shape), self.dtype) == LAYERS:
+                    wanted = set(layer_ids) | {self.num_layers - 1}
+                    captured, final_hidden = plan.run(input_ids, position_ids, attention_mask, cache, wanted)
+                    out_cache = cache
+                else:
+                    with self._hooks(layer_ids) as captured:
+                        out = self.text_model(
+                            input_ids=input_ids.to(self.device),
+                            position_ids=None if position_ids is None else position_ids.to(self.device),
+                            attention_mask=attention_mask,
+                            cache=cache,
+                            use_cache=use_cache,
+                        )
+                    final_hidden = captured[self.num_layers - 1]
+                    out_cache = getattr(out, "cache", None)
+            finally:
+                if opened:
+                    close_pass(self._pass_group)
             head_in = final_hidden[:, -logits_to_keep:] if logits_to_keep > 0 else final_hidden
             logits_out = self.verifier_logits(head_in) if logits else None  # (B, T or n, V)
         features = None
@@ -286,7 +313,7 @@ class Target:
             features=features,
             final_hidden=final_hidden,
             logits=logits_out,
-            cache=getattr(out, "cache", None),
+            cache=out_cache,
         )
 
     def new_cache(self) -> Any:

@@ -56,11 +56,15 @@ def test_a_changed_kernel_source_reads_another_file(monkeypatch, tmp_path):
     """Choices timed with one version of the compiled kernel are not those of the next (an upgrade re-times them)."""
     monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
     before = product_store.store_path()
-    source = tmp_path / "rows_linear.cpp"
-    source.write_bytes(native_rows.SOURCE.read_bytes() + b"// changed\n")
-    monkeypatch.setattr(native_rows, "SOURCE", source)
-    after = product_store.store_path()
-    assert after.parent == before.parent and after != before
+    for i, original in enumerate(native_rows.SOURCES):  # the product's kernel, then the layer's
+        source = tmp_path / original.name
+        source.write_bytes(original.read_bytes() + b"// changed\n")
+        changed = list(native_rows.SOURCES)
+        changed[i] = source
+        with monkeypatch.context() as m:
+            m.setattr(native_rows, "SOURCES", tuple(changed))
+            after = product_store.store_path()
+        assert after.parent == before.parent and after != before
 
 
 def test_a_stored_choice_is_used_for_a_week_then_timed_again(monkeypatch, tmp_path):
