@@ -250,7 +250,14 @@ class Chooser:
             if key in self._paused:
                 trial = self._trials[key] = self._paused.pop(key)  # resumed at the start of its round
             else:
-                usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), group_candidates(group))
+                candidates = group_candidates(group)
+                # whole compiled layers run only in passes their caller opens (`open_pass`): a width first timed in
+                # passes of the layers' own (a regeneration batch through HF `generate`) records them unusable
+                outside = LAYERS in candidates and not group.opened_outside
+                if outside:
+                    candidates = {k: v for k, v in candidates.items() if k != LAYERS}
+                usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), candidates)
+                self._failed[key] += [LAYERS] if outside else []
                 trial = self._trials[key] = StepTrial(usable, self.repeats)
                 self._trial_of[key] = (group, rows)
             self._advanced[key] = self._openings
@@ -461,7 +468,7 @@ def _settled_or_chosen(x: Tensor, weight: Tensor, bias: Tensor | None, group: Pa
         c._openings += 1  # … and an opening the running trial made no progress in (else a width that stops coming
         # would hold its trial, and `trials_pending`, for good once every other width is settled)
     if how is None:
-        how, settled = _choose(c, x, weight, bias, group)
+        how, settled = _choose(c, x, weight, bias, group, opening)
         if settled:
             c.settled[memo] = how
     if group is not None and opening:
@@ -470,9 +477,12 @@ def _settled_or_chosen(x: Tensor, weight: Tensor, bias: Tensor | None, group: Pa
     return how
 
 
-def _choose(c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: PassGroup | None) -> tuple[str, bool]:
+def _choose(
+    c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: PassGroup | None, opening: bool
+) -> tuple[str, bool]:
     """(candidate, settled): the candidate for this call, and whether it holds for every later call of the same
-    shape (False: F.linear by fallback, or stock until the row count is measured)."""
+    shape (False: F.linear by fallback, or stock until the row count is measured). `opening`: this call opens a
+    pass of its group."""
     rows = x.numel() // max(1, x.shape[-1])
     if x.device.type != "cpu" or not 1 <= rows <= MAX_ROWS or x.dtype != weight.dtype:
         _EPOCH[0] += 1  # (a prefill between two decoding steps is not part of a step)
@@ -481,8 +491,7 @@ def _choose(c: Chooser, x: Tensor, weight: Tensor, bias: Tensor | None, group: P
     if how != "auto":
         return how, True
     if group is not None:
-        opens = group.linears[0].weight is weight and not group.opened_outside
-        how = c.choose_pass(group, rows, x.dtype, opens_pass=opens)
+        how = c.choose_pass(group, rows, x.dtype, opens_pass=opening)
         return how, group.key(rows, x.dtype) in c.choices
     how = c.choose(x.reshape(rows, x.shape[-1]), weight, bias)
     return how, shape_key(rows, weight, bias) in c.choices
@@ -495,9 +504,8 @@ def open_pass(group: PassGroup, lead: tuple[int, ...], dtype: torch.dtype) -> st
     candidate without opening the pass again."""
     m = group.linears[0]
     x = torch.empty(*lead, m.in_features, dtype=dtype)  # its shape, dtype and device are all that is read
-    how = _settled_or_chosen(x, m.weight, m.bias, group, True)
-    group.opened_outside = True
-    return how
+    group.opened_outside = True  # before the choice: a trial started now may time the compiled layers
+    return _settled_or_chosen(x, m.weight, m.bias, group, True)
 
 
 def close_pass(group: PassGroup) -> None:

@@ -200,6 +200,8 @@ class LayerPlan:
         captured: dict[int, Tensor] = {}
         for i, (a, layer_cache) in enumerate(zip(self.args, cache.layers, strict=True)):
             k_buf, v_buf, past = layer_cache.reserve(like, n)  # (1, kvh, capacity, hd) each
+            if past != held:  # the scratch's score rows are sized for `held` keys
+                raise RuntimeError(f"the target cache's layers disagree on length: layer {i} holds {past}, not {held}")
             a.n, a.past, a.capacity, a.threads = n, past, k_buf.shape[2], threads
             a.cos, a.sin, a.mask = cos.data_ptr(), sin.data_ptr(), _ptr(mask)
             a.k_cache, a.v_cache, a.x, a.scratch = k_buf.data_ptr(), v_buf.data_ptr(), x.data_ptr(), scratch.data_ptr()

@@ -88,6 +88,12 @@ DEFAULT_ONLINE_TOPK = 32  # loss: topk with online features and topk: null — e
 _Device = Annotated[str, Field(min_length=1), Expect("a device: auto, cpu, cuda or cuda:N")]
 
 
+def _cadence(steps: int, minutes: float | None) -> str:
+    """'200 steps', '1 min', '200 steps or 1 min', or 'end' (the summary line of a checkpoint or validation cadence)."""
+    parts = ([f"{steps} steps"] if steps else []) + ([f"{minutes:g} min"] if minutes else [])
+    return " or ".join(parts) or "end"
+
+
 @dataclass
 class TrainConfig(*TRAIN_SETTINGS):
     """A DFlash training run. Paths are relative to the working directory. Every field's type is its check
@@ -151,10 +157,16 @@ class TrainConfig(*TRAIN_SETTINGS):
     val_fraction: Fraction = 0.0  # fraction of samples held out for validation (val τ, loss)
     val_samples: optional(NonNegativeInt, "by val_fraction") = None  # held-out sample count
     eval_every: NonNegativeInt = 0  # steps between validation passes (0: only at the end)
+    # also a validation pass after this many minutes of training time (step times summed) since the last: a
+    # cadence that does not grow with the steps' speed
+    eval_every_minutes: optional(PositiveFloat, "by steps only") = None
     # also export the drafter of the validation pass with the highest val τ to OUT/best (needs held-out samples
     # and eval_every; guards long runs on little data against overfitting: final is still written)
     keep_best: Bool = False
     save_every: NonNegativeInt = 500  # 0: only at the end
+    # also a checkpoint after this many minutes of training time since the last (each save costs the same however
+    # fast the steps are)
+    save_every_minutes: optional(PositiveFloat, "by steps only") = None
     keep_checkpoints: NonNegativeInt = 3  # newest step checkpoints kept (0 keeps all)
     log_every: PositiveInt = 1  # steps between lines of metrics.jsonl
     rolling_window: PositiveInt = 100  # steps in the rolling loss percentiles
@@ -219,14 +231,16 @@ class TrainConfig(*TRAIN_SETTINGS):
             why = device_problem(getattr(self, name), allow_auto=True)
             if why:
                 raise fail(where(name), name, getattr(self, name), why.removeprefix("expected "))
-        if self.keep_best and not (self.eval_every and (self.val_fraction or self.val_samples)):
+        if self.keep_best and not (
+            (self.eval_every or self.eval_every_minutes) and (self.val_fraction or self.val_samples)
+        ):
             raise fail(
                 where("keep_best"),
                 "keep_best",
                 True,
-                f"validation passes with it: eval_every > 0 and val_samples (or val_fraction) > 0; got "
-                f"eval_every {self.eval_every}, val_samples {self.val_samples}, val_fraction "
-                f"{self.val_fraction}",
+                f"validation passes with it: eval_every > 0 (or eval_every_minutes) and val_samples (or "
+                f"val_fraction) > 0; got eval_every {self.eval_every}, val_samples {self.val_samples}, "
+                f"val_fraction {self.val_fraction}",
             )
         if self.loss != "topk":
             for name in ("topk", "topk_ce_weight"):
@@ -340,7 +354,8 @@ class TrainConfig(*TRAIN_SETTINGS):
                 f"≤ {self.max_anchors} anchors/doc"
                 + (f", fc noise {self.noise_std} ({self.noise_schedule})" if self.noise_std else ""),
                 f"  optimiser   AdamW lr {self.lr}, warmup {self.warmup_ratio}, clip {self.grad_clip}, {stop}{budget}",
-                f"  output      {self.out}  (save every {self.save_every}, eval every {self.eval_every or 'end'})",
+                f"  output      {self.out}  (save every {_cadence(self.save_every, self.save_every_minutes)}, "
+                f"eval every {_cadence(self.eval_every, self.eval_every_minutes)})",
             ]
         )
 

@@ -331,6 +331,12 @@ def _check_finite_weights(run: Run, params: list[Tensor], loss: float, grad_norm
     )
 
 
+def _due(steps: int, minutes: float | None, step: int, since_s: float) -> bool:
+    """Whether a validation pass or checkpoint is due after `step`: every `steps` steps, or `minutes` of training
+    time (agreed over ranks) since the last one."""
+    return bool(steps and step % steps == 0) or (minutes is not None and since_s >= 60 * minutes)
+
+
 def _stop_agreed(run: Run, t_session: float) -> bool:
     """Whether every rank stops after this step (time budget, a signal, a callback's request): the largest stop
     code over ranks wins, so all ranks leave the loop at the same step with the same reason."""
@@ -357,7 +363,10 @@ def _loop(
     record: dict[str, Any] = {}
     val: dict[str, Any] | None = None
     batch_iter, iter_epoch = None, -1
-    elapsed = _agreed_elapsed(run) if schedule_s is not None else 0.0  # training seconds before this step
+    # training seconds before this step (agreed by all ranks): the schedule's clock, and minute cadences' ones
+    timed = schedule_s is not None or bool(cfg.save_every_minutes or cfg.eval_every_minutes)
+    elapsed = _agreed_elapsed(run) if timed else 0.0
+    marks = {"eval": elapsed, "save": elapsed}  # training seconds at the last validation and checkpoint
     spent = schedule_s is not None and elapsed >= schedule_s
     while st.step < run.total_steps and not spent:
         epoch, in_epoch = divmod(st.step, run.steps_per_epoch)
@@ -374,14 +383,16 @@ def _loop(
             refresh=False,
         )
         bar.update(1 if schedule_s is None else min(record["step_s"], max(0.0, schedule_s - bar.n)))
-        if cfg.eval_every and st.step % cfg.eval_every == 0:
-            val, last_eval_step = _validate_and_keep(run, epoch), st.step
-        if cfg.save_every and st.step % cfg.save_every == 0:
+        if timed:
+            elapsed = _agreed_elapsed(run)
+        if _due(cfg.eval_every, cfg.eval_every_minutes, st.step, elapsed - marks["eval"]):
+            val, last_eval_step, marks["eval"] = _validate_and_keep(run, epoch), st.step, elapsed
+        if _due(cfg.save_every, cfg.save_every_minutes, st.step, elapsed - marks["save"]):
             _save(run)
+            marks["save"] = elapsed
         for cb in callbacks:
             cb(StepEnd(step=st.step, metrics=record, run=run))
         if schedule_s is not None:
-            elapsed = _agreed_elapsed(run)
             spent = elapsed >= schedule_s
             if spent:
                 break

@@ -226,3 +226,26 @@ def test_compiled_layers_are_chosen_by_timing_real_steps(monkeypatch, tmp_path, 
     assert entry[f"{products.LAYERS}_ms"] == pytest.approx(1e3 * layers_cost)
     assert len(opened) == step  # one opening a pass, by Target.forward (the first linear did not open it again)
     assert not group.opened_outside  # closed after every pass
+
+
+def test_a_width_first_timed_in_passes_of_the_layers_own_leaves_the_compiled_layers_out(monkeypatch, tmp_path):
+    """Passes its caller does not open (transformers' `generate` calling the model: a regeneration batch) cannot
+    run compiled: their width's trial leaves native_layers out and records it unusable (so a stored choice is
+    complete, not timed again in every process)."""
+    from helpers.product_fakes import clocked_candidates, use_chooser
+
+    target = Target(_model("llama"))
+    now, seen = [0.0], []
+    chooser = use_chooser(monkeypatch, products.Chooser(store=tmp_path / "c.json", repeats=3, clock=lambda: now[0]))
+    clocked_candidates(monkeypatch, {"stock": 20.0, "few_rows": 10.0}, now, seen)
+    run = LayerPlan.run
+    monkeypatch.setattr(LayerPlan, "run", lambda self, *a: pytest.fail("a compiled pass") or run(self, *a))
+    prompt = torch.randint(3, 97, (2, 4), generator=torch.Generator().manual_seed(0))  # a batch of two
+    key = target._pass_group.key(2, torch.float32)
+    with torch.no_grad():
+        for _ in range(10):
+            if key in chooser.choices:
+                break
+            target.model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    entry = chooser.choices[key]
+    assert entry["choice"] != products.LAYERS and entry[f"{products.LAYERS}_ms"] is None

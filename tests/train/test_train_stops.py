@@ -192,3 +192,31 @@ def test_a_run_directory_whose_latest_pointer_is_lost_is_not_restarted_over_its_
     pointer.write_text("checkpoints/step-000004\n")  # the fix the message gives: resumes
     assert train(cfg_for(tmp_path, save_every=2, max_steps=6), dataset=samples, target=target) is not None
     assert latest_checkpoint(tmp_path).name == "step-000006"
+
+
+def test_checkpoints_and_validation_passes_by_minutes_of_training(
+    tmp_path: Path, target: Target, samples: list[Sample], monkeypatch
+) -> None:
+    """`save_every_minutes` / `eval_every_minutes`: a checkpoint / validation pass once that much training time (the
+    agreed step-time sum) has passed since the last, whatever the step count; with `save_every` too, either comes
+    first. A fake clock: each step takes 25 s of training time."""
+    import dflashkit.train.loop as loop
+
+    monkeypatch.setattr(loop, "_agreed_elapsed", lambda run: 25.0 * run.state.step)
+    validated = []
+    real = loop._validate_and_keep
+    monkeypatch.setattr(
+        loop, "_validate_and_keep", lambda run, epoch: validated.append(run.state.step) or real(run, epoch)
+    )
+    cfg = cfg_for(
+        tmp_path, max_steps=9, save_every=0, save_every_minutes=1.0, eval_every_minutes=1.5, val_samples=1,
+        keep_checkpoints=0,
+    )  # fmt: skip
+    train(cfg, dataset=samples, target=target)
+    steps = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == [3, 6, 9]  # 75 s, 150 s, 225 s: each a minute or more after the last (9: also the end)
+    assert validated == [4, 8, 9]  # 100 s, 200 s, then the end's pass
+    train(cfg_for(tmp_path / "both", max_steps=6, save_every=4, save_every_minutes=1.0, keep_checkpoints=0),
+          dataset=samples, target=target)  # fmt: skip
+    both = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "both" / "checkpoints").iterdir())
+    assert both == [3, 4, 6]  # 3: 75 s after the start; 4: its step count; 6: the end (50 s after 4)
