@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.cpu_products import stock_products
 from dflashkit.data.samples import Sample
 from dflashkit.errors import DataError
 from dflashkit.features.capture import CaptureSettings, capture
@@ -61,7 +62,8 @@ def test_features_equal_hidden_states_and_tokens_equal_final_argmax(llama, tmp_p
     ds = CapturedFeatures(tmp_path, expect_target=llama, expect_layer_ids=LAYERS)
     tol = dict(rtol=0, atol=0) if dtype == "fp32" else dict(rtol=1e-2, atol=1e-2)  # bf16: 8 mantissa bits
     for s, got in zip(samples, ds, strict=True):
-        ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
+        with stock_products():  # capture's own products (a one-off pass): not a width an earlier decode settled
+            ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
         want = torch.cat([ref.hidden_states[i + 1][0] for i in LAYERS], dim=-1)  # (T, K·H)
         assert got.features.dtype == torch.float32 and got.features.shape == want.shape
         torch.testing.assert_close(got.features, want, **tol)
@@ -219,7 +221,8 @@ def test_a_subset_of_the_captured_layers_reads_those_columns_in_the_drafters_ord
     assert sub.layer_ids == [LAYERS[2], LAYERS[0]]
     H = llama.hidden_size
     for s, a, b in zip(samples, full, sub, strict=True):
-        ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
+        with stock_products():  # capture's own products, whatever widths earlier decodes settled
+            ref = llama.model(input_ids=s.input_ids[None], output_hidden_states=True)
         want = torch.cat([ref.hidden_states[LAYERS[2] + 1][0], ref.hidden_states[LAYERS[0] + 1][0]], dim=-1)
         torch.testing.assert_close(b.features, want, rtol=0, atol=0)  # (T, 2·H), bit-exact in fp32
         assert torch.equal(b.features[:, :H], a.features[:, 2 * H : 3 * H]) and torch.equal(b.input_ids, a.input_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflashkit.cpu_products import stock_products
 from dflashkit.errors import TargetError
 from dflashkit.target.model import Target, find_text_model
 
@@ -13,7 +14,8 @@ from dflashkit.target.model import Target, find_text_model
 def test_features_equal_output_hidden_states(tiny_target_dirs, kind):
     target = Target.load(tiny_target_dirs[kind])
     ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
-    ref = target.model(input_ids=ids, output_hidden_states=True)
+    with stock_products():  # a one-off pass's products (Target.forward without a cache), not a settled width
+        ref = target.model(input_ids=ids, output_hidden_states=True)
     h = target.hidden_size
     for layer in range(target.num_layers - 1):  # every layer id, one at a time
         out = target.forward(ids, layer_ids=[layer])
