@@ -128,16 +128,21 @@ def _no_kernel(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     raise RuntimeError("no compiled kernel on this machine")
 
 
+def _not_opened_outside(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    raise RuntimeError("a pass the layers open themselves cannot run as compiled layers")
+
+
 def group_candidates(group: PassGroup) -> dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
     """A pass group's candidates: the products', plus the fused one for a group that may fuse (where it found no
     siblings, that one cannot run: recorded unusable, as a candidate this build lacks), plus whole compiled layers
     for a group whose caller can run them (`whole_layers`; a product of such a pass outside them, e.g. a batch the
-    layers do not take, is native_rows')."""
+    layers do not take, is native_rows'). They run only in passes their caller opens (`open_pass`): a width first
+    timed in passes the layers open themselves (a regeneration batch through HF `generate`) records them unusable."""
     out = dict(CANDIDATES)
     if group.siblings is not None:
         out[FUSED] = _onednn_fused if group.siblings.sets else _no_siblings
     if group.whole_layers:
-        out[LAYERS] = CANDIDATES.get(NATIVE, _no_kernel)
+        out[LAYERS] = CANDIDATES.get(NATIVE, _no_kernel) if group.opened_outside else _not_opened_outside
     return out
 
 
@@ -250,14 +255,7 @@ class Chooser:
             if key in self._paused:
                 trial = self._trials[key] = self._paused.pop(key)  # resumed at the start of its round
             else:
-                candidates = group_candidates(group)
-                # whole compiled layers run only in passes their caller opens (`open_pass`): a width first timed in
-                # passes of the layers' own (a regeneration batch through HF `generate`) records them unusable
-                outside = LAYERS in candidates and not group.opened_outside
-                if outside:
-                    candidates = {k: v for k, v in candidates.items() if k != LAYERS}
-                usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), candidates)
-                self._failed[key] += [LAYERS] if outside else []
+                usable, self._failed[key] = _runnable(_first_product(group, rows, dtype), group_candidates(group))
                 trial = self._trials[key] = StepTrial(usable, self.repeats)
                 self._trial_of[key] = (group, rows)
             self._advanced[key] = self._openings

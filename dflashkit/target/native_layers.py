@@ -148,8 +148,9 @@ class LayerPlan:
         """Re-read the weights' addresses when any parameter's storage moved since they were taken."""
         addresses = tuple(p.data_ptr() for p in self.params)
         if addresses != self.addresses:
-            if LayerPlan.why_not(self.text_model) is not None:  # a swap into another dtype or layout
-                raise RuntimeError(f"the target's layers changed: {LayerPlan.why_not(self.text_model)}")
+            why = LayerPlan.why_not(self.text_model)
+            if why is not None:  # a swap into another dtype or layout
+                raise RuntimeError(f"the target's layers changed: {why}")
             self.args = [_layer_args(layer) for layer in self.text_model.layers]
             self.addresses = addresses
 
