@@ -69,6 +69,9 @@ Text = Annotated[str, Field(min_length=1), Expect("a non-empty string")]
 Bool = Annotated[bool, Expect("true or false")]
 
 
+CompileSetting = Annotated[Literal["auto", "on", "off"] | bool, Expect("auto, on or off (true / false: on / off)")]
+
+
 def choice(*values: str) -> Any:
     """A string from a fixed set."""
     return Annotated[Literal[values], Expect("one of " + ", ".join(repr(v) for v in values))]

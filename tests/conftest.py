@@ -158,3 +158,11 @@ def wide_head_target(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("wide") / "llama_wide"
     model.save_pretrained(path)
     return path
+
+
+# And whether a run's step is compiled (compile: auto): a test run with a long schedule would otherwise compile for
+# minutes; the suite runs eager. tests/train/test_compile_trial.py measures with this unset.
+os.environ["DFLASHKIT_TRAIN_COMPILE"] = "off"
+# The same for a capture's forwards (capture --compile auto); tests/features/test_capture_compile.py measures with
+# this unset.
+os.environ["DFLASHKIT_CAPTURE_COMPILE"] = "off"

@@ -2,7 +2,7 @@
 
     dflashkit capture --tokens data/tokens.jsonl --out data/features [--layer-ids 1,8,14,20,27 |
         --drafter-config CKPT_OR_CONFIG_JSON] [--dtype bf16|fp16|fp32] [--shard-tokens N] [--limit N] [--topk K]
-        [--target-lse auto|on|off] [--precision auto|fp32|bf16]
+        [--target-lse auto|on|off] [--precision auto|fp32|bf16] [--compile auto|on|off]
 
 --topk K also stores the target's top-K log-probs per position (K·6 bytes per token) for `loss: topk`.
 --target-lse stores the log-sum-exp of the target's logits per position (4 bytes per token; one more LM-head pass):
@@ -11,6 +11,9 @@ a --drafter-config).
 --precision: what the target computes in — fp32 (a float32 target as loaded, the reference), bf16 (autocast), or
 auto (the default: both timed on this machine at the samples' length, bf16 only when clearly faster; kept in the user
 cache, `DFLASHKIT_CAPTURE_PRECISION` overrides; dflashkit.features.capture_precision). A rerun keeps its capture's.
+--compile: whether the target's decoder layers run through torch.compile — auto (the default: tried in a large
+capture's first batches, kept only when faster; `DFLASHKIT_CAPTURE_COMPILE` overrides; dflashkit.features.
+capture_compile), on, off.
 
 Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,
 sha256) are kept, the rest (and any damaged one) are captured.
@@ -79,6 +82,12 @@ def _args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "fp32", "bf16"),
         default="auto",
         help="what the target computes in: fp32, bf16 autocast, or auto (timed on this machine; default)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the target's decoder layers through torch.compile: auto (where measured to pay; default), on, off",
     )
     p.add_argument(
         "--verify",
@@ -155,6 +164,7 @@ def _capture(args: argparse.Namespace) -> int:
             batch_tokens=args.batch_tokens,
             verify=args.verify,
             precision=args.precision,
+            compile=args.compile,
         ),
     )
     dist.close()

@@ -1,10 +1,11 @@
 """How this CPU computes, chosen by measurement at run time and kept in the user cache: the matrix products of a
 decoding step, each shape the way this machine does it fastest (overridable by `DFLASHKIT_PRODUCTS`), and the
-precision of whole passes — a training step, a capture forward (`precision_store.py`) (docs/cpu-performance.md).
+precision of whole passes — a training step, a capture forward (`precision_store.py`) — and whether a training step
+is compiled (`compile_choice.py`) (docs/cpu-performance.md).
 
 Reads: nothing but the tensors it is handed and its stores of choices. Writes: the choices
-(`~/.cache/dflashkit/products/<machine>.json`, `…/train_precision/`, `…/capture_precision/`) and the compiled kernel
-(`~/.cache/dflashkit/kernels/`), all in the user cache (`io_utils.cache_root()`).
+(`~/.cache/dflashkit/products/<machine>.json`, `…/train_precision/`, `…/capture_precision/`, `…/train_compile/`) and
+the compiled kernel (`~/.cache/dflashkit/kernels/`), all in the user cache (`io_utils.cache_root()`).
 
 The one entry point for the stages above (the target's decoder layers, the drafter, the decoding baselines):
 
@@ -24,6 +25,8 @@ Modules:
   store.py        where the choices are kept between runs (`~/.cache/dflashkit/products/`), and for how long
   precision_store.py fp32 or bf16 autocast for a whole pass (a training step, a capture forward), timed on this
                   machine and kept in the user cache: `MeasuredPrecision(folder, env_var).choose(key, timer)`
+  compile_choice.py whether a repeated step runs through torch.compile: `MeasuredCompile(folder, env_var).start(…)`,
+                  timed inside a run's own first steps when the run can repay the compile, kept in the user cache
   report.py       what was chosen so far (`dflashkit info`), and whether a choice is still being timed
   machine.py      the CPU, its vector extensions, BLAS and threads, and a measured memory bandwidth
 

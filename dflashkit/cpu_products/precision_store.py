@@ -17,7 +17,6 @@ ranks of one run compute alike (a multi-rank choice is timed, never read from on
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.cpu_products.store import chosen_folder, fresh, machine_file, max_age_seconds, write_choices
+from dflashkit.cpu_products.store import kind_file, read_entries, write_choices
 from dflashkit.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16")
@@ -43,30 +42,12 @@ class MeasuredPrecision:
     env_var: str
 
     def store_path(self) -> Path | None:
-        """This machine's file: <cache>/<folder>/, or <$DFLASHKIT_PRODUCTS_STORE>/<folder>/ (None when that is
-        "off" or the cache cannot be used)."""
-        folder = chosen_folder(self.folder, env_subfolder=True)
-        return None if folder is None else machine_file(folder)
+        """This machine's file: <cache>/<folder>/, or <$DFLASHKIT_PRODUCTS_STORE>/<folder>/ (None when "off")."""
+        return kind_file(self.folder)
 
     def stored_choices(self, path: Path | None = None) -> dict[str, dict[str, Any]]:
         """The stored choices still usable (measured within the age limit), by key."""
-        path = self.store_path() if path is None else path
-        if path is None or not path.is_file():
-            return {}
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-        choices = data.get("choices", {}) if isinstance(data, dict) else {}
-        now, age = time.time(), max_age_seconds()
-        return {
-            k: e
-            for k, e in (choices.items() if isinstance(choices, dict) else [])
-            if isinstance(e, dict)
-            and e.get("choice") in PRECISIONS
-            and all(_timing(e.get(f"{p}_ms")) for p in PRECISIONS)
-            and fresh(e, now, age)
-        }
+        return read_entries(self.store_path() if path is None else path, _usable)
 
     def forced(self) -> str | None:
         """The environment variable's value (None when unset); an unknown one is a ConfigError naming it."""
@@ -105,6 +86,10 @@ class MeasuredPrecision:
         entry = {"choice": choice, **{f"{p}_ms": t for p, t in timings.items()}, "measured_at": time.time()}
         write_choices(path, {**self.stored_choices(path), key: entry})
         return choice, timings
+
+
+def _usable(e: dict[str, Any]) -> bool:
+    return e.get("choice") in PRECISIONS and all(_timing(e.get(f"{p}_ms")) for p in PRECISIONS)
 
 
 def _timing(ms: object) -> bool:

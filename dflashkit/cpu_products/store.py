@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,31 @@ def machine_file(folder: Path, *extra: str) -> Path:
     return folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
+def kind_file(name: str) -> Path | None:
+    """This machine's file of one kind of whole-pass choice (a precision, a compile): <cache>/<name>/, or
+    <$DFLASHKIT_PRODUCTS_STORE>/<name>/ (None when that is "off" or the cache cannot be used)."""
+    folder = chosen_folder(name, env_subfolder=True)
+    return None if folder is None else machine_file(folder)
+
+
+def read_entries(path: Path | None, usable: Callable[[object], bool]) -> dict[str, dict[str, object]]:
+    """The entries of such a file a choice may be made from: those `usable` calls well-formed, measured within the
+    age limit (`fresh`), by key; a missing or damaged file gives none."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    choices = data.get("choices", {}) if isinstance(data, dict) else {}
+    now, age = time.time(), max_age_seconds()
+    return {
+        k: e
+        for k, e in (choices.items() if isinstance(choices, dict) else [])
+        if isinstance(k, str) and isinstance(e, dict) and usable(e) and fresh(e, now, age)
+    }
+
+
 def fresh(entry: dict[str, object], now: float, max_age: float) -> bool:
     """Whether a stored entry was measured within `max_age` seconds of `now` (either side: a clock set back)."""
     measured = entry.get("measured_at")
@@ -152,9 +178,11 @@ __all__ = [
     "STORE_ENV",
     "chosen_folder",
     "fresh",
+    "kind_file",
     "machine_file",
     "max_age_seconds",
     "read_choices",
+    "read_entries",
     "store_path",
     "write_choices",
 ]

@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.cpu_products.compile_choice import MeasuredCompile
 from dflashkit.cpu_products.precision_store import MeasuredPrecision
 from dflashkit.drafter.defaults import default_drafter_config, describe_mask
 from dflashkit.errors import ConfigError
+from dflashkit.features.capture_compile import CAPTURE_COMPILE
 from dflashkit.features.capture_precision import CAPTURE
+from dflashkit.train.compile_choice import TRAIN_COMPILE
 from dflashkit.train.precision_choice import TRAINING
 
 
@@ -120,6 +123,25 @@ def _machine() -> dict[str, Any]:
         "products_by_rows": {str(k): v for k, v in choices_by_rows(report).items()},
         **_measured_precision("train", TRAINING),
         **_measured_precision("capture", CAPTURE),
+        **_measured_compile("train", TRAIN_COMPILE),
+        **_measured_compile("capture", CAPTURE_COMPILE),
+    }
+
+
+def _measured_compile(name: str, kind: MeasuredCompile) -> dict[str, Any]:
+    """Whether `name`'s steps (training steps, capture forwards) run through torch.compile here under `auto`: forced
+    by the environment, or the trials so far on this machine, by key (cpu_products.compile_choice)."""
+    try:
+        forced = kind.forced()
+    except ConfigError as e:
+        forced = f"invalid: {e}"
+    path = kind.store_path()
+    fields = ("choice", "eager_ms", "compiled_ms", "compile_s", "unusable")
+    return {
+        f"{name}_compile_forced": forced and f"{forced} ({kind.env_var})",
+        f"{name}_compile_store": str(path) if path is not None else None,
+        f"{name}_compile_unit": kind.unit,
+        f"{name}_compile_by_key": {k: {x: e[x] for x in fields if x in e} for k, e in kind.stored_choices().items()},
     }
 
 
@@ -215,7 +237,35 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         f"  choices kept      {_kept(m)}",
         *_precision_lines(m, "train"),
         *_precision_lines(m, "capture"),
+        *_compile_lines(m, "train"),
+        *_compile_lines(m, "capture"),
     ]
+
+
+def _compile_lines(m: dict[str, Any], name: str) -> list[str]:
+    """Whether `name`'s steps run compiled under `auto`: forced, or each stored trial below the line."""
+    forced, by_key = m.get(f"{name}_compile_forced"), m.get(f"{name}_compile_by_key") or {}
+    unit, what = m.get(f"{name}_compile_unit", "a step"), _COMPILE_TEXT[name]
+    if forced:
+        head = f"{forced} under compile auto"
+    elif by_key:
+        head = f"compile auto, timed in {what} per key:"
+    else:
+        head = f"compile auto: timed in {what} (none stored yet)"
+
+    def row(k: str, e: dict[str, Any]) -> str:
+        if e.get("unusable"):
+            return f"    {k}: eager (compiling failed: {e['unusable']})"
+        return (
+            f"    {k}: {e['choice']} (eager {e['eager_ms']:g} ms, compiled {e['compiled_ms']:g} ms {unit}, "
+            f"{e['compile_s']:g} s to compile)"
+        )
+
+    return [f"  {name + ' compile':<18}{head}", *[row(k, e) for k, e in ([] if forced else by_key.items())]]
+
+
+# where a compile trial runs: what `auto` times
+_COMPILE_TEXT = {"train": "a long run's first steps", "capture": "a large capture's first batches"}
 
 
 # a measured precision's lines: (title, its `auto` setting, what a choice is kept per, what a timing is of)

@@ -10,6 +10,8 @@ Modules and their public functions:
   capture.py   `capture(target, samples, out_dir, settings=CaptureSettings(layer_ids=…))`: a capture dir, resumable
   capture_precision.py `capture_precision(target, lengths)` (fp32 or bf16 autocast, timed on this machine under
                "auto"), `capture_forward(target, ids, precision, …)`: one capture forward in that precision
+  capture_compile.py `CaptureForwards.start(target, precision, "auto", tokens_left=…)`: a capture's forwards, eager
+               or through compiled layers as measured in its first batches (`--compile auto`)
   captured.py  `CapturedFeatures(dir)[i]`: read it back (checked against the target and the drafter's layers)
   online.py    `OnlineFeatures(target, samples, layer_ids=…)[i]`, `topk_logprobs(logits, k)`
   manifest.py  `Manifest.load(dir)`, `target_fingerprint`, `bytes_per_token`, `plan_shards`, `format_bytes`

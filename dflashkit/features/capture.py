@@ -54,7 +54,8 @@ from tqdm import tqdm
 
 from dflashkit.data.samples import Sample, check_token_ids
 from dflashkit.errors import DataError
-from dflashkit.features.capture_precision import as_loaded, capture_forward, capture_precision
+from dflashkit.features.capture_compile import CaptureForwards
+from dflashkit.features.capture_precision import as_loaded, capture_precision
 from dflashkit.features.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -183,10 +184,10 @@ def _capture_shard(
     store_topk: int,
     batch_tokens: int,
     bar: tqdm,
+    forward: CaptureForwards,
     store_target_lse: bool = False,
-    precision: str = "fp32",
 ) -> dict[str, Tensor]:
-    """Run the target over one shard's samples in `precision` (`capture_precision.capture_forward`); equal-length
+    """Run the target over one shard's samples (`forward`: in the capture's precision, compiled or not); equal-length
     samples may share a forward (no padding)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(chunk)), key=lambda i: (len(chunk[i]), i)) if batch_tokens > 0 else range(len(chunk)):
@@ -199,7 +200,7 @@ def _capture_shard(
     for g in groups:
         ids = torch.stack([chunk[i].input_ids for i in g])  # (B, T)
         logits = store_target_tokens or store_topk > 0
-        out = capture_forward(target, ids, precision, layer_ids=layer_ids, logits=logits, feature_dtype=store)
+        out = forward(ids, layer_ids=layer_ids, logits=logits, feature_dtype=store)
         feats = out.features.cpu()  # (B, T, K·H) in the storage dtype
         tokens = out.logits.argmax(-1).cpu() if store_target_tokens else None  # (B, T) final-layer argmax
         top = [t.cpu() for t in topk_logprobs(out.logits, store_topk)] if store_topk else None  # (B, T, k) ×2
@@ -238,6 +239,8 @@ class CaptureSettings:
     a very large capture); damaged shards are captured again.
     precision: what the target computes in: "fp32" (a float32 target as loaded, the reference), "bf16" (autocast),
     or "auto" (timed on this machine: `dflashkit.features.capture_precision`); a resumed capture keeps its own.
+    compile: whether the target's decoder layers run through torch.compile: "auto" (where measured to pay:
+    `dflashkit.features.capture_compile`), "on", "off".
     """
 
     layer_ids: tuple[int, ...]
@@ -249,6 +252,7 @@ class CaptureSettings:
     batch_tokens: int = 0
     verify: str = "full"
     precision: str = "auto"
+    compile: str = "auto"
 
 
 def capture(
@@ -338,7 +342,17 @@ def capture(
                 log(f"capture: {len(all_todo)} shard(s) over {n} ranks (shard j → rank j mod {n})")
         dist.barrier()  # the manifest is on disk before any rank writes next to it
         _capture_shards(
-            target, samples, out_dir, manifest, mine, dist, layer_ids, cs, progress=progress, on_shard=on_shard
+            target,
+            samples,
+            out_dir,
+            manifest,
+            mine,
+            dist,
+            layer_ids,
+            cs,
+            progress=progress,
+            on_shard=on_shard,
+            log=log,
         )
         if dist.distributed:
             dist.barrier()  # every rank's shards and records are on disk
@@ -387,9 +401,18 @@ def _capture_shards(
     *,
     progress: bool,
     on_shard: Callable[[int, Manifest], None] | None,
+    log: Callable[[str], None],
 ) -> None:
     """Capture this rank's shards `todo`; one process saves the manifest after each, a rank its own record."""
     todo_tokens = sum(manifest.shards[j]["tokens"] for j in todo)
+    forwards = CaptureForwards.start(
+        target,
+        manifest.precision,
+        cs.compile,
+        tokens_left=todo_tokens,
+        log=log if dist.is_main else (lambda _msg: None),
+        distributed=dist.distributed,
+    )
     total = todo_tokens if dist.distributed else manifest.total_tokens
     t0 = time.perf_counter()
     finished: list[int] = []
@@ -415,7 +438,7 @@ def _capture_shards(
                 batch_tokens=cs.batch_tokens,
                 bar=bar,
                 store_target_lse=bool(cs.store_target_lse),
-                precision=manifest.precision,
+                forward=forwards,
             )
             _write_shard(out_dir, sh, tensors)
             finished.append(j)

@@ -23,6 +23,8 @@ Modules and their public functions:
   optimizer_choice.py  `choose_adamw_impl` (fused or foreach AdamW, timed on this machine), `make_adamw`
   precision_choice.py  `choose_precision` (fp32 or bf16 autocast for a CPU run's `dtype: auto`, timed at its
                    geometry and kept in the user cache)
+  compile_choice.py  `start_trial` (whether a run's step runs through torch.compile under `compile: auto`: a stored
+                   trial, or one timed in the run's first steps when the run is long enough to risk a compile)
   slot_targets.py  `block_labels`, `every_slot_labels`, `topk_targets`, `kl_target_logits`, `draft_vocab_head`
   metrics.py       `MetricsLogger`, `RollingStats`, `read_metrics`
   distributed.py   `DistContext.from_env()`

@@ -30,6 +30,7 @@ from dflashkit.target.devices import resolve_device
 from dflashkit.validation import (
     AdamBetas,
     Bool,
+    CompileSetting,
     Expect,
     Fraction,
     NonNegativeFloat,
@@ -177,7 +178,8 @@ class TrainConfig(*TRAIN_SETTINGS):
     dtype: choice("auto", "fp32", "bf16") = "auto"  # auto: bf16 autocast on CUDA; on CPU timed (precision_choice)
     drafter_device: _Device = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     target_device: _Device = "auto"  # auto: the drafter's device
-    compile: Bool = False  # torch.compile the drafter
+    # torch.compile the step; auto: where measured to pay, timed in a long run's first steps (train.compile_choice)
+    compile: CompileSetting = "auto"
     fsdp: Bool = False  # shard the drafter with FSDP2 (distributed runs)
     num_workers: NonNegativeInt = 0  # DataLoader workers for offline features (online needs 0)
     loss_chunk_size: optional(PositiveInt, "automatic") = None  # blocks per LM-head chunk in the loss

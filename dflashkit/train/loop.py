@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflashkit.cpu_products.compile_choice import COMPILED, EAGER
 from dflashkit.errors import ConfigError, DFlashError
 from dflashkit.output_dir import one_writer
 from dflashkit.train.config import TrainConfig
@@ -210,7 +211,7 @@ def _progress_bar(run: Run, schedule_s: float | None) -> Any:
 
 def _train_step(
     run: Run,
-    batch_iter: Iterator[Any],
+    take: Callable[[], list[Any]],
     epoch: int,
     elapsed: float,
     schedule_s: float | None,
@@ -221,7 +222,7 @@ def _train_step(
     bs = metric_slots(run.drafter.config)
     t0 = time.monotonic()
     noise = noise_std_at(cfg, st.step, run.total_steps)
-    batches = [next(batch_iter) for _ in range(cfg.grad_accum)]
+    batches = take()
     inputs = [
         prepare_inputs(
             rb,
@@ -308,6 +309,53 @@ def _train_step(
     }
 
 
+def _compile_aware_step(
+    run: Run,
+    batch_iter: Iterator[Any],
+    epoch: int,
+    elapsed: float,
+    schedule_s: float | None,
+    loss_hook: Callable[[int, Tensor], Tensor] | None,
+) -> dict[str, Any]:
+    """One step (`_train_step`) as the compile choice says, and the choice's trial advanced by its time (agreed over
+    ranks). A compiled step that raises (no C++ compiler for inductor, an op it cannot trace) settles the choice on
+    eager, recorded unusable, and the same micro-batches run again eagerly: no step is lost to a failed compile."""
+    taken: list[Any] = []
+
+    def take() -> list[Any]:
+        if not taken:
+            taken.extend(next(batch_iter) for _ in range(run.cfg.grad_accum))
+        return taken
+
+    trial = run.compile_trial
+    if trial is None or (trial.settled and trial.current == EAGER):
+        return _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
+    try:
+        record = _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
+    except DFlashError:
+        raise
+    except Exception as e:  # torch.compile's failures (dynamo, inductor, the C++ build) share no type
+        if trial.current != COMPILED:
+            raise
+        run.optimizer.zero_grad(set_to_none=True)
+        trial.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        _say(run, f"torch.compile: {trial.message}; this step runs again eagerly")
+        return _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
+    if not trial.settled:
+        agreed = run.dist.all_reduce(torch.tensor([record["step_s"]], dtype=torch.float64, device=run.device), op="max")
+        trial.finished(float(agreed))
+        if trial.settled:
+            _say(run, f"torch.compile: {trial.message}")
+    return record
+
+
+def _say(run: Run, message: str) -> None:
+    if run.dist.is_main:
+        from tqdm import tqdm
+
+        tqdm.write(f"[dflashkit train] {message}")
+
+
 def _check_finite_weights(run: Run, params: list[Tensor], loss: float, grad_norm: float) -> None:
     """A finite loss and gradient can still step the weights to inf/NaN (a huge lr, an Adam state gone bad): stop
     then, on every rank, before anything of this step is saved — the last checkpoint on disk stays the last finite
@@ -372,7 +420,7 @@ def _loop(
         epoch, in_epoch = divmod(st.step, run.steps_per_epoch)
         if iter_epoch != epoch:
             batch_iter, iter_epoch = micro_batches(run, epoch, in_epoch), epoch
-        record = _train_step(run, batch_iter, epoch, elapsed, schedule_s, loss_hook)
+        record = _compile_aware_step(run, batch_iter, epoch, elapsed, schedule_s, loss_hook)
         if st.step % cfg.log_every == 0 or st.step == run.total_steps:
             run.logger.log(record)
         bar.set_postfix(

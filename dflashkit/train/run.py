@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dflashkit.cpu_products.compile_choice import EAGER, CompileTrial
 from dflashkit.drafter.capture_needs import capture_layer_ids, capture_target_lse
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import HEADS, head_of
@@ -150,14 +151,26 @@ class Run:
     rolling: RollingStats
     weights: torch.Tensor  # (bs,) slot weights
     autocast_dtype: torch.dtype | None
+    compile_trial: CompileTrial | None = None  # whether a step runs compiled (train.compile_choice); None: eager
     info: dict[str, Any] = field(default_factory=dict)
     stop_reason: str | None = None
     target_lse: RowLogSumExp = field(default_factory=RowLogSumExp)  # DSpark: the target's log-sum-exp per row
+    _compiled: nn.Module | None = field(default=None, repr=False)
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @property
+    def step_module(self) -> nn.Module:
+        """What a training step's forward runs: `module`, or its compiled form where the compile choice says so
+        (compiled once, at the first step that runs it)."""
+        if self.compile_trial is None or self.compile_trial.current == EAGER:
+            return self.module
+        if self._compiled is None:
+            self._compiled = torch.compile(self.module, dynamic=True)
+        return self._compiled
 
     @property
     def fsdp(self) -> bool:
@@ -207,7 +220,7 @@ class Run:
         """
         self.logger.close()
         wrapper = weakref.ref(self.module)
-        self.module = self.drafter
+        self.module, self._compiled = self.drafter, None
         gc.collect()  # DDP/FSDP wrappers sit in reference cycles
         alive = wrapper()
         if alive is not None:  # someone still holds the wrapper: free its Reducer at least
@@ -266,6 +279,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
     )
     state.precision = _precision(cfg, drafter.config, device, state, fresh=blob is None, dist=dist)
     use_bf16 = state.precision == "bf16"
+    trial = _compile_trial(cfg, drafter.config, device, state, data, dist)
     info = {
         **data.info,
         "resumed_from": str(ckpt) if ckpt is not None else None,
@@ -299,6 +313,7 @@ def setup_run(cfg: Any, *, dataset: Any = None, target: Any = None) -> Run:
         rolling=RollingStats(cfg.rolling_window, state.recent_losses),
         weights=slot_weights(cfg, drafter.config).to(device),
         autocast_dtype=torch.bfloat16 if use_bf16 else None,
+        compile_trial=trial,
         info=info,
     )
 
@@ -448,7 +463,7 @@ def _plan_data(cfg: Any, source: Any, world_size: int) -> _DataPlan:
 def _wrap(
     cfg: Any, drafter: DFlashDrafter, embed: torch.Tensor, dist: DistContext, device: torch.device
 ) -> tuple[DrafterStep, nn.Module]:
-    """(the plain step module, what runs): FSDP2-sharded, DDP-wrapped or plain; compiled when asked."""
+    """(the plain step module, what runs): FSDP2-sharded, DDP-wrapped or plain (compiled or not: `Run.step_module`)."""
     core = DrafterStep(drafter, embed)
     module: nn.Module = core
     if cfg.fsdp:
@@ -459,8 +474,6 @@ def _wrap(
         fully_shard(core)
     elif dist.distributed:
         module = DDP(core, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.compile:
-        module = torch.compile(module, dynamic=True)
     return core, module
 
 
@@ -550,6 +563,43 @@ def _precision(
             why = ENV_VAR if forced_precision() else "timed before on this machine (dflashkit info)"
         print(f"[dflashkit train] precision: {why} → {choice}", flush=True)
     return choice
+
+
+def _compile_trial(
+    cfg: Any, drafter_config: DrafterConfig, device: torch.device, state: TrainState, data: _DataPlan, dist: Any
+) -> CompileTrial:
+    """Whether this run's steps run compiled (`compile_choice.start_trial`): settled now, or timed in its first
+    steps against the training time it has left (steps left × a step, within the schedule's and the session's
+    minutes)."""
+    from dflashkit.train.compile_choice import start_trial
+    from dflashkit.train.memory import StepShape
+    from dflashkit.train.memory_check import blocks_per_row
+
+    def remaining_s(step_s: float) -> float:
+        left = math.inf if data.unbounded else (data.total - state.step) * step_s
+        if cfg.schedule_minutes is not None:
+            left = min(left, 60 * cfg.schedule_minutes - state.elapsed_s)
+        if cfg.time_budget_minutes is not None:
+            left = min(left, 60 * cfg.time_budget_minutes)
+        return max(0.0, left)
+
+    wrap = ("fsdp" if cfg.fsdp else "ddp") + f"x{dist.world_size}" if dist.distributed else "plain"
+    shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
+    trial = start_trial(
+        cfg.compile,
+        drafter_config,
+        shape,
+        precision=state.precision,
+        device=device,
+        wrap=wrap,
+        remaining_s=remaining_s,
+        distributed=dist.distributed,
+        write=dist.is_main,
+    )
+    if dist.is_main:
+        said = trial.message or "timing the first eager steps (compile: auto)"
+        print(f"[dflashkit train] torch.compile: {said}", flush=True)
+    return trial
 
 
 def _announce(cfg: Any, info: dict[str, Any], data: _DataPlan, state: TrainState, ckpt: Path | None) -> None:

@@ -145,8 +145,10 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     masks = inp.masks
     if masks is None:
         masks = attention_masks(run.drafter.config, inp.blocks, run.autocast_dtype or torch.float32)
+    # a validation pass (no gradient) runs eager: its inference graph would be a second compile for seconds of work
+    module = run.step_module if torch.is_grad_enabled() else run.module
     with run.autocast():
-        hidden = run.module(
+        hidden = module(
             inp.features, inp.blocks.first_tokens, inp.blocks.context_positions, inp.blocks.block_positions, masks
         )  # (B, Nq, H)
     bs = inp.blocks.block_size

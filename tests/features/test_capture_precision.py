@@ -88,7 +88,9 @@ def test_info_lists_the_capture_choices(llama: Target, tmp_path: Path, monkeypat
         base = {"flags": [], "products_by_rows": {}, "products_mode": "auto", "cpu": "x", "threads": 1, "blas": "b"}
         chosen = _measured_precision("capture", cp.CAPTURE)
         found = _machine_lines({**base, "torch": "t", "products_store": None, **chosen})
-        return found[next(i for i, line in enumerate(found) if line.startswith("  capture (CPU)")) :]
+        start = next(i for i, line in enumerate(found) if line.startswith("  capture (CPU)"))
+        end = next(i for i, line in enumerate(found) if line.startswith("  train compile"))
+        return found[start:end]
 
     assert lines() == [
         "  capture (CPU)     precision auto, timed per target and sequence length:",

@@ -1,0 +1,123 @@
+"""Whether a capture's target forwards run through compiled decoder layers (`--compile auto | on | off`), decided by
+timing its own first batches on this machine (the rule: `cpu_products.compile_choice`).
+
+    forwards = CaptureForwards.start(target, "fp32", "auto", tokens_left=1_200_000, log=print)
+    out = forwards(ids, layer_ids=ids_of_layers, logits=True, feature_dtype=torch.bfloat16)  # as capture_forward
+
+Each batch runs eagerly or inside `target.compiled_layers.compiled_layers` as the choice says; while the choice is
+timed, each batch's seconds per 1,000 tokens feed the trial (batches vary in length, so rates are compared). `auto`
+tries compiling only when the capture has enough tokens left to repay ten times the compile time it risks, and keeps
+it only when faster beyond the noise; a stored trial for this target, precision and device decides at once by the
+tokens left. `DFLASHKIT_CAPTURE_COMPILE=on|off` replaces the measurement under `auto`, `=measure` runs the trial
+whatever the capture's size; the choice is kept in `~/.cache/dflashkit/capture_compile/`, listed by `dflashkit info`.
+A compiled forward that raises is run again eagerly and recorded unusable. Compiled layers compute the same function
+as transformers' up to float rounding (the features and labels differ by rounding, as between two BLAS paths).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from dflashkit.cpu_products.compile_choice import COMPILED, CompileTrial, MeasuredCompile, device_name
+from dflashkit.errors import DFlashError
+from dflashkit.features.capture_precision import capture_forward
+from dflashkit.target.compiled_layers import compiled_layers
+
+if TYPE_CHECKING:
+    from dflashkit.target.model import Target, TargetOutput
+
+CAPTURE_COMPILE = MeasuredCompile("capture_compile", "DFLASHKIT_CAPTURE_COMPILE", unit="per 1k tokens")
+ENV_VAR = CAPTURE_COMPILE.env_var
+
+
+def compile_key(target: Target, precision: str) -> str:
+    """What a compiled capture forward's speed depends on: the target's shape, the precision, the device."""
+    return (
+        f"{target.architecture}:l{target.num_layers}:h{target.hidden_size}:v{target.vocab_size}:{precision}:"
+        f"{device_name(target.device)}"
+    )
+
+
+class CaptureForwards:
+    """A capture's forwards (`capture_forward`), eager or through compiled layers, timed while the choice is open."""
+
+    def __init__(self, target: Target, precision: str, tokens_left: int, log: Callable[[str], None]) -> None:
+        self.target, self.precision, self.tokens_left, self.log = target, precision, tokens_left, log
+        self.trial: CompileTrial
+
+    @classmethod
+    def start(
+        cls,
+        target: Target,
+        precision: str,
+        setting: str,
+        *,
+        tokens_left: int,
+        log: Callable[[str], None],
+        distributed: bool = False,
+    ) -> CaptureForwards:
+        """The forwards of a capture with `tokens_left` tokens to compute, the compile choice under `setting`."""
+        forwards = cls(target, precision, tokens_left, log)
+        key = compile_key(target, precision)
+        forwards.trial = CAPTURE_COMPILE.start(key, setting, forwards.seconds_left, distributed=distributed)
+        if forwards.trial.settled and setting == "auto":
+            log(f"capture: torch.compile: {forwards.trial.message}")
+        return forwards
+
+    def seconds_left(self, rate: float) -> float:
+        """The capture's work left at `rate` seconds per 1,000 tokens."""
+        return self.tokens_left / 1000 * rate
+
+    def __call__(
+        self, ids: Tensor, *, layer_ids: Sequence[int], logits: bool, feature_dtype: torch.dtype | None
+    ) -> TargetOutput:
+        """One capture forward of ids (B, T), as the compile choice says (timed for it while it is open)."""
+        trial = self.trial
+        self.tokens_left -= ids.numel()
+        if trial.settled:
+            return self._forward(ids, layer_ids, logits, feature_dtype, trial.current == COMPILED)
+        compiled = trial.current == COMPILED
+        _sync(self.target)
+        t0 = time.perf_counter()
+        try:
+            out = self._forward(ids, layer_ids, logits, feature_dtype, compiled)
+        except DFlashError:
+            raise
+        except Exception as e:  # torch.compile's failures (dynamo, inductor, the C++ build) share no type
+            if not compiled:
+                raise
+            trial.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self.log(f"capture: torch.compile: {trial.message}; this batch runs again eagerly")
+            return self._forward(ids, layer_ids, logits, feature_dtype, False)
+        _sync(self.target)
+        trial.finished(time.perf_counter() - t0, ids.numel() / 1000)
+        if trial.settled:
+            self.log(f"capture: torch.compile: {trial.message}")
+        return out
+
+    def _forward(
+        self,
+        ids: Tensor,
+        layer_ids: Sequence[int],
+        logits: bool,
+        feature_dtype: torch.dtype | None,
+        compiled: bool,
+    ) -> TargetOutput:
+        with compiled_layers(self.target) if compiled else nullcontext():
+            return capture_forward(
+                self.target, ids, self.precision, layer_ids=layer_ids, logits=logits, feature_dtype=feature_dtype
+            )
+
+
+def _sync(target: Target) -> None:
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+
+
+__all__ = ["CAPTURE_COMPILE", "ENV_VAR", "CaptureForwards", "compile_key"]
