@@ -9,7 +9,8 @@ with the default target, and what they found.
 The rows are random token sequences (the quickstart's 1,024-token rows) with the default target's real features;
 the drafter is the quickstart's (one layer, block 4, its anchors) with a draft vocabulary of `--draft-vocab` tokens
 built from those rows, as the quickstart builds its own. Each run takes the trial's steps (eager, the compile,
-ABBA rounds of compiled and eager) plus a few more, in a scratch directory with its own store of choices. Prints per
+ABBA rounds of compiled and eager) plus a few more, in a scratch directory with its own store of choices and a cold
+inductor cache (`TORCHINDUCTOR_CACHE_DIR`: the compile times are first compiles). Prints per
 precision: eager and compiled ms a step, the compile time, and the minutes of eager training a run must have left
 for the compile to pay back (compile ÷ the fraction a step saves); then the capture's trial over `--capture-samples`
 samples of 128–1,024 random tokens (fp32, one sample a forward; ms per 1,000 tokens) — then ONE final JSON line.
@@ -35,6 +36,9 @@ def main() -> None:
     p.add_argument("--capture-samples", type=int, default=40, help="the capture's trial over this many (0: none)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="train-compile-"))
+    # a cold inductor cache: the compile times are a first compile's, as on a machine that never compiled these
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
     import torch
 
     if args.threads:
@@ -49,7 +53,6 @@ def main() -> None:
     from dflashkit.train.loop import train
     from dflashkit.train.metrics import read_metrics
 
-    scratch = Path(tempfile.mkdtemp(prefix="train-compile-"))
     os.environ["DFLASHKIT_PRODUCTS_STORE"] = str(scratch / "store")
     os.environ[ENV_VAR] = "measure"
     try:
