@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -177,3 +178,24 @@ def test_ddp_teardown_never_hangs(tmp_path: Path) -> None:
             p.wait()
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"rank {r}: 12 teardowns" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_agree_on_a_timed_compile(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """`compile: auto` timed under DDP (DFLASHKIT_TRAIN_COMPILE=measure, torch.compile itself): the ranks time with
+    their step times agreed, settle alike (rank 0 says what), and the run completes in step."""
+    from dflashkit.cpu_products.compile_choice import EAGER_STEPS, ROUNDS, WARM_STEPS
+
+    steps = WARM_STEPS + EAGER_STEPS + 2 + 2 * ROUNDS + 2
+    tokens = _tokens(tmp_path / "tokens.jsonl")
+    args = [a for a in _args(tokens, tiny_llama_dir, tmp_path / "run", 1) if not a.startswith("max_steps=")]
+    os.environ["DFLASHKIT_TRAIN_COMPILE"], old = "measure", os.environ.get("DFLASHKIT_TRAIN_COMPILE")
+    try:
+        proc = _torchrun(tmp_path, [*args, f"max_steps={steps}", "save_every=0"])
+    finally:
+        os.environ["DFLASHKIT_TRAIN_COMPILE"] = old or "off"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdicts = [line for line in proc.stdout.splitlines() if "(timed now) →" in line]
+    assert len(verdicts) == 1 and "torch.compile: eager" in verdicts[0], proc.stdout[-3000:]
+    assert re.search(r"compiled [\d,.]+ ms a step after [\d,.]+ s compiling", verdicts[0]), verdicts[0]
+    assert proc.stdout.count(f"dflashkit train: completed at step {steps}") == 1
