@@ -166,3 +166,6 @@ os.environ["DFLASHKIT_TRAIN_COMPILE"] = "off"
 # The same for a capture's forwards (capture --compile auto); tests/features/test_capture_compile.py measures with
 # this unset.
 os.environ["DFLASHKIT_CAPTURE_COMPILE"] = "off"
+# And regeneration's in-process batches (prepare --compile auto); tests/data/test_regenerate_compile.py measures with
+# this unset.
+os.environ["DFLASHKIT_REGENERATE_COMPILE"] = "off"

@@ -4,11 +4,16 @@
                       [--temperature T] [--batch-size N] [--max-length N] [--no-regenerate] [--on-error stop|skip]
                       [--turns first|all] [--thinking off|on|keep] [--target …]
                       [--server URL [--server URL …] [--concurrency N]] [--time-budget-minutes M]
+                      [--compile auto|on|off]
 
 --time-budget-minutes M: no batch or conversation starts after M minutes of regeneration; those under way finish
 and are written, the rest are counted in prepare.json (`regeneration.not_started`), and tokens.jsonl holds what was
 regenerated. The same command run again continues where it stopped (a resume), so a long regeneration can run in
 runs of M minutes each.
+
+--compile: whether in-process regeneration runs the target's decoder layers through torch.compile — auto (the
+default: tried in a long regeneration's first batches, kept only when faster; `DFLASHKIT_REGENERATE_COMPILE`
+overrides; dflashkit.data.regenerate_compile), on, off.
 
 --server regenerates through OpenAI-compatible servers of the target (vLLM, SGLang, llama-server), requests spread
 over them, `--concurrency` conversations in flight; the target's weights are not loaded here (only its tokenizer).
@@ -54,6 +59,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=flag(NonNegativeFloat), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=flag(Probability), default=1.0)
     p.add_argument("--batch-size", type=flag(PositiveInt), default=8, help="prompts per generate call")
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the target's decoder layers through torch.compile in process: auto (where measured to pay), on, off",
+    )
     p.add_argument("--max-length", type=flag(MinLength), default=3072, help="truncate training samples to N tokens")
     p.add_argument("--no-regenerate", action="store_true", help="train on the data's own assistant turns")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
@@ -193,6 +204,7 @@ def _prepare(args: argparse.Namespace) -> int:
                     turns=args.turns,
                     thinking=args.thinking,
                     concurrency=args.concurrency,
+                    compile=args.compile,
                 ),
             )
             regen_stats = stats.to_dict()

@@ -7,6 +7,7 @@ own first steps and kept in the user cache: the rule behind training's `compile:
     trial.finished(seconds, work)  # after every step: its seconds (agreed over ranks) and its work in the run's
                                  # units (1 a training step; tokens a capture batch): the trial advances
     trial.failed(reason)         # the compiled step raised: eager for good, recorded unusable
+    out = trial.run_step(step, work=…)   # all of it around one step: step(compiled) run, timed, failures rerun
     trial.settled, trial.choice, trial.message
 
 Compiling costs once — minutes for a drafter's training step on a 2-core CPU, tens of seconds on a GPU — and then
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dflashkit.cpu_products.step_trial import decide
 from dflashkit.cpu_products.store import kind_file, read_entries, write_choices
@@ -53,6 +54,7 @@ EAGER_STEPS = 3  # timed eager steps before the gate
 ROUNDS = 3  # ABBA rounds of (compiled, eager) after the compile
 TRIAL_FACTOR = 10.0  # a first trial only where the work left is at least this many times the compile time risked
 UNKNOWN_COMPILE_S = 300.0  # the compile time risked where none was ever recorded on this machine
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,44 @@ class CompileTrial:
             self._gate()
         elif self.pos == len(self.schedule):
             self._decide()
+
+    def run_step(
+        self,
+        step: Callable[[bool], T],
+        *,
+        work: Callable[[T], float] = lambda _out: 1.0,
+        agree: Callable[[float], float] = lambda s: s,
+        sync: Callable[[], None] = lambda: None,
+        say: Callable[[str], None] = lambda _msg: None,
+        keep: tuple[type[BaseException], ...] = (),
+        before_retry: Callable[[], None] = lambda: None,
+    ) -> T:
+        """One step as the choice says (`step(compiled)`), timed while the choice is open: its seconds (`agree`d over
+        ranks; `sync` waits for the device) for `work(result)` units. A compiled step that raises anything but `keep`
+        (the caller's own errors) settles the choice on eager, recorded unusable, and runs again eagerly after
+        `before_retry` (gradients dropped): no step is lost to a failed compile. `say` gets what was decided."""
+        compiled = self.current == COMPILED
+        if self.settled and not compiled:
+            return step(False)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            out = step(compiled)
+        except keep:
+            raise
+        except Exception as e:  # torch.compile's failures (dynamo, inductor, the C++ build) share no type
+            if not compiled:
+                raise
+            self.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            say(f"{self.message}; this step runs again eagerly")
+            before_retry()
+            return step(False)
+        if not self.settled:
+            sync()
+            self.finished(agree(time.perf_counter() - t0), work(out))
+            if self.settled:
+                say(self.message)
+        return out
 
     def failed(self, reason: str) -> None:
         """The compiled step raised: this run stays eager, and the store says so until the age limit."""

@@ -13,6 +13,8 @@ Modules and their public functions:
   samples.py        `Sample`, `read_tokens(tokens.jsonl)`, `check_token_ids`
   regenerate.py     `regenerate(target, conversations, out, settings=RegenSettings(…))`, `generate_batch`,
                     `read_regenerated`
+  regenerate_compile.py `start_trial(target, "auto", batch_size=…, seconds_left=…)`: whether in-process batches run
+                    the target's layers through torch.compile (measured in a long regeneration's first batches)
   server_client.py  `ServerPool(urls)`: OpenAI-compatible servers (vLLM, SGLang, llama-server) from token ids
   turns.py          `TurnState`, `turn_segments`, `tokenize_turns`: the first or every assistant turn
   thinking.py       `template_kwargs`, `split_reasoning`, `data_info`, `check_same_thinking`: thinking modes

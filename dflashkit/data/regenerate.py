@@ -35,6 +35,7 @@ import time
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,7 +47,7 @@ from tqdm import tqdm
 from dflashkit.data.conversations import Conversation, end_of_turn_ids
 from dflashkit.data.server_client import ServerError, ServerPool
 from dflashkit.data.turns import TurnState
-from dflashkit.errors import DataError
+from dflashkit.errors import DataError, DFlashError
 from dflashkit.output_dir import one_writer
 from dflashkit.target.model import Target, TargetText
 from dflashkit.validation import JsonFields, json_problem
@@ -269,7 +270,9 @@ class RegenSettings:
     `generate` batch; concurrency: conversations in flight through servers. chat_template_kwargs: passed to the chat
     template. max_prompt_length: prompts longer than this are skipped. turns: "first" (the first assistant turn) or
     "all" (every assistant turn, each prompted with the replies before it). thinking: "off" | "on" | "keep" for
-    templates with `enable_thinking` (None: the template's own default).
+    templates with `enable_thinking` (None: the template's own default). compile: whether in-process batches run the
+    target's decoder layers through torch.compile — "auto" (where measured to pay: data.regenerate_compile), "on",
+    "off".
     """
 
     max_new_tokens: int = 256
@@ -282,6 +285,7 @@ class RegenSettings:
     turns: str = "first"
     thinking: str | None = None
     concurrency: int = 8
+    compile: str = "auto"
 
 
 def regenerate(
@@ -354,7 +358,7 @@ def regenerate(
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress or not todo)
         with open(out_path, "a", encoding="utf-8") as f:
             if servers is None:
-                _in_process(job, todo, f, bar, rs.batch_size, start)
+                _in_process(job, todo, f, bar, rs, start)
             else:
                 _through_servers(job, todo, f, bar, servers, rs.concurrency, start)
         bar.close()
@@ -403,26 +407,58 @@ class _Job:
         return state.record(self.settings)
 
 
-def _in_process(job: _Job, todo: list[tuple[TurnState, list[int]]], f: Any, bar: tqdm, size: int, start: float) -> None:
-    """HF `generate` on batches of conversations; every turn of a batch is generated before it is written."""
+def _in_process(
+    job: _Job, todo: list[tuple[TurnState, list[int]]], f: Any, bar: tqdm, rs: RegenSettings, start: float
+) -> None:
+    """HF `generate` on batches of conversations; every turn of a batch is generated before it is written. Each
+    `generate` runs the target's layers compiled or not as the compile choice says (timed by it while it is open)."""
+    from dflashkit.data.regenerate_compile import start_trial
+    from dflashkit.target.compiled_layers import compiled_layers
+
     torch.manual_seed(job.seed)
-    temperature, top_p = job.settings["temperature"], job.settings["top_p"]
-    for k, batch in enumerate(_batches(todo, size)):
-        if not job.may_start(k, 1, len(todo) - k * size):
-            break
-        active = list(batch)
-        while active:
-            results = generate_batch(
+    temperature, top_p, size = job.settings["temperature"], job.settings["top_p"], rs.batch_size
+    done = {"conversations": 0, "tokens": 0}
+
+    def seconds_left(rate: float) -> float:  # the conversations left × the new tokens of one so far, at `rate`
+        per_conversation = done["tokens"] / max(1, done["conversations"])
+        return (len(todo) - done["conversations"]) * per_conversation / 1000 * rate
+
+    trial = start_trial(job.target, rs.compile, batch_size=size, seconds_left=seconds_left)
+
+    def say(message: str) -> None:
+        tqdm.write(f"regenerate: torch.compile: {message}")
+
+    if trial.settled and rs.compile == "auto":
+        say(trial.message)
+
+    def generate(prompts: list[list[int]], compiled: bool) -> list[tuple[list[int], bool]]:
+        with compiled_layers(job.target) if compiled else nullcontext():
+            return generate_batch(
                 job.target,
-                [prompt for _, prompt in active],
+                prompts,
                 max_new_tokens=job.settings["max_new_tokens"],
                 temperature=temperature,
                 top_p=top_p,
                 stop_ids=job.stop_ids,
             )
+
+    for k, batch in enumerate(_batches(todo, size)):
+        if not job.may_start(k, 1, len(todo) - k * size):
+            break
+        active = list(batch)
+        while active:
+            prompts = [prompt for _, prompt in active]
+            results = trial.run_step(
+                lambda compiled, prompts=prompts: generate(prompts, compiled),
+                work=lambda out: max(1, sum(len(ids) for ids, _ in out)) / 1000,
+                say=say,
+                keep=(DFlashError,),
+            )
+            done["tokens"] += sum(len(ids) for ids, _ in results)
             nxt = [(state, job.reply(state, ids, fin)) for (state, _), (ids, fin) in zip(active, results, strict=True)]
             active = [(state, prompt) for state, prompt in nxt if prompt is not None]
         _write(f, [job.finish(state) for state, _ in batch])
+        done["conversations"] += len(batch)
         job.stats.seconds = time.perf_counter() - start
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{job.stats.tokens_per_s:.1f}")

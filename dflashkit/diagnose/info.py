@@ -12,6 +12,7 @@ from typing import Any
 
 from dflashkit.cpu_products.compile_choice import MeasuredCompile
 from dflashkit.cpu_products.precision_store import MeasuredPrecision
+from dflashkit.data.regenerate_compile import REGENERATE_COMPILE
 from dflashkit.drafter.defaults import default_drafter_config, describe_mask
 from dflashkit.errors import ConfigError
 from dflashkit.features.capture_compile import CAPTURE_COMPILE
@@ -125,6 +126,7 @@ def _machine() -> dict[str, Any]:
         **_measured_precision("capture", CAPTURE),
         **_measured_compile("train", TRAIN_COMPILE),
         **_measured_compile("capture", CAPTURE_COMPILE),
+        **_measured_compile("regenerate", REGENERATE_COMPILE),
     }
 
 
@@ -239,13 +241,14 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         *_precision_lines(m, "capture"),
         *_compile_lines(m, "train"),
         *_compile_lines(m, "capture"),
+        *_compile_lines(m, "regenerate"),
     ]
 
 
 def _compile_lines(m: dict[str, Any], name: str) -> list[str]:
     """Whether `name`'s steps run compiled under `auto`: forced, or each stored trial below the line."""
     forced, by_key = m.get(f"{name}_compile_forced"), m.get(f"{name}_compile_by_key") or {}
-    unit, what = m.get(f"{name}_compile_unit", "a step"), _COMPILE_TEXT[name]
+    unit, (title, what) = m.get(f"{name}_compile_unit", "a step"), _COMPILE_TEXT[name]
     if forced:
         head = f"{forced} under compile auto"
     elif by_key:
@@ -261,11 +264,15 @@ def _compile_lines(m: dict[str, Any], name: str) -> list[str]:
             f"{e['compile_s']:g} s to compile)"
         )
 
-    return [f"  {name + ' compile':<18}{head}", *[row(k, e) for k, e in ([] if forced else by_key.items())]]
+    return [f"  {title:<18}{head}", *[row(k, e) for k, e in ([] if forced else by_key.items())]]
 
 
-# where a compile trial runs: what `auto` times
-_COMPILE_TEXT = {"train": "a long run's first steps", "capture": "a large capture's first batches"}
+# a compile choice's line title, and where its trial runs
+_COMPILE_TEXT = {
+    "train": ("train compile", "a long run's first steps"),
+    "capture": ("capture compile", "a large capture's first batches"),
+    "regenerate": ("regen compile", "a long regeneration's first batches"),
+}
 
 
 # a measured precision's lines: (title, its `auto` setting, what a choice is kept per, what a timing is of)

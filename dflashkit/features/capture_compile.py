@@ -16,7 +16,6 @@ as transformers' up to float rounding (the features and labels differ by roundin
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dflashkit.cpu_products.compile_choice import COMPILED, CompileTrial, MeasuredCompile, device_name
+from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile, device_name
 from dflashkit.errors import DFlashError
 from dflashkit.features.capture_precision import capture_forward
 from dflashkit.target.compiled_layers import compiled_layers
@@ -78,28 +77,14 @@ class CaptureForwards:
         self, ids: Tensor, *, layer_ids: Sequence[int], logits: bool, feature_dtype: torch.dtype | None
     ) -> TargetOutput:
         """One capture forward of ids (B, T), as the compile choice says (timed for it while it is open)."""
-        trial = self.trial
         self.tokens_left -= ids.numel()
-        if trial.settled:
-            return self._forward(ids, layer_ids, logits, feature_dtype, trial.current == COMPILED)
-        compiled = trial.current == COMPILED
-        _sync(self.target)
-        t0 = time.perf_counter()
-        try:
-            out = self._forward(ids, layer_ids, logits, feature_dtype, compiled)
-        except DFlashError:
-            raise
-        except Exception as e:  # torch.compile's failures (dynamo, inductor, the C++ build) share no type
-            if not compiled:
-                raise
-            trial.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            self.log(f"capture: torch.compile: {trial.message}; this batch runs again eagerly")
-            return self._forward(ids, layer_ids, logits, feature_dtype, False)
-        _sync(self.target)
-        trial.finished(time.perf_counter() - t0, ids.numel() / 1000)
-        if trial.settled:
-            self.log(f"capture: torch.compile: {trial.message}")
-        return out
+        return self.trial.run_step(
+            lambda compiled: self._forward(ids, layer_ids, logits, feature_dtype, compiled),
+            work=lambda _out: ids.numel() / 1000,
+            sync=lambda: _sync(self.target),
+            say=lambda msg: self.log(f"capture: torch.compile: {msg}"),
+            keep=(DFlashError,),
+        )
 
     def _forward(
         self,

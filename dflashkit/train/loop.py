@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.cpu_products.compile_choice import COMPILED, EAGER
 from dflashkit.errors import ConfigError, DFlashError
 from dflashkit.output_dir import one_writer
 from dflashkit.train.config import TrainConfig
@@ -328,25 +327,20 @@ def _compile_aware_step(
         return taken
 
     trial = run.compile_trial
-    if trial is None or (trial.settled and trial.current == EAGER):
+    if trial is None:
         return _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
-    try:
-        record = _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
-    except DFlashError:
-        raise
-    except Exception as e:  # torch.compile's failures (dynamo, inductor, the C++ build) share no type
-        if trial.current != COMPILED:
-            raise
-        run.optimizer.zero_grad(set_to_none=True)
-        trial.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        _say(run, f"torch.compile: {trial.message}; this step runs again eagerly")
-        return _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
-    if not trial.settled:
-        agreed = run.dist.all_reduce(torch.tensor([record["step_s"]], dtype=torch.float64, device=run.device), op="max")
-        trial.finished(float(agreed))
-        if trial.settled:
-            _say(run, f"torch.compile: {trial.message}")
-    return record
+
+    def agree(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=run.device)
+        return float(run.dist.all_reduce(t, op="max"))
+
+    return trial.run_step(
+        lambda _compiled: _train_step(run, take, epoch, elapsed, schedule_s, loss_hook),  # Run.step_module picks
+        agree=agree,
+        say=lambda msg: _say(run, f"torch.compile: {msg}"),
+        keep=(DFlashError,),
+        before_retry=lambda: run.optimizer.zero_grad(set_to_none=True),
+    )
 
 
 def _say(run: Run, message: str) -> None:

@@ -23,6 +23,7 @@ from dflashkit.validation import (
     AdamBetas,
     BlockSize,
     Bool,
+    CompileSetting,
     Fraction,
     NonNegativeFloat,
     NonNegativeInt,
@@ -80,6 +81,7 @@ ORACLE: dict[object, Callable[[object], bool]] = {  # declared type → does it 
     UnitInterval: lambda v: _num(v) and 0 <= v <= 1,
     Probability: lambda v: _num(v) and 0 < v <= 1,
     Bool: lambda v: isinstance(v, bool),
+    CompileSetting: lambda v: isinstance(v, bool) or v in ("auto", "on", "off"),
     Text: lambda v: isinstance(v, str) and v != "",
     AdamBetas: lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) and 0 <= x < 1 for x in v),
 }

@@ -15,6 +15,7 @@ from dflashkit.features.capture_compile import CAPTURE_COMPILE, ENV_VAR, compile
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.target.compiled_layers import compiled_layers
 from dflashkit.target.model import Target
+from helpers.fake_compile import fake_layer_compile
 from tests.features.test_capture import LAYERS, make_samples, quiet
 
 TRIAL_BATCHES = WARM_STEPS + EAGER_STEPS + 2 + 2 * ROUNDS
@@ -28,26 +29,10 @@ def llama(tiny_target_dirs) -> Target:
 @pytest.fixture
 def fake_compile(llama: Target, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """(calls, set_fail): torch.compile replaced by a counting (or failing) stand-in; the store in tmp_path."""
-    llama.__dict__.pop("_compiled_layer_forwards", None)  # compiled forwards are kept per target: made anew here
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "store"))
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    calls: list[int] = []
-    state = {"fail": False}
-
-    def fake(forward, **kw):
-        assert kw == {"dynamic": True}
-
-        def run(*args, **kwargs):
-            calls.append(1)
-            if state["fail"]:
-                raise RuntimeError("BackendCompilerFailed: inductor\ndetail")
-            return forward(*args, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", fake)
-    yield calls, lambda v: state.update(fail=v)
-    llama.__dict__.pop("_compiled_layer_forwards", None)
+    with fake_layer_compile(
+        llama, monkeypatch, tmp_path / "store", ENV_VAR, "BackendCompilerFailed: inductor\ndetail"
+    ) as faked:
+        yield faked
 
 
 def _same_files(a: Path, b: Path, target: Target) -> None:

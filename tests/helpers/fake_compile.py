@@ -1,0 +1,42 @@
+"""torch.compile replaced by a stand-in for the compile-choice tests: the compiled target layers' calls counted, and
+failing on demand with `error`'s text; the choices' store in a test directory; the target's compiled forwards made
+anew before and after (they are kept per target)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@contextmanager
+def fake_layer_compile(
+    target: Any, monkeypatch: pytest.MonkeyPatch, store: Path, env_var: str, error: str
+) -> Iterator[tuple[list[int], Any]]:
+    """Yields (calls, set_fail): one entry in `calls` per compiled layer call; `set_fail(True)` makes them raise."""
+    target.__dict__.pop("_compiled_layer_forwards", None)
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(store))
+    monkeypatch.delenv(env_var, raising=False)
+    calls: list[int] = []
+    state = {"fail": False}
+
+    def fake(forward, **kw):
+        assert kw == {"dynamic": True}
+
+        def run(*args, **kwargs):
+            calls.append(1)
+            if state["fail"]:
+                raise RuntimeError(error)
+            return forward(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake)
+    try:
+        yield calls, lambda v: state.update(fail=v)
+    finally:
+        target.__dict__.pop("_compiled_layer_forwards", None)
