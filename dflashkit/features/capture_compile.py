@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile, device_name
 from dflashkit.errors import DFlashError
@@ -82,9 +83,13 @@ class CaptureForwards:
             lambda compiled: self._forward(ids, layer_ids, logits, feature_dtype, compiled),
             work=lambda _out: ids.numel() / 1000,
             sync=lambda: _sync(self.target),
-            say=lambda msg: self.log(f"capture: torch.compile: {msg}"),
+            say=self._say,
             keep=(DFlashError,),
         )
+
+    def _say(self, message: str) -> None:
+        with tqdm.external_write_mode():  # a line of its own, not into the progress bar
+            self.log(f"capture: torch.compile: {message}")
 
     def _forward(
         self,
