@@ -198,28 +198,43 @@ class CompileTrial:
         say: Callable[[str], None] = lambda _msg: None,
         keep: tuple[type[BaseException], ...] = (),
         before_retry: Callable[[], None] = lambda: None,
+        retry: bool = True,
     ) -> T:
         """One step as the choice says (`step(compiled)`), timed while the choice is open: its seconds (`agree`d over
         ranks; `sync` waits for the device) for `work(result)` units. A compiled step that raises anything but `keep`
-        (the caller's own errors) settles the choice on eager, recorded unusable, and runs again eagerly after
-        `before_retry` (gradients dropped): no step is lost to a failed compile. `say` gets what was decided."""
+        (the caller's own errors, out of memory) runs again eagerly after `before_retry` (gradients dropped) — no
+        step lost — and, when the eager step succeeds, the choice settles on eager, recorded unusable (an eager step
+        that fails too re-raises its own error, nothing recorded). `retry` False (ranks of one run: the others are
+        inside the step's collectives) records the failure and stops with a ConfigError naming the way out. `say`
+        gets what was decided."""
         compiled = self.current == COMPILED
         if self.settled and not compiled:
             return step(False)
-        sync()
+        timing = not self.settled
+        if timing:
+            sync()
         t0 = time.perf_counter()
         try:
             out = step(compiled)
-        except keep:
+        except (*keep, torch_out_of_memory()):
             raise
         except Exception as e:  # torch.compile's failures (dynamo, inductor, the C++ build) share no type
             if not compiled:
                 raise
-            self.failed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            say(f"{self.message}; this step runs again eagerly")
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if not retry:
+                self.failed(reason)
+                raise ConfigError(
+                    f"torch.compile failed in a step of a multi-rank run ({reason[:200]}); recorded for this "
+                    f"machine — rerun (the choice now stays eager) or set compile: off"
+                ) from e
             before_retry()
-            return step(False)
-        if not self.settled:
+            self.settle(EAGER, "")  # the rerun is eager (a caller may read `current` rather than its argument)
+            out = step(False)
+            self.failed(reason)
+            say(f"{self.message}; that step ran again eagerly")
+            return out
+        if timing:
             sync()
             self.finished(agree(time.perf_counter() - t0), work(out))
             if self.settled:
@@ -262,6 +277,13 @@ class CompileTrial:
             f"eager {entry['eager_ms']:,.0f} ms, compiled {entry['compiled_ms']:,.0f} ms {self.store.unit} after "
             f"{entry['compile_s']:,.0f} s compiling (timed now) → {choice}",
         )
+
+
+def torch_out_of_memory() -> type[BaseException]:
+    """torch's out-of-memory error: a step that runs out of memory is not a compile failure (it is re-raised)."""
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", MemoryError)
 
 
 def device_name(device: Any) -> str:

@@ -417,11 +417,19 @@ def _in_process(
 
     torch.manual_seed(job.seed)
     temperature, top_p, size = job.settings["temperature"], job.settings["top_p"], rs.batch_size
-    done = {"conversations": 0, "tokens": 0}
+    done = {"conversations": 0, "replies": 0, "tokens": 0}
 
-    def seconds_left(rate: float) -> float:  # the conversations left × the new tokens of one so far, at `rate`
-        per_conversation = done["tokens"] / max(1, done["conversations"])
-        return (len(todo) - done["conversations"]) * per_conversation / 1000 * rate
+    def seconds_left(rate: float) -> float:
+        """The conversations left × the new tokens of one (so far; before any, one reply of max_new_tokens) at `rate`
+        seconds per 1,000, within the time budget."""
+        if done["conversations"]:
+            per_conversation = done["tokens"] / done["conversations"]
+        elif done["replies"]:
+            per_conversation = done["tokens"] / done["replies"]
+        else:
+            per_conversation = job.settings["max_new_tokens"]
+        left = (len(todo) - done["conversations"]) * per_conversation / 1000 * rate
+        return left if job.stop_at is None else max(0.0, min(left, job.stop_at - time.monotonic()))
 
     trial = start_trial(job.target, rs.compile, batch_size=size, seconds_left=seconds_left)
 
@@ -455,6 +463,7 @@ def _in_process(
                 keep=(DFlashError,),
             )
             done["tokens"] += sum(len(ids) for ids, _ in results)
+            done["replies"] += len(results)
             nxt = [(state, job.reply(state, ids, fin)) for (state, _), (ids, fin) in zip(active, results, strict=True)]
             active = [(state, prompt) for state, prompt in nxt if prompt is not None]
         _write(f, [job.finish(state) for state, _ in batch])

@@ -412,6 +412,7 @@ def _capture_shards(
         tokens_left=todo_tokens,
         log=log if dist.is_main else (lambda _msg: None),
         distributed=dist.distributed,
+        write=dist.is_main,
     )
     total = todo_tokens if dist.distributed else manifest.total_tokens
     t0 = time.perf_counter()

@@ -61,11 +61,15 @@ class CaptureForwards:
         tokens_left: int,
         log: Callable[[str], None],
         distributed: bool = False,
+        write: bool = True,
     ) -> CaptureForwards:
-        """The forwards of a capture with `tokens_left` tokens to compute, the compile choice under `setting`."""
+        """The forwards of a capture with `tokens_left` tokens to compute, the compile choice under `setting`; the
+        ranks of a distributed capture each time their own (no collective in a capture), one (`write`) stores."""
         forwards = cls(target, precision, tokens_left, log)
         key = compile_key(target, precision)
-        forwards.trial = CAPTURE_COMPILE.start(key, setting, forwards.seconds_left, distributed=distributed)
+        forwards.trial = CAPTURE_COMPILE.start(
+            key, setting, forwards.seconds_left, distributed=distributed, write=write
+        )
         if forwards.trial.settled and setting == "auto":
             log(f"capture: torch.compile: {forwards.trial.message}")
         return forwards

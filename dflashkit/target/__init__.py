@@ -19,8 +19,8 @@ Modules and their public functions:
   attention.py  `route_attention(model)`: a verify pass's GQA attention on CPU without copying K/V per query head
   native_layers.py `LayerPlan.of(text_model)`: a decoding pass of a Llama-family float32 target through compiled
                 whole layers (the `native_layers` product candidate; cpu_products/kernels/decoder_layer.cpp)
-  compiled_layers.py `with compiled_layers(target):` the decoder layers' forward through torch.compile for
-                whole-sequence passes without a cache (a capture's forwards, where measured to pay)
+  compiled_layers.py `with compiled_layers(target):` the decoder layers' forward through torch.compile (a
+                capture's forwards, in-process regeneration's `generate`, where measured to pay)
   logsumexp.py  `row_logsumexp(target, final_hidden)`: log Σ exp of the verifier logits per position (chunked)
   layer_ids.py  `layer_ids_problem(ids, num_layers)`: which decoder layers a list of ids may name
   devices.py    `device_problem(spec)`: whether a device string names a device this machine has;

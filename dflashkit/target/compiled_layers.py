@@ -1,15 +1,15 @@
-"""The target's decoder layers through `torch.compile`, for whole-sequence passes without a cache (a capture's
-forwards): the same `Target.forward`, its layers' `forward` swapped for compiled ones while the block lasts.
+"""The target's decoder layers through `torch.compile`: the same `Target.forward` (a capture's forwards) or HF
+`generate` (in-process regeneration), its layers' `forward` swapped for compiled ones while the block lasts.
 
     with compiled_layers(target):
         out = target.forward(ids, layer_ids=ids_of_layers, logits=True)   # (B, T, K·H) features, (B, T, V) logits
 
-Each layer's `forward` is compiled once per target (`dynamic=True`: sequence lengths vary from batch to batch) and
-kept; the layers of one architecture share their code, so the first compiles and the others reuse its graph. Only
-`forward` is swapped, so the hooks that capture a layer's output run around it as before; everything outside the
-layers (embeddings, final norm, the LM head that forms the labels) runs eagerly. Decoding passes never run
-through it: their growing cache and the measured products (or the compiled C++ layers, native_layers.py) are
-their own path. Whether a capture uses it is measured (features.capture_compile).
+Each layer's `forward` is compiled once per target (`dynamic=True`: lengths vary from batch to batch) and kept; the
+layers of one architecture share their code, so the first compiles and the others reuse its graph. Only `forward` is
+swapped, so the hooks that capture a layer's output run around it as before; everything outside the layers
+(embeddings, final norm, the LM head that forms the labels) runs eagerly. Whether a job runs through it is measured
+(features.capture_compile, data.regenerate_compile); the evaluation's decoding never does (its compiled path is the
+C++ layers of native_layers.py).
 """
 
 from __future__ import annotations
@@ -29,13 +29,17 @@ def compiled_layers(target: Any) -> Iterator[None]:
     if compiled is None or len(compiled) != len(layers):
         compiled = [torch.compile(layer.forward, dynamic=True) for layer in layers]
         target._compiled_layer_forwards = compiled
+    before = [layer.__dict__.get("forward") for layer in layers]  # a forward some wrapper set on the instance
     for layer, forward in zip(layers, compiled, strict=True):
         layer.forward = forward  # an instance attribute: nn.Module.__call__ calls it, hooks still around it
     try:
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)  # the class's own forward again
+        for layer, old in zip(layers, before, strict=True):
+            if old is None:
+                layer.__dict__.pop("forward", None)  # the class's own forward again
+            else:
+                layer.forward = old
 
 
 __all__ = ["compiled_layers"]

@@ -40,8 +40,9 @@ def setting(value: Any) -> str:
 
 
 def compile_key(cfg: DrafterConfig, shape: StepShape, *, precision: str, device: torch.device, wrap: str) -> str:
-    """The step's geometry (as the precision choice keys it), its precision, device and wrapping (plain, ddp×N,
-    fsdp×N): what a compiled step's speed depends on."""
+    """The step's geometry (as the precision choice keys it), its precision, device and `wrap` (plain, ddp×N or
+    fsdp×N, then the micro-batches a step and what else it computes: `ga2:online:kl`): what a compiled step's speed
+    depends on."""
     return f"{geometry_key(cfg, shape)}:{precision}:{device_name(device)}:{wrap}"
 
 

@@ -210,18 +210,19 @@ def _progress_bar(run: Run, schedule_s: float | None) -> Any:
 
 def _train_step(
     run: Run,
-    take: Callable[[], list[Any]],
+    batches: list[Any],
     epoch: int,
     elapsed: float,
     schedule_s: float | None,
     loss_hook: Callable[[int, Tensor], Tensor] | None,
+    fetch_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One optimizer step over `grad_accum` micro-batches on every rank; returns its metrics record."""
+    """One optimizer step over the `grad_accum` micro-batches `batches` (drawn in `fetch_s` seconds, counted in the
+    step's time) on every rank; returns its metrics record."""
     cfg, dist, st = run.cfg, run.dist, run.state
     bs = metric_slots(run.drafter.config)
-    t0 = time.monotonic()
+    t0 = time.monotonic() - fetch_s
     noise = noise_std_at(cfg, st.step, run.total_steps)
-    batches = take()
     inputs = [
         prepare_inputs(
             rb,
@@ -317,29 +318,31 @@ def _compile_aware_step(
     loss_hook: Callable[[int, Tensor], Tensor] | None,
 ) -> dict[str, Any]:
     """One step (`_train_step`) as the compile choice says, and the choice's trial advanced by its time (agreed over
-    ranks). A compiled step that raises (no C++ compiler for inductor, an op it cannot trace) settles the choice on
-    eager, recorded unusable, and the same micro-batches run again eagerly: no step is lost to a failed compile."""
-    taken: list[Any] = []
-
-    def take() -> list[Any]:
-        if not taken:
-            taken.extend(next(batch_iter) for _ in range(run.cfg.grad_accum))
-        return taken
-
+    ranks). The micro-batches are drawn first, so a compiled step that raises (no C++ compiler for inductor, an op it
+    cannot trace) runs again eagerly on the same ones (`CompileTrial.run_step`; a multi-rank run stops instead)."""
+    t0 = time.monotonic()
+    batches = [next(batch_iter) for _ in range(run.cfg.grad_accum)]
+    fetch_s = time.monotonic() - t0
     trial = run.compile_trial
     if trial is None:
-        return _train_step(run, take, epoch, elapsed, schedule_s, loss_hook)
+        return _train_step(run, batches, epoch, elapsed, schedule_s, loss_hook, fetch_s)
 
     def agree(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64, device=run.device)
         return float(run.dist.all_reduce(t, op="max"))
 
+    fetched = [fetch_s]  # counted in the first attempt's time; an eager rerun after a failed compile has its own
+
+    def attempt(_compiled: bool) -> dict[str, Any]:  # Run.step_module picks the compiled module or not
+        return _train_step(run, batches, epoch, elapsed, schedule_s, loss_hook, fetched.pop() if fetched else 0.0)
+
     return trial.run_step(
-        lambda _compiled: _train_step(run, take, epoch, elapsed, schedule_s, loss_hook),  # Run.step_module picks
+        attempt,
         agree=agree,
         say=lambda msg: _say(run, f"torch.compile: {msg}"),
         keep=(DFlashError,),
         before_retry=lambda: run.optimizer.zero_grad(set_to_none=True),
+        retry=not run.dist.distributed,
     )
 
 

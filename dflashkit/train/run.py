@@ -575,15 +575,19 @@ def _compile_trial(
     from dflashkit.train.memory import StepShape
     from dflashkit.train.memory_check import blocks_per_row
 
-    def remaining_s(step_s: float) -> float:
+    def remaining_s(step_s: float) -> float:  # at the gate, on every rank at once (ranks read no store)
         left = math.inf if data.unbounded else (data.total - state.step) * step_s
         if cfg.schedule_minutes is not None:
-            left = min(left, 60 * cfg.schedule_minutes - state.elapsed_s)
+            elapsed = torch.tensor([state.elapsed_s], dtype=torch.float64, device=device)
+            elapsed = float(dist.all_reduce(elapsed, op="max")) if dist.distributed else state.elapsed_s
+            left = min(left, 60 * cfg.schedule_minutes - elapsed)
         if cfg.time_budget_minutes is not None:
             left = min(left, 60 * cfg.time_budget_minutes)
         return max(0.0, left)
 
     wrap = ("fsdp" if cfg.fsdp else "ddp") + f"x{dist.world_size}" if dist.distributed else "plain"
+    # a step's work: its micro-batches, and the target's forward and objective where the run computes them
+    wrap += f":ga{cfg.grad_accum}:{'online' if cfg.online else 'offline'}:{cfg.loss}"
     shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
     trial = start_trial(
         cfg.compile,

@@ -154,3 +154,46 @@ def test_a_distributed_run_reads_no_store_and_a_stale_entry_is_timed_again(tmp_p
     assert not KIND.start("k", "auto", lambda s: LONG, path=path).settled
     path.write_text("{not json")
     assert KIND.stored_choices(path) == {}
+
+
+def _failing_compiled(calls: list[str], eager_fails: bool = False, error: type[BaseException] = RuntimeError):
+    def step(compiled: bool) -> str:
+        calls.append("compiled" if compiled else "eager")
+        if compiled or eager_fails:
+            raise error("boom\ndetail")
+        return "ok"
+
+    return step
+
+
+def test_run_step_reruns_a_failed_compiled_step_eagerly_and_records_it_only_then(tmp_path: Path) -> None:
+    path, said = tmp_path / "s.json", []
+    trial = KIND.start("k", "on", lambda s: LONG, path=path)
+    calls: list[str] = []
+    assert trial.run_step(_failing_compiled(calls), say=said.append) == "ok"
+    assert calls == ["compiled", "eager"] and trial.choice == EAGER and "that step ran again eagerly" in said[0]
+    assert KIND.stored_choices(path)["k"]["unusable"] == "RuntimeError: boom"
+    # an eager rerun that fails too: its own error, nothing recorded (not a compile failure)
+    path2, calls = tmp_path / "t.json", []
+    trial = KIND.start("k", "on", lambda s: LONG, path=path2)
+    with pytest.raises(RuntimeError, match="boom"):
+        trial.run_step(_failing_compiled(calls, eager_fails=True))
+    assert calls == ["compiled", "eager"] and KIND.stored_choices(path2) == {}
+
+
+def test_run_step_keeps_the_callers_errors_and_out_of_memory_and_stops_a_multi_rank_run(tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "s.json"
+    for error in (ConfigError, torch.OutOfMemoryError):
+        calls: list[str] = []
+        trial = KIND.start("k", "on", lambda s: LONG, path=path)
+        with pytest.raises(error):
+            trial.run_step(_failing_compiled(calls, error=error), keep=(ConfigError,))
+        assert calls == ["compiled"] and trial.choice == COMPILED
+    assert KIND.stored_choices(path) == {}
+    calls = []
+    trial = KIND.start("k", "on", lambda s: LONG, path=path)
+    with pytest.raises(ConfigError, match=r"torch.compile failed in a step of a multi-rank run \(RuntimeError: boom\)"):
+        trial.run_step(_failing_compiled(calls), retry=False)
+    assert calls == ["compiled"] and KIND.stored_choices(path)["k"]["unusable"] == "RuntimeError: boom"

@@ -92,3 +92,12 @@ def test_really_compiled_regeneration_writes_the_eager_lines(
     assert _lines(tmp_path / "real.jsonl") == _lines(tmp_path / "eager.jsonl")
     monkeypatch.delenv(ENV_VAR)
     assert compile_key(tiny, 1) in REGENERATE_COMPILE.stored_choices()
+
+
+def test_a_stored_compiled_trial_is_used_from_the_first_batch(tiny, tmp_path: Path, fake_compile) -> None:
+    """Before any batch the work left is estimated from the settings (a reply of max_new_tokens a conversation)."""
+    calls, _ = fake_compile
+    entry = {"choice": COMPILED, "eager_ms": 4000.0, "compiled_ms": 1000.0, "compile_s": 0.01}
+    REGENERATE_COMPILE.record(REGENERATE_COMPILE.store_path(), compile_key(tiny, 1), entry)
+    regenerate(tiny, _convs(2), tmp_path / "a.jsonl", progress=False, settings=RegenSettings(**SETTINGS))
+    assert len(calls) >= 2 * tiny.num_layers  # both batches through the compiled layers
