@@ -6,11 +6,11 @@ side by side and profiled by operator.
 
 The run is the quickstart's training stage as a finished quickstart (`--base`) configured it: its captured features,
 its draft vocabulary and drafter (the last checkpoint's `train_config.yaml`, its output redirected to a scratch
-directory, step-based), set up once per precision (`dtype`, so each setup's own one-off costs stay out of the
-steps). The precisions alternate in rounds of `--steps` optimizer steps (each after `--warmup` untimed ones) so a
-busy machine's drift hits both; a step is the loop's own (`train.loop._train_step`: rows, anchors, masks, forward,
-loss, backward, clipping, AdamW). Then one profile of `--profile-steps` steps per precision (torch.profiler, CPU)
-gives the operators that take the most self time, in ms per step.
+directory, step-based, eager: `compile: false`), set up once per precision (`dtype`, so each setup's own one-off
+costs stay out of the steps). The precisions alternate in rounds of `--steps` optimizer steps (each after `--warmup`
+untimed ones) so a busy machine's drift hits both; a step is the loop's own (`train.loop`: rows, anchors, masks,
+forward, loss, backward, clipping, AdamW). Then one profile of `--profile-steps` steps per precision
+(torch.profiler, CPU) gives the operators that take the most self time, in ms per step.
 
 Prints the table, the profiles, and ONE final JSON line. Works on any commit that has these functions, so the same
 script measures the code before and after a change (run it from each checkout, one after the other, on an otherwise
@@ -41,7 +41,7 @@ def _config(base: Path, out: Path, dtype: str, steps: int) -> Any:
     d = yaml.safe_load(saved[-1].read_text())
     d.update(
         out=str(out), dtype=dtype, max_steps=steps, schedule_minutes=None, time_budget_minutes=None, eval_every=0,
-        keep_best=False, save_every=0, val_samples=0, tensorboard=False, progress=False,
+        keep_best=False, save_every=0, val_samples=0, tensorboard=False, progress=False, compile=False,
     )  # fmt: skip
     return TrainConfig.from_dict(d, source="bench")
 
@@ -64,7 +64,9 @@ class Stepper:
         if epoch != self.epoch:
             self.iter, self.epoch = micro_batches(self.run, epoch, in_epoch), epoch
         t0 = time.perf_counter()
-        loop._train_step(self.run, self.iter, epoch, 0.0, None, None)
+        # the loop's step (older checkouts: `_train_step` took the iterator itself)
+        step = getattr(loop, "_compile_aware_step", None) or loop._train_step
+        step(self.run, self.iter, epoch, 0.0, None, None)
         return time.perf_counter() - t0
 
 
