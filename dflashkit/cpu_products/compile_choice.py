@@ -286,6 +286,11 @@ def torch_out_of_memory() -> type[BaseException]:
     return getattr(torch, "OutOfMemoryError", MemoryError)
 
 
+def target_key(target: Any) -> str:
+    """What a target's passes cost, by its shape: architecture, layers, width, vocabulary (a key's first part)."""
+    return f"{target.architecture}:l{target.num_layers}:h{target.hidden_size}:v{target.vocab_size}"
+
+
 def device_name(device: Any) -> str:
     """The device a step's speed depends on beyond this machine's CPU (a store's file is per CPU): "cpu", or
     "cuda:<the GPU's name>"."""
@@ -326,4 +331,5 @@ __all__ = [
     "CompileTrial",
     "MeasuredCompile",
     "device_name",
+    "target_key",
 ]

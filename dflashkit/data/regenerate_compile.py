@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile, device_name
+from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile, device_name, target_key
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
@@ -31,10 +31,7 @@ ENV_VAR = REGENERATE_COMPILE.env_var
 
 def compile_key(target: Target, batch_size: int) -> str:
     """What a compiled regeneration batch's speed depends on: the target's shape, the batch size, the device."""
-    return (
-        f"{target.architecture}:l{target.num_layers}:h{target.hidden_size}:v{target.vocab_size}:b{batch_size}:"
-        f"{device_name(target.device)}"
-    )
+    return f"{target_key(target)}:b{batch_size}:{device_name(target.device)}"
 
 
 def start_trial(

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile, device_name
+from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile, device_name, target_key
 from dflashkit.errors import DFlashError
 from dflashkit.features.capture_precision import capture_forward
 from dflashkit.target.compiled_layers import compiled_layers
@@ -38,10 +38,7 @@ ENV_VAR = CAPTURE_COMPILE.env_var
 
 def compile_key(target: Target, precision: str) -> str:
     """What a compiled capture forward's speed depends on: the target's shape, the precision, the device."""
-    return (
-        f"{target.architecture}:l{target.num_layers}:h{target.hidden_size}:v{target.vocab_size}:{precision}:"
-        f"{device_name(target.device)}"
-    )
+    return f"{target_key(target)}:{precision}:{device_name(target.device)}"
 
 
 class CaptureForwards:

@@ -569,8 +569,8 @@ def _compile_trial(
     cfg: Any, drafter_config: DrafterConfig, device: torch.device, state: TrainState, data: _DataPlan, dist: Any
 ) -> CompileTrial:
     """Whether this run's steps run compiled (`compile_choice.start_trial`): settled now, or timed in its first
-    steps against the training time it has left (steps left × a step, within the schedule's and the session's
-    minutes)."""
+    steps against the training time it has left (steps left × a step, within `schedule_minutes` and
+    `time_budget_minutes`)."""
     from dflashkit.train.compile_choice import start_trial
     from dflashkit.train.memory import StepShape
     from dflashkit.train.memory_check import blocks_per_row
