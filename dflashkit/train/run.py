@@ -5,8 +5,9 @@
 What it builds, in order: the process group (torchrun or one process), the target (frozen embeddings + LM head,
 or the whole target for online features / KL), the drafter (fresh, `init_from`, or resumed after checking that
 the config still matches), the feature source and its packed rows (train / validation split), the DDP / FSDP2
-wrapper, AdamW with the cosine schedule (`schedule.py`), the metrics logger. Files of a run directory are
-described in `state.py`; the loop that drives a `Run` is `loop.py`.
+wrapper, AdamW with the cosine schedule (`schedule.py`), the measured precision and compile choices
+(`precision_choice.py`, `compile_choice.py`; `Run.step_module` is what a step's forward runs), the metrics logger.
+Files of a run directory are described in `state.py`; the loop that drives a `Run` is `loop.py`.
 """
 
 from __future__ import annotations
