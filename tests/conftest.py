@@ -169,3 +169,5 @@ os.environ["DFLASHKIT_CAPTURE_COMPILE"] = "off"
 # And regeneration's in-process batches (prepare --compile auto); tests/data/test_regenerate_compile.py measures with
 # this unset.
 os.environ["DFLASHKIT_REGENERATE_COMPILE"] = "off"
+# And an evaluation's decoding (eval --compile auto); tests/evaluate/test_decode_compile.py measures with this unset.
+os.environ["DFLASHKIT_DECODE_COMPILE"] = "off"

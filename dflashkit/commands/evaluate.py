@@ -5,7 +5,7 @@
     dflashkit eval --drafter NAME=CKPT [--drafter …] --dataset mtbench|humaneval|sharegpt-heldout|sharegpt|PATH
                    [--limit N] [--on-error stop|skip] [--methods ar,chain,ddtree:8,ddtree:auto]
                    [--budget-prompts DATASET] [--max-new-tokens N] [--temperatures 0,1] [--by-length [EDGES]]
-                   --out DIR [--target …]
+                   [--compile auto|on|off] --out DIR [--target …]
     dflashkit simulate --drafter NAME=CKPT [--drafter …] --dataset … --cache DIR [--budgets 4,8,16]
                        [--by-length [EDGES]] --out DIR
     dflashkit report RESULTS.json [MORE.json …] [--out DIR]
@@ -15,7 +15,9 @@ Datasets: a bundled name or a JSONL file. Targets without a tokenizer take pre-t
 of line groups the statistics. `long-context` builds prompts of several lengths for the target (data/long_context.py).
 `eval` writes DIR/results.json (source of truth), DIR/progress.jsonl (per prompt; a rerun resumes), DIR/report.md
 and the PNG plots; with --temperatures, one such directory per temperature and DIR/compare.md. `simulate` writes
-the transcript cache (reused by later runs), then DIR/results.json + report.
+the transcript cache (reused by later runs), then DIR/results.json + report. `eval --compile`: whether the target's
+decoder layers run through torch.compile while decoding — auto (the default: timed in the warm-up where the planned
+work repays the compile; DFLASHKIT_DECODE_COMPILE=on|off|measure overrides; dflashkit.evaluate.decode_compile), on, off.
 """
 
 from __future__ import annotations
@@ -328,6 +330,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the untimed warm-up runs (on CPU they also let the products of each width settle before timing)",
     )
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the target's decoder layers through torch.compile while decoding: auto (timed in the warm-up where "
+        "the planned work repays the compile), on, off",
+    )
     p.add_argument("--hf-baseline", action="store_true", help="also time HF generate as a second AR baseline")
     p.add_argument(
         "--triage-threshold",
@@ -403,6 +412,7 @@ def _eval(args: argparse.Namespace) -> int:
                 triage_threshold=args.triage_threshold,
                 seed=args.seed,
                 warmup=not args.no_warmup,
+                compile=args.compile,
                 hf_baseline=args.hf_baseline,
                 progress=not args.quiet,
                 length_buckets=args.by_length,

@@ -6,6 +6,7 @@ own first steps and kept in the user cache: the rule behind training's `compile:
     trial.current                # "eager" or "compiled": what the next step runs
     trial.finished(seconds, work)  # after every step: its seconds (agreed over ranks) and its work in the run's
                                  # units (1 a training step; tokens a capture batch): the trial advances
+    trial.known_rate(rate)       # the eager rate timed elsewhere (an evaluation's warm-up): straight to the gate
     trial.failed(reason)         # the compiled step raised: eager for good, recorded unusable
     out = trial.run_step(step, work=…)   # all of it around one step: step(compiled) run, timed, failures rerun
     trial.settled, trial.choice, trial.message
@@ -169,6 +170,15 @@ class CompileTrial:
         pays = saved > compile_s
         verdict = f"saves ~{saved:,.0f} s of this run" + ("" if pays else ", less than it costs")
         self.settle(COMPILED if pays else EAGER, f"{timed} (timed before on this machine): {verdict} → {_word(pays)}")
+
+    def known_rate(self, rate: float) -> None:
+        """Eager seconds a unit of work already timed elsewhere (an evaluation's settled warm-up runs): the eager
+        steps are skipped and the gate decides now."""
+        if self.settled or self.pos:
+            return
+        self.eager_s = [rate] * EAGER_STEPS
+        self.pos = WARM_STEPS + EAGER_STEPS
+        self._gate()
 
     def finished(self, seconds: float, work: float = 1.0) -> None:
         """A step of `current` took `seconds` (agreed over ranks) for `work` units: record it, advance the trial."""

@@ -15,6 +15,7 @@ from dflashkit.cpu_products.precision_store import MeasuredPrecision
 from dflashkit.data.regenerate_compile import REGENERATE_COMPILE
 from dflashkit.drafter.defaults import default_drafter_config, describe_mask
 from dflashkit.errors import ConfigError
+from dflashkit.evaluate.decode_compile import DECODE_COMPILE
 from dflashkit.features.capture_compile import CAPTURE_COMPILE
 from dflashkit.features.capture_precision import CAPTURE
 from dflashkit.train.compile_choice import TRAIN_COMPILE
@@ -127,6 +128,7 @@ def _machine() -> dict[str, Any]:
         **_measured_compile("train", TRAIN_COMPILE),
         **_measured_compile("capture", CAPTURE_COMPILE),
         **_measured_compile("regenerate", REGENERATE_COMPILE),
+        **_measured_compile("decode", DECODE_COMPILE),
     }
 
 
@@ -242,6 +244,7 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
         *_compile_lines(m, "train"),
         *_compile_lines(m, "capture"),
         *_compile_lines(m, "regenerate"),
+        *_compile_lines(m, "decode"),
     ]
 
 
@@ -272,6 +275,7 @@ _COMPILE_TEXT = {
     "train": ("train compile", "a long run's first steps"),
     "capture": ("capture compile", "a large capture's first batches"),
     "regenerate": ("regen compile", "a long regeneration's first batches"),
+    "decode": ("decode compile", "a long evaluation's warm-up"),
 }
 
 

@@ -9,6 +9,8 @@ transcript cache (`pNNNNN.safetensors` per prompt).
 Modules and their public functions:
   evaluate.py     `evaluate(target, drafters, prompts, out_dir=…, settings=EvalSettings(…))`: real decoding vs AR
   warm_up.py      `settle(run, max_new_tokens, device)`: untimed runs until the CPU's product choices settle
+  decode_compile.py `start_choice`, `DecodeCompile`: whether decoding runs the target's layers through torch.compile
+                  (`eval --compile auto`: timed in the warm-up where the planned work repays the compile)
   budget_choice.py `choose_tree_budget`: the DDTree budget of `ddtree:auto` (replayed τ × measured round time)
   triage.py       `triage_divergence`: where an output departs from AR, and whether it is a near-tie or a bug
   aggregate.py    `run_record`, `ar_stats`, `method_stats`: run records → the statistics of results.json

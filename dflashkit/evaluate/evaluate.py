@@ -16,6 +16,10 @@ anything is timed (`budget_choice.py`: replayed τ per budget × measured round 
 default the first two prompts of the evaluation); the choice is kept in `out_dir/budget_choice.json` (a resumed run
 keeps it) and in results.json next to the method's statistics. Each ddtree:auto run records its budget in
 progress.jsonl; a resumed run whose choice differs (measured again after damage) runs those prompts again.
+
+`compile` says whether the target's decoder layers run through torch.compile while decoding (`decode_compile.py`:
+`auto` is timed in the warm-up where the planned work can repay the compile, never inside a timed prompt); results.json
+records the choice and why (`decode_compile`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.evaluate.aggregate import ar_stats, drafted_totals, method_stats, run_record
 from dflashkit.evaluate.budget_choice import BudgetChoice, choose_tree_budget
+from dflashkit.evaluate.decode_compile import DecodeCompile, start_choice
 from dflashkit.evaluate.file_schemas import budget_choice_problem, progress_problem
 from dflashkit.evaluate.groups import PromptGroups, with_groups
 from dflashkit.evaluate.stats import (
@@ -54,7 +59,7 @@ from dflashkit.evaluate.stats import (
     verify_width,
 )
 from dflashkit.evaluate.triage import default_triage_threshold, triage_divergence
-from dflashkit.evaluate.warm_up import settle
+from dflashkit.evaluate.warm_up import SETTLE_TOKENS, settle
 from dflashkit.io_utils import atomic_write_text
 from dflashkit.output_dir import one_writer
 from dflashkit.sampling import GREEDY, SamplingParams
@@ -78,7 +83,8 @@ class EvalSettings:
     (recorded in the report's header). resume: continue progress.jsonl when its settings match. deadline: a
     `time.monotonic()` value; once it has passed, no further prompt is started (at least one is always evaluated)
     and the results cover the prompts done, in order — `dataset.time_boxed` then says how many of how many.
-    A resumed run continues with the rest.
+    A resumed run continues with the rest. compile: the target's decoder layers through torch.compile while
+    decoding — "auto" (timed in the warm-up where the planned work repays it: decode_compile.py), "on", "off".
     """
 
     methods: str | Sequence[str] = ("ar", "chain", "ddtree:8")
@@ -96,6 +102,7 @@ class EvalSettings:
     resume: bool = True
     progress: bool = True
     deadline: float | None = None
+    compile: str = "auto"
 
 
 def evaluate(
@@ -166,6 +173,7 @@ def evaluate(
             ev.auto, measured = _auto_budgets(ev, out, key, calibration, budget_choices or {}, es.resume, es.progress)
             records = _records_of_these_budgets(records, ev, measured, ppath, es.progress)
         todo = [p for p in prompts if p.id not in records]
+        ev.decode = _decode_choice(ev, len(todo), es)
         if es.warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
             ev.warm_up(todo[0], es.seed)
         index = {p.id: i for i, p in enumerate(prompts)}
@@ -202,6 +210,7 @@ class _Evaluation:
     threshold: float
     hf_baseline: bool
     auto: dict[str, BudgetChoice] = field(default_factory=dict)  # drafter name → the budget of ddtree:auto
+    decode: DecodeCompile | None = None  # the target's layers compiled or not (None: eager, no choice made)
 
     def method_for(self, name: str, m: Method) -> Method:
         """`m` as drafter `name` runs it: ddtree:auto with that drafter's chosen budget."""
@@ -210,7 +219,21 @@ class _Evaluation:
     def run(
         self, prompt: Prompt, drafter: DFlashDrafter | None, method: Method, max_new_tokens: int, seed: int | None
     ) -> tuple[GenerationResult, float]:
-        """One `generate` call, timed (CUDA synchronised before and after)."""
+        """One `generate` call, timed (CUDA synchronised before and after), its layers compiled or not as the compile
+        choice says (a compiled run that fails runs again eagerly: the time is the eager run's)."""
+        if self.decode is None:
+            return self._run(prompt, drafter, method, max_new_tokens, seed, compiled=False)
+        return self.decode.run(lambda compiled: self._run(prompt, drafter, method, max_new_tokens, seed, compiled))
+
+    def _run(
+        self,
+        prompt: Prompt,
+        drafter: DFlashDrafter | None,
+        method: Method,
+        max_new_tokens: int,
+        seed: int | None,
+        compiled: bool,
+    ) -> tuple[GenerationResult, float]:
         synchronize(self.target.device)
         t0 = time.perf_counter()
         try:
@@ -236,12 +259,34 @@ class _Evaluation:
 
     def warm_up(self, prompt: Prompt, seed: int) -> None:
         """Untimed runs of every method before anything is timed: a few tokens each pay the one-off allocation costs;
-        then, on CPU, runs until the products of the method's widths are settled (warm_up.py)."""
+        then, on CPU, runs until the products of the method's widths are settled (warm_up.py); then the compile
+        choice's trial and compile, in rounds of every method (decode_compile.py)."""
         runs = [(None, AR_METHOD)] + [(d, self.method_for(n, m)) for n, d in self.drafters.items() for m in self.spec]
+        decode, self.decode = self.decode, None  # eager until the compile choice's own rounds
         for d, m in runs:
-            self.run(prompt, d, m, min(4, self.max_new_tokens), seed)
-        for d, m in runs:
-            settle(lambda n, d=d, m=m: self.run(prompt, d, m, n, seed), self.max_new_tokens, self.target.device)
+            self._run(prompt, d, m, min(4, self.max_new_tokens), seed, compiled=False)
+        last: dict[int, tuple[float, int]] = {}  # each method's last settling run: (seconds, tokens)
+
+        def settling(i: int, d: DFlashDrafter | None, m: Method, n: int) -> None:
+            res, wall = self._run(prompt, d, m, n, seed, compiled=False)
+            last[i] = (wall, len(res.tokens))
+
+        for i, (d, m) in enumerate(runs):
+            settle(lambda n, i=i, d=d, m=m: settling(i, d, m, n), self.max_new_tokens, self.target.device)
+        self.decode = decode
+        if decode is None or (decode.trial.settled and not decode.compiled):
+            return
+        n = min(SETTLE_TOKENS, self.max_new_tokens)
+
+        def one_round(compiled: bool) -> int:
+            return sum(len(self._run(prompt, d, m, n, seed, compiled)[0].tokens) for d, m in runs)
+
+        if len(last) < len(runs) and not decode.trial.settled:  # no settling runs (products not measured): time one
+            for i, (d, m) in enumerate(runs):
+                settling(i, d, m, n)
+        tokens = sum(t for _, t in last.values())
+        rate = 1e3 * sum(s for s, _ in last.values()) / tokens if tokens else None  # eager s per 1,000 tokens
+        decode.warm_up(one_round, rate)
 
     def prompt_record(self, p: Prompt, seed: int | None) -> dict[str, Any]:
         """One prompt: AR once, HF generate when asked, then every (drafter, method), each triaged against AR at
@@ -329,7 +374,24 @@ class _Evaluation:
             "ar": ar,
             "results": results,
             "notes": notes,
+            **({"decode_compile": self.decode.as_dict()} if self.decode is not None else {}),
         }
+
+
+def _decode_choice(ev: _Evaluation, prompts_left: int, es: EvalSettings) -> DecodeCompile | None:
+    """The compile choice of this evaluation's decoding (None: nothing left to run). Its work left is every planned
+    token (each prompt's AR and (drafter, method) runs at max_new_tokens) at the rate timed, capped by the deadline."""
+    if not prompts_left:
+        return None
+    runs = 1 + len(ev.drafters) * len(ev.spec)
+    tokens = prompts_left * runs * ev.max_new_tokens
+
+    def seconds_left(rate_per_1k: float) -> float:
+        work = tokens / 1000 * rate_per_1k
+        return work if es.deadline is None else max(0.0, min(work, es.deadline - time.monotonic()))
+
+    methods = [AR_METHOD.name] + [ev.method_for(n, m).name for n in ev.drafters for m in ev.spec]
+    return start_choice(ev.target, methods, es.compile, seconds_left, warm_up=es.warmup)
 
 
 def _category(prompt: Prompt, dataset: str) -> str:

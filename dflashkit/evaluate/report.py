@@ -374,6 +374,16 @@ def header_settings(doc: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- documents
+def _decode_compile_line(doc: dict[str, Any]) -> list[str]:
+    """The header line saying whether decoding ran the target's layers through torch.compile, and why (none for
+    results written without the choice)."""
+    dc = doc.get("decode_compile")
+    if not isinstance(dc, dict) or dc.get("choice") not in ("eager", "compiled"):
+        return []
+    why = f" — {dc['why']}" if dc.get("why") else ""
+    return [f"- target layers while decoding: {dc['choice']}{why}"]
+
+
 def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = None) -> str:
     """Markdown report of one results.json; writes report.md + PNGs into `out_dir` (default: next to it)."""
     doc = results if isinstance(results, dict) else load_results(results)
@@ -400,6 +410,7 @@ def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = No
         f"hidden {t.get('hidden_size', '?')}, {t.get('dtype', '?')}{', hybrid' if t.get('hybrid') else ''})",
         f"- prompts: {ds.get('n_prompts', '?')}" + (f" ({len(ds['skipped'])} skipped)" if ds.get("skipped") else ""),
         f"- {header_settings(doc)}, tree top-k {s.get('tree_top_k', '—') or '= budget'}",
+        *_decode_compile_line(doc),
         "",
         "## Summary",
         "",

@@ -5,11 +5,14 @@
         out = target.forward(ids, layer_ids=ids_of_layers, logits=True)   # (B, T, K·H) features, (B, T, V) logits
 
 Each layer's `forward` is compiled once per target (`dynamic=True`: lengths vary from batch to batch) and kept; the
-layers of one architecture share their code, so the first compiles and the others reuse its graph. Only `forward` is
-swapped, so the hooks that capture a layer's output run around it as before; everything outside the layers
-(embeddings, final norm, the LM head that forms the labels) runs eagerly. Whether a job runs through it is measured
-(features.capture_compile, data.regenerate_compile); the evaluation's decoding never does (its compiled path is the
-C++ layers of native_layers.py).
+layers of one architecture share their code, so without a cache the first compiles and the others reuse its graph.
+A pass over a KV cache indexes the cache by the layer's own index, which torch.compile holds constant: each layer
+then gets graphs of its own, so inside the block the recompile limit covers `GRAPHS_PER_LAYER` a layer (the default,
+8 for all layers together, would leave every layer past the eighth eager). Only `forward` is swapped, so the hooks that
+capture a layer's output run around it as before; everything outside the layers (embeddings, final norm, the LM head
+that forms the labels) runs eagerly. Whether a job runs through it is measured (features.capture_compile,
+data.regenerate_compile, evaluate.decode_compile); a decoding pass whose products choice is the C++ layers of
+native_layers.py runs those instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+GRAPHS_PER_LAYER = 6  # a layer's graphs over a cache: an empty and a filled one, without and with a tree's mask, …
 
 
 @contextmanager
@@ -32,8 +37,13 @@ def compiled_layers(target: Any) -> Iterator[None]:
     before = [layer.__dict__.get("forward") for layer in layers]  # a forward some wrapper set on the instance
     for layer, forward in zip(layers, compiled, strict=True):
         layer.forward = forward  # an instance attribute: nn.Module.__call__ calls it, hooks still around it
+    config = torch._dynamo.config
+    limit = max(config.recompile_limit, GRAPHS_PER_LAYER * len(layers))
     try:
-        yield
+        with config.patch(
+            recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, 2 * limit)
+        ):
+            yield
     finally:
         for layer, old in zip(layers, before, strict=True):
             if old is None:
@@ -42,4 +52,4 @@ def compiled_layers(target: Any) -> Iterator[None]:
                 layer.forward = old
 
 
-__all__ = ["compiled_layers"]
+__all__ = ["GRAPHS_PER_LAYER", "compiled_layers"]

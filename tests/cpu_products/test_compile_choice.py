@@ -77,6 +77,28 @@ def test_a_short_run_never_risks_a_compile(tmp_path: Path) -> None:
     assert not path.exists()  # nothing measured, nothing stored
 
 
+def test_a_rate_known_beforehand_goes_straight_to_the_gate(tmp_path: Path) -> None:
+    """An evaluation's warm-up has timed the eager work already: no eager steps, the gate decides at once."""
+    short = KIND.start("k", "auto", lambda rate: 500 * rate, path=tmp_path / "s.json")
+    short.known_rate(0.4)
+    assert short.choice == EAGER and "too little to risk compiling" in short.message
+    asked: list[float] = []
+    long = KIND.start("k", "auto", lambda rate: asked.append(rate) or LONG, path=tmp_path / "s.json")
+    long.known_rate(0.4)
+    assert asked == [0.4] and not long.settled and long.current == COMPILED  # the compile is the next step
+    ran = _run(long, 0.4, 0.2, 5.0)
+    assert ran[: 2 + 2 * ROUNDS] == [
+        COMPILED,
+        COMPILED,
+        *[COMPILED, EAGER, EAGER, COMPILED, COMPILED, EAGER][: 2 * ROUNDS],
+    ]
+    assert long.choice == COMPILED and long.compile_s == pytest.approx(5.0 + 0.2 - 0.4)  # its excess over eager
+    started = KIND.start("k2", "auto", lambda rate: LONG, path=tmp_path / "s.json")
+    started.finished(0.4)  # once steps were timed the rate known elsewhere is not used
+    started.known_rate(9.0)
+    assert started.pos == 1 and started.eager_s == []
+
+
 def test_a_long_run_times_both_and_keeps_the_faster(tmp_path: Path) -> None:
     path = tmp_path / "s.json"
     trial = KIND.start("k", "auto", lambda s: LONG, path=path)

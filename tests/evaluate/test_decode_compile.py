@@ -1,0 +1,196 @@
+"""`eval --compile auto` (evaluate.decode_compile): the trial runs in the warm-up and never in a timed prompt, its
+compiled runs decode what the eager runs decode (a stand-in for torch.compile), a failing compile reruns eagerly and
+is recorded, a short evaluation never tries, a stored verdict compiles before the first timed run; one slow test runs
+torch.compile itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dflashkit.evaluate.evaluate as ev
+from dflashkit.cpu_products.compile_choice import COMPILED, ROUNDS
+from dflashkit.evaluate.decode_compile import DECODE_COMPILE, ENV_VAR, compile_key
+from dflashkit.evaluate.evaluate import EvalSettings, evaluate
+from dflashkit.evaluate.report import render
+from dflashkit.target.compiled_layers import GRAPHS_PER_LAYER, compiled_layers
+from dflashkit.target.model import Target
+from helpers.fake_compile import fake_layer_compile
+from helpers.oracles import make_prompts, oracle_for
+
+METHODS = "ar,chain,ddtree:4"
+KEY_METHODS = ["ar", "chain", "ddtree:4"]
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return Target.load(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def setup(llama):
+    prompts = make_prompts(2, seed=11)
+    torch.manual_seed(0)
+    return prompts, {"d": oracle_for(llama, prompts, N_NEW, p_correct=0.7, seed=4)}
+
+
+@pytest.fixture
+def fake_compile(llama, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """(calls, set_fail): torch.compile replaced by a counting (or failing) stand-in; the store in tmp_path; products
+    not measured (their settling runs are not what these tests look at)."""
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    with fake_layer_compile(llama, monkeypatch, tmp_path / "store", ENV_VAR, "InductorError: lowering failed") as f:
+        yield f
+
+
+def _evaluate(llama, setup, out: Path, **kw) -> dict:
+    prompts, drafters = setup
+    settings = EvalSettings(methods=METHODS, max_new_tokens=N_NEW, progress=False, stop_token_ids=(), **kw)
+    return evaluate(llama, drafters, prompts, out_dir=out, settings=settings)
+
+
+def _decoded(out: Path) -> list:
+    """What each prompt's runs decoded (not their times)."""
+    keep = ("n_tokens", "acceptance_lengths", "drafted", "stop_reason", "greedy_equal")
+    recs = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    return [
+        (r["id"], r["ar"]["n_tokens"], {m: {k: v.get(k) for k in keep} for m, v in r["runs"]["d"].items()})
+        for r in recs
+    ]
+
+
+def _compiled_probe(llama, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Per generate call: were the target's layers compiled ones (an instance `forward`) when it started?"""
+    seen: list[bool] = []
+    real = ev.generate
+    layer = llama.text_model.layers[0]
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: seen.append("forward" in layer.__dict__) or real(*a, **k))
+    return seen
+
+
+def test_a_measured_trial_decodes_as_eager_and_stores_its_verdict(
+    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    calls, _ = fake_compile
+    eager = _evaluate(llama, setup, tmp_path / "eager", compile="off")
+    assert calls == [] and eager["decode_compile"]["choice"] == "eager"
+    monkeypatch.setenv(ENV_VAR, "measure")
+    seen = _compiled_probe(llama, monkeypatch)
+    doc = _evaluate(llama, setup, tmp_path / "measured")
+    assert _decoded(tmp_path / "measured") == _decoded(tmp_path / "eager")
+    entry = DECODE_COMPILE.stored_choices()[compile_key(llama, KEY_METHODS)]
+    assert entry["eager_ms"] > 0 and entry["compile_s"] >= 0
+    assert doc["decode_compile"]["choice"] == entry["choice"] and "timed now" in doc["decode_compile"]["why"]
+    assert "decode: torch.compile:" in capsys.readouterr().out
+    runs = len(KEY_METHODS)
+    timed = seen[-2 * runs :]  # 2 prompts × (AR, chain, DDTree-4), after the warm-up
+    warm = seen[: -2 * runs]
+    assert sum(warm) == (2 + ROUNDS) * runs  # the compile, one untimed round, a compiled one in each ABBA round
+    assert all(timed) if entry["choice"] == COMPILED else not any(timed)
+    assert len(calls) >= (2 + ROUNDS) * runs * llama.num_layers  # the compiled rounds ran through the stand-in
+
+
+def test_a_failing_compile_reruns_eagerly_and_is_recorded(
+    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, set_fail = fake_compile
+    _evaluate(llama, setup, tmp_path / "eager", compile="off")
+    set_fail(True)
+    monkeypatch.setenv(ENV_VAR, "measure")
+    doc = _evaluate(llama, setup, tmp_path / "failed")
+    assert _decoded(tmp_path / "failed") == _decoded(tmp_path / "eager") and len(calls) == 1
+    assert doc["decode_compile"]["choice"] == "eager" and "failed" in doc["decode_compile"]["why"]
+    report = render(tmp_path / "failed" / "results.json")
+    assert "- target layers while decoding: eager — eager: the compiled step failed (RuntimeError: Inductor" in report
+    monkeypatch.delenv(ENV_VAR)
+    entry = DECODE_COMPILE.stored_choices()[compile_key(llama, KEY_METHODS)]
+    assert entry["unusable"] == "RuntimeError: InductorError: lowering failed"
+
+
+def test_a_short_auto_evaluation_never_compiles(
+    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, _ = fake_compile
+    seen = _compiled_probe(llama, monkeypatch)
+    doc = _evaluate(llama, setup, tmp_path / "auto")
+    assert calls == [] and DECODE_COMPILE.stored_choices() == {} and not any(seen)
+    assert doc["decode_compile"]["choice"] == "eager" and "too little to risk" in doc["decode_compile"]["why"]
+    # the warm-up's eager rate came from one timed round, no trial rounds: 4-token runs, then one round a method
+    assert len(seen) == 2 * len(KEY_METHODS) + 2 * len(KEY_METHODS)
+
+
+def test_a_stored_compiled_verdict_compiles_in_the_warm_up_before_anything_is_timed(
+    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, _ = fake_compile
+    entry = {"choice": COMPILED, "eager_ms": 4000.0, "compiled_ms": 1000.0, "compile_s": 0.01}
+    DECODE_COMPILE.record(DECODE_COMPILE.store_path(), compile_key(llama, KEY_METHODS), entry)
+    seen = _compiled_probe(llama, monkeypatch)
+    doc = _evaluate(llama, setup, tmp_path / "stored")
+    runs = len(KEY_METHODS)
+    assert doc["decode_compile"]["choice"] == COMPILED and "timed before" in doc["decode_compile"]["why"]
+    assert seen[-3 * runs :] == [True] * 3 * runs  # one compiled warm-up round, then every timed run
+    assert not any(seen[: -3 * runs])  # the 4-token first runs stay eager
+    assert calls
+
+
+def test_without_a_warm_up_auto_stays_eager_and_on_compiles(
+    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, _ = fake_compile
+    monkeypatch.setenv(ENV_VAR, "measure")  # even a trial asked for has nowhere to run
+    doc = _evaluate(llama, setup, tmp_path / "a", warmup=False)
+    assert doc["decode_compile"]["choice"] == "eager" and "--no-warmup" in doc["decode_compile"]["why"] and not calls
+    monkeypatch.delenv(ENV_VAR)
+    doc = _evaluate(llama, setup, tmp_path / "b", warmup=False, compile="on")
+    assert doc["decode_compile"]["choice"] == COMPILED and calls
+
+
+def test_the_compiled_layers_raise_the_recompile_limit_only_inside(llama) -> None:
+    """Over a KV cache each layer gets graphs of its own (its index is a constant to torch.compile): the default limit
+    (8 for all layers) would leave every layer past the eighth eager."""
+    config = torch._dynamo.config
+    before = (config.recompile_limit, config.accumulated_recompile_limit)
+    with compiled_layers(llama):
+        assert config.recompile_limit >= GRAPHS_PER_LAYER * llama.num_layers
+        assert config.accumulated_recompile_limit >= config.recompile_limit
+    assert (config.recompile_limit, config.accumulated_recompile_limit) == before
+    llama.__dict__.pop("_compiled_layer_forwards", None)
+
+
+@pytest.mark.slow
+def test_really_compiled_decoding_decodes_as_eager(
+    llama, setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.compile itself: whether inductor compiles the layers over the cache or a compile fails (then the run is
+    repeated eagerly), the decoded tokens are the eager ones and the verdict is stored."""
+    llama.__dict__.pop("_compiled_layer_forwards", None)
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "store"))
+    _evaluate(llama, setup, tmp_path / "eager", compile="off")
+    monkeypatch.setenv(ENV_VAR, "measure")
+    doc = _evaluate(llama, setup, tmp_path / "real")
+    llama.__dict__.pop("_compiled_layer_forwards", None)
+    assert _decoded(tmp_path / "real") == _decoded(tmp_path / "eager")
+    monkeypatch.delenv(ENV_VAR)
+    assert compile_key(llama, KEY_METHODS) in DECODE_COMPILE.stored_choices()
+    assert doc["decode_compile"]["choice"] in ("eager", COMPILED)
+
+
+def test_info_lists_the_decode_compile_choices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflashkit.diagnose.info import _compile_lines, _measured_compile
+
+    def lines() -> list[str]:
+        return _compile_lines(_measured_compile("decode", DECODE_COMPILE), "decode")
+
+    assert lines() == ["  decode compile    off (DFLASHKIT_DECODE_COMPILE) under compile auto"]  # as the suite runs
+    monkeypatch.delenv(ENV_VAR)
+    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
+    assert lines() == ["  decode compile    compile auto: timed in a long evaluation's warm-up (none stored yet)"]
+    entry = {"choice": "eager", "eager_ms": 2791.0, "compiled_ms": 2801.0, "compile_s": 81.0}
+    DECODE_COMPILE.record(DECODE_COMPILE.store_path(), "k", entry)
+    assert lines()[1] == "    k: eager (eager 2791 ms, compiled 2801 ms per 1k tokens, 81 s to compile)"
