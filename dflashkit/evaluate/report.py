@@ -380,8 +380,7 @@ def _decode_compile_line(doc: dict[str, Any]) -> list[str]:
     dc = doc.get("decode_compile")
     if not isinstance(dc, dict) or dc.get("choice") not in ("eager", "compiled"):
         return []
-    why = f" — {dc['why']}" if dc.get("why") else ""
-    return [f"- target layers while decoding: {dc['choice']}{why}"]
+    return [f"- torch.compile of the target's layers while decoding: {dc.get('why') or dc['choice']}"]
 
 
 def render(results: str | Path | dict[str, Any], out_dir: str | Path | None = None) -> str:

@@ -105,7 +105,7 @@ def test_a_failing_compile_reruns_eagerly_and_is_recorded(
     assert _decoded(tmp_path / "failed") == _decoded(tmp_path / "eager") and len(calls) == 1
     assert doc["decode_compile"]["choice"] == "eager" and "failed" in doc["decode_compile"]["why"]
     report = render(tmp_path / "failed" / "results.json")
-    assert "- target layers while decoding: eager — eager: the compiled step failed (RuntimeError: Inductor" in report
+    assert "- torch.compile of the target's layers while decoding: eager: the compiled step failed (Runtime" in report
     monkeypatch.delenv(ENV_VAR)
     entry = DECODE_COMPILE.stored_choices()[compile_key(llama, KEY_METHODS)]
     assert entry["unusable"] == "RuntimeError: InductorError: lowering failed"
