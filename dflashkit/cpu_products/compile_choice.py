@@ -93,10 +93,12 @@ class MeasuredCompile:
         distributed: bool = False,
         write: bool = True,
         path: Path | None = None,
+        sunk: bool = False,
     ) -> CompileTrial:
         """The choice for one run's step `key` under `setting` (auto | on | off). `remaining_s(rate)` → seconds of
         work the run has left at `rate` seconds a unit of work; `distributed`: read no store (ranks time alike);
-        `write`: store the trial's entry (one rank of a run writes); `path` the store (default this machine's)."""
+        `write`: store the trial's entry (one rank of a run writes); `path` the store (default this machine's);
+        `sunk`: this process compiled these steps already, so a stored verdict's compile time is not paid again."""
         if setting not in SETTINGS:
             raise ConfigError(f"compile: {setting!r}: expected one of {', '.join(SETTINGS)}")
         path = self.store_path() if path is None else path
@@ -110,7 +112,7 @@ class MeasuredCompile:
         elif not distributed:
             stored = self.stored_choices(path).get(key)
             if stored is not None:
-                trial.from_entry(stored)
+                trial.from_entry(stored, sunk=sunk)
             trial.risk_s = max(
                 (float(e["compile_s"]) for e in self.stored_choices(path).values() if _number(e.get("compile_s"))),
                 default=UNKNOWN_COMPILE_S,
@@ -152,9 +154,10 @@ class CompileTrial:
     def settle(self, choice: str, message: str) -> None:
         self.choice, self.message = choice, message
 
-    def from_entry(self, entry: dict[str, Any]) -> None:
+    def from_entry(self, entry: dict[str, Any], *, sunk: bool = False) -> None:
         """Settle from a stored trial: eager where the compiled step was unusable or slower, or where this run's
-        work left does not repay the compile time; compiled otherwise."""
+        work left does not repay the compile time (none when `sunk`: compiled in this process already); compiled
+        otherwise."""
         if entry.get("unusable"):
             self.settle(EAGER, f"eager: compiling failed here before ({entry['unusable']}; dflashkit info)")
             return
@@ -167,8 +170,10 @@ class CompileTrial:
             self.settle(EAGER, f"{timed} (timed before on this machine) → eager")
             return
         saved = self.remaining_s(eager) * (1 - compiled / eager)
-        pays = saved > compile_s
-        verdict = f"saves ~{saved:,.0f} s of this run" + ("" if pays else ", less than it costs")
+        pays = saved > (0.0 if sunk else compile_s)
+        verdict = f"saves ~{saved:,.0f} s of this run" + (
+            ", compiled already" if sunk else "" if pays else ", less than it costs"
+        )
         self.settle(COMPILED if pays else EAGER, f"{timed} (timed before on this machine): {verdict} → {_word(pays)}")
 
     def known_rate(self, rate: float) -> None:
@@ -275,17 +280,21 @@ class CompileTrial:
         """After the rounds: the compiled step kept only when faster beyond the noise (paired by round)."""
         verdict = decide({"stock": self.times[EAGER], COMPILED: self.times[COMPILED]})
         choice = COMPILED if verdict["choice"] == COMPILED else EAGER
+        # a compile found cheap here (graphs or an inductor cache from earlier in this process or machine) does not
+        # lower the compile time recorded for the key: a fresh process pays the full one
+        before = self.store.stored_choices(self.path).get(self.key, {}) if self.path is not None else {}
+        recorded = float(before["compile_s"]) if _number(before.get("compile_s")) else 0.0
         entry = {
             "choice": choice,
             "eager_ms": verdict["stock_ms"],
             "compiled_ms": verdict[f"{COMPILED}_ms"],
-            "compile_s": round(float(self.compile_s or 0.0), 2),
+            "compile_s": round(max(float(self.compile_s or 0.0), recorded), 2),
         }
         self.store.record(self.path, self.key, entry)
         self.settle(
             choice,
             f"eager {entry['eager_ms']:,.0f} ms, compiled {entry['compiled_ms']:,.0f} ms {self.store.unit} after "
-            f"{entry['compile_s']:,.0f} s compiling (timed now) → {choice}",
+            f"{float(self.compile_s or 0.0):,.0f} s compiling (timed now) → {choice}",
         )
 
 

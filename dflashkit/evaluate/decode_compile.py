@@ -2,23 +2,30 @@
 auto | on | off`), decided in the evaluation's warm-up by timing its own untimed runs on this machine (the rule:
 `cpu_products.compile_choice`; the layers: `target.compiled_layers`).
 
-    choice = start_choice(target, ["ar", "chain", "ddtree:8"], "auto", seconds_left, warm_up=True)
+    choice = start_choice(target, ["ar", "chain:16", "ddtree:8"], "auto", seconds_left, warm_up=True)
     choice.warm_up(run_round, eager_rate)   # run_round(compiled) → tokens: every method once, a few tokens each
     out = choice.run(lambda compiled: timed_generate(compiled))   # each timed run; a failing compile reruns eagerly
 
-The trial's steps are warm-up rounds — every method of the evaluation for a few tokens, so every width it verifies
-(1, a chain's block, a tree's 1 + B with its mask) is compiled and timed — never the timed prompts, so no prompt's
-time holds a compile. Its work is the tokens a round generated (rates per 1,000 tokens); the work left is the
-evaluation's planned tokens (prompts × methods × max_new_tokens) at that rate, capped by its deadline. `auto` tries
-compiling only when that is at least ten times the compile time it risks, and keeps the compiled layers only when a
-round is faster beyond the noise; a stored trial for this target, precision, device and methods decides at once by
-the work left. The warm-up's own settled runs give the eager rate, so a short evaluation that never tries costs no
-extra round. A choice that is `compiled` pays its compile in one untimed warm-up round before anything is timed.
+The trial's steps are warm-up rounds — every method of the evaluation for a few tokens, so the widths it verifies
+(1, a chain's block, a tree's 1 + B with its mask) are compiled and timed — never the timed prompts. The compiled
+layers' graphs have dynamic lengths and their products are `F.linear` (target.compiled_layers), so a width first met
+in a timed prompt (a chain's shorter last block, a tree cut short) reuses them. Its work is the tokens a round
+generated (rates per 1,000 tokens); the work left is the evaluation's planned tokens (prompts × methods ×
+max_new_tokens: an upper bound, runs may stop early) at that rate, capped by its deadline. `auto` tries compiling
+only when that is at least ten times the compile time it risks, and keeps the compiled layers only when a round is
+faster beyond the noise; a stored trial for this target, precision, device and methods (budgets and verify widths
+resolved) decides at once by the work left — its compile time counted as paid when this process compiled them
+already (a second temperature). Where products are measured (CPU) the warm-up's own settled runs give the eager
+rate, so a short evaluation that never tries costs no extra round; elsewhere one eager round is timed for it.
 
-Without a warm-up (`--no-warmup`) `auto` stays eager: there is nowhere to time a trial or pay a compile outside the
-timed prompts. AR and the speculative methods run alike (the speedup compares like with like); an `hf_baseline` runs
-transformers' own `generate`, never compiled. Where the products choice of a width is the C++ layers
-(`native_layers`), that width's passes run those: the compiled layers serve the passes through transformers' layers.
+A choice that is `compiled` pays its compile in one untimed round before the first timed prompt, with or without a
+warm-up (`--no-warmup` only leaves `auto` eager: there is no warm-up to time a trial in). Compiled is a whole pass
+through torch.compile: the target's layers with inductor's own products, never the C++ layers (`native_layers`),
+which are one candidate of eager decoding's measured products — the trial compares the two ways whole. AR and the
+speculative methods run alike (the speedup compares like with like); an `hf_baseline` runs transformers' own
+`generate`, never compiled. A compiled run that fails (dynamo, inductor, the recompile limit) settles the choice on
+eager and the evaluation runs that prompt again eagerly: each progress record says whether its prompt ran compiled,
+and results.json counts them (`decode_compile.prompts_compiled`), so a resumed or interrupted evaluation says so.
 `DFLASHKIT_DECODE_COMPILE=on|off` replaces the measurement under `auto`, `=measure` runs the trial whatever the
 size; kept in `~/.cache/dflashkit/decode_compile/`, listed by `dflashkit info`. Greedy output is the target's either
 way up to float rounding (a near-tie of two logits may resolve differently; AR and drafts share the same layers).
@@ -47,13 +54,13 @@ if TYPE_CHECKING:
 
 DECODE_COMPILE = MeasuredCompile("decode_compile", "DFLASHKIT_DECODE_COMPILE", unit="per 1k tokens")
 ENV_VAR = DECODE_COMPILE.env_var
-MAX_ROUNDS = 24  # a trial's rounds at most (1 compile + 1 untimed + its ABBA rounds; fewer when the rate is known)
+MAX_ROUNDS = 24  # a cap on a trial's warm-up rounds (its schedule takes at most 12: 4 eager, the compile, 1 + 6)
 T = TypeVar("T")
 
 
 def compile_key(target: Target, methods: Sequence[str]) -> str:
     """What a compiled decoding step's speed depends on: the target's shape and precision, the device, and the widths
-    the methods verify (named by the methods, budgets resolved)."""
+    the runs verify (`methods`: "ar", "chain:<verify width>", "ddtree:<budget>")."""
     dtype = str(target.dtype).removeprefix("torch.")
     return f"{target_key(target)}:{dtype}:{device_name(target.device)}:{'+'.join(sorted(set(methods)))}"
 
@@ -61,8 +68,8 @@ def compile_key(target: Target, methods: Sequence[str]) -> str:
 class DecodeCompile:
     """The compile choice of one evaluation's decoding: its trial in the warm-up, then every timed run as it says."""
 
-    def __init__(self, target: Target, trial: CompileTrial) -> None:
-        self.target, self.trial = target, trial
+    def __init__(self, target: Target, trial: CompileTrial, key: str) -> None:
+        self.target, self.trial, self.key = target, trial, key
         self.compiled_once = False  # a compiled round ran in this process: the graphs exist, no timed run compiles
 
     @property
@@ -73,9 +80,10 @@ class DecodeCompile:
     def message(self) -> str:
         return self.trial.message
 
-    def as_dict(self) -> dict[str, Any]:
-        """What results.json records: the choice and why."""
-        return {"choice": self.trial.choice or EAGER, "why": self.trial.message}
+    def as_dict(self, prompts_compiled: int | None = None) -> dict[str, Any]:
+        """What results.json records: the choice, why, and how many of the reported prompts ran compiled."""
+        out = {"choice": self.trial.choice or EAGER, "why": self.trial.message}
+        return out if prompts_compiled is None else {**out, "prompts_compiled": prompts_compiled}
 
     def warm_up(
         self,
@@ -97,6 +105,10 @@ class DecodeCompile:
             rounds += 1
         if not trial.settled:  # cannot happen with the trial's fixed schedule; never leave a timed run undecided
             trial.settle(EAGER, "eager: the trial did not finish in the warm-up")
+        self.pay_compile(run_round, say)
+
+    def pay_compile(self, run_round: Callable[[bool], int], say: Callable[[str], None] = print) -> None:
+        """When the choice is compiled and nothing was compiled yet: one untimed compiled round."""
         if self.compiled and not self.compiled_once:
             self.run(lambda compiled: run_round(compiled), say=say)
 
@@ -113,7 +125,9 @@ class DecodeCompile:
         def inside(compiled: bool) -> T:
             with compiled_layers(self.target) if compiled else nullcontext():
                 out = step(compiled)
-            self.compiled_once |= compiled
+            if compiled:
+                self.compiled_once = True
+                _compiled_keys(self.target).add(self.key)
             return out
 
         return self.trial.run_step(
@@ -121,7 +135,7 @@ class DecodeCompile:
             work=work,
             sync=lambda: synchronize(self.target.device),
             say=lambda msg: say(f"decode: torch.compile: {msg}"),
-            keep=(DFlashError, ValueError),  # the caller's own errors (a prompt too long) are not the compile's
+            keep=(DFlashError,),  # the caller's own errors (a prompt too long) are not the compile's
         )
 
 
@@ -135,11 +149,21 @@ def start_choice(
 ) -> DecodeCompile:
     """The compile choice of one evaluation (`seconds_left(rate)`: its planned work at `rate` seconds per 1,000
     tokens; `warm_up` False: `auto` stays eager)."""
+    key = compile_key(target, methods)
     if setting == "auto" and not warm_up and DECODE_COMPILE.forced() in (None, "measure"):
-        trial = CompileTrial(compile_key(target, methods), seconds_left, store=DECODE_COMPILE, path=None)
-        trial.settle(EAGER, "eager: no warm-up to time a trial or pay a compile in (--no-warmup)")
-        return DecodeCompile(target, trial)
-    return DecodeCompile(target, DECODE_COMPILE.start(compile_key(target, methods), setting, seconds_left))
+        trial = CompileTrial(key, seconds_left, store=DECODE_COMPILE, path=None)
+        trial.settle(EAGER, "eager: no warm-up to time a trial in (--no-warmup)")
+        return DecodeCompile(target, trial, key)
+    sunk = key in _compiled_keys(target)
+    return DecodeCompile(target, DECODE_COMPILE.start(key, setting, seconds_left, sunk=sunk), key)
+
+
+def _compiled_keys(target: Target) -> set[str]:
+    """The keys whose decoding this process has run compiled (their graphs exist: a later evaluation pays nothing)."""
+    keys = getattr(target, "_decode_compiled_keys", None)
+    if keys is None:
+        keys = target._decode_compiled_keys = set()
+    return keys
 
 
 __all__ = ["DECODE_COMPILE", "ENV_VAR", "MAX_ROUNDS", "DecodeCompile", "compile_key", "start_choice"]

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,13 +176,15 @@ def evaluate(
         ev.decode = _decode_choice(ev, len(todo), es)
         if es.warmup and todo:  # first calls pay one-off allocation costs: keep them out of the timings
             ev.warm_up(todo[0], es.seed)
+        elif ev.decode is not None:  # a compiled choice compiles before anything is timed, warm-up or not
+            ev.decode.pay_compile(ev.round_of_every_method(todo[0], es.seed))
         index = {p.id: i for i, p in enumerate(prompts)}
         bar = tqdm(todo, desc="evaluate", unit="prompt", disable=not es.progress or not todo)
         with open(ppath, "a", encoding="utf-8") as f:
             for p in bar:
                 s = None if es.sampling.greedy else es.seed + index[p.id]
                 rec = {"key": key, "id": p.id, "prompt_sha": prompt_sha(p.ids), "prompt_len": len(p.ids)}
-                rec.update(ev.prompt_record(p, s))
+                rec.update(ev.prompt_record_alike(p, s))
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -253,6 +255,8 @@ class _Evaluation:
                 ),
             )
         except ValueError as e:  # e.g. a prompt too long for the context window (load_prompts skips those)
+            if compiled:  # a compiled run's failure is the compile choice's to handle (it reruns the run eagerly)
+                raise
             raise DataError(f"prompt {prompt.id!r}: {e}") from None
         synchronize(self.target.device)
         return res, time.perf_counter() - t0
@@ -276,17 +280,36 @@ class _Evaluation:
         self.decode = decode
         if decode is None or (decode.trial.settled and not decode.compiled):
             return
+        one_round = self.round_of_every_method(prompt, seed)
         n = min(SETTLE_TOKENS, self.max_new_tokens)
-
-        def one_round(compiled: bool) -> int:
-            return sum(len(self._run(prompt, d, m, n, seed, compiled)[0].tokens) for d, m in runs)
-
         if len(last) < len(runs) and not decode.trial.settled:  # no settling runs (products not measured): time one
             for i, (d, m) in enumerate(runs):
                 settling(i, d, m, n)
         tokens = sum(t for _, t in last.values())
         rate = 1e3 * sum(s for s, _ in last.values()) / tokens if tokens else None  # eager s per 1,000 tokens
         decode.warm_up(one_round, rate)
+
+    def round_of_every_method(self, prompt: Prompt, seed: int | None) -> Callable[[bool], int]:
+        """`round(compiled)`: AR and every (drafter, method) once for a few tokens, untimed → tokens generated (the
+        compile choice's warm-up rounds)."""
+        runs = [(None, AR_METHOD)] + [(d, self.method_for(n, m)) for n, d in self.drafters.items() for m in self.spec]
+        n = min(SETTLE_TOKENS, self.max_new_tokens)
+
+        def one_round(compiled: bool) -> int:
+            return sum(len(self._run(prompt, d, m, n, seed, compiled)[0].tokens) for d, m in runs)
+
+        return one_round
+
+    def prompt_record_alike(self, p: Prompt, seed: int | None) -> dict[str, Any]:
+        """`prompt_record`, every run of it compiled or every run eager: a compiled run that failed mid-prompt settled
+        the choice on eager, so the prompt runs again (AR and the methods alike); the record says which."""
+        decode = self.decode
+        compiled = decode is not None and decode.compiled
+        rec = self.prompt_record(p, seed)
+        if compiled and not decode.compiled:
+            rec = self.prompt_record(p, seed)
+            compiled = False
+        return {**rec, "compiled": compiled}
 
     def prompt_record(self, p: Prompt, seed: int | None) -> dict[str, Any]:
         """One prompt: AR once, HF generate when asked, then every (drafter, method), each triaged against AR at
@@ -374,7 +397,11 @@ class _Evaluation:
             "ar": ar,
             "results": results,
             "notes": notes,
-            **({"decode_compile": self.decode.as_dict()} if self.decode is not None else {}),
+            **(
+                {"decode_compile": self.decode.as_dict(sum(bool(r.get("compiled")) for r in chosen))}
+                if self.decode is not None
+                else {}
+            ),
         }
 
 
@@ -390,8 +417,18 @@ def _decode_choice(ev: _Evaluation, prompts_left: int, es: EvalSettings) -> Deco
         work = tokens / 1000 * rate_per_1k
         return work if es.deadline is None else max(0.0, min(work, es.deadline - time.monotonic()))
 
-    methods = [AR_METHOD.name] + [ev.method_for(n, m).name for n in ev.drafters for m in ev.spec]
-    return start_choice(ev.target, methods, es.compile, seconds_left, warm_up=es.warmup)
+    return start_choice(ev.target, _widths(ev), es.compile, seconds_left, warm_up=es.warmup)
+
+
+def _widths(ev: _Evaluation) -> list[str]:
+    """What the runs verify, by method: "ar", "chain:<verify width>", "ddtree:<budget>" (ddtree:auto's chosen one)."""
+    out = [AR_METHOD.name]
+    for name, d in ev.drafters.items():
+        for m in ev.spec:
+            method = ev.method_for(name, m)
+            width = method.budget if method.kind == "tree" else verify_width(d, ev.block_size)
+            out.append(f"{'ddtree' if method.kind == 'tree' else 'chain'}:{width}")
+    return out
 
 
 def _category(prompt: Prompt, dataset: str) -> str:

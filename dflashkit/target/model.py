@@ -108,6 +108,7 @@ class Target:
         self.embed_tokens: nn.Module = self.text_model.embed_tokens
         # a decoding pass of a Llama-family float32 CPU target may run as compiled whole layers (native_layers.py)
         self.native_layers = LayerPlan.of(self.text_model)
+        self.layers_compiled = False  # inside compiled_layers: the layers run through torch.compile, never native
         # decoding steps' few rows: the measured products (products.py), whole compiled layers one more candidate
         route_linears(self.layers, fuse=True, whole_layers=self.native_layers is not None)
         self._pass_group = next((m._pass_group for m in self.layers.modules() if type(m) is nn.Linear), None)
@@ -279,6 +280,7 @@ class Target:
             and cache is not None
             and use_cache
             and not stock_active()
+            and not self.layers_compiled
             and plan.takes(input_ids, attention_mask, cache)
         )
         one_off = cache is None and products_mode() == "auto"

@@ -16,13 +16,14 @@ from dflashkit.cpu_products.compile_choice import COMPILED, ROUNDS
 from dflashkit.evaluate.decode_compile import DECODE_COMPILE, ENV_VAR, compile_key
 from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 from dflashkit.evaluate.report import render
+from dflashkit.evaluate.stats import verify_width
 from dflashkit.target.compiled_layers import GRAPHS_PER_LAYER, compiled_layers
 from dflashkit.target.model import Target
 from helpers.fake_compile import fake_layer_compile
 from helpers.oracles import make_prompts, oracle_for
 
 METHODS = "ar,chain,ddtree:4"
-KEY_METHODS = ["ar", "chain", "ddtree:4"]
+RUNS = 3  # AR, chain, DDTree-4 per prompt
 N_NEW = 12
 
 
@@ -36,6 +37,12 @@ def setup(llama):
     prompts = make_prompts(2, seed=11)
     torch.manual_seed(0)
     return prompts, {"d": oracle_for(llama, prompts, N_NEW, p_correct=0.7, seed=4)}
+
+
+@pytest.fixture(scope="module")
+def key(llama, setup) -> str:
+    """The store's key of these evaluations: the runs' verify widths (the chain's block, the tree's budget)."""
+    return compile_key(llama, ["ar", f"chain:{verify_width(setup[1]['d'], None)}", "ddtree:4"])
 
 
 @pytest.fixture
@@ -63,17 +70,24 @@ def _decoded(out: Path) -> list:
     ]
 
 
-def _compiled_probe(llama, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Per generate call: were the target's layers compiled ones (an instance `forward`) when it started?"""
+def _compiled_probe(llama, monkeypatch: pytest.MonkeyPatch, before_call=lambda i: None) -> list[bool]:
+    """Per generate call: were the target's layers compiled ones (an instance `forward`) when it started?
+    `before_call(i)` runs before the i-th call."""
     seen: list[bool] = []
     real = ev.generate
     layer = llama.text_model.layers[0]
-    monkeypatch.setattr(ev, "generate", lambda *a, **k: seen.append("forward" in layer.__dict__) or real(*a, **k))
+
+    def probe(*a, **k):
+        before_call(len(seen))
+        seen.append("forward" in layer.__dict__)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "generate", probe)
     return seen
 
 
 def test_a_measured_trial_decodes_as_eager_and_stores_its_verdict(
-    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch, capsys
+    llama, key, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     calls, _ = fake_compile
     eager = _evaluate(llama, setup, tmp_path / "eager", compile="off")
@@ -82,11 +96,11 @@ def test_a_measured_trial_decodes_as_eager_and_stores_its_verdict(
     seen = _compiled_probe(llama, monkeypatch)
     doc = _evaluate(llama, setup, tmp_path / "measured")
     assert _decoded(tmp_path / "measured") == _decoded(tmp_path / "eager")
-    entry = DECODE_COMPILE.stored_choices()[compile_key(llama, KEY_METHODS)]
+    entry = DECODE_COMPILE.stored_choices()[key]
     assert entry["eager_ms"] > 0 and entry["compile_s"] >= 0
     assert doc["decode_compile"]["choice"] == entry["choice"] and "timed now" in doc["decode_compile"]["why"]
     assert "decode: torch.compile:" in capsys.readouterr().out
-    runs = len(KEY_METHODS)
+    runs = RUNS
     timed = seen[-2 * runs :]  # 2 prompts × (AR, chain, DDTree-4), after the warm-up
     warm = seen[: -2 * runs]
     assert sum(warm) == (2 + ROUNDS) * runs  # the compile, one untimed round, a compiled one in each ABBA round
@@ -95,7 +109,7 @@ def test_a_measured_trial_decodes_as_eager_and_stores_its_verdict(
 
 
 def test_a_failing_compile_reruns_eagerly_and_is_recorded(
-    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+    llama, key, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls, set_fail = fake_compile
     _evaluate(llama, setup, tmp_path / "eager", compile="off")
@@ -107,7 +121,7 @@ def test_a_failing_compile_reruns_eagerly_and_is_recorded(
     report = render(tmp_path / "failed" / "results.json")
     assert "- torch.compile of the target's layers while decoding: eager: the compiled step failed (Runtime" in report
     monkeypatch.delenv(ENV_VAR)
-    entry = DECODE_COMPILE.stored_choices()[compile_key(llama, KEY_METHODS)]
+    entry = DECODE_COMPILE.stored_choices()[key]
     assert entry["unusable"] == "RuntimeError: InductorError: lowering failed"
 
 
@@ -120,18 +134,18 @@ def test_a_short_auto_evaluation_never_compiles(
     assert calls == [] and DECODE_COMPILE.stored_choices() == {} and not any(seen)
     assert doc["decode_compile"]["choice"] == "eager" and "too little to risk" in doc["decode_compile"]["why"]
     # the warm-up's eager rate came from one timed round, no trial rounds: 4-token runs, then one round a method
-    assert len(seen) == 2 * len(KEY_METHODS) + 2 * len(KEY_METHODS)
+    assert len(seen) == 2 * RUNS + 2 * RUNS
 
 
 def test_a_stored_compiled_verdict_compiles_in_the_warm_up_before_anything_is_timed(
-    llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+    llama, key, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls, _ = fake_compile
     entry = {"choice": COMPILED, "eager_ms": 4000.0, "compiled_ms": 1000.0, "compile_s": 0.01}
-    DECODE_COMPILE.record(DECODE_COMPILE.store_path(), compile_key(llama, KEY_METHODS), entry)
+    DECODE_COMPILE.record(DECODE_COMPILE.store_path(), key, entry)
     seen = _compiled_probe(llama, monkeypatch)
     doc = _evaluate(llama, setup, tmp_path / "stored")
-    runs = len(KEY_METHODS)
+    runs = RUNS
     assert doc["decode_compile"]["choice"] == COMPILED and "timed before" in doc["decode_compile"]["why"]
     assert seen[-3 * runs :] == [True] * 3 * runs  # one compiled warm-up round, then every timed run
     assert not any(seen[: -3 * runs])  # the 4-token first runs stay eager
@@ -146,8 +160,48 @@ def test_without_a_warm_up_auto_stays_eager_and_on_compiles(
     doc = _evaluate(llama, setup, tmp_path / "a", warmup=False)
     assert doc["decode_compile"]["choice"] == "eager" and "--no-warmup" in doc["decode_compile"]["why"] and not calls
     monkeypatch.delenv(ENV_VAR)
+    seen = _compiled_probe(llama, monkeypatch)
     doc = _evaluate(llama, setup, tmp_path / "b", warmup=False, compile="on")
-    assert doc["decode_compile"]["choice"] == COMPILED and calls
+    assert doc["decode_compile"] == {"choice": COMPILED, "why": "compile: on → compiled", "prompts_compiled": 2}
+    assert seen == [True] * (RUNS + 2 * RUNS) and calls  # one untimed compiled round pays the compile first
+
+
+def test_a_compile_failing_in_a_timed_prompt_runs_that_prompt_again_eagerly(
+    llama, key, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AR and the methods of one prompt run alike: the prompt whose chain run failed compiled runs again, all eager;
+    the records and results.json say which prompts ran compiled."""
+    _, set_fail = fake_compile
+    _evaluate(llama, setup, tmp_path / "eager", compile="off")
+    DECODE_COMPILE.record(
+        DECODE_COMPILE.store_path(),
+        key,
+        {"choice": COMPILED, "eager_ms": 4000.0, "compiled_ms": 1000.0, "compile_s": 0.01},
+    )
+    warm = RUNS + RUNS  # the 4-token runs, then the compiled round
+    seen = _compiled_probe(llama, monkeypatch, lambda i: i == warm + RUNS + 1 and set_fail(True))  # prompt 2's chain
+    doc = _evaluate(llama, setup, tmp_path / "failed")
+    assert _decoded(tmp_path / "failed") == _decoded(tmp_path / "eager")
+    # prompt 2: AR compiled, the chain's compiled run fails and runs again eagerly, DDTree eager; then all of it eager
+    assert seen[warm:] == [True] * RUNS + [True, True, False, False] + [False] * RUNS
+    records = [json.loads(line) for line in (tmp_path / "failed" / "progress.jsonl").read_text().splitlines()]
+    assert [r["compiled"] for r in records] == [True, False]
+    assert doc["decode_compile"]["choice"] == "eager" and doc["decode_compile"]["prompts_compiled"] == 1
+    assert DECODE_COMPILE.stored_choices()[key]["unusable"].startswith("RuntimeError: InductorError")
+
+
+def test_a_second_evaluation_in_the_process_counts_the_compile_as_paid(
+    llama, key, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored verdict whose compile this evaluation could not repay is still taken once this process compiled the
+    same runs (a second temperature): its graphs exist."""
+    entry = {"choice": COMPILED, "eager_ms": 4000.0, "compiled_ms": 3900.0, "compile_s": 1e6}
+    DECODE_COMPILE.record(DECODE_COMPILE.store_path(), key, entry)
+    first = _evaluate(llama, setup, tmp_path / "a")
+    assert first["decode_compile"]["choice"] == "eager" and "less than it costs" in first["decode_compile"]["why"]
+    _evaluate(llama, setup, tmp_path / "b", compile="on")
+    again = _evaluate(llama, setup, tmp_path / "c")
+    assert again["decode_compile"]["choice"] == COMPILED and "compiled already" in again["decode_compile"]["why"]
 
 
 def test_the_compiled_layers_raise_the_recompile_limit_only_inside(llama) -> None:
@@ -164,21 +218,22 @@ def test_the_compiled_layers_raise_the_recompile_limit_only_inside(llama) -> Non
 
 @pytest.mark.slow
 def test_really_compiled_decoding_decodes_as_eager(
-    llama, setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama, key, setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch.compile itself: whether inductor compiles the layers over the cache or a compile fails (then the run is
-    repeated eagerly), the decoded tokens are the eager ones and the verdict is stored."""
+    """torch.compile itself (inductor), every timed run through it: the decoded tokens are the eager ones; then a
+    measured trial stores its verdict."""
     llama.__dict__.pop("_compiled_layer_forwards", None)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
     monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "store"))
     _evaluate(llama, setup, tmp_path / "eager", compile="off")
-    monkeypatch.setenv(ENV_VAR, "measure")
-    doc = _evaluate(llama, setup, tmp_path / "real")
-    llama.__dict__.pop("_compiled_layer_forwards", None)
+    doc = _evaluate(llama, setup, tmp_path / "real", compile="on")
+    assert doc["decode_compile"] == {"choice": COMPILED, "why": "compile: on → compiled", "prompts_compiled": 2}
     assert _decoded(tmp_path / "real") == _decoded(tmp_path / "eager")
+    monkeypatch.setenv(ENV_VAR, "measure")
+    doc = _evaluate(llama, setup, tmp_path / "measured")
+    llama.__dict__.pop("_compiled_layer_forwards", None)
+    assert _decoded(tmp_path / "measured") == _decoded(tmp_path / "eager")
     monkeypatch.delenv(ENV_VAR)
-    assert compile_key(llama, KEY_METHODS) in DECODE_COMPILE.stored_choices()
-    assert doc["decode_compile"]["choice"] in ("eager", COMPILED)
+    assert "unusable" not in DECODE_COMPILE.stored_choices()[key]
 
 
 def test_info_lists_the_decode_compile_choices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ def fake_layer_compile(
     target: Any, monkeypatch: pytest.MonkeyPatch, store: Path, env_var: str, error: str
 ) -> Iterator[tuple[list[int], Any]]:
     """Yields (calls, set_fail): one entry in `calls` per compiled layer call; `set_fail(True)` makes them raise."""
-    target.__dict__.pop("_compiled_layer_forwards", None)
+    _forget_compiled(target)
     monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(store))
     monkeypatch.delenv(env_var, raising=False)
     calls: list[int] = []
@@ -39,4 +39,10 @@ def fake_layer_compile(
     try:
         yield calls, lambda v: state.update(fail=v)
     finally:
-        target.__dict__.pop("_compiled_layer_forwards", None)
+        _forget_compiled(target)
+
+
+def _forget_compiled(target: Any) -> None:
+    """The target's compiled forwards and the decoding keys this process compiled: made anew."""
+    target.__dict__.pop("_compiled_layer_forwards", None)
+    target.__dict__.pop("_decode_compiled_keys", None)
