@@ -53,6 +53,18 @@ def target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow code from the target's directory")
 
 
+def compile_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """The --compile auto|on|off option of a command whose target layers may run through torch.compile; `what` says
+    where (its help's middle)."""
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help=f"run the target's decoder layers through torch.compile {what}: auto (where measured to pay; default), "
+        "on, off",
+    )
+
+
 def _load_commands() -> None:
     """Import every module in dflashkit.commands; each registers its subcommands with @command."""
     import importlib

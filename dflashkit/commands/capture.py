@@ -29,7 +29,7 @@ import argparse
 from datetime import timedelta
 from pathlib import Path
 
-from dflashkit.cli import command, target_args
+from dflashkit.cli import command, compile_arg, target_args
 from dflashkit.output_dir import output_dir
 from dflashkit.validation import NonNegativeInt, PositiveInt, flag, int_list
 
@@ -83,12 +83,7 @@ def _args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="what the target computes in: fp32, bf16 autocast, or auto (timed on this machine; default)",
     )
-    p.add_argument(
-        "--compile",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run the target's decoder layers through torch.compile: auto (where measured to pay; default), on, off",
-    )
+    compile_arg(p, "for its forwards")
     p.add_argument(
         "--verify",
         choices=("full", "size"),

@@ -26,7 +26,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dflashkit.cli import command, target_args
+from dflashkit.cli import command, compile_arg, target_args
 from dflashkit.decode.generate import DecodeSettings
 from dflashkit.errors import ConfigError
 from dflashkit.output_dir import output_dir
@@ -330,13 +330,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the untimed warm-up runs (on CPU they also let the products of each width settle before timing)",
     )
-    p.add_argument(
-        "--compile",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run the target's decoder layers through torch.compile while decoding: auto (timed in the warm-up where "
-        "the planned work repays the compile), on, off",
-    )
+    compile_arg(p, "while decoding")
     p.add_argument("--hf-baseline", action="store_true", help="also time HF generate as a second AR baseline")
     p.add_argument(
         "--triage-threshold",

@@ -35,7 +35,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from dflashkit.cli import command, target_args
+from dflashkit.cli import command, compile_arg, target_args
 from dflashkit.data.long_context import TRAIN_NAME
 from dflashkit.data.thinking import THINKING_MODES
 from dflashkit.data.turns import TURN_MODES
@@ -59,12 +59,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=flag(NonNegativeFloat), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=flag(Probability), default=1.0)
     p.add_argument("--batch-size", type=flag(PositiveInt), default=8, help="prompts per generate call")
-    p.add_argument(
-        "--compile",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run the target's decoder layers through torch.compile in process: auto (where measured to pay), on, off",
-    )
+    compile_arg(p, "in process")
     p.add_argument("--max-length", type=flag(MinLength), default=3072, help="truncate training samples to N tokens")
     p.add_argument("--no-regenerate", action="store_true", help="train on the data's own assistant turns")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")

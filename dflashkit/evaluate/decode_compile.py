@@ -76,10 +76,6 @@ class DecodeCompile:
     def compiled(self) -> bool:
         return self.trial.choice == COMPILED
 
-    @property
-    def message(self) -> str:
-        return self.trial.message
-
     def as_dict(self, prompts_compiled: int | None = None) -> dict[str, Any]:
         """What results.json records: the choice, why, and how many of the reported prompts ran compiled."""
         out = {"choice": self.trial.choice or EAGER, "why": self.trial.message}
@@ -101,7 +97,7 @@ class DecodeCompile:
                 say(f"decode: torch.compile: {trial.message}")
         rounds = 0
         while not trial.settled and rounds < MAX_ROUNDS:
-            self.run(lambda compiled: run_round(compiled), work=lambda tokens: tokens / 1000, say=say)
+            self.run(run_round, work=lambda tokens: tokens / 1000, say=say)
             rounds += 1
         if not trial.settled:  # cannot happen with the trial's fixed schedule; never leave a timed run undecided
             trial.settle(EAGER, "eager: the trial did not finish in the warm-up")
@@ -110,7 +106,7 @@ class DecodeCompile:
     def pay_compile(self, run_round: Callable[[bool], int], say: Callable[[str], None] = print) -> None:
         """When the choice is compiled and nothing was compiled yet: one untimed compiled round."""
         if self.compiled and not self.compiled_once:
-            self.run(lambda compiled: run_round(compiled), say=say)
+            self.run(run_round, say=say)
 
     def run(
         self,

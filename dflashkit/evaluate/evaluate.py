@@ -265,8 +265,7 @@ class _Evaluation:
         """Untimed runs of every method before anything is timed: a few tokens each pay the one-off allocation costs;
         then, on CPU, runs until the products of the method's widths are settled (warm_up.py); then the compile
         choice's trial and compile, in rounds of every method (decode_compile.py)."""
-        runs = [(None, AR_METHOD)] + [(d, self.method_for(n, m)) for n, d in self.drafters.items() for m in self.spec]
-        decode, self.decode = self.decode, None  # eager until the compile choice's own rounds
+        runs = self._every_run()
         for d, m in runs:
             self._run(prompt, d, m, min(4, self.max_new_tokens), seed, compiled=False)
         last: dict[int, tuple[float, int]] = {}  # each method's last settling run: (seconds, tokens)
@@ -277,22 +276,24 @@ class _Evaluation:
 
         for i, (d, m) in enumerate(runs):
             settle(lambda n, i=i, d=d, m=m: settling(i, d, m, n), self.max_new_tokens, self.target.device)
-        self.decode = decode
+        decode = self.decode
         if decode is None or (decode.trial.settled and not decode.compiled):
             return
-        one_round = self.round_of_every_method(prompt, seed)
-        n = min(SETTLE_TOKENS, self.max_new_tokens)
         if len(last) < len(runs) and not decode.trial.settled:  # no settling runs (products not measured): time one
             for i, (d, m) in enumerate(runs):
-                settling(i, d, m, n)
+                settling(i, d, m, min(SETTLE_TOKENS, self.max_new_tokens))
         tokens = sum(t for _, t in last.values())
         rate = 1e3 * sum(s for s, _ in last.values()) / tokens if tokens else None  # eager s per 1,000 tokens
-        decode.warm_up(one_round, rate)
+        decode.warm_up(self.round_of_every_method(prompt, seed), rate)
+
+    def _every_run(self) -> list[tuple[DFlashDrafter | None, Method]]:
+        """AR, then every (drafter, method) as it runs (ddtree:auto with its chosen budget)."""
+        return [(None, AR_METHOD)] + [(d, self.method_for(n, m)) for n, d in self.drafters.items() for m in self.spec]
 
     def round_of_every_method(self, prompt: Prompt, seed: int | None) -> Callable[[bool], int]:
         """`round(compiled)`: AR and every (drafter, method) once for a few tokens, untimed → tokens generated (the
         compile choice's warm-up rounds)."""
-        runs = [(None, AR_METHOD)] + [(d, self.method_for(n, m)) for n, d in self.drafters.items() for m in self.spec]
+        runs = self._every_run()
         n = min(SETTLE_TOKENS, self.max_new_tokens)
 
         def one_round(compiled: bool) -> int:
@@ -410,8 +411,7 @@ def _decode_choice(ev: _Evaluation, prompts_left: int, es: EvalSettings) -> Deco
     token (each prompt's AR and (drafter, method) runs at max_new_tokens) at the rate timed, capped by the deadline."""
     if not prompts_left:
         return None
-    runs = 1 + len(ev.drafters) * len(ev.spec)
-    tokens = prompts_left * runs * ev.max_new_tokens
+    tokens = prompts_left * len(ev._every_run()) * ev.max_new_tokens
 
     def seconds_left(rate_per_1k: float) -> float:
         work = tokens / 1000 * rate_per_1k
@@ -422,13 +422,10 @@ def _decode_choice(ev: _Evaluation, prompts_left: int, es: EvalSettings) -> Deco
 
 def _widths(ev: _Evaluation) -> list[str]:
     """What the runs verify, by method: "ar", "chain:<verify width>", "ddtree:<budget>" (ddtree:auto's chosen one)."""
-    out = [AR_METHOD.name]
-    for name, d in ev.drafters.items():
-        for m in ev.spec:
-            method = ev.method_for(name, m)
-            width = method.budget if method.kind == "tree" else verify_width(d, ev.block_size)
-            out.append(f"{'ddtree' if method.kind == 'tree' else 'chain'}:{width}")
-    return out
+    return [
+        "ar" if d is None else f"ddtree:{m.budget}" if m.kind == "tree" else f"chain:{verify_width(d, ev.block_size)}"
+        for d, m in ev._every_run()
+    ]
 
 
 def _category(prompt: Prompt, dataset: str) -> str:
