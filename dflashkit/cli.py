@@ -44,10 +44,18 @@ def device_flag(text: str) -> str:
     return text
 
 
+device_flag.expect = "a device this machine has"  # type: ignore[attr-defined]
+
+
 def target_args(p: argparse.ArgumentParser) -> None:
     """The --target/--device/--trust-remote-code options shared by every command that loads a target."""
+    from dflashkit.validation import Text, flag
+
     p.add_argument(
-        "--target", default="default", help="model directory, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)"
+        "--target",
+        type=flag(Text),
+        default="default",
+        help="model directory, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)",
     )
     p.add_argument("--device", type=device_flag, default="cpu", help="device for the target (cpu, cuda, cuda:1, …)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code from the target's directory")
@@ -78,11 +86,22 @@ def _load_commands() -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse with the one-line error every other bad input gets: `dflashkit generate: error: --max-new-tokens
-    -5: expected an integer ≥ 1 (see dflashkit generate --help)`, exit code 2, no usage block."""
+    -5: expected an integer from 1 to 2^24 (16,777,216 tokens) (see dflashkit generate --help)`, exit code 2, no usage
+    block."""
 
     def error(self, message: str) -> NoReturn:
         message = re.sub(r"^argument (\S+?)(?:/\S+)?: ", r"\1 ", message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _state_ranges(p: argparse.ArgumentParser) -> None:
+    """End each option's help with what its declared type accepts (`flag(T)`'s words, the ones its error uses), so
+    every range is stated in --help, from the one place that checks it."""
+    for action in p._actions:
+        expect = getattr(action.type, "expect", None)
+        if expect and expect not in (action.help or ""):
+            stated = expect.replace("%", "%%")
+            action.help = f"{action.help}; {stated}" if action.help else stated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         # no abbreviations: `convert SRC --out DIR` must not become `--outtype DIR`, nor a typo another flag
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         add_args(p)
+        _state_ranges(p)
         p.set_defaults(func=fn)
         commands[name] = p
     parser.command_parsers = commands  # for `_parse`: an unknown flag is named with its command

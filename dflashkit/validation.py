@@ -5,16 +5,21 @@ declared type before anything uses it — type, range (finite, positive, ≥ 2, 
 stops with the same one-line message everywhere, naming where it came from, the field, the value and what was
 expected:
 
-    configs/run.yaml:7: lr = nan: expected a finite number > 0
-    override 'drafter.block_size=1': drafter.block_size = 1: expected an integer ≥ 2
-    --max-new-tokens -5: expected an integer ≥ 1
-    ckpt/config.json: block_size = 1: expected an integer ≥ 2
+    configs/run.yaml:7: lr = nan: expected a finite number > 0 and ≤ 1e12
+    override 'drafter.block_size=1': drafter.block_size = 1: expected an integer from 2 to 1024 (…)
+    --max-new-tokens -5: expected an integer from 1 to 2^24 (16,777,216 tokens)
+    ckpt/config.json: field 'block_size' = 1: expected an integer from 2 to 1024 (…)
 
 Types are pydantic `Annotated` types (strict: "5" is not an integer, true is not a number, NaN is not finite),
 each carrying an `Expect` phrase for the message; `check_fields(cls, values, where)` validates the fields of a
 dataclass one by one; `flag(T)` makes the same type an argparse `type=`; `load_yaml` reads a YAML mapping with
 line numbers, refusing duplicated keys (PyYAML would keep the last one silently) and reading `2e-3` as a number
-(YAML 1.1 would read it as a string). pydantic is the field's choice for trainer configs (speculators, SpecForge)
+(YAML 1.1 would read it as a string).
+
+Every number has a floor that means something and a ceiling the arithmetic downstream holds (counts below 2^31,
+token lengths up to 2^24, a temperature 0 or from 1e-4, ports 1–65535); a required string is never empty or blank.
+`flag(T)` keeps T's words (`.expect`), which the CLI appends to the flag's help, so each range is stated in --help
+by the type that checks it. pydantic is the field's choice for trainer configs (speculators, SpecForge)
 and gives declared constraints with machine-readable errors instead of hand-written checks that drift apart.
 """
 
@@ -47,17 +52,55 @@ class Expect:
 
 
 # ---------------------------------------------------------------------------------------------- the types
-PositiveInt = Annotated[int, Field(ge=1), Expect("an integer ≥ 1")]
-NonNegativeInt = Annotated[int, Field(ge=0), Expect("an integer ≥ 0")]
+# Every number has a floor that means something and a ceiling the arithmetic downstream can hold: a count below
+# 2^31 keeps a product of two inside int64 and any product of a few exact in float64; a token length below 2^24
+# (16,777,216: above every target's context) keeps a row's attention arithmetic finite; other numbers stay ≤ 1e12.
+MAX_COUNT = 2**31 - 1
+MAX_TOKENS = 2**24
+MAX_NUMBER = 1e12
+MIN_TEMPERATURE = 1e-4  # below it logits / T overflows float32 (a logit of 40 / 1e-40 is inf): use 0, greedy
+
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT), Expect("an integer ≥ 1 and < 2^31")]
+NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_COUNT), Expect("an integer ≥ 0 and < 2^31")]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Expect("an integer from 0 to 2^63 − 1")]
 BlockSize = Annotated[
     int, Field(ge=2, le=1024), Expect("an integer from 2 to 1024 (the block: 1 given token + drafts)")
 ]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), Expect("a finite number > 0")]
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False), Expect("a finite number ≥ 0")]
+TreeBudget = Annotated[int, Field(ge=1, le=4096), Expect("an integer from 1 to 4096 (tree nodes)")]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS), Expect("an integer from 1 to 2^24 (16,777,216 tokens)")]
+NonNegativeTokenCount = Annotated[
+    int, Field(ge=0, le=MAX_TOKENS), Expect("an integer from 0 to 2^24 (16,777,216 tokens)")
+]
+PositiveFloat = Annotated[
+    float, Field(gt=0, le=MAX_NUMBER, allow_inf_nan=False), Expect("a finite number > 0 and ≤ 1e12")
+]
+NonNegativeFloat = Annotated[
+    float, Field(ge=0, le=MAX_NUMBER, allow_inf_nan=False), Expect("a finite number ≥ 0 and ≤ 1e12")
+]
 Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False), Expect("a number ≥ 0 and < 1")]
 UnitInterval = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), Expect("a number from 0 to 1")]
 Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), Expect("a number > 0 and ≤ 1")]
+
+
+def _temperature(t: float) -> float:
+    if 0 < t < MIN_TEMPERATURE:
+        raise ValueError(
+            f"expected 0 (greedy) or a number from {MIN_TEMPERATURE:g} to 100: below {MIN_TEMPERATURE:g} the logits / "
+            f"T overflow; use 0 for greedy"
+        )
+    return t
+
+
+Temperature = Annotated[
+    float,
+    Field(ge=0, le=100, allow_inf_nan=False),
+    AfterValidator(_temperature),
+    Expect(f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to 100"),
+]
+Minutes = Annotated[
+    float, Field(gt=0, le=1e6, allow_inf_nan=False), Expect("a number of minutes > 0 and ≤ 1e6 (about 2 years)")
+]
+Port = Annotated[int, Field(ge=1, le=65535), Expect("a port from 1 to 65535")]
 AdamBeta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 AdamBetas = Annotated[
     list[AdamBeta], Field(min_length=2, max_length=2), Expect("a list of two numbers ≥ 0 and < 1, e.g. [0.9, 0.95]")
@@ -65,8 +108,30 @@ AdamBetas = Annotated[
 LayerIds = Annotated[
     list[NonNegativeInt], Field(min_length=1), Expect("a non-empty list of decoder-layer indices (integers ≥ 0)")
 ]
-Text = Annotated[str, Field(min_length=1), Expect("a non-empty string")]
+Text = Annotated[str, Field(min_length=1, pattern=r"\S"), Expect("a non-empty string (not only spaces)")]
 Bool = Annotated[bool, Expect("true or false")]
+
+
+def _server_url(url: str) -> str:
+    import urllib.parse
+
+    example = "e.g. http://127.0.0.1:8080"
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL of a server, {example}")
+    try:
+        port = parts.port
+    except ValueError:  # urllib: not a number, or outside 0–65535
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raw = parts.netloc.rsplit(":", 1)[-1]
+        raise ValueError(f"port {raw}: expected a port from 1 to 65535, {example}")
+    return url
+
+
+ServerUrl = Annotated[
+    str, AfterValidator(_server_url), Expect("an http:// or https:// URL with a port from 1 to 65535")
+]
 
 
 CompileSetting = Annotated[Literal["auto", "on", "off"] | bool, Expect("auto, on or off (true / false: on / off)")]
@@ -274,13 +339,19 @@ def first_text_problem(value: Any, path: str = "") -> str | None:
 
 
 def text_flag(text: str) -> str:
-    """argparse `type=` of free text (`--prompt`): refused when it is not valid UTF-8 / Unicode."""
+    """argparse `type=` of free text (`--prompt`): refused when empty (or only spaces) or not valid UTF-8 /
+    Unicode."""
     import argparse
 
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{show(text)}: expected {text_flag.expect}")  # type: ignore[attr-defined]
     why = text_problem(text, from_bytes=True)
     if why:
         raise argparse.ArgumentTypeError(why)
     return text
+
+
+text_flag.expect = "non-empty UTF-8 text"  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------- flags
@@ -302,6 +373,25 @@ def flag(t: Any, *, name: str = "") -> Callable[[str], Any]:
         return value
 
     parse.__name__ = name or (expected_text(t) or "value")
+    parse.declared = t  # type: ignore[attr-defined]  # what the flag accepts, for its help and the tests
+    parse.expect = expected_text(t)  # type: ignore[attr-defined]
+    return parse
+
+
+def key_value_flag(example: str, *, key_optional: bool = False) -> Callable[[str], str]:
+    """An argparse `type=` of a `KEY=VALUE` flag (`--drafter num_features=3`): a non-empty key before "=" (the value
+    is read later, as YAML), or — `key_optional` — a plain non-empty value (`--drafter CKPT` beside NAME=CKPT)."""
+    import argparse
+
+    def parse(text: str) -> str:
+        key, eq, _ = text.partition("=")
+        plain = key_optional and not eq
+        if (plain and not text.strip()) or (not plain and not (eq and key.strip())):
+            raise argparse.ArgumentTypeError(f"{show(text)}: expected {parse.expect}")
+        return text
+
+    parse.expect = f"{example}" + (" or a plain value" if key_optional else "")  # type: ignore[attr-defined]
+    parse.__name__ = "KEY=VALUE"
     return parse
 
 
@@ -335,6 +425,9 @@ def _number_list(number: type, item: Any, what: str, allow_empty: bool, example:
         return values
 
     parse.__name__ = what
+    parse.item = item  # type: ignore[attr-defined]
+    item_text = expected_text(item)
+    parse.expect = f"{what}, each {item_text}" if item_text else what  # type: ignore[attr-defined]
     return parse
 
 
@@ -466,6 +559,10 @@ def finite(x: float) -> bool:
 
 
 __all__ = [
+    "MAX_COUNT",
+    "MAX_NUMBER",
+    "MAX_TOKENS",
+    "MIN_TEMPERATURE",
     "AdamBetas",
     "BlockSize",
     "Bool",
@@ -473,13 +570,20 @@ __all__ = [
     "Fraction",
     "JsonFields",
     "LayerIds",
+    "Minutes",
     "NonNegativeFloat",
     "NonNegativeInt",
+    "NonNegativeTokenCount",
+    "Port",
     "PositiveFloat",
     "PositiveInt",
     "Probability",
     "Seed",
+    "ServerUrl",
+    "Temperature",
     "Text",
+    "TokenCount",
+    "TreeBudget",
     "UnitInterval",
     "check_fields",
     "choice",
@@ -489,6 +593,7 @@ __all__ = [
     "flag",
     "int_list",
     "json_problem",
+    "key_value_flag",
     "load_yaml",
     "memory_available",
     "optional",

@@ -14,29 +14,61 @@ from dflashkit.validation import (
     AdamBetas,
     BlockSize,
     Fraction,
+    Minutes,
+    NonNegativeFloat,
     NonNegativeInt,
+    Port,
     PositiveFloat,
     PositiveInt,
     Probability,
+    ServerUrl,
+    Temperature,
+    Text,
+    TokenCount,
+    TreeBudget,
     choice,
     flag,
+    float_list,
     int_list,
     json_problem,
+    key_value_flag,
     load_yaml,
     optional,
     parse_yaml_value,
     problem,
     show,
+    text_flag,
 )
 
 
 @pytest.mark.parametrize(
     "t,good,bad",
     [
-        (PositiveInt, [1, 7, 10**12], [0, -1, "5", 5.0, True, None, [1], math.nan]),
-        (NonNegativeInt, [0, 3], [-1, "0", False, 0.5]),
+        (PositiveInt, [1, 7, 2**31 - 1], [0, -1, 2**31, 10**22, "5", 5.0, True, None, [1], math.nan]),
+        (NonNegativeInt, [0, 3, 2**31 - 1], [-1, 2**31, "0", False, 0.5]),
         (BlockSize, [2, 16, 1024], [1, 0, -4, 1025, "16", 16.0]),
-        (PositiveFloat, [1e-6, 3, 2.5], [0, -1e-9, math.nan, math.inf, -math.inf, "1e-3", True]),
+        (PositiveFloat, [1e-6, 3, 2.5, 1e12], [0, -1e-9, 1e13, 1e300, math.nan, math.inf, -math.inf, "1e-3", True]),
+        (NonNegativeFloat, [0, 1e-300, 1e12], [-1e-300, 1e300, math.inf]),
+        (TokenCount, [1, 4096, 2**24], [0, 2**24 + 1, 10**9, 1.0]),
+        (TreeBudget, [1, 8, 4096], [0, 4097, 10**12]),
+        (Temperature, [0, 0.0, 1e-4, 0.7, 1, 100], [1e-300, 5e-5, -1, 101, 1e300, math.nan, math.inf]),
+        (Minutes, [1e-6, 30, 1e6], [0, -1, 1e7, math.inf]),
+        (Port, [1, 8080, 65535], [0, -1, 65536, 99999, "80"]),
+        (Text, ["a", " a ", "-1"], ["", " ", "\t\n", 3, None]),
+        (
+            ServerUrl,
+            ["http://127.0.0.1:8080", "https://h", "http://h:1/v1"],
+            [
+                "",
+                "127.0.0.1:80",
+                "ftp://h:1",
+                "http://",
+                "http://h:0",
+                "http://h:65536",
+                "http://127.0.0.1:99999",
+                "http://h:x",
+            ],
+        ),
         (Fraction, [0, 0.5, 0.999], [1, 1.5, -0.1, math.nan]),
         (Probability, [1, 0.3], [0, 1.01, math.nan]),
         (AdamBetas, [[0.9, 0.95], [0, 0.5]], [[2.0, 0.9], [0.9], [0.9, 0.9, 0.9], 0.9, ["a", 0.9], [[0.9], 0.9]]),
@@ -52,10 +84,14 @@ def test_types_accept_their_domain_and_nothing_else(t, good, bad):
 
 
 def test_messages_say_what_was_expected():
-    assert problem(PositiveInt, -5) == "expected an integer ≥ 1"
-    assert problem(PositiveFloat, math.nan) == "expected a finite number > 0"
+    assert problem(PositiveInt, -5) == "expected an integer ≥ 1 and < 2^31"
+    assert problem(PositiveFloat, math.nan) == "expected a finite number > 0 and ≤ 1e12"
     assert problem(choice("ce", "kl"), "x") == "expected one of 'ce', 'kl'"
-    assert problem(optional(PositiveInt, "all captured"), 0) == "expected an integer ≥ 1, or null (all captured)"
+    assert problem(optional(PositiveInt, "all captured"), 0) == (
+        "expected an integer ≥ 1 and < 2^31, or null (all captured)"
+    )
+    assert "use 0 for greedy" in problem(Temperature, 1e-300)
+    assert problem(ServerUrl, "http://127.0.0.1:99999").startswith("port 99999: expected a port from 1 to 65535")
     assert show(math.nan) == "nan" and show("5") == '"5"' and show([2.0, 0.9]) == "[2.0, 0.9]"
 
 
@@ -129,3 +165,25 @@ def test_json_problem_names_the_first_wrong_field_by_its_path():
     assert json_problem(Doc, {"runs": {"a": {}}}) == "runs.a.n: missing (a required field)"
     assert json_problem(Doc, {}) == "runs: missing (a required field)"
     assert json_problem(Doc, [1]) == "the document = [1]: expected an object"
+
+
+def test_flags_state_what_they_accept_and_refuse_blank_values():
+    assert flag(TokenCount).expect == "an integer from 1 to 2^24 (16,777,216 tokens)"
+    temperatures = float_list(Temperature, what="comma-separated temperatures")
+    assert temperatures("0,0.7") == [0.0, 0.7] and "each 0 (greedy)" in temperatures.expect
+    with pytest.raises(argparse.ArgumentTypeError, match=r"1e-300 is not valid: .* use 0 for greedy"):
+        temperatures("0,1e-300")
+    with pytest.raises(argparse.ArgumentTypeError, match=r'" ": expected a non-empty string \(not only spaces\)'):
+        flag(Text)(" ")
+    for blank in ("", "  "):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected non-empty UTF-8 text"):
+            text_flag(blank)
+    pairs = key_value_flag("KEY=VALUE")
+    assert pairs("loss=ce") == "loss=ce" and pairs("init_from=") == "init_from="
+    for bad in ("", "loss", "=ce", " =ce"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
+            pairs(bad)
+    named = key_value_flag("NAME=CKPT", key_optional=True)
+    assert named("runs/a") == "runs/a" and named("a=runs/a") == "a=runs/a"
+    with pytest.raises(argparse.ArgumentTypeError):
+        named(" ")

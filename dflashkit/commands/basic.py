@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 
 from dflashkit.cli import command, target_args
-from dflashkit.validation import NonNegativeInt, Seed, flag, int_list
+from dflashkit.validation import NonNegativeInt, Seed, Text, flag, int_list
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("--drafter", default=None, help="drafter checkpoint directory to describe instead of the default")
+    p.add_argument(
+        "--drafter",
+        type=flag(Text),
+        default=None,
+        help="drafter checkpoint directory to describe instead of the default",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -27,11 +32,12 @@ def _info(args: argparse.Namespace) -> int:
 
 def _init_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("out", help="output checkpoint directory")
+    p.add_argument("out", type=flag(Text), help="output checkpoint directory")
     p.add_argument("overrides", nargs="*", help="drafter config overrides, key=value (e.g. num_hidden_layers=3)")
     p.add_argument("--seed", type=flag(Seed), default=0)
     p.add_argument(
         "--draft-vocab-from",
+        type=flag(Text),
         metavar="TOKENS",
         default=None,
         help="with draft_vocab_size=N: the N most frequent supervised tokens of this tokens.jsonl (from prepare) "

@@ -31,13 +31,15 @@ from pathlib import Path
 
 from dflashkit.cli import command, compile_arg, target_args
 from dflashkit.output_dir import output_dir
-from dflashkit.validation import NonNegativeInt, PositiveInt, flag, int_list
+from dflashkit.validation import NonNegativeInt, NonNegativeTokenCount, PositiveInt, Text, flag, int_list
 
 
 def _args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("--tokens", required=True, help="tokens.jsonl written by `dflashkit prepare`")
-    p.add_argument("--out", required=True, help="output directory (manifest.json + shard-*.safetensors)")
+    p.add_argument("--tokens", type=flag(Text), required=True, help="tokens.jsonl written by `dflashkit prepare`")
+    p.add_argument(
+        "--out", type=flag(Text), required=True, help="output directory (manifest.json + shard-*.safetensors)"
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument(
         "--layer-ids",
@@ -47,6 +49,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     )
     which.add_argument(
         "--drafter-config",
+        type=flag(Text),
         default=None,
         help="drafter checkpoint directory or config.json whose target_layer_ids to capture",
     )
@@ -56,7 +59,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-tokens",
-        type=flag(NonNegativeInt),
+        type=flag(NonNegativeTokenCount),
         default=0,
         help="let equal-length samples share a forward of up to N tokens (0 = one per forward)",
     )

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 
 from dflashkit.cli import command
-from dflashkit.validation import PositiveInt, flag
+from dflashkit.validation import PositiveInt, Text, flag
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="source checkpoint (speculators, z-lab or dflashkit format; detected)")
-    p.add_argument("out", help="output directory (new or empty; --to gguf: a new .gguf file)")
+    p.add_argument("src", type=flag(Text), help="source checkpoint (speculators, z-lab or dflashkit format; detected)")
+    p.add_argument("out", type=flag(Text), help="output directory (new or empty; --to gguf: a new .gguf file)")
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -32,6 +32,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--target",
+        type=flag(Text),
         default=None,
         help="--to gguf: the target's GGUF file (the one llama.cpp runs; 'default' = the embedded SmolLM2); its "
         "tokenizer and, when needed, tables are copied. --to vllm: the HF target (a reduced vocabulary ships its "
@@ -42,7 +43,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--outtype",
-        default="f16",
+        default=None,
         choices=("f32", "f16", "bf16", "q8_0"),
         help="--to gguf: drafter matrices as f32, f16, bf16 or q8_0 (default f16)",
     )
@@ -66,10 +67,12 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     _convert_args,
 )
 def _convert(args: argparse.Namespace) -> int:
+    from dflashkit.errors import ConfigError
     from dflashkit.export.convert import convert
 
+    if args.outtype is not None and args.to != "gguf":
+        raise ConfigError(f"--outtype {args.outtype} applies to --to gguf; --to is {args.to} (use --dtype)")
     if args.to == "gguf":
-        from dflashkit.errors import ConfigError
         from dflashkit.export.gguf_export import export_gguf
 
         if args.target is None:
@@ -79,7 +82,7 @@ def _convert(args: argparse.Namespace) -> int:
                 args.src,
                 args.out,
                 target=args.target,
-                outtype=args.outtype,
+                outtype=args.outtype or "f16",
                 num_target_layers=args.num_target_layers,
                 overwrite=args.overwrite,
             ).render()

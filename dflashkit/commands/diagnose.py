@@ -15,7 +15,7 @@ import argparse
 import json
 
 from dflashkit.cli import command, device_flag, target_args
-from dflashkit.validation import PositiveInt, UnitInterval, flag
+from dflashkit.validation import PositiveInt, Text, TokenCount, UnitInterval, flag
 
 TARGET_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
@@ -25,7 +25,9 @@ def _dump(obj: object) -> str:
 
 
 def _inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="drafter checkpoint directory (dflashkit, z-lab or speculators format)")
+    p.add_argument(
+        "checkpoint", type=flag(Text), help="drafter checkpoint directory (dflashkit, z-lab or speculators format)"
+    )
     p.add_argument("--no-values", action="store_true", help="skip the NaN/inf scan of every tensor")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
@@ -44,10 +46,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _diff_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a", help="checkpoint A")
-    p.add_argument("b", help="checkpoint B")
+    p.add_argument("a", type=flag(Text), help="checkpoint A")
+    p.add_argument("b", type=flag(Text), help="checkpoint B")
     p.add_argument(
         "--target",
+        type=flag(Text),
         default=None,
         help="the drafters' target (model dir, .gguf or 'default'): lets diff "
         "say whether a drafter copied the target's attention geometry",
@@ -74,23 +77,26 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    p.add_argument("--drafter", type=flag(Text), required=True, help="drafter checkpoint directory")
     p.add_argument("--prompts", type=flag(PositiveInt), default=3, help="prompts for the draft-and-verify run")
-    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=32)
-    p.add_argument("--features", default=None, help="a `dflashkit capture` directory the drafter was trained on")
+    p.add_argument("--max-new-tokens", type=flag(TokenCount), default=32)
+    p.add_argument(
+        "--features", type=flag(Text), default=None, help="a `dflashkit capture` directory the drafter was trained on"
+    )
     p.add_argument(
         "--context",
-        type=flag(PositiveInt),
+        type=flag(TokenCount),
         default=None,
         metavar="TOKENS",
-        help="the context length you will evaluate or serve at: warn when the drafter's sliding window or longest "
-        "training context is shorter",
+        help="the context length you will evaluate or serve at, at most the target's positions "
+        "(max_position_embeddings): warn when the drafter's sliding window or longest training context is shorter",
     )
     p.add_argument(
         "--dtype", default=None, choices=TARGET_DTYPES, help="target dtype (default: fp32 on CPU, bf16 on CUDA)"
     )
     p.add_argument(
         "--train-config",
+        type=flag(Text),
         default=None,
         metavar="YAML",
         help="a training config: will one step fit its device (the estimate train checks before it starts)",
@@ -108,6 +114,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from dflashkit.target.model import Target
 
     target = Target.load(args.target, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    _check_context(args.context, target)
     report = run_doctor(
         target,
         args.drafter,
@@ -133,8 +140,21 @@ def _doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _check_context(context: int | None, target: object) -> None:
+    """--context against the target's positions: a context the target cannot hold is no context to check for."""
+    from dflashkit.errors import ConfigError
+
+    positions = getattr(getattr(target, "text_config", None), "max_position_embeddings", None)
+    if context is not None and isinstance(positions, int) and context > positions:
+        raise ConfigError(
+            f"--context {context}: expected at most the target's {positions} positions (its max_position_embeddings)"
+        )
+
+
 def _logs_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", help="training run directories (holding metrics.jsonl) or metrics files")
+    p.add_argument(
+        "runs", nargs="+", type=flag(Text), help="training run directories (holding metrics.jsonl) or metrics files"
+    )
     p.add_argument(
         "--acc", type=flag(UnitInterval), default=0.5, help="accuracy threshold for 'steps to reach' (default 0.5)"
     )
@@ -144,7 +164,7 @@ def _logs_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="use this block slot's accuracy (e.g. 1) instead of the mean over slots 1…bs−1",
     )
-    p.add_argument("--out", default=None, help="write PNG plots into this directory")
+    p.add_argument("--out", type=flag(Text), default=None, help="write PNG plots into this directory")
     p.add_argument("--json", action="store_true")
 
 

@@ -37,12 +37,19 @@ from dflashkit.validation import (
     PositiveInt,
     Probability,
     Seed,
+    Temperature,
+    Text,
+    TokenCount,
+    TreeBudget,
     UnitInterval,
     flag,
     float_list,
     int_list,
+    key_value_flag,
     text_flag,
 )
+
+DEFAULT_TREE_BUDGET = 16
 
 
 def _drafter_specs(values: list[str] | None) -> dict[str, str]:
@@ -58,6 +65,41 @@ def _drafter_specs(values: list[str] | None) -> dict[str, str]:
             raise ConfigError(f"--drafter: name {name!r} given twice (use NAME=CKPT to tell them apart)")
         out[name] = path
     return out
+
+
+def _drafter_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument(
+        "--drafter",
+        type=key_value_flag("NAME=CHECKPOINT_DIR", key_optional=True),
+        action="append",
+        default=[],
+        metavar="NAME=CKPT",
+        help=help_text,
+    )
+
+
+def _dataset_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dataset",
+        type=flag(Text),
+        required=True,
+        help="mtbench, humaneval, sharegpt-heldout, sharegpt, long-context, or a JSONL file",
+    )
+
+
+def _methods(text: str) -> str:
+    """argparse `type=` of --methods: every method a known form, each ddtree budget in range."""
+    from dflashkit.evaluate.stats import parse_methods
+    from dflashkit.validation import show
+
+    try:
+        parse_methods(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{show(text)}: {e}") from None
+    return text
+
+
+_methods.expect = "comma-separated methods: ar, chain, ddtree:B (B from 1 to 4096), ddtree:auto"  # type: ignore[attr-defined]
 
 
 def _thinking_arg(p: argparse.ArgumentParser) -> None:
@@ -132,16 +174,27 @@ def _sampling(args: argparse.Namespace, temperature: float | None = None) -> Any
     from dflashkit.sampling import SamplingParams
 
     t = args.temperature if temperature is None else temperature
+    top_p, top_k = 1.0 if args.top_p is None else args.top_p, args.top_k or 0
     try:
-        return SamplingParams(temperature=t, top_p=args.top_p, top_k=args.top_k)
+        return SamplingParams(temperature=t, top_p=top_p, top_k=top_k)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=flag(NonNegativeFloat), default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=flag(Probability), default=1.0)
-    p.add_argument("--top-k", type=flag(NonNegativeInt), default=0, help="0 = no top-k cut")
+    p.add_argument("--temperature", type=flag(Temperature), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=flag(Probability), default=None, help="with a temperature > 0 (default 1)")
+    p.add_argument(
+        "--top-k", type=flag(NonNegativeInt), default=None, help="with a temperature > 0; 0 = no top-k cut (default)"
+    )
+
+
+def _check_sampling_pairs(args: argparse.Namespace, temperatures: list[float]) -> None:
+    """--top-p / --top-k shape sampling only: refused when every temperature is 0 (greedy ignores them)."""
+    if all(t == 0 for t in temperatures):
+        for name, value in (("--top-p", args.top_p), ("--top-k", args.top_k)):
+            if value is not None:
+                raise ConfigError(f"{name} {value:g} applies when sampling; expected a temperature > 0 with it")
 
 
 _top_k = flag(NonNegativeInt)
@@ -150,6 +203,9 @@ _top_k = flag(NonNegativeInt)
 def _top_k_value(text: str) -> int | None:
     """--tree-top-k: K ≥ 1, or 0 for "= the tree budget" (None)."""
     return _top_k(text) or None
+
+
+_top_k_value.expect = "an integer ≥ 0 and < 2^31 (0: the tree budget)"  # type: ignore[attr-defined]
 
 
 def _tree_top_k_arg(p: argparse.ArgumentParser) -> None:
@@ -187,7 +243,9 @@ def _stops(args: argparse.Namespace, target: Any) -> list[int]:
 # ---------------------------------------------------------------------------------------------- generate
 def _generate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (not needed for --method ar)")
+    p.add_argument(
+        "--drafter", type=flag(Text), default=None, help="drafter checkpoint directory (not needed for --method ar)"
+    )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument(
         "--prompt", type=text_flag, help="user message (rendered with the chat template when the target has one)"
@@ -198,10 +256,13 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         help="pre-tokenised prompt, comma-separated ids (targets without a tokenizer)",
     )
     p.add_argument("--method", choices=("chain", "tree", "ar"), default="chain")
-    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
+    p.add_argument("--max-new-tokens", type=flag(TokenCount), default=128)
     _sampling_args(p)
     p.add_argument(
-        "--tree-budget", type=flag(PositiveInt), default=16, help="DDTree node budget B (verify length 1 + B)"
+        "--tree-budget",
+        type=flag(TreeBudget),
+        default=None,
+        help=f"--method tree: DDTree node budget B (verify length 1 + B; default {DEFAULT_TREE_BUDGET})",
     )
     _tree_top_k_arg(p)
     p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override the drafter's block size")
@@ -228,6 +289,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.method != "ar" and not args.drafter:
         raise ConfigError(f"--method {args.method} needs --drafter CKPT (or use --method ar)")
+    for name, value in (("--tree-budget", args.tree_budget), ("--tree-top-k", args.tree_top_k)):
+        if value is not None and args.method != "tree":
+            raise ConfigError(f"{name} applies to --method tree; --method is {args.method}")
+    _check_sampling_pairs(args, [args.temperature])
     drafter = load_drafter(args.drafter, device=args.device) if args.drafter else None  # seconds: before the target
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     tok = target.tokenizer
@@ -252,7 +317,7 @@ def _generate(args: argparse.Namespace) -> int:
                 method=args.method,
                 max_new_tokens=args.max_new_tokens,
                 block_size=args.block_size,
-                tree_budget=args.tree_budget,
+                tree_budget=args.tree_budget or DEFAULT_TREE_BUDGET,
                 tree_top_k=args.tree_top_k,
                 sampling=sampling,
                 stop_token_ids=_stops(args, target),
@@ -275,16 +340,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _eval_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     _thinking_arg(p)
-    p.add_argument(
-        "--drafter",
-        action="append",
-        default=[],
-        metavar="NAME=CKPT",
-        help="drafter checkpoint, repeatable; NAME= labels it in the results",
-    )
-    p.add_argument(
-        "--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, long-context, or a JSONL file"
-    )
+    _drafter_arg(p, "drafter checkpoint, repeatable; NAME= labels it in the results")
+    _dataset_arg(p)
     p.add_argument(
         "--limit",
         type=flag(PositiveInt),
@@ -299,22 +356,24 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--methods",
+        type=_methods,
         default="ar,chain,ddtree:8",
         help="comma-separated: ar, chain, ddtree:B, ddtree:auto (the budget with the most tokens/s on this machine, "
         "measured before anything is timed)",
     )
     p.add_argument(
         "--budget-prompts",
+        type=flag(Text),
         default=None,
         metavar="DATASET",
         help="ddtree:auto: choose the budget on the first two prompts of this dataset or JSONL file instead of the "
         "first two evaluated (e.g. sharegpt-heldout)",
     )
-    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
+    p.add_argument("--max-new-tokens", type=flag(TokenCount), default=128)
     _sampling_args(p)
     p.add_argument(
         "--temperatures",
-        type=float_list(NonNegativeFloat, what="comma-separated temperatures ≥ 0, e.g. 0,1"),
+        type=float_list(Temperature, what="comma-separated temperatures, e.g. 0,1"),
         default=None,
         metavar="T,T",
         help="evaluate at each temperature on the same prompts (DIR/T0, DIR/T1, …) and compare them side by side in "
@@ -323,7 +382,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     _by_length_arg(p)
     p.add_argument("--block-size", type=flag(BlockSize), default=None, help="override every drafter's block size")
     _tree_top_k_arg(p)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", type=flag(Text), required=True, help="output directory")
     p.add_argument("--no-resume", action="store_true", help="start over instead of continuing progress.jsonl")
     p.add_argument(
         "--no-warmup",
@@ -358,6 +417,9 @@ def _eval(args: argparse.Namespace) -> int:
             raise ConfigError("--temperatures replaces --temperature: give one of them")
         if len({f"{t:g}" for t in args.temperatures}) != len(args.temperatures):  # one directory each
             raise ConfigError(f"--temperatures {','.join(map(str, args.temperatures))}: each temperature once")
+    _check_sampling_pairs(args, args.temperatures or [args.temperature])
+    if args.tree_top_k is not None and not any(m.kind == "tree" for m in methods):
+        raise ConfigError(f"--tree-top-k applies to ddtree methods, which --methods {args.methods} does not name")
     output_dir(args.out, what="--out", create=False)
     _check_dataset(args.dataset)
     if args.budget_prompts is not None:
@@ -449,26 +511,24 @@ def _budget_choices(doc: dict[str, Any]) -> dict[str, Any] | None:
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     _thinking_arg(p)
-    p.add_argument("--drafter", action="append", default=[], metavar="NAME=CKPT", help="repeatable")
-    p.add_argument(
-        "--dataset", required=True, help="mtbench, humaneval, sharegpt-heldout, sharegpt, long-context, or a JSONL file"
-    )
+    _drafter_arg(p, "repeatable")
+    _dataset_arg(p)
     p.add_argument("--limit", type=flag(PositiveInt), default=None)
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop", help="malformed JSONL lines")
-    p.add_argument("--cache", required=True, help="transcript cache directory (built once, reused)")
+    p.add_argument("--cache", type=flag(Text), required=True, help="transcript cache directory (built once, reused)")
     p.add_argument(
         "--budgets",
-        type=int_list(PositiveInt, what="comma-separated DDTree budgets ≥ 1", allow_empty=True),
+        type=int_list(TreeBudget, what="comma-separated DDTree budgets", allow_empty=True),
         default=[4, 8, 16],
         help="DDTree budgets to simulate (empty: chain only)",
     )
     p.add_argument("--no-chain", action="store_true", help="simulate trees only")
-    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=128)
+    p.add_argument("--max-new-tokens", type=flag(TokenCount), default=128)
     p.add_argument("--block-size", type=flag(BlockSize), default=None)
     _tree_top_k_arg(p)
     p.add_argument("--ignore-eos", action="store_true")
     _by_length_arg(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=flag(Text), required=True)
     p.add_argument("--quiet", action="store_true")
 
 
@@ -487,6 +547,10 @@ def _simulate(args: argparse.Namespace) -> int:
     from dflashkit.target.model import Target, check_drafter_fits
 
     budgets = list(args.budgets)
+    if not budgets and args.no_chain:
+        raise ConfigError("--no-chain with empty --budgets: nothing to simulate; give budgets or drop --no-chain")
+    if not budgets and args.tree_top_k is not None:
+        raise ConfigError("--tree-top-k applies to DDTree budgets; --budgets is empty")
     output_dir(args.out, what="--out", create=False)
     output_dir(args.cache, what="--cache", create=False)
     _check_dataset(args.dataset)
@@ -546,8 +610,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- report
 def _report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="results.json files (or directories holding one)")
-    p.add_argument("--out", default=None, help="output directory (default: next to a single results.json)")
+    p.add_argument("results", nargs="+", type=flag(Text), help="results.json files (or directories holding one)")
+    p.add_argument(
+        "--out", type=flag(Text), default=None, help="output directory (default: next to a single results.json)"
+    )
 
 
 @command(

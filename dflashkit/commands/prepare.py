@@ -39,26 +39,46 @@ from dflashkit.cli import command, compile_arg, target_args
 from dflashkit.data.long_context import TRAIN_NAME
 from dflashkit.data.thinking import THINKING_MODES
 from dflashkit.data.turns import TURN_MODES
-from dflashkit.validation import Expect, NonNegativeFloat, PositiveFloat, PositiveInt, Probability, Seed, flag
+from dflashkit.validation import (
+    MAX_TOKENS,
+    Expect,
+    Minutes,
+    PositiveInt,
+    Probability,
+    Seed,
+    ServerUrl,
+    Temperature,
+    Text,
+    TokenCount,
+    flag,
+)
 
 # a training sample needs a prompt token and a supervised one at least
-MinLength = Annotated[int, Field(ge=2), Expect("an integer ≥ 2")]
+MinLength = Annotated[int, Field(ge=2, le=MAX_TOKENS), Expect("an integer from 2 to 2^24 (16,777,216 tokens)")]
+Concurrency = Annotated[int, Field(ge=1, le=65536), Expect("an integer from 1 to 65536")]
+DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY = 8, 8
 
 
 def _args(p: argparse.ArgumentParser) -> None:
     target_args(p)
     p.add_argument(
         "--data",
+        type=flag(Text),
         required=True,
         help="sharegpt, sharegpt-heldout, mtbench, humaneval, long-context-train (long prompts: --limit per length, "
         "lengths up to --max-length − --max-new-tokens), or a JSONL file",
     )
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", type=flag(Text), required=True, help="output directory")
     p.add_argument("--limit", type=flag(PositiveInt), default=None, help="use only the first N conversations")
-    p.add_argument("--max-new-tokens", type=flag(PositiveInt), default=256, help="response length cap for regeneration")
-    p.add_argument("--temperature", type=flag(NonNegativeFloat), default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=flag(Probability), default=1.0)
-    p.add_argument("--batch-size", type=flag(PositiveInt), default=8, help="prompts per generate call")
+    p.add_argument("--max-new-tokens", type=flag(TokenCount), default=256, help="response length cap for regeneration")
+    p.add_argument("--temperature", type=flag(Temperature), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=flag(Probability), default=None, help="with --temperature > 0 (default 1)")
+    p.add_argument(
+        "--batch-size",
+        type=flag(PositiveInt),
+        default=None,
+        help=f"prompts per generate call in process (default {DEFAULT_BATCH_SIZE}; not with --server)",
+    )
     compile_arg(p, "in process")
     p.add_argument("--max-length", type=flag(MinLength), default=3072, help="truncate training samples to N tokens")
     p.add_argument("--no-regenerate", action="store_true", help="train on the data's own assistant turns")
@@ -79,12 +99,16 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server",
         action="append",
+        type=flag(ServerUrl),
         default=None,
         metavar="URL",
         help="an OpenAI-compatible server of the target (repeat for several); default: HF generate in process",
     )
     p.add_argument(
-        "--concurrency", type=flag(PositiveInt), default=8, help="conversations in flight over all --server URLs"
+        "--concurrency",
+        type=flag(Concurrency),
+        default=None,
+        help=f"conversations in flight over all --server URLs (default {DEFAULT_CONCURRENCY}; with --server)",
     )
     p.add_argument(
         "--server-timeouts",
@@ -97,7 +121,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=flag(Seed), default=0, help="sampling seed (temperature > 0)")
     p.add_argument(
         "--time-budget-minutes",
-        type=flag(PositiveFloat),
+        type=flag(Minutes),
         default=None,
         help="start no regeneration after M minutes (the rest waits for the same command run again)",
     )
@@ -130,15 +154,19 @@ def _timeouts(text: str) -> Any:
     import argparse
 
     from dflashkit.data.server_client import ServerTimeouts
+    from dflashkit.validation import show
 
     parts = text.split(",")
     try:
         values = [float(p) for p in parts]
     except ValueError:
         values = []
-    if len(values) != 3 or not all(0 < v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected three positive numbers of seconds, e.g. 10,3600,7200")
+    if len(values) != 3 or not all(0.001 <= v <= 1e6 for v in values):
+        raise argparse.ArgumentTypeError(f"{show(text)}: expected {_timeouts.expect}")  # type: ignore[attr-defined]
     return ServerTimeouts(connect_s=values[0], first_byte_s=values[1], total_s=values[2])
+
+
+_timeouts.expect = "three positive numbers of seconds (each 0.001 to 1e6), e.g. 10,3600,7200"  # type: ignore[attr-defined]
 
 
 def _long_context(args: argparse.Namespace, target: Any, kwargs: dict[str, Any]) -> list[Any]:
@@ -146,11 +174,16 @@ def _long_context(args: argparse.Namespace, target: Any, kwargs: dict[str, Any])
     --max-length and the target's context."""
     from dflashkit.data.long_context import LongContextSpec, long_context_conversations
 
-    room = args.max_length
+    room, why = args.max_length, f"--max-length {args.max_length}"
     context = getattr(getattr(target, "text_config", None), "max_position_embeddings", None)  # --server: unknown
-    if context is not None:
-        room = min(room, int(context))
-    spec = LongContextSpec(per_length=args.limit or 6, max_tokens=room - args.max_new_tokens, split="train")
+    if context is not None and int(context) < room:
+        room, why = int(context), f"the target's {int(context)} positions"
+    spec = LongContextSpec(
+        per_length=args.limit or 6,
+        max_tokens=room - args.max_new_tokens,
+        split="train",
+        max_tokens_why=f"{why} minus the {args.max_new_tokens} new tokens (--max-new-tokens)",
+    )
     return long_context_conversations(target.tokenizer, spec, kwargs)
 
 
@@ -163,6 +196,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from dflashkit.io_utils import atomic_write_text
     from dflashkit.output_dir import one_writer, output_dir
 
+    _check_pairs(args)
     out = output_dir(args.out, what="--out", create=False)
     if args.no_regenerate and (args.server or args.time_budget_minutes):
         flag_name = "--server" if args.server else "--time-budget-minutes"
@@ -191,14 +225,14 @@ def _prepare(args: argparse.Namespace) -> int:
                 settings=RegenSettings(
                     max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature,
-                    top_p=args.top_p,
-                    batch_size=args.batch_size,
+                    top_p=1.0 if args.top_p is None else args.top_p,
+                    batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
                     chat_template_kwargs=kwargs,
                     seed=args.seed,
                     max_prompt_length=args.max_length,
                     turns=args.turns,
                     thinking=args.thinking,
-                    concurrency=args.concurrency,
+                    concurrency=args.concurrency or DEFAULT_CONCURRENCY,
                     compile=args.compile,
                 ),
             )
@@ -255,14 +289,27 @@ def _prepare(args: argparse.Namespace) -> int:
         return 0
 
 
+def _check_pairs(args: argparse.Namespace) -> None:
+    """Refuse an option given without the one it applies with (it would be ignored without a word)."""
+    from dflashkit.errors import ConfigError
+
+    if not args.server:
+        for name, value in (("--concurrency", args.concurrency), ("--server-timeouts", args.server_timeouts)):
+            if value is not None:
+                raise ConfigError(f"{name} applies to --server requests; no --server given")
+    elif args.batch_size is not None:
+        raise ConfigError(
+            "--batch-size applies to generation in process; with --server the servers batch (set --concurrency)"
+        )
+    if args.top_p is not None and args.temperature == 0:
+        raise ConfigError(f"--top-p {args.top_p:g} applies when sampling; expected --temperature > 0 with it")
+
+
 def _target_and_servers(args: argparse.Namespace) -> tuple[Any, Any]:
     """(the target, the server pool or None): with --server only the target's tokenizer is loaded here."""
     from dflashkit.data.server_client import ServerPool, ServerTimeouts
-    from dflashkit.errors import ConfigError
     from dflashkit.target.model import Target, TargetText
 
-    if args.server_timeouts is not None and not args.server:
-        raise ConfigError("--server-timeouts applies to --server requests; no --server given")
     if not args.server:
         return Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code), None
     servers = ServerPool(args.server, timeouts=args.server_timeouts or ServerTimeouts())

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from dflashkit.cli import command
-from dflashkit.validation import field_types, flag, parse_assignments
+from dflashkit.validation import field_types, flag, key_value_flag, parse_assignments
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,7 @@ def _args(p: argparse.ArgumentParser) -> None:
             p.add_argument(
                 "--drafter",
                 dest=f.name,
+                type=key_value_flag("KEY=VALUE"),
                 action="append",
                 default=[],
                 metavar="KEY=VALUE",
@@ -30,6 +31,7 @@ def _args(p: argparse.ArgumentParser) -> None:
             p.add_argument(
                 "--train",
                 dest=f.name,
+                type=key_value_flag("KEY=VALUE"),
                 action="append",
                 default=[],
                 metavar="KEY=VALUE",

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 
 from dflashkit.cli import command
+from dflashkit.validation import Text, flag
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="training config YAML (see configs/smollm2.yaml), or '-' for none")
+    p.add_argument("config", type=flag(Text), help="training config YAML (see configs/smollm2.yaml), or '-' for none")
     # REMAINDER so that `--no-progress` may also follow the overrides (argparse cannot interleave them otherwise)
     p.add_argument(
         "overrides", nargs=argparse.REMAINDER, help="option overrides, key=value (drafter.KEY=VALUE for the drafter)"

@@ -70,13 +70,15 @@ KINDS = ("chat", "code-explain", "code-continue")
 @dataclass(frozen=True)
 class LongContextSpec:
     """lengths: prompt lengths in tokens; per_length: prompts per length (the kinds in rotation); max_tokens: the
-    longest prompt the target can take (lengths above it are cut to it; None: no cap); split: "heldout" (the
+    longest prompt the target can take (lengths above it are cut to it; None: no cap), and max_tokens_why: where
+    that cap comes from, for messages ("the target's 512 positions minus 256 new tokens"); split: "heldout" (the
     evaluation set) or "train"."""
 
     lengths: Sequence[int] = (512, 1024, 2048, 4096, 8192)
     per_length: int = 6
     max_tokens: int | None = None
     split: str = "heldout"
+    max_tokens_why: str = ""
 
     def targets(self) -> list[int]:
         """The lengths to build, capped by max_tokens, each once, ascending."""
@@ -115,7 +117,11 @@ def long_context_conversations(
         raise DataError(f"{NAME}: split {spec.split!r}: expected 'heldout' or 'train'")
     lengths = spec.targets()
     if not lengths:
-        raise DataError(f"{NAME}: no length ≥ 64 tokens fits (lengths {list(spec.lengths)}, cap {spec.max_tokens})")
+        why = f" = {spec.max_tokens_why}" if spec.max_tokens_why else ""
+        raise DataError(
+            f"{NAME}: no length ≥ 64 tokens fits (lengths {list(spec.lengths)}; the cap is {spec.max_tokens} "
+            f"tokens{why})"
+        )
     render = _Renderer(tokenizer, chat_template_kwargs)
     chats = _chats(spec.split)
     files = EVAL_CODE_FILES if spec.split == "heldout" else TRAIN_CODE_FILES

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashkit.errors import DataError
+from dflashkit.validation import ServerUrl, problem
 
 PROBE_TEXT = "Regenerate: the quick brown fox — 12 345 jumps; naïve café ✓ def f(x): return x**2\n"
 
@@ -178,8 +179,9 @@ class ServerPool:
             raise ServerError("no server URL given (expected --server http://HOST:PORT)")
         self.servers = []
         for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise ServerError(f"--server {url}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+            why = problem(ServerUrl, url)  # the check `--server` runs when it is parsed
+            if why:
+                raise ServerError(f"--server {url}: {why}")
             self.servers.append(_Server(url.rstrip("/")))
         self._lock = threading.Lock()
         self._next = 0

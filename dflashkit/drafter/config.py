@@ -73,16 +73,44 @@ def parameter_count(cfg: DrafterConfig) -> int:
     return len(cfg.target_layer_ids) * h * h + 2 * h + cfg.num_hidden_layers * layer + extra
 
 
-def check_memory(cfg: DrafterConfig, where: str, *, bytes_per_parameter: int = 4, what: str = "its weights") -> None:
-    """Refuse a drafter whose float32 weights (or `bytes_per_parameter` per parameter) cannot fit this machine."""
+def check_memory(
+    cfg: DrafterConfig, where: str | Where, *, bytes_per_parameter: int = 4, what: str = "its weights"
+) -> None:
+    """Refuse a drafter whose float32 weights (or `bytes_per_parameter` per parameter) cannot fit this machine, naming
+    the field whose size costs the most (`where(field)`: where it came from; a string: the same for every field)."""
     need = parameter_count(cfg) * bytes_per_parameter
     if need > 256 << 20 and need > memory_available():  # small drafters never need the probe
+        name = _costliest_field(cfg)
+        at = where(name) if callable(where) else where
         raise ConfigError(
-            f"{where}: this drafter (hidden_size {cfg.hidden_size}, intermediate_size {cfg.intermediate_size}, "
-            f"{cfg.num_hidden_layers} layers, {len(cfg.target_layer_ids)} target features) needs "
-            f"{need / 1e9:,.1f} GB for {what}, more than the {memory_available() / 1e9:,.1f} GB this machine can "
-            f"allocate"
+            f"{at}: {name} = {getattr(cfg, name)}: this drafter ({cfg.num_hidden_layers} layers, hidden_size "
+            f"{cfg.hidden_size}, {len(cfg.target_layer_ids)} target features) needs {need / 1e9:,.1f} GB for {what}, "
+            f"more than the {memory_available() / 1e9:,.1f} GB this machine can allocate; {name} is the size that "
+            f"costs the most"
         )
+
+
+def _costliest_field(cfg: DrafterConfig) -> str:
+    """The integer field whose value, were it 1, would cut the parameter count the most (the one to make smaller)."""
+    import copy
+
+    total, best, name = parameter_count(cfg), -1, "hidden_size"
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in _NOT_SIZES or not isinstance(value, int) or isinstance(value, bool) or value <= 1:
+            continue
+        smaller = copy.copy(cfg)
+        object.__setattr__(smaller, f.name, 1)
+        try:
+            saved = total - parameter_count(smaller)
+        except (TypeError, ValueError, ZeroDivisionError):
+            continue
+        if saved > best:
+            best, name = saved, f.name
+    return name
+
+
+_NOT_SIZES = ("mask_token_id", "max_position_embeddings", "sliding_window", "num_target_layers")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -288,7 +316,7 @@ class DrafterConfig(*DRAFTER_SETTINGS):
                 f"at most the target's vocabulary (vocab_size {self.vocab_size})",
             )
         head_of(self).check_config(self, where)
-        check_memory(self, where("hidden_size"))
+        check_memory(self, where)
 
     def check_layer_ids(self, num_target_layers: int) -> None:
         """target_layer_ids must be distinct 0-based decoder-layer indices of the target."""
@@ -376,7 +404,7 @@ class DrafterConfig(*DRAFTER_SETTINGS):
         rope = raw.get("rope_parameters") or {}
         num_layers = int(pick("num_hidden_layers"))
         kind = kind_of_config(raw)
-        head_fields = head_of(kind).fields_from_zlab(raw, source)
+        head_fields = integral_ints(head_of(kind).fields_from_zlab(raw, source))  # 16.0 as 16, as int(pick(…)) does
         target_layer_ids = pick("target_layer_ids", None)
         if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
             if pick("num_target_layers", None) is None:
@@ -476,6 +504,19 @@ def check_declared_values(raw: dict[str, Any], dflash: dict[str, Any], source: s
             why = problem(types[name], value)
             if why:
                 raise ConfigError(f"{source}: field '{prefix}{name}' = {show(value)}: {why}")
+
+
+def integral_ints(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (DrafterConfig field → value read from a JSON config) with an integral float stored where the field
+    is an integer (`16.0`: JSON writers may store 16 so) made that integer, as the backbone's fields are read with
+    int(); any other value is left for the field's type to judge."""
+    types = field_types(DrafterConfig)
+    out = dict(values)
+    for name, value in values.items():
+        integral = name in types and isinstance(value, float) and value.is_integer()
+        if integral and problem(types[name], value) and not problem(types[name], int(value)):
+            out[name] = int(value)
+    return out
 
 
 if __name__ == "__main__":

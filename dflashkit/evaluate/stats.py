@@ -31,6 +31,8 @@ from dflashkit.data.long_context import NAME as LONG_CONTEXT
 from dflashkit.data.long_context import LongContextSpec, long_context_prompts
 from dflashkit.drafter.heads import head_of
 from dflashkit.errors import ConfigError, DataError
+from dflashkit.validation import TreeBudget
+from dflashkit.validation import problem as type_problem
 
 METHOD_FORMS = (
     "ar, chain, ddtree:B (B = tree budget, a positive integer, e.g. ddtree:8), ddtree:auto (the budget with the most "
@@ -73,6 +75,9 @@ def parse_method(text: str) -> Method:
         return Method("ddtree:auto", "tree")
     m = re.fullmatch(r"(?:ddtree|tree)[:\-](\d+)", s)
     if m and int(m.group(1)) >= 1:
+        why = type_problem(TreeBudget, int(m.group(1)))
+        if why:
+            raise ConfigError(f"method {text!r}: the budget {why}")
         return Method(f"ddtree:{int(m.group(1))}", "tree", int(m.group(1)))
     raise ConfigError(f"unknown method {text!r}: valid forms are {METHOD_FORMS}")
 
@@ -240,6 +245,7 @@ def prompts_for(
         spec = LongContextSpec(
             lengths=records.long_context,
             max_tokens=None if max_pos is None else max_pos - max_new_tokens,
+            max_tokens_why=f"the target's {max_pos} positions minus the {max_new_tokens} new tokens (--max-new-tokens)",
         )
         if records.limit is not None:  # rounds over the lengths: the first `limit` cover them evenly
             spec = replace(spec, per_length=-(-records.limit // max(1, len(spec.targets()))))

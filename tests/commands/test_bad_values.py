@@ -31,7 +31,9 @@ from dflashkit.validation import (
     PositiveInt,
     Probability,
     Seed,
+    Temperature,
     Text,
+    TokenCount,
     UnitInterval,
     field_types,
     parse_yaml_value,
@@ -71,18 +73,20 @@ def _num(v):
 
 
 ORACLE: dict[object, Callable[[object], bool]] = {  # declared type → does it accept v
-    PositiveInt: lambda v: _int(v) and v >= 1,
-    NonNegativeInt: lambda v: _int(v) and v >= 0,
+    PositiveInt: lambda v: _int(v) and 1 <= v < 2**31,
+    NonNegativeInt: lambda v: _int(v) and 0 <= v < 2**31,
+    TokenCount: lambda v: _int(v) and 1 <= v <= 2**24,
     Seed: lambda v: _int(v) and 0 <= v < 2**63,
     BlockSize: lambda v: _int(v) and 2 <= v <= 1024,
-    PositiveFloat: lambda v: _num(v) and v > 0,
-    NonNegativeFloat: lambda v: _num(v) and v >= 0,
+    PositiveFloat: lambda v: _num(v) and 0 < v <= 1e12,
+    NonNegativeFloat: lambda v: _num(v) and 0 <= v <= 1e12,
+    Temperature: lambda v: _num(v) and (v == 0 or 1e-4 <= v <= 100),
     Fraction: lambda v: _num(v) and 0 <= v < 1,
     UnitInterval: lambda v: _num(v) and 0 <= v <= 1,
     Probability: lambda v: _num(v) and 0 < v <= 1,
     Bool: lambda v: isinstance(v, bool),
     CompileSetting: lambda v: isinstance(v, bool) or v in ("auto", "on", "off"),
-    Text: lambda v: isinstance(v, str) and v != "",
+    Text: lambda v: isinstance(v, str) and v.strip() != "",
     AdamBetas: lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) and 0 <= x < 1 for x in v),
 }
 
@@ -178,20 +182,21 @@ def test_every_bad_drafter_value_is_refused_by_train_and_init_drafter(
 # Evaluation: every typed flag of `eval` (and generate's own), each given values outside its type.
 EVAL_FLAGS = {  # flag → declared type
     "--limit": PositiveInt,
-    "--max-new-tokens": PositiveInt,
-    "--temperature": NonNegativeFloat,
+    "--max-new-tokens": TokenCount,
+    "--temperature": Temperature,
     "--top-p": Probability,
     "--top-k": NonNegativeInt,
     "--block-size": BlockSize,
     "--seed": Seed,
     "--triage-threshold": NonNegativeFloat,
 }
-FLAG_POOL = ["nan", "inf", "-1", "0", "-0.5", "1.5", "abc", "", "1e30", "99999999999999999999999", "2000"]
+FLAG_POOL = ["nan", "inf", "-1", "0", "-0.5", "1.5", "abc", "", " ", "1e30", "1e400", "1e-300", "5e-5", "2000"]
+FLAG_POOL += ["99999999999999999999999", "2147483648", "16777217"]
 
 
 def _flag_value(text: str, t: object):
     try:
-        return int(text) if t in (PositiveInt, NonNegativeInt, BlockSize, Seed) else float(text)
+        return int(text) if t in (PositiveInt, NonNegativeInt, BlockSize, Seed, TokenCount) else float(text)
     except ValueError:
         return text
 

@@ -130,12 +130,18 @@ def test_damaged_gguf_targets_are_one_line(damage, tmp_path, capsys):
 def test_sizes_beyond_the_machine_are_refused_before_allocating(tiny_llama_dir, tmp_path, capsys):
     line = _one_line_error(
         capsys,
-        main(["init-drafter", str(tmp_path / "d"), "--target", str(tiny_llama_dir), "intermediate_size=100000000000"]),
+        main(["init-drafter", str(tmp_path / "d"), "--target", str(tiny_llama_dir), "intermediate_size=2000000000"]),
     )
     assert "GB for its weights" in line and "this machine can allocate" in line
+    assert "intermediate_size = 2000000000: " in line and "intermediate_size is the size that costs the most" in line
+    line = _one_line_error(  # a size past what any count may be is refused by its type, before any arithmetic
+        capsys,
+        main(["init-drafter", str(tmp_path / "d"), "--target", str(tiny_llama_dir), "intermediate_size=100000000000"]),
+    )
+    assert "intermediate_size = 100000000000: expected an integer ≥ 1 and < 2^31" in line
     big = shutil.copytree(tiny_llama_dir, tmp_path / "big")
     cfg = json.loads((big / "config.json").read_text())
-    cfg["vocab_size"] = 10**11
+    cfg["vocab_size"] = 2 * 10**9
     (big / "config.json").write_text(json.dumps(cfg))
     line = _one_line_error(capsys, main(["info", "--target", str(big)]))
     assert "config.json" in line and "GB for its weights" in line

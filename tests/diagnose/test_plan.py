@@ -155,8 +155,8 @@ def test_a_warm_start_keeps_the_base_drafter_and_evaluates_it_first(tmp_path) ->
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--gpus", "8xV900"], "--gpus '8xV900': expected N×NAME"),
-        (["--gpus", "0xH100"], "--gpus '0xH100': expected N×NAME"),
+        (["--gpus", "8xV900"], '--gpus "8xV900": expected N×NAME'),
+        (["--gpus", "0xH100"], '--gpus "0xH100": expected N×NAME'),
         (["--target", "nowhere"], "nowhere"),
     ],
 )
