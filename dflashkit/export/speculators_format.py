@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dflashkit.drafter.checkpoint import CONFIG_NAME, drafter_state_dict
-from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig
+from dflashkit.drafter.config import SLIDING_ATTENTION, DrafterConfig, check_declared_values, integral_ints
 from dflashkit.drafter.config_fields import check_zlab_field_types, field_value_ok
 from dflashkit.drafter.heads import KINDS, head_of
 from dflashkit.drafter.model import DFlashDrafter
@@ -97,6 +97,10 @@ def config_from_speculators(
     if kind not in KINDS:
         raise refuse(f"speculators_model_type {kind!r} is not a drafter kind dflashkit runs (expected one of {KINDS})")
     try:
+        check_zlab_field_types({k: v for k, v in raw.items() if k != "dflash_config" and v is not None}, source)
+        # each value against its declared DrafterConfig type before any arithmetic (a head count of 0 must not
+        # reach hidden // heads): the door z-lab configs pass too
+        check_declared_values({k: v for k, v in raw.items() if k != SPECULATORS_NESTED}, {}, source)
         head_fields = head_of(kind).fields_from_speculators(raw, source)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
@@ -123,8 +127,8 @@ def config_from_speculators(
     if missing:
         raise refuse(f"{SPECULATORS_NESTED} lacks required field(s) {missing}")
     try:
-        check_zlab_field_types({k: v for k, v in raw.items() if k != "dflash_config" and v is not None}, source)
         check_zlab_field_types(tl, f"{source} ({SPECULATORS_NESTED})")
+        check_declared_values(tl, {}, f"{source} ({SPECULATORS_NESTED})")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     aux_raw = raw.get(SPECULATORS_LAYER_IDS)
@@ -168,7 +172,9 @@ def config_from_speculators(
     is_causal = (
         ours.get("is_causal") if "is_causal" in ours else (False if raw.get("sliding_window_non_causal") else None)
     )
-    values = {f: tl[f] for f in TRANSFORMER_FIELDS if tl.get(f) is not None and (f != "layer_types" or tl[f])}
+    values = integral_ints(
+        {f: tl[f] for f in TRANSFORMER_FIELDS if tl.get(f) is not None and (f != "layer_types" or tl[f])}
+    )
     notes += _sliding_window_notes(tl)
     if "head_dim" not in values:
         values["head_dim"] = hidden // int(tl["num_attention_heads"])
@@ -184,7 +190,7 @@ def config_from_speculators(
             rope_theta=float(theta),
             draft_vocab_size=draft_vocab,
             extra=dict(ours.get("extra") or {}),
-            **head_fields,
+            **integral_ints(head_fields),
         )
     except (ConfigError, TypeError, ValueError) as e:
         raise refuse(f"cannot build a drafter config ({e})") from None

@@ -10,9 +10,10 @@ its embeddings and LM head (a tied head counted once). A VL wrapper's vision tow
 `experts_per_token` of its `num_experts` routed experts per token (the parameters under an `experts` module);
 everything else runs for every token.
 
-The config's fields are checked first, a bad one reported as one line naming the file and the field
-(`read_config_json`, which `files.check_model_dir` runs before every load too). Nothing is downloaded, and a
-directory's own code (`auto_map`) runs only with `trust_remote_code`.
+The config's fields are checked first — its sizes, and a MoE config's experts per token against its experts — a
+bad one reported as one line naming the file and the field (`read_config_json`, which `files.check_model_dir` runs
+before every load too). Nothing is downloaded, and a directory's own code (`auto_map`) runs only with
+`trust_remote_code`.
 """
 
 from __future__ import annotations
@@ -109,7 +110,31 @@ def read_config_json(file: Path) -> dict[str, Any]:
         why = problem(PositiveInt, cfg[name])
         if why:
             raise TargetError(f"{file}: {prefix}{name} = {show(cfg[name])}: {why}")
+    why = experts_problem(cfg, prefix)
+    if why:
+        raise TargetError(f"{file}: {why}")
     return raw
+
+
+def experts_problem(cfg: Any, prefix: str = "") -> str | None:
+    """Why a MoE config's expert counts are impossible — more experts per token than experts (more active than
+    total parameters) — or None. `cfg`: a config dict or object; counts it does not set are not checked."""
+
+    def first(names: tuple[str, ...]) -> tuple[str, Any]:
+        for name in names:
+            value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+            if value is not None:
+                return name, value
+        return "", None
+
+    (count_name, count), (per_name, per_token) = first(EXPERT_COUNT), first(EXPERTS_PER_TOKEN)
+    counts = per_name and count_name and not problem(PositiveInt, count) and not problem(PositiveInt, per_token)
+    if counts and per_token > count:
+        return (
+            f"{prefix}{per_name} = {per_token}: expected at most {prefix}{count_name} ({count}) experts per token (a "
+            f"token cannot run more experts than the layer has)"
+        )
+    return None
 
 
 def knows_architecture(raw: dict[str, Any]) -> bool:
@@ -231,6 +256,9 @@ def _shape(config: PreTrainedConfig, raw: dict[str, Any], source: str, *, trust_
                 f"{source}: the model has routed experts but the config sets no positive "
                 f"{' / '.join(EXPERT_COUNT)} and {' / '.join(EXPERTS_PER_TOKEN)}"
             )
+        why = experts_problem(text)  # the counts as transformers reads them (its defaults included)
+        if why:
+            raise TargetError(f"{source}: {why}")
         active = total - routed + routed * per_token // experts
     architectures = raw.get("architectures")
     named = isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
@@ -259,4 +287,4 @@ def _shape(config: PreTrainedConfig, raw: dict[str, Any], source: str, *, trust_
     )
 
 
-__all__ = ["TargetShape", "knows_architecture", "read_config_json", "read_target_shape"]
+__all__ = ["TargetShape", "experts_problem", "knows_architecture", "read_config_json", "read_target_shape"]
