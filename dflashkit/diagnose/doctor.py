@@ -48,6 +48,7 @@ from dflashkit.drafter.context_reach import context_warnings, trained_context
 from dflashkit.drafter.heads import BlockSlots
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, DataError
+from dflashkit.shell import shell_line
 
 ORDINARY_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 2024, researchers measured 3.5% growth; "
@@ -584,7 +585,7 @@ def engine_findings(path: Path, verdicts: list[dict[str, str]], target: Any) -> 
                     "engine head rows",
                     "lm_head.weight is not this target's LM-head rows of the d2t ids: vLLM would draft from another "
                     "head than dflashkit",
-                    f"re-export: dflashkit convert {path} OUT --to vllm --target TARGET",
+                    f"re-export: {shell_line('dflashkit', 'convert', path, 'OUT', '--to', 'vllm')} --target TARGET",
                 )
             )
         else:

@@ -29,6 +29,7 @@ from dflashkit.drafter.checkpoint import CONFIG_NAME, INDEX_NAME, SERVING_ONLY, 
 from dflashkit.drafter.config import DrafterConfig, stores_target_layer_ids
 from dflashkit.drafter.heads import head_of, kind_of_config
 from dflashkit.errors import CheckpointError, ConfigError
+from dflashkit.shell import shell_line
 
 STATUSES = ("OK", "WARN", "FAIL")
 
@@ -172,7 +173,7 @@ def _config(path: Path, report: CheckpointReport) -> None:
             "WARN",
             "format",
             "speculators-format checkpoint (layer ids count the embedding output)",
-            f"convert it: dflashkit convert {path} OUT",
+            f"convert it: {shell_line('dflashkit', 'convert', path, 'OUT')}",
         )
 
 

@@ -10,11 +10,11 @@ eval. A warm start (`from_drafter`) sets `init_from` and fewer epochs, and evalu
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 from dflashkit.io_utils import atomic_write_text
+from dflashkit.shell import shell_line
 
 WARM_START_EPOCHS = 2
 
@@ -81,41 +81,46 @@ def plan_yaml(plan: Any) -> dict[str, Any]:
 
 def plan_commands(plan: Any) -> list[tuple[str, str]]:
     """(what it does, the command) in the order to run them; on GPUs every step runs on them (vLLM data parallel
-    over the GPUs, torchrun for capture and training)."""
+    over the GPUs, torchrun for capture and training). Every argument is quoted for the shell (`shell_line`)."""
     req, paths, hw = plan.request, _paths(plan), plan.request.hardware
-    target = shlex.quote(req.target)
     n = int(plan.sections["data"]["samples"]["value"])
-    data = shlex.quote(str(plan.sections["data"]["conversations"]["value"]).split(" ")[0])
-    device = " --device cuda" if hw.count else ""
-    remote = " --trust-remote-code" if req.trust_remote_code else ""
-    thinking = " --thinking off" if thinking_template(req.target) else ""
+    data = str(plan.sections["data"]["conversations"]["value"]).removesuffix(" (yours)")
+    device = ["--device", "cuda"] if hw.count else []
+    remote = ["--trust-remote-code"] if req.trust_remote_code else []
+    thinking = ["--thinking", "off"] if thinking_template(req.target) else []
+    target = ["--target", req.target]
     out: list[tuple[str, str]] = []
     if req.from_drafter:
         out.append(
             (
                 "how much the base model's drafter accepts on the fine-tune (the number to beat)",
-                f"dflashkit eval --target {target}{device}{remote} --drafter base={shlex.quote(req.from_drafter)} "
-                f"--dataset mtbench --limit 20{thinking} --out {paths['eval']}-base",
+                shell_line(
+                    "dflashkit", "eval", *target, *device, *remote, "--drafter", f"base={req.from_drafter}",
+                    "--dataset", "mtbench", "--limit", 20, *thinking, "--out", f"{paths['eval']}-base",
+                ),
             )
-        )
-    server = ""
+        )  # fmt: skip
+    server: list[str | int] = []
     if hw.count:
-        parallel = f" --data-parallel-size {hw.count}" if hw.count > 1 else ""
+        parallel = ["--data-parallel-size", hw.count] if hw.count > 1 else []
         out.append(
             (
                 "serve the target for regeneration on every GPU (or SGLang; docs/data.md)",
-                f"vllm serve {target} --port 8000{parallel}{remote}",
+                shell_line("vllm", "serve", req.target, "--port", 8000, *parallel, *remote),
             )
         )
-        server = " --server http://127.0.0.1:8000 --concurrency 256"
+        server = ["--server", "http://127.0.0.1:8000", "--concurrency", 256]
     out.append(
         (
             "regenerate the replies with the target and tokenise them",
-            f"dflashkit prepare --target {target}{remote} --data {data} --limit {n} --max-new-tokens "
-            f"{req.max_new_tokens} --out {paths['data']}{thinking}{server}",
+            shell_line(
+                "dflashkit", "prepare", *target, *remote, "--data", data, "--limit", n, "--max-new-tokens",
+                req.max_new_tokens, "--out", paths["data"], *thinking, *server,
+            ),
         )
-    )
-    launch = f"torchrun --standalone --nproc_per_node {hw.count} -m dflashkit" if hw.count > 1 else "dflashkit"
+    )  # fmt: skip
+    launch = ["torchrun", "--standalone", "--nproc_per_node", hw.count, "-m", "dflashkit"] if hw.count > 1 else []
+    launch = launch or ["dflashkit"]
     if _offline(plan):
         from dflashkit.drafter.capture_needs import capture_layer_ids
 
@@ -123,19 +128,22 @@ def plan_commands(plan: Any) -> list[tuple[str, str]]:
         out.append(
             (
                 "capture the target's features once (the layout chosen is offline)",
-                f"{launch} capture --target {target}{device}{remote} --tokens {paths['tokens']} "
-                f"--out {paths['features']} --layer-ids {ids} --dtype bf16",
+                shell_line(
+                    *launch, "capture", *target, *device, *remote, "--tokens", paths["tokens"], "--out",
+                    paths["features"], "--layer-ids", ids, "--dtype", "bf16",
+                ),
             )
-        )
-    yaml_path = shlex.quote(str(Path(req.out) / "train.yaml"))
-    out.append(("train the drafter (re-running resumes)", f"{launch} train {yaml_path}"))
+        )  # fmt: skip
+    out.append(("train the drafter (re-running resumes)", shell_line(*launch, "train", Path(req.out) / "train.yaml")))
     out.append(
         (
             "measure it: τ per category, speedup, greedy equality",
-            f"dflashkit eval --target {target}{device}{remote} --drafter {plan.name}={paths['run']}/final "
-            f"--dataset mtbench{thinking} --out {paths['eval']}",
+            shell_line(
+                "dflashkit", "eval", *target, *device, *remote, "--drafter", f"{plan.name}={paths['run']}/final",
+                "--dataset", "mtbench", *thinking, "--out", paths["eval"],
+            ),
         )
-    )
+    )  # fmt: skip
     return out
 
 

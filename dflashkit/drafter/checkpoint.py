@@ -26,6 +26,7 @@ from dflashkit.drafter.heads import head_of
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.errors import CheckpointError, ConfigError
 from dflashkit.io_utils import atomic_path
+from dflashkit.shell import shell_line
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -142,7 +143,7 @@ def check_mask_file(path: Path, tensors: dict[str, torch.Tensor], mask_token_id:
     if not isinstance(vec, torch.Tensor) or own is None or not torch.equal(vec.reshape(-1).to(own.dtype), own):
         raise CheckpointError(
             f"{f}: does not hold this drafter's mask_embedding tensor; vLLM would feed it at masked slots — "
-            f"re-export with `dflashkit convert {path} OUT --to vllm`"
+            f"re-export with `{shell_line('dflashkit', 'convert', path, 'OUT', '--to', 'vllm')}`"
         )
 
 
