@@ -60,6 +60,7 @@ class Completion:
     token_ids: list[int] | None  # the server's ids (incl. the stop token when finished); None: text only
     text: str
     finished: bool  # stopped at an end-of-turn token (False: max_tokens reached)
+    info: dict[str, Any] = field(default_factory=dict)  # the answer's other fields (timings, meta_info, usage, …)
 
 
 @dataclass
@@ -296,7 +297,8 @@ class ServerPool:
         for server in self.servers:
             try:
                 self._detect(server)
-                self._check_tokenizer(server, tokenizer)
+                if tokenizer is not None:  # a target without one (token-id prompts) has nothing to compare
+                    self._check_tokenizer(server, tokenizer)
             except _Retryable as e:
                 server.last_error, server.down_until = str(e), time.monotonic() + self.backoff_s
         if not any(s.protocol for s in self.servers):
@@ -321,12 +323,15 @@ class ServerPool:
                 "return_tokens": True,
                 "stream": False,
             }
+            if params.get("ignore_eos"):
+                body["ignore_eos"] = True
             out = self._http(server, "POST", "/completion", body)
             if not isinstance(out, dict) or "content" not in out:
                 raise ServerError(f"{server.url}/completion: expected a completion object, got {str(out)[:200]}")
             ids = out.get("tokens") or None
             finished = out.get("stop_type") in ("eos", "word") or (bool(ids) and ids[-1] in stop_ids)
-            return Completion([int(t) for t in ids] if ids else None, str(out["content"]), finished)
+            info = {k: v for k, v in out.items() if k not in ("content", "tokens")}
+            return Completion([int(t) for t in ids] if ids else None, str(out["content"]), finished, info)
         if server.protocol == "sglang":
             return self._sglang(server, prompt, params, stop_ids)
         body = {
@@ -340,6 +345,8 @@ class ServerPool:
             "return_token_ids": True,
             "skip_special_tokens": True,
         }
+        if params.get("ignore_eos"):
+            body["ignore_eos"] = True
         out = self._http(server, "POST", "/v1/completions", body)
         try:
             choice = out["choices"][0]
@@ -347,7 +354,9 @@ class ServerPool:
         except (KeyError, IndexError, TypeError, AttributeError):
             raise ServerError(f"{server.url}/v1/completions: expected 'choices', got {str(out)[:200]}") from None
         ids = choice.get("token_ids") or None
-        return Completion([int(t) for t in ids] if ids else None, text, choice.get("finish_reason") == "stop")
+        info = {k: v for k, v in out.items() if k != "choices"}
+        info.update({k: v for k, v in choice.items() if k not in ("text", "token_ids")})
+        return Completion([int(t) for t in ids] if ids else None, text, choice.get("finish_reason") == "stop", info)
 
     def _sglang(self, server: _Server, prompt: list[int], params: dict[str, Any], stop_ids: list[int]) -> Completion:
         temperature = params["temperature"]
@@ -357,13 +366,16 @@ class ServerPool:
             "top_p": params["top_p"] if temperature > 0 else 1.0,
             "stop_token_ids": stop_ids,
         }
+        if params.get("ignore_eos"):
+            sampling["ignore_eos"] = True
         out = self._http(server, "POST", "/generate", {"input_ids": prompt, "sampling_params": sampling})
         if not isinstance(out, dict) or "text" not in out:
             raise ServerError(f"{server.url}/generate: expected a generation object, got {str(out)[:200]}")
         ids = out.get("output_ids") or None
         reason = (out.get("meta_info") or {}).get("finish_reason") or {}
         finished = (reason.get("type") if isinstance(reason, dict) else str(reason)) == "stop"
-        return Completion([int(t) for t in ids] if ids else None, str(out["text"]), finished)
+        info = {k: v for k, v in out.items() if k not in ("text", "output_ids")}
+        return Completion([int(t) for t in ids] if ids else None, str(out["text"]), finished, info)
 
     def complete(
         self,
@@ -374,13 +386,69 @@ class ServerPool:
         top_p: float,
         seed: int,
         stop_ids: list[int],
+        ignore_eos: bool = False,
     ) -> Completion:
-        """Generate one response to `prompt_ids` on some server (retried and failed over as the module says)."""
-        params = {"max_tokens": int(max_tokens), "temperature": float(temperature), "top_p": float(top_p)}
-        params["seed"] = int(seed)
+        """Generate one response to `prompt_ids` on some server (retried and failed over as the module says);
+        `ignore_eos`: exactly `max_tokens` tokens, end-of-turn tokens included (serve-check's fixed-length outputs)."""
+        params: dict[str, Any] = {"max_tokens": int(max_tokens), "temperature": float(temperature)}
+        params.update(top_p=float(top_p), seed=int(seed), ignore_eos=bool(ignore_eos))
         return self._with_retries(
             "a completion request", lambda server: self._request(server, list(prompt_ids), params, stop_ids)
         )
+
+    def text(self, path: str) -> str:
+        """GET `path` of the first server as text (e.g. Prometheus `/metrics`), within the probe timeouts; ServerError
+        when it is not served (4xx), after retries when the server does not answer."""
+        server, t = self.servers[0], self.timeouts
+
+        def get(_: _Server) -> str:
+            try:
+                status, raw = _exchange(server.url, "GET", path, None, t.connect_s, t.probe_s, _Deadline(t.probe_s))
+            except _Timeout as e:
+                raise _Retryable(str(e)) from None
+            except (OSError, http.client.HTTPException) as e:
+                raise _Retryable(f"{type(e).__name__}: {e}") from None
+            if status >= 500:
+                raise _Retryable(f"HTTP {status}: {_message(raw)}")
+            if status >= 400:
+                raise ServerError(f"{server.url}{path}: HTTP {status}: {_message(raw)}")
+            return raw.decode("utf-8", "replace")
+
+        return self._with_retries(f"GET {path}", get)
+
+    def chat_ids(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int] | None:
+        """The prompt token ids the first server makes of a chat (its own template, generation prompt added) — what a
+        chat request to it runs on; None when the server offers no way to see them (SGLang, older servers)."""
+        server = self.servers[0]
+        if not server.protocol:
+            self._detect(server)
+        try:
+            if server.protocol == "llama.cpp":  # its template renders to text, which its tokenizer parses
+                body: dict[str, Any] = {"messages": messages}
+                if template_kwargs:
+                    body["chat_template_kwargs"] = template_kwargs
+                text = self._with_retries("/apply-template", lambda s: self._http(s, "POST", "/apply-template", body))
+                prompt = text.get("prompt") if isinstance(text, dict) else None
+                if not isinstance(prompt, str):
+                    return None
+                got = self._http(
+                    server, "POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
+                )
+            elif server.protocol == "openai":  # vLLM's /tokenize renders messages with the served template
+                body = {"model": server.model, "messages": messages, "add_generation_prompt": True}
+                if template_kwargs:
+                    body["chat_template_kwargs"] = template_kwargs
+                got = self._with_retries("/tokenize", lambda s: self._http(s, "POST", "/tokenize", body))
+            else:
+                return None
+        except ServerError:
+            return None
+        ids = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(ids, list):
+            return None
+        return [int(t["id"] if isinstance(t, dict) else t) for t in ids]
 
     def describe(self) -> list[dict[str, Any]]:
         """Per server: URL, protocol, model, tokenizer check, requests served, last failure."""

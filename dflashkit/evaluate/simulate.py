@@ -101,8 +101,14 @@ def replay_rounds(
     block_size: int | None = None,
     tree_top_k: int | None = None,
     force_spine: bool = False,
+    reserve: int | None = 0,
 ) -> tuple[list[int], list[int]]:
-    """(acceptance lengths, draft tokens verified) per round of `method` on one fixed greedy transcript."""
+    """(acceptance lengths, draft tokens verified) per round of `method` on one fixed greedy transcript.
+
+    `reserve` is the engine's rule for a round's drafts when `room` tokens are left after its first one: at most
+    room − reserve (0: dflashkit's loop; 1: llama-server, which keeps room for the round's own target token and
+    drafts nothing when none is left); None: every round verifies all its slots and counts what they accept even
+    past the end (vLLM counts before it cuts the output) — the transcript must then reach a block past the end."""
     ids, p_len = transcript.ids, transcript.prompt_len
     last = len(ids) - 1
     bs = block_size or drafter.config.block_size
@@ -118,7 +124,9 @@ def replay_rounds(
     first = drafter.first_draft_slot()  # DSpark: every slot drafts, through its Markov head (as decode/generate.py)
     while s - p_len + 1 < max_new_tokens and s < last:
         room = max_new_tokens - (s - p_len + 1)
-        n_verify = min(bs - first, room)  # drafts that can still be committed (as decode/generate.py)
+        n_verify = bs - first if reserve is None else min(bs - first, room - reserve)  # (as decode/generate.py)
+        if n_verify < 1:  # the engine makes the last token without a round
+            break
         embeds = drafter.block_embeddings(torch.tensor([[ids[s]]]), embed_weight, bs)  # always the full block
         hidden = drafter(
             new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(s, s + bs)[None], cache=dcache
