@@ -87,6 +87,13 @@ def widest_tiles(rows: int, queries: int, context: int, dtype: torch.dtype, *, t
     return TiledMask(tiles, additive, context + queries, index)
 
 
+def widest_tiles_bytes(rows: int, queries: int, context: int, itemsize: int, *, tile: int = DEFAULT_TILE) -> int:
+    """Bytes of `widest_tiles(rows, queries, context, …).additive`, in closed form (any size, nothing built): a tile
+    of q rows holds (rows, 1, q, context + q) entries, so the tiles sum to rows · (queries · context + Σ q²)."""
+    full, last = divmod(queries, tile)
+    return rows * itemsize * (queries * context + full * tile * tile + last * last)
+
+
 @torch.compiler.disable  # its tiles are data: a compiled drafter runs it eagerly instead of recompiling every step
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale: float, enable_gqa: bool) -> Tensor:
     """q (B, nh, Nq, d), k / v (B, kvh, Tk, d) → (B, nh, Nq, d): SDPA under the mask `tiled` was cut from."""
@@ -109,4 +116,4 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale:
     return torch.cat(outs, 2).to(q.dtype)
 
 
-__all__ = ["DEFAULT_TILE", "TiledMask", "tile_mask", "tiled_attention", "widest_tiles"]
+__all__ = ["DEFAULT_TILE", "TiledMask", "tile_mask", "tiled_attention", "widest_tiles", "widest_tiles_bytes"]

@@ -30,7 +30,8 @@ Modules and their public functions:
   distributed.py   `DistContext.from_env()`
   options_table.py `options_table()`: the training-options table of docs/pipeline.md, generated from `TrainConfig`
   memory.py        `step_memory` → `MemoryParts`: a step's peak memory from shapes alone (`LiveBytes` on fake
-                   tensors); the one model `plan`, `doctor` and `train` read
+                   tensors at small shapes, scaled: any size in seconds); the one model `plan`, `doctor` and `train`
+                   read
   memory_check.py  `run_memory(cfg)`, `fit_problem(cfg)`: will a training config's step fit its device
   step_cost.py     `step_cost` (a step's FLOPs), `gpu_rate`, `calibrate` (this CPU's rates from real steps)
 """

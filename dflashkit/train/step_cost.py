@@ -7,10 +7,11 @@ seconds — assumed for a named GPU, or measured on the machine at hand (`calibr
     calibrate(drafter_cfg).seconds(cost)     # measured: this CPU's rate from real steps of a drafter
 
 The drafter's forward and backward are counted by running them on fake tensors under PyTorch's FLOP counter
-(every head's layers counted as they run), plus the attention products the fused kernels hide from it
-(4·Nq·S·hd per head forward, twice that backward, over S = T + Nq keys, or the keys flex attention visits). The
-loss: the LM head over the rows that carry one (forward and the states' gradient), the target's forward in online
-training: 2 FLOPs per active parameter per token plus its attention.
+(every head's layers counted as they run; at small shapes, interpolated to the step's: `drafter_flops`), plus the
+attention products the fused kernels hide from it (4·Nq·S·hd per head forward, twice that backward, over S = T + Nq
+keys, or the keys flex attention visits). The loss: the LM head over the rows that carry one (forward and the
+states' gradient), the target's forward in online training: 2 FLOPs per active parameter per token plus its
+attention.
 
 A measured rate is FLOPs per second of real training steps of the drafter on this machine (`calibrate`: several
 shapes, the fastest of a few steps each, their median rate), so what a step does besides its products (masks,
@@ -27,7 +28,7 @@ import torch
 
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
-from dflashkit.train.memory import StepShape, fake_step
+from dflashkit.train.memory import StepShape, fake_step, interpolate
 
 # Dense bf16 tensor-core peaks (FLOP/s, vendor sheets) and memory in GiB as the driver reports it (nvidia-smi's
 # MiB / 1024) of the GPUs people train drafters on.
@@ -90,13 +91,31 @@ def _attention_flops(cfg: DrafterConfig, shape: StepShape, visible_keys: float |
 
 
 def drafter_flops(cfg: DrafterConfig, shape: StepShape) -> float:
-    """FLOPs the counter sees in the drafter's forward + backward, run on fake tensors."""
+    """FLOPs the counter sees in the drafter's forward + backward, run on fake tensors. Every product runs over the
+    rows' context (T) or queries (Nq), attention's over queries × keys, so the count is B·(a·T + b·Nq + c·Nq·T +
+    d·Nq²): it is counted at four small shapes of one row and interpolated (`memory.interpolate`), the same cost at
+    any size and no tensor past int64."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with fake_step(cfg, shape) as step, FlopCounterMode(display=False) as counter:
-        hidden = step.forward()  # (B, Nq, H)
-        hidden.backward(torch.empty_like(hidden))
-    return float(counter.get_total_flops())
+    def terms(s: StepShape) -> tuple[int, ...]:
+        nq = s.blocks * cfg.block_size
+        return (s.tokens, nq, nq * s.tokens, nq * nq)
+
+    traced = [StepShape(1, 64, 2), StepShape(1, 128, 2), StepShape(1, 64, 3), StepShape(1, 64, 4)]
+    counts = _FLOP_COUNTS.get(repr(cfg))
+    if counts is None:
+        counts = []
+        for small in traced:
+            with fake_step(cfg, small) as step, FlopCounterMode(display=False) as counter:
+                hidden = step.forward()  # (B, Nq, H)
+                hidden.backward(torch.empty_like(hidden))
+            counts.append([int(counter.get_total_flops())])
+        _FLOP_COUNTS[repr(cfg)] = counts
+    return float(interpolate(terms, traced, counts, StepShape(1, shape.tokens, shape.blocks))[0] * shape.rows)
+
+
+# The counts at the small shapes, by drafter config: a plan prices several shapes of one drafter.
+_FLOP_COUNTS: dict[str, list[list[int]]] = {}
 
 
 def step_cost(

@@ -15,6 +15,7 @@ from dflashkit.diagnose.plan import Hardware, PlanRequest, blocks_per_row, make_
 from dflashkit.diagnose.plan_files import write_plan
 from dflashkit.errors import ConfigError
 from dflashkit.train.config import TrainConfig
+from tests.helpers.process_cost import run_measured
 from tests.helpers.published_configs import QWEN3_6_27B, QWEN3_8B, QWEN3_30B_A3B, write_config
 
 # z-lab's published drafters (config.json on Hugging Face): the geometry a plan for the same target must give.
@@ -167,6 +168,23 @@ def test_bad_input_is_one_line(argv, expected, tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_of_any_size_costs_seconds(tmp_path) -> None:
+    """Rows of 10^9 tokens (past int64 for a dense mask of the step): refused in one line or planned, never a
+    traceback; the largest rows the CLI takes (2^24 tokens) planned — each in seconds and a few hundred MB, imports
+    included, with room for a busy machine."""
+    target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)
+    for seq_len in (10**9, 2**24):
+        proc = run_measured(
+            [sys.executable, "-m", "dflashkit", "plan", "--target", str(target), "--seq-len", str(seq_len),
+             "--out", str(tmp_path / f"p{seq_len}")],
+            timeout=300,
+        )  # fmt: skip
+        assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 0 or len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.seconds < 30 and proc.peak_rss_mib < 800, (seq_len, proc.seconds, proc.peak_rss_mib)
+    assert proc.returncode == 0 and "memory" in proc.stdout, proc.stderr
 
 
 def test_from_plan_to_a_running_train_on_the_embedded_target(tmp_path) -> None:

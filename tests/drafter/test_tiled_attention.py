@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dflashkit.drafter.model import DFlashDrafter, to_additive
-from dflashkit.drafter.tiled_attention import tile_mask, tiled_attention, widest_tiles
+from dflashkit.drafter.tiled_attention import tile_mask, tiled_attention, widest_tiles, widest_tiles_bytes
 from dflashkit.train.blocks import build_blocks, dense_mask, masks_for_layer_types, sample_anchors
 from dflashkit.train.losses import block_loss
 from tests.train.test_blocks import _batch_with_padding, packed_row, tiny_config
@@ -94,6 +94,10 @@ def test_widest_tiles_shapes() -> None:
     assert tiled.tiles[1][2] == [(0, 7), (11, 15)]
     assert [tuple(m.shape) for m in tiled.additive] == [(2, 1, 4, 11), (2, 1, 4, 11), (2, 1, 2, 9)]
     assert tiled.index.numel() == 11 + 11 + 9 and tiled.key_length == 17
+    with torch.device("meta"):  # the closed form the memory model reads, against the tiles themselves
+        for rows, queries, context, tile in ((2, 10, 7, 4), (1, 640, 300, 128), (3, 1000, 77, 128), (1, 5, 9, 128)):
+            made = sum(m.nbytes for m in widest_tiles(rows, queries, context, torch.float32, tile=tile).additive)
+            assert widest_tiles_bytes(rows, queries, context, 4, tile=tile) == made
 
 
 def test_bad_masks_are_refused() -> None:

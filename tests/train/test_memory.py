@@ -1,5 +1,7 @@
 """The memory model of a training step (`dflashkit.train.memory`) against the allocator's measured peak of real
-training steps on CPU: several small targets (Qwen3, Qwen3.5 hybrid), drafter sizes, online and offline features."""
+training steps on CPU: several small targets (Qwen3, Qwen3.5 hybrid), drafter sizes, online and offline features;
+and its drafter trace, scaled from small shapes, against the trace at the step's own shape: every head kind, both
+attention paths, block sizes whose last query tile varies — and a step of any size estimated in integers."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import pytest
 import torch
 
 from dflashkit.drafter.config import DrafterConfig
+from dflashkit.drafter.heads import KINDS
 from dflashkit.target.model import Target
 from dflashkit.target.shape import read_target_shape
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.loop import train
-from dflashkit.train.memory import MemorySettings, StepShape, step_memory
+from dflashkit.train.memory import MemorySettings, StepShape, scaled_drafter_step, step_memory, trace_drafter_step
 from tests.helpers.peak_memory import AllocationTrace, own_parameters
 
 TOLERANCE = 0.15  # the issue's bound: the estimate within 15 % of the measured peak
@@ -133,3 +136,55 @@ def test_step_memory_of_the_embedded_target_within_15_percent(tmp_path: Path) ->
     dcfg = DrafterConfig.for_target(hidden_size=576, vocab_size=49152, num_target_layers=30, mask_token_id=5, **drafter)
     est = step_memory(dcfg, shape, StepShape(rows=1, tokens=512, blocks=24), MemorySettings(online=True))
     assert abs(est.peak - measured) <= TOLERANCE * measured, (est.peak, measured, est.lines())
+
+
+# The drafter's attention paths: CPU training's query tiles (fp32, and bf16 autocast where each tile's mask is
+# converted), and the dense mask the CUDA estimate traces.
+PATHS = {
+    "tiles fp32": MemorySettings(device="cpu"),
+    "tiles bf16": MemorySettings(device="cpu", precision="bf16"),
+    "dense bf16": MemorySettings(device="cuda"),
+}
+# One block; fewer than 4 query tiles; a partial last tile (n = 6, r = 80); three rows over 9 tiles (r = 96).
+SHAPES = [StepShape(1, 300, 1), StepShape(2, 200, 5), StepShape(1, 700, 45), StepShape(3, 500, 70)]
+
+
+def _drafter(kind: str = "dflash", block_size: int = 16) -> DrafterConfig:
+    return DrafterConfig.for_target(
+        hidden_size=128, vocab_size=512, num_target_layers=8, mask_token_id=5, kind=kind, num_hidden_layers=2,
+        block_size=block_size,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "path"), [*((k, p) for k in KINDS for p in ("tiles bf16", "dense bf16")), ("dflash", "tiles fp32")]
+)
+def test_the_scaled_trace_equals_the_trace_at_the_shape_itself(kind: str, path: str) -> None:
+    cfg = _drafter(kind)
+    for shape in SHAPES:
+        assert scaled_drafter_step(cfg, shape, PATHS[path]) == trace_drafter_step(cfg, shape, PATHS[path]), shape
+
+
+@pytest.mark.parametrize("block_size", [3, 12, 64, 256])
+def test_the_scaled_trace_follows_the_last_tile_of_any_block_size(block_size: int) -> None:
+    """Block sizes whose last tile takes many row counts (3, 12), two (64) or one (256: every tile full)."""
+    cfg = _drafter(block_size=block_size)
+    for path in ("tiles bf16", "dense bf16"):
+        for blocks in (1, 2, 9, 43, 61) if block_size < 64 else (1, 2, 7, 9):
+            shape = StepShape(1, 150, blocks)
+            assert scaled_drafter_step(cfg, shape, PATHS[path]) == trace_drafter_step(cfg, shape, PATHS[path]), shape
+
+
+def test_a_step_of_any_size_is_estimated_exactly_in_integers() -> None:
+    """Sizes whose tensors would pass int64 (a dense (Nq, T + Nq) mask of 10^9-token rows): a finite estimate from
+    the same small traces; the saved activations grow at least with the context and the queries, at most with their
+    product (a tile's keys, n·T; the dense mask converted for the attention, Nq·(T + Nq))."""
+    cfg = _drafter()
+    shape = read_target_shape("default")
+    for path, settings in PATHS.items():
+        small, huge = StepShape(1, 10**6, 10**5), StepShape(1, 10**9, 10**8)
+        a, b = scaled_drafter_step(cfg, small, settings), scaled_drafter_step(cfg, huge, settings)
+        assert all(isinstance(v, int) and v > 0 for v in b.values())
+        assert 0.9 * 1000 < b["saved"] / a["saved"] < 1.1 * 1000**2, path  # 1000 × the context and the queries
+        est = step_memory(cfg, shape, huge, settings)
+        assert isinstance(est.peak, int) and est.peak > 10**15

@@ -5,7 +5,6 @@ target go once it has its embedding table and LM head."""
 from __future__ import annotations
 
 import gc
-import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -19,6 +18,7 @@ from dflashkit.target.model import Target
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.memory import StepShape
 from dflashkit.train.memory_check import fit_problem, run_memory
+from tests.helpers.process_cost import run_measured
 from tests.helpers.published_configs import QWEN3_8B, write_config
 from tests.helpers.train_runs import write_tokens_file
 
@@ -45,19 +45,23 @@ def test_a_run_that_does_not_fit_is_refused_naming_what_to_change(tmp_path) -> N
 
 def test_train_refuses_before_loading_anything(tmp_path) -> None:
     """The CLI: a config that cannot fit this machine (the target alone is 33 GB in fp32) ends in one line, exit
-    2, in seconds — the target's weights do not exist, so reaching a load would fail differently."""
+    2, in seconds — the target's weights do not exist, so reaching a load would fail differently. However large
+    the step (here 100,000 blocks of 16 queries over 65,536 tokens: 26,612 GiB), the estimate costs the same: the
+    whole command in seconds and a few hundred MB, imports included (a trace at the step's own shape would take
+    minutes and gigabytes), with room for a busy machine."""
     target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)
     tokens = write_tokens_file(tmp_path / "tokens.jsonl", 4)
-    proc = subprocess.run(
+    proc = run_measured(
         [sys.executable, "-m", "dflashkit", "train", "-", f"target={target}", f"tokens={tokens}", "online=true",
          f"out={tmp_path / 'run'}", "max_anchors=100000", "max_tokens=65536"],
-        capture_output=True, text=True, timeout=300,
+        timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert (
         "train: this run needs about" in line and "max_anchors (now 100000)" in line and "Traceback" not in proc.stderr
     )
+    assert proc.seconds < 30 and proc.peak_rss_mib < 800, (proc.seconds, proc.peak_rss_mib)
     assert not (tmp_path / "run").exists()
 
 
