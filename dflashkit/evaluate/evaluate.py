@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dflashkit.cpu_products import stock_products
+from dflashkit.cpu_products.machine import describe_machine
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.decode.generate import DecodeSettings, GenerationResult, generate
 from dflashkit.decode.hybrid_tree import resolve_mode
@@ -398,6 +399,7 @@ class _Evaluation:
             "ar": ar,
             "results": results,
             "notes": notes,
+            "machine": describe_machine(),  # what the timings ran on (CPU, BLAS, torch, threads)
             **(
                 {"decode_compile": self.decode.as_dict(sum(bool(r.get("compiled")) for r in chosen))}
                 if self.decode is not None

@@ -117,6 +117,16 @@ class _DrafterInfo(JsonFields):
     parameters: int = 0
 
 
+class _Machine(JsonFields):
+    """What `eval` timed on (cpu_products/machine.py `describe_machine`); a model card prints it."""
+
+    cpu: str | None = None
+    flags: list[str] | None = None
+    blas: str | None = None
+    torch: str | None = None
+    threads: int | None = None
+
+
 class _Results(JsonFields):
     results: dict[str, dict[str, _Stats]]  # {drafter: {method: stats}}
     ar: _AR | None = None
@@ -126,6 +136,7 @@ class _Results(JsonFields):
     drafters: dict[str, _DrafterInfo] | None = None
     notes: list[Any] | None = None
     kind: str | None = None
+    machine: _Machine | None = None
 
 
 def check_results(doc: Any, path: str) -> None:
