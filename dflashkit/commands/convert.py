@@ -3,6 +3,9 @@ DeepSpec, GGUF for llama.cpp), or a checkpoint of another trainer into dflashkit
 
     dflashkit convert SRC OUT [--to zlab|speculators|vllm|deepspec] [--target T] [--dtype bf16] [--num-target-layers N]
     dflashkit convert SRC OUT.gguf --to gguf --target TARGET.gguf [--outtype f32|f16|bf16|q8_0]   # llama.cpp
+    dflashkit convert SRC OUT --to vllm --target T --eval runs/eval      # τ measured by `eval` into the model card
+
+Every export writes a model card beside the weights (export/model_card.py).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="write into a non-empty output directory (its config.json / model.safetensors are replaced, other files "
-        "stay) or over an existing .gguf file",
+        help="write into a non-empty output directory (its config.json / model.safetensors and the model card "
+        "dflashkit wrote there are replaced, other files stay) or over an existing .gguf file",
     )
     p.add_argument(
         "--to",
@@ -54,6 +57,15 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
         help="cast floating tensors",
     )
     p.add_argument(
+        "--eval",
+        type=flag(Text),
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="an `eval` or `simulate` output directory (or its results.json) that measured this drafter: its τ goes "
+        "into the model card written beside the export; repeatable",
+    )
+    p.add_argument(
         "--num-target-layers",
         type=flag(PositiveInt),
         default=None,
@@ -85,6 +97,7 @@ def _convert(args: argparse.Namespace) -> int:
                 outtype=args.outtype or "f16",
                 num_target_layers=args.num_target_layers,
                 overwrite=args.overwrite,
+                evals=args.eval or (),
             ).render()
         )
         return 0
@@ -101,6 +114,7 @@ def _convert(args: argparse.Namespace) -> int:
         num_target_layers=args.num_target_layers,
         target=target,
         overwrite=args.overwrite,
+        evals=args.eval or (),
     )
     print(report.render())
     return 0

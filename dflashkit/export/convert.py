@@ -21,6 +21,7 @@ A learned mask embedding is stored as the `mask_embedding` tensor and, for vLLM,
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from dflashkit.export.deepspec import (
     deepspec_tensors,
     import_tables,
 )
+from dflashkit.export.model_card import Measured, ModelCard, drafter_fingerprints, measured_in, write_model_card
 from dflashkit.export.serving import (
     SERVING_FORMAT,
     safe_learned_mask_id,
@@ -203,11 +205,13 @@ def convert(
     num_target_layers: int | None = None,
     target: Any = None,
     overwrite: bool = False,
+    evals: Sequence[str | Path] = (),
 ) -> ConversionReport:
     """Convert a z-lab, speculators or serving-layout checkpoint to `to` ('zlab', 'speculators' or 'vllm': the
     serving layout, export/serving.py; `target`, a loaded Target, gives a reduced vocabulary its LM-head rows);
     returns what was done. `out` must be new or empty unless `overwrite` (a typo must not replace a model's own
-    config.json and weights)."""
+    config.json and weights). A model card goes beside the weights (export/model_card.py), with the τ of this drafter
+    in the `eval` output directories `evals`."""
     if to not in FORMATS:
         raise ConfigError(f"unknown output format {to!r}; expected one of {', '.join(FORMATS)}")
     if isinstance(dtype, str):
@@ -224,14 +228,38 @@ def convert(
     cfg, tensors, fmt = load_any(src, num_target_layers=num_target_layers, notes=notes, target=target)
     if target is not None:  # an export names its target: it must be the drafter's (sizes, vocabulary, layers)
         check_drafter_fits(cfg, target, source=str(src))
-    tensors = _cast(tensors, dtype)
+    cast = _cast(tensors, dtype)
+    measured = _measured(evals, [cfg, safe_learned_mask_id(cfg, target)[0]], [tensors, cast])  # before writing
     if dtype is not None:
         notes.append(f"floating tensors cast to {str(dtype).replace('torch.', '')}")
+    written = _write_format(to, src, out, cfg, cast, target=target, dtype=dtype, notes=notes)
+    name = getattr(target, "source", None) if target is not None else None
+    notes.append(write_model_card(ModelCard(out, to, written, src, target=name, evals=measured)))
+    return ConversionReport(str(src), fmt, str(out), to, notes)
+
+
+def _measured(evals: Sequence[str | Path], cfgs: list[DrafterConfig], tensor_sets: list[Any]) -> list[Measured]:
+    """The evaluations of this drafter (as read, or with its export's mask id / cast) in `evals`."""
+    return measured_in(evals, drafter_fingerprints(cfgs, tensor_sets)) if evals else []
+
+
+def _write_format(
+    to: str,
+    src: Path,
+    out: Path,
+    cfg: DrafterConfig,
+    tensors: dict[str, torch.Tensor],
+    *,
+    target: Any,
+    dtype: torch.dtype | None,
+    notes: list[str],
+) -> DrafterConfig:
+    """Write `out` in layout `to`; returns the drafter config as written (a learned mask's id may move)."""
     if to == SERVING_FORMAT:
         cfg, why = safe_learned_mask_id(cfg, target)
         notes += [why] if why else []
         notes += write_serving(out, cfg, tensors, _reduced_head_source(cfg, target, dtype), str(src))
-        return ConversionReport(str(src), fmt, str(out), SERVING_FORMAT, notes)
+        return cfg
     if to == DEEPSPEC_FORMAT:
         problems = deepspec_problems(cfg)
         if problems:
@@ -240,7 +268,7 @@ def convert(
         notes += [why] if why else []
         _write(out, deepspec_tensors(cfg, tensors, target), deepspec_config(cfg))
         notes.append("the target's embeddings and LM head written with the drafter (DeepSpec loads them from here)")
-        return ConversionReport(str(src), fmt, str(out), DEEPSPEC_FORMAT, notes)
+        return cfg
     if to == "speculators":
         tensors, why = tensors_to_speculators(tensors, cfg, _reduced_head_source(cfg, target, dtype), str(src))
         source = getattr(target, "source", "") if target is not None else ""
@@ -252,7 +280,7 @@ def convert(
                 "speculators_config.verifier.name_or_path left empty: speculators' loader takes the embeddings from "
                 "there — pass --target (an HF directory) or set it to the target's id before loading in speculators"
             )
-        return ConversionReport(str(src), fmt, str(out), "speculators", notes)
+        return cfg
     config = cfg.to_zlab_dict()
     if dtype is not None:
         config["torch_dtype"] = str(dtype).replace("torch.", "")
@@ -270,7 +298,7 @@ def convert(
             f"embedding of token {cfg.mask_token_id} wherever that id appears; SGLang ignores it and "
             f"uses the target's row {cfg.mask_token_id})"
         )
-    return ConversionReport(str(src), fmt, str(out), "zlab", notes)
+    return cfg
 
 
 def _records_no_depth(src: Path) -> bool:
@@ -305,17 +333,21 @@ def _reduced_head_source(cfg: DrafterConfig, target: Any, dtype: torch.dtype | N
 
 def export_checkpoint(target: Any, chosen: str | Path, out_dir: Path) -> list[str]:
     """A trained checkpoint into `out_dir` in the serving layout (what the quickstart exports); a drafter vLLM
-    cannot run (e.g. gelu, asked for explicitly) is copied in dflashkit's own layout instead, with the reason."""
+    cannot run (e.g. gelu, asked for explicitly) is copied in dflashkit's own layout instead, with the reason. A model
+    card goes with it."""
     import shutil
 
     cfg, tensors, _ = load_any(chosen)
     problems = vllm_model_problems(cfg)
     if problems:
         shutil.copytree(chosen, out_dir)
-        return [f"exported in dflashkit's layout: vLLM cannot run this drafter ({'; '.join(problems)})"]
-    cfg, why = safe_learned_mask_id(cfg, target)
-    notes = [why] if why else []
-    return notes + write_serving(out_dir, cfg, tensors, target.lm_head_weight, str(chosen))
+        notes = [f"exported in dflashkit's layout: vLLM cannot run this drafter ({'; '.join(problems)})"]
+        layout = "zlab"
+    else:
+        cfg, why = safe_learned_mask_id(cfg, target)
+        notes = ([why] if why else []) + write_serving(out_dir, cfg, tensors, target.lm_head_weight, str(chosen))
+        layout = SERVING_FORMAT
+    return [*notes, write_model_card(ModelCard(Path(out_dir), layout, cfg, Path(chosen), target=target.source))]
 
 
 __all__ = [

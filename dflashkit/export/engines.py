@@ -2,6 +2,7 @@
 
     verdicts = engine_verdicts(cfg, files={"config.json", "model.safetensors"}, keys={...}, raw=config_dict)
     for v in verdicts: print(v.line())         # "vLLM (GPU)  loads" / "vLLM (CPU)  refuses: …" / …
+    export_problems(cfg)                       # why llama.cpp's dflash graph cannot run it ([] : it can)
 
 Each verdict is one of:
   loads         the engine reads the directory and runs this very drafter (what `serve-check` verifies)
@@ -22,11 +23,37 @@ from typing import Any
 from dflashkit.drafter.checkpoint import MASK_FILE
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
-from dflashkit.export.gguf_export import export_problems
 from dflashkit.export.serving import mixed_layers, vllm_model_problems
 
 VERDICTS = ("loads", "converts", "degrades", "refuses", "unverified")
 TO_VLLM = "dflashkit convert DIR OUT --to vllm --target TARGET"
+
+
+def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None) -> list[str]:
+    """Why llama.cpp's dflash loader/graph cannot run this drafter exactly (empty when it can)."""
+    n_layers = num_target_layers or cfg.num_target_layers
+    problems = []
+    last = [i for i in cfg.target_layer_ids if i + 1 >= n_layers]
+    if last:
+        problems.append(
+            f"target_layer_ids {last} read the output of the target's last decoder layer "
+            f"({n_layers - 1}); llama.cpp extracts layer *inputs* (dflash.target_layers = id + 1), so "
+            f"the last layer's output has no input to be read from"
+        )
+    if cfg.attention_bias:
+        problems.append("attention_bias: true — llama.cpp's dflash layers load no q/k/v/o biases")
+    if cfg.hidden_act != "silu":
+        problems.append(
+            f"hidden_act {cfg.hidden_act!r}: only 'silu' is exported (llama.cpp maps gelu variants "
+            f"to one tanh-approximated GELU)"
+        )
+    causal = {cfg.layer_is_causal(i) for i in range(cfg.num_hidden_layers)}
+    if len(causal) > 1:
+        problems.append(
+            "the drafter mixes causal (sliding) and bidirectional (full) block attention; llama.cpp "
+            "has one causal switch for all draft layers (set is_causal to make them agree)"
+        )
+    return problems + head_of(cfg).gguf_problems(cfg)
 
 
 @dataclass
@@ -146,6 +173,7 @@ __all__ = [
     "VERDICTS",
     "EngineVerdict",
     "engine_verdicts",
+    "export_problems",
     "mixed_layers",
     "verdicts_for_dir",
     "vllm_model_problems",

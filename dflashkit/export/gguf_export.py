@@ -36,6 +36,7 @@ What the file holds and why:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
 from dflashkit.errors import CheckpointError, ConfigError, TargetError
 from dflashkit.export.convert import ConversionReport, check_output, load_any
+from dflashkit.export.engines import export_problems
+from dflashkit.export.model_card import ModelCard, drafter_fingerprints, measured_in, write_model_card
+from dflashkit.target.default import DEFAULT_ALIASES
 
 ARCH = "dflash"
 # GGUF key templates (src/llama-arch.cpp LLM_KV_NAMES; "%s" = the architecture).
@@ -119,33 +123,6 @@ def spec_flags(cfg: DrafterConfig) -> str:
     return f"--spec-type {head.llamacpp_spec_type} --spec-draft-n-max {head.drafts_per_round(cfg.block_size)}"
 
 
-def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None) -> list[str]:
-    """Why llama.cpp's dflash loader/graph cannot run this drafter exactly (empty when it can)."""
-    n_layers = num_target_layers or cfg.num_target_layers
-    problems = []
-    last = [i for i in cfg.target_layer_ids if i + 1 >= n_layers]
-    if last:
-        problems.append(
-            f"target_layer_ids {last} read the output of the target's last decoder layer "
-            f"({n_layers - 1}); llama.cpp extracts layer *inputs* (dflash.target_layers = id + 1), so "
-            f"the last layer's output has no input to be read from"
-        )
-    if cfg.attention_bias:
-        problems.append("attention_bias: true — llama.cpp's dflash layers load no q/k/v/o biases")
-    if cfg.hidden_act != "silu":
-        problems.append(
-            f"hidden_act {cfg.hidden_act!r}: only 'silu' is exported (llama.cpp maps gelu variants "
-            f"to one tanh-approximated GELU)"
-        )
-    causal = {cfg.layer_is_causal(i) for i in range(cfg.num_hidden_layers)}
-    if len(causal) > 1:
-        problems.append(
-            "the drafter mixes causal (sliding) and bidirectional (full) block attention; llama.cpp "
-            "has one causal switch for all draft layers (set is_causal to make them agree)"
-        )
-    return problems + head_of(cfg).gguf_problems(cfg)
-
-
 # ---------------------------------------------------------------------------------------------- target
 @dataclass
 class TargetGGUF:
@@ -163,7 +140,7 @@ class TargetGGUF:
 
 def resolve_target_gguf(spec: str | Path) -> Path:
     """'default' → the embedded SmolLM2 GGUF; a .gguf file; or a directory holding exactly one .gguf file."""
-    from dflashkit.target.default import DEFAULT_ALIASES, gguf_path
+    from dflashkit.target.default import gguf_path
 
     if str(spec).lower() in DEFAULT_ALIASES:
         return gguf_path()
@@ -402,9 +379,11 @@ def export_gguf(
     outtype: str = "f16",
     num_target_layers: int | None = None,
     overwrite: bool = False,
+    evals: Sequence[str | Path] = (),
 ) -> ConversionReport:
     """Write the drafter checkpoint `src` (z-lab, dflashkit or speculators) as a llama.cpp dflash GGUF `out` (a new
-    file unless `overwrite`; never the target's own GGUF)."""
+    file unless `overwrite`; never the target's own GGUF), and its model card (export/model_card.py: beside the file,
+    with the τ of this drafter in the `eval` output directories `evals`)."""
     if outtype not in OUTTYPES:
         raise ConfigError(f"unknown --outtype {outtype!r}; expected one of {list(OUTTYPES)}")
     out = Path(out)
@@ -421,6 +400,7 @@ def export_gguf(
     check_output(out, overwrite=overwrite)
     tgt = read_target_gguf(target_file)
     check_target_fits(cfg, tgt)
+    measured = measured_in(evals, drafter_fingerprints([cfg], [tensors])) if evals else []
     exp = build_export(cfg, tensors, tgt, outtype=outtype)
     notes += exp.notes
     notes.append(
@@ -434,6 +414,9 @@ def export_gguf(
     name = f"{Path(src).name} {head_of(cfg).title} drafter"
     _write(out, cfg, tgt, exp, outtype=outtype, name=name, source_format=fmt)
     notes.append(f"{_mb(os.path.getsize(out))} written, drafter matrices {outtype}")
+    named = "default" if str(target).lower() in DEFAULT_ALIASES else None  # an HF target is not named here
+    card = ModelCard(out, "gguf", cfg, Path(src), target=named, target_gguf=str(target_file), evals=measured)
+    notes.append(write_model_card(card))
     return ConversionReport(str(src), fmt, str(out), "gguf", notes)
 
 

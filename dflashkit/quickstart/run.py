@@ -9,7 +9,8 @@ Stages (each one skips what is already done in `--out`, so an interrupted run co
   4. train    — a drafter, time-boxed: warmup + cosine span the training minutes themselves (checkpoints; resumes)
   5. eval     — held-out prompts never used in training (MT-Bench turn 1, HumanEval): AR vs chain vs DDTree, the
                 DDTree budget chosen by measurement on held-out ShareGPT prompts (`ddtree:auto`)
-  6. export   — the drafter in the serving layout (`OUT/drafter`): vLLM loads it as it is (`serve-check` proves it)
+  6. export   — the drafter in the serving layout (`OUT/drafter`): vLLM loads it as it is (`serve-check` proves it);
+                its model card (`OUT/drafter/README.md`) gets the evaluation's τ once that is done
 Then one screen: τ, tokens/s, speedup, greedy equality, and where the report, plots and checkpoint are.
 
 The defaults below are the variants that bought the most τ in the quickstart's minutes on a CPU (docs/studies.md,
@@ -438,6 +439,16 @@ def run_quickstart(s: QuickstartSettings) -> dict[str, Any]:
     return state
 
 
+def card_with_tau(target: Any, drafter_dir: Path, done: dict[str, Any]) -> None:
+    """The exported drafter's model card again, now with the τ the evaluation measured on it."""
+    from dflashkit.evaluate.report import load_results
+    from dflashkit.export.model_card import Measured, card_of_export, write_model_card
+
+    evals = [Measured(load_results(r["results"]), "quickstart") for r in done["eval"].values()]
+    source = Path(done["export"]["from"])
+    _say(write_model_card(card_of_export(drafter_dir, source=source, target=target.source, evals=evals)))
+
+
 def _run_stages(
     target: Any, s: QuickstartSettings, out: Path, state: dict[str, Any], layer_ids: list[int], t0: float
 ) -> None:
@@ -475,5 +486,6 @@ def _run_stages(
             _save_state(out, state)
         done["eval"] = stage_eval(target, drafter_dir, s, out, end, done["budget"])
         _save_state(out, state)
+        card_with_tau(target, drafter_dir, done)
     state["elapsed_minutes_last_run"] = round((time.monotonic() - t0) / 60, 1)
     _save_state(out, state)

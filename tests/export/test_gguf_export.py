@@ -10,13 +10,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dflashkit.cli import main
 from dflashkit.drafter.checkpoint import read_tensors
 from dflashkit.errors import CheckpointError, ConfigError, TargetError
 from dflashkit.export.gguf_export import export_gguf, gguf_tensor_name
 from helpers.checkpoints import small_config, write_checkpoint
+from helpers.target_gguf import write_target_gguf
 
 VT, QT = gguf.GGUFValueType, gguf.GGMLQuantizationType
 
@@ -119,32 +119,6 @@ def loader_tensors(
 
 
 MATRIX_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
-
-
-def write_target_gguf(
-    path: Path, target_dir: Path, *, embd_type: QT = QT.Q8_0, tied: bool = False, n_layers: int = 8
-) -> Path:
-    """A llama-arch target GGUF holding the conftest tiny Llama's tables (what the exporter reads from a target)."""
-    sd = load_file(str(target_dir / "model.safetensors"))
-    embd = sd["model.embed_tokens.weight"].float().numpy()
-    vocab, hidden = embd.shape
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_uint32("llama.embedding_length", hidden)
-    w.add_uint32("llama.block_count", n_layers)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])
-    w.add_array("tokenizer.ggml.token_type", [1] * vocab)
-    w.add_array("tokenizer.ggml.merges", ["t 1"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_tensor("token_embd.weight", gguf.quants.quantize(embd, embd_type), raw_dtype=embd_type)
-    if not tied:
-        w.add_tensor("output.weight", sd["lm_head.weight"].float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
