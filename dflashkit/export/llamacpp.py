@@ -59,12 +59,13 @@ def tool(name: str) -> Path:
     return path
 
 
-TARGET_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0")  # what llama-quantize makes of the shipped Q4_1 file
+TARGET_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M")  # what llama-quantize makes for the target
 
 
 def target_gguf(kind: str = "F32") -> Path:
-    """The embedded SmolLM2 target as a GGUF of another storage type (llama-quantize of the shipped Q4_1 file; made
-    once): F32 holds exactly the fp32 target's weights (the Q4_1 values, dequantized); F16 / BF16 / Q8_0 round them."""
+    """The embedded SmolLM2 target as a GGUF of another storage type (llama-quantize; made once): F32 holds exactly the
+    fp32 target's weights (the shipped Q4_1 values, dequantized); F16 / BF16 / Q8_0 round them; Q4_0 / Q4_K_M
+    re-quantize the F32 file to the 4-bit types users serve."""
     from dflashkit.target.default import DEFAULT_TARGET_NAME, gguf_path
 
     kind = kind.upper()
@@ -74,7 +75,8 @@ def target_gguf(kind: str = "F32") -> Path:
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp.gguf")
-        _run([str(tool("llama-quantize")), "--allow-requantize", str(gguf_path()), str(tmp), kind])
+        source = gguf_path() if kind == "F32" else target_gguf("F32")
+        _run([str(tool("llama-quantize")), "--allow-requantize", str(source), str(tmp), kind])
         os.replace(tmp, out)
     return out
 

@@ -6,7 +6,8 @@ speculative counters against what dflashkit's drafter accepts on the same prompt
     print(report.render())            # engine τ vs dflashkit τ, per position and per prompt; then the diagnosis
 
 What is sent: each prompt as token ids rendered the way the drafter was trained (chat template, thinking mode), greedy
-(temperature 0), exactly `max_new_tokens` tokens (end of turn ignored) — so both sides decode the same thing. One
+(temperature 0), exactly `max_new_tokens` tokens (end of turn ignored; llama-server then bans end-of-generation tokens,
+and the target's greedy output here bans them too) — so both sides decode the same thing. One
 request at a time; around each one the engine's counters are read twice and the difference is that request's:
   vLLM        Prometheus `/metrics`: vllm:spec_decode_num_drafts, …_num_draft_tokens, …_num_accepted_tokens,
               …_num_accepted_tokens_per_pos{position}, vllm:generation_tokens (summed over every label but position)
@@ -50,6 +51,9 @@ from dflashkit.export.served_diagnosis import Evidence, Finding, diagnose
 ENGINE_PREFIXES = {"vllm": "vllm", "llamacpp": "llama.cpp", "sglang": "sglang"}
 # the round rule each protocol's engine follows (evaluate.simulate.replay_rounds' `reserve`)
 RESERVE = {"openai": None, "sglang": None, "llama.cpp": 1}
+# engines whose `ignore_eos` bans end-of-generation tokens (llama.cpp sets their logits to −inf) instead of only not
+# stopping at them (vLLM): the target's greedy output here must ban them too
+BANS_EOG = {"llama.cpp"}
 SETTLE_S = 5.0  # how long a request's counters may lag its answer (llama-server adds them as the slot is released)
 
 
@@ -163,16 +167,38 @@ def counts_from_answer(protocol: str, info: dict[str, Any], n_tokens: int) -> Pr
 
 
 # ---------------------------------------------------------------------------------------------- dflashkit's side
-def transcript(target: Any, layers: Sequence[int], prompt: list[int], tokens: list[int], extend: int) -> Transcript:
-    """Prompt + `tokens` + the target's own greedy continuation of `extend` tokens, with the features of `layers`
-    (one forward): what a replay needs to count rounds that run past the output's end."""
+def greedy(target: Any, prompt: list[int], n: int, banned: Sequence[int] = ()) -> list[int]:
+    """The target's greedy continuation of `prompt` (`n` tokens, never stopping) where the tokens in `banned` can never
+    be chosen: at each place the plain greedy output picks one, the best other token is taken and decoding goes on."""
     from dflashkit.decode.generate import DecodeSettings, generate
 
-    tail: list[int] = []
-    if extend > 0:
-        tail = generate(
-            target, list(prompt) + list(tokens), settings=DecodeSettings(method="ar", max_new_tokens=extend)
-        ).tokens
+    out: list[int] = []
+    ban = {int(t) for t in banned}
+    while len(out) < n:
+        more = generate(target, list(prompt) + out, settings=DecodeSettings(method="ar", max_new_tokens=n - len(out)))
+        j = next((k for k, t in enumerate(more.tokens) if t in ban), None)
+        if j is None:
+            return out + more.tokens[: n - len(out)]
+        out += more.tokens[:j]
+        with torch.no_grad():
+            logits = target.forward(torch.tensor([list(prompt) + out]), layer_ids=[], logits=True).logits[0, -1]
+        logits = logits.float().clone()  # (V,)
+        logits[sorted(t for t in ban if t < logits.numel())] = float("-inf")
+        out.append(int(logits.argmax()))
+    return out
+
+
+def transcript(
+    target: Any,
+    layers: Sequence[int],
+    prompt: list[int],
+    tokens: list[int],
+    extend: int,
+    banned: Sequence[int] = (),
+) -> Transcript:
+    """Prompt + `tokens` + the target's own greedy continuation of `extend` tokens (`greedy`, `banned` never chosen),
+    with the features of `layers` (one forward): what a replay needs to count rounds that run past the output's end."""
+    tail = greedy(target, list(prompt) + list(tokens), extend, banned) if extend > 0 else []
     full = torch.tensor([list(prompt) + list(tokens) + tail], dtype=torch.long)  # (1, T)
     with torch.no_grad():
         feats = target.forward(full, layer_ids=list(layers), logits=False).features[0]  # (T, K·H)
@@ -372,6 +398,7 @@ def check_server(
         raise ServedError(str(e)) from None
     server = pool.servers[0]
     protocol, reserve = server.protocol, RESERVE[server.protocol]
+    banned = _end_ids(target) if protocol in BANS_EOG else []
     n = settings.max_new_tokens
     bs = drafter.config.block_size
     slots = bs - drafter.first_draft_slot()
@@ -429,10 +456,12 @@ def check_server(
         if i == 0 and settings.probe_repeat:
             again = pool.complete(list(p.ids), **ask)
             repeat = (tokens, list(again.token_ids or [])[:n])
-        own_tr = transcript(target, layers, list(p.ids), [], n + slots)
+        own_tr = transcript(target, layers, list(p.ids), [], n + slots, banned)
         own_tokens = own_tr.ids[own_tr.prompt_len : own_tr.prompt_len + n]
         same = own_tokens[: len(tokens)] == tokens
-        tf_tr = own_tr if same else transcript(target, layers, list(p.ids), tokens, slots if reserve is None else 0)
+        tf_tr = (
+            own_tr if same else transcript(target, layers, list(p.ids), tokens, slots if reserve is None else 0, banned)
+        )
         forced.append(tf_tr)
         tf = replay_counts(drafter, target, tf_tr, len(tokens), reserve)
         own = replay_counts(drafter, target, own_tr, n, reserve)
@@ -497,8 +526,17 @@ def check_server(
     return ServedReport(url, protocol, server.model, engine or protocol, drafter_name, n, bs, results, findings, notes)
 
 
-def _prompt_of(prompts: Sequence[Any], r: ServedPrompt) -> list[int]:
-    return next(list(p.ids) for p in prompts if str(p.id) == r.id)
+def _end_ids(target: Any) -> list[int]:
+    """The target's end-of-generation ids (its EOS and end-of-turn tokens)."""
+    from dflashkit.data.conversations import end_of_turn_ids
+
+    tok = target.tokenizer
+    if tok is None:
+        return []
+    ids = set(end_of_turn_ids(tok))
+    if getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    return sorted(ids)
 
 
 def _neighbours(drafter: Any, target: Any) -> set[int]:
