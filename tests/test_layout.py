@@ -10,7 +10,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dflashkit"
 # Bottom to top. A module of stage i may import stages 0..i (its own included) and the shared modules.
 STAGES = ("cpu_products", "target", "drafter", "data", "features", "train", "decode", "evaluate", "export", "diagnose")
-SHARED = ("errors", "io_utils", "validation", "output_dir", "sampling")  # imported by everyone, import no stage
+SHARED = (
+    "errors",
+    "io_utils",
+    "validation",
+    "output_dir",
+    "sampling",
+    "shell",
+)  # imported by everyone, import no stage
 TOP = ("cli", "failures", "commands", "quickstart", "__main__", "__init__")  # entry points: may import anything
 MAX_FUNCTION_LINES = 100  # of the body, docstring and signature not counted
 

@@ -102,7 +102,7 @@ def _methods(text: str) -> str:
 _methods.expect = "comma-separated methods: ar, chain, ddtree:B (B from 1 to 4096), ddtree:auto"  # type: ignore[attr-defined]
 
 
-def _thinking_arg(p: argparse.ArgumentParser) -> None:
+def thinking_arg(p: argparse.ArgumentParser) -> None:
     from dflashkit.data.thinking import THINKING_MODES
 
     p.add_argument(
@@ -114,7 +114,7 @@ def _thinking_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _thinking(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -> dict[str, Any]:
+def thinking_kwargs(args: argparse.Namespace, target: Any, drafters: dict[str, Any]) -> dict[str, Any]:
     """Chat template kwargs of --thinking, after refusing drafters whose data was prepared in another mode."""
     from dflashkit.data.thinking import check_same_thinking, template_kwargs
 
@@ -145,9 +145,8 @@ def _prompts(
     """The dataset's prompts for eval / simulate, rendered in the thinking mode the drafters were trained in."""
     from dflashkit.evaluate.stats import prompts_for
 
-    return prompts_for(
-        target, records, max_new_tokens=args.max_new_tokens, chat_template_kwargs=_thinking(args, target, drafters)
-    )
+    kwargs = thinking_kwargs(args, target, drafters)
+    return prompts_for(target, records, max_new_tokens=args.max_new_tokens, chat_template_kwargs=kwargs)
 
 
 def _check_dataset(name: str) -> None:
@@ -339,7 +338,7 @@ def _generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- eval
 def _eval_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    _thinking_arg(p)
+    thinking_arg(p)
     _drafter_arg(p, "drafter checkpoint, repeatable; NAME= labels it in the results")
     _dataset_arg(p)
     p.add_argument(
@@ -440,7 +439,7 @@ def _eval(args: argparse.Namespace) -> int:
             target,
             budget_records,
             max_new_tokens=args.max_new_tokens,
-            chat_template_kwargs=_thinking(args, target, drafters),
+            chat_template_kwargs=thinking_kwargs(args, target, drafters),
         )[0]
     temperatures = args.temperatures or [args.temperature]
     runs = {f"T={t:g}": Path(args.out) / f"T{t:g}" if args.temperatures else Path(args.out) for t in temperatures}
@@ -510,7 +509,7 @@ def _budget_choices(doc: dict[str, Any]) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------------- simulate
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     target_args(p)
-    _thinking_arg(p)
+    thinking_arg(p)
     _drafter_arg(p, "repeatable")
     _dataset_arg(p)
     p.add_argument("--limit", type=flag(PositiveInt), default=None)

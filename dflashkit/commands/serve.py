@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Annotated
+
+from pydantic import Field
 
 from dflashkit.cli import command, target_args
-from dflashkit.commands.evaluate import _thinking, _thinking_arg
-from dflashkit.validation import PositiveInt, ServerUrl, Text, TokenCount, flag
+from dflashkit.commands.evaluate import thinking_arg, thinking_kwargs
+from dflashkit.validation import Expect, PositiveInt, ServerUrl, Text, TokenCount, flag, int_list
+
+Clients = Annotated[int, Field(ge=1, le=1024), Expect("an integer from 1 to 1024 (requests in flight)")]
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +70,20 @@ def _args(p: argparse.ArgumentParser) -> None:
         default="/metrics",
         help="--server: its Prometheus endpoint (default /metrics)",
     )
-    _thinking_arg(p)
+    p.add_argument(
+        "--concurrency",
+        type=int_list(Clients, what="comma-separated numbers of requests in flight, e.g. 1,4,16"),
+        default=None,
+        help="measure throughput, latency and acceptance at each number of concurrent requests instead (with --server "
+        "URL, or --engine llamacpp: servers with and without the drafter started here)",
+    )
+    p.add_argument(
+        "--baseline-server",
+        type=flag(ServerUrl),
+        default=None,
+        help="--server --concurrency: the same target served without the drafter, for the with / without ratio",
+    )
+    thinking_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -79,7 +97,11 @@ def _serve_check(args: argparse.Namespace) -> int:
 
     if args.target_gguf is not None and "llamacpp" not in (args.engine or []):
         raise ConfigError("--target-gguf applies to --engine llamacpp, which is not among the engines to run")
+    if args.baseline_server is not None and not (args.server and args.concurrency):
+        raise ConfigError("--baseline-server applies to --server with --concurrency")
     records = read_prompts(args.dataset, limit=args.prompts)  # a malformed file is named before the target loads
+    if args.concurrency is not None:
+        return _load_curve(args, records)
     if args.server is not None:
         return _check_server(args, records)
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
@@ -115,7 +137,7 @@ def _check_server(args: argparse.Namespace, records: object) -> int:
     served = served_config(args.served_drafter) if args.served_drafter else None
     target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
     drafter = load_any_drafter(args.drafter, target=target, device=target.device).eval()
-    kwargs = _thinking(args, target, {args.drafter: drafter})
+    kwargs = thinking_kwargs(args, target, {args.drafter: drafter})
     prompts, _ = prompts_for(target, records, max_new_tokens=args.max_new_tokens, chat_template_kwargs=kwargs)
     chats = {c.id: prompt_messages(c) for c in (getattr(records, "conversations", None) or [])}
     items = [SimpleNamespace(id=p.id, ids=list(p.ids), messages=chats.get(p.id)) for p in prompts]
@@ -131,3 +153,47 @@ def _check_server(args: argparse.Namespace, records: object) -> int:
     )
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())
     return 0 if report.agrees else 1
+
+
+def _load_curve(args: argparse.Namespace, records: object) -> int:
+    """serve-check --concurrency: throughput, latency and acceptance per level (export/concurrency.py), against
+    --server (and --baseline-server), or llama-server started here with and without the drafter."""
+    import contextlib
+    import tempfile
+    from pathlib import Path
+
+    from dflashkit.errors import ConfigError
+    from dflashkit.evaluate.stats import prompts_for
+    from dflashkit.export.concurrency import LoadSettings, load_curve
+    from dflashkit.target.model import Target
+
+    engines = args.engine or []
+    if args.server is None and engines != ["llamacpp"]:
+        raise ConfigError("--concurrency needs --server URL, or --engine llamacpp to start llama-server here")
+    if args.server is not None and engines:
+        raise ConfigError("--server checks a running server; --engine starts one: give one of them")
+    target = Target.load(args.target, device=args.device, trust_remote_code=args.trust_remote_code)
+    prompts, _ = prompts_for(target, records, max_new_tokens=args.max_new_tokens)
+    ids = [list(p.ids) for p in prompts]
+    settings = LoadSettings(levels=tuple(args.concurrency), max_new_tokens=args.max_new_tokens)
+    with contextlib.ExitStack() as stack:
+        url, baseline = args.server, args.baseline_server
+        if url is None:  # llama-server here: the target with and without the drafter, as many slots as the top level
+            from dflashkit.export import llamacpp
+            from dflashkit.export.convert import load_any_drafter
+            from dflashkit.export.gguf_export import export_gguf
+            from dflashkit.export.llama_server import LlamaServer
+
+            target_gguf = Path(args.target_gguf) if args.target_gguf else llamacpp.f32_target_gguf()
+            drafter = load_any_drafter(args.drafter, target=target)
+            gguf = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dflashkit-load-"))) / "drafter.gguf"
+            export_gguf(args.drafter, gguf, target=target_gguf, outtype="f32")
+            slots = max(args.concurrency)
+            n_max = drafter.config.block_size - drafter.first_draft_slot()
+            spec = ["-md", str(gguf), "--spec-type", drafter.head.llamacpp_spec_type or "draft-dflash"]
+            spec += ["--spec-draft-n-max", str(n_max), "--metrics"]
+            url = stack.enter_context(LlamaServer(target_gguf, slots=slots, extra_args=spec)).url
+            baseline = stack.enter_context(LlamaServer(target_gguf, slots=slots, extra_args=["--metrics"])).url
+        curve = load_curve(url, ids, settings, baseline=baseline)
+    print(json.dumps(curve.as_dict(), indent=2) if args.json else curve.render())
+    return 0

@@ -17,6 +17,9 @@ Modules and their public functions:
   model_card.py   `write_model_card(ModelCard(...))`: the README.md every export writes beside the weights
                   (front matter, drafter, training record, τ from `eval` results, serve and serve-check commands)
   serve_check.py  `serve_check(target, drafter_dir, prompts=…)`: the drafter in vLLM vs dflashkit, per position
+  served.py       `check_server(target, drafter, url, prompts)`: a running server's own counters vs dflashkit's
+  served_diagnosis.py  `diagnose(evidence)`: the cause of a gap (template, sampling, window, numerics, config)
+  concurrency.py  `load_curve(url, prompts, LoadSettings(levels=…), baseline=…)`: throughput, latency and τ per level
   vllm_runner.py  the script serve_check runs with the vLLM environment's Python (imports nothing of dflashkit)
   llamacpp_check.py  `llamacpp_side`, `reference_drafts`: serve-check's llama.cpp side, round by round
   gguf_export.py  `export_gguf(ckpt, out, target_gguf=…)`

@@ -110,7 +110,7 @@ def detect_format(raw: dict[str, Any]) -> str:
     return "unknown"
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     cfg = path / CONFIG_NAME
@@ -167,7 +167,7 @@ def load_any(
     strictly; `target` (a loaded Target) checks the target tables a DeepSpec checkpoint carries."""
     path = Path(path)
     notes = notes if notes is not None else []
-    raw = _read_config(path)
+    raw = read_config(path)
     fmt = detect_format(raw)
     tensors = read_tensors(path)
     if fmt == "speculators":
@@ -303,7 +303,7 @@ def _write_format(
 
 def _records_no_depth(src: Path) -> bool:
     """Whether the checkpoint's config leaves its target's depth unsaid (speculators' layout)."""
-    raw = _read_config(src)
+    raw = read_config(src)
     return detect_format(raw) == "speculators" and raw.get("num_target_layers") is None
 
 
@@ -313,7 +313,7 @@ def load_any_drafter(path: str | Path, *, target: Any = None, device: str | torc
     `target`, a loaded Target)."""
     from dflashkit.drafter.checkpoint import load_drafter
 
-    if detect_format(_read_config(Path(path))) != "speculators":
+    if detect_format(read_config(Path(path))) != "speculators":
         return load_drafter(path, device=device)
     depth = target.num_layers if target is not None else None
     cfg, tensors, _ = load_any(path, num_target_layers=depth)

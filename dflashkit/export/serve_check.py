@@ -75,12 +75,12 @@ class EngineComparison:
         return not self.mismatches
 
 
-def _tau(counts: list[PromptCounts]) -> float:
+def tau(counts: list[PromptCounts]) -> float:
     drafts = sum(c.drafts for c in counts)
     return (sum(c.accepted for c in counts) + drafts) / drafts if drafts else 0.0
 
 
-def _per_pos(counts: list[PromptCounts]) -> list[int]:
+def per_position(counts: list[PromptCounts]) -> list[int]:
     width = max((len(c.accepted_per_pos) for c in counts), default=0)
     return [sum(c.accepted_per_pos[j] for c in counts if j < len(c.accepted_per_pos)) for j in range(width)]
 
@@ -106,8 +106,8 @@ class ServeCheckReport:
                 side: {
                     "drafts": sum(c.drafts for c in counts),
                     "accepted": sum(c.accepted for c in counts),
-                    "accepted_per_pos": _per_pos(counts),
-                    "tau": round(_tau(counts), 4),
+                    "accepted_per_pos": per_position(counts),
+                    "tau": round(tau(counts), 4),
                 }
                 for side, counts in (("dflashkit", e.ours), (e.engine, e.theirs))
             }
@@ -128,7 +128,7 @@ class ServeCheckReport:
             for name, counts in (("dflashkit", e.ours), (f"{e.engine} {e.version}", e.theirs)):
                 lines.append(
                     f"  {name:<11} {('identical' if same else 'DIFFER'):<10} {sum(c.drafts for c in counts):>7} "
-                    f"{_per_pos(counts)!s:<26} {_tau(counts):>6.3f}"
+                    f"{per_position(counts)!s:<26} {tau(counts):>6.3f}"
                 )
             lines.append(f"  {e.engine}: " + ("agrees with dflashkit exactly" if e.agrees else "MISMATCH"))
             lines += [f"    {m}" for m in e.mismatches] + [f"    note: {n}" for n in e.notes]

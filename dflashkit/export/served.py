@@ -45,7 +45,7 @@ from dflashkit.data.server_client import ServerError, ServerPool, ServerTimeouts
 from dflashkit.errors import DFlashError
 from dflashkit.evaluate.stats import parse_method
 from dflashkit.evaluate.transcripts import Transcript
-from dflashkit.export.serve_check import PromptCounts, _per_pos, _tau, target_tie
+from dflashkit.export.serve_check import PromptCounts, per_position, target_tie, tau
 from dflashkit.export.served_diagnosis import Evidence, Finding, diagnose
 
 ENGINE_PREFIXES = {"vllm": "vllm", "llamacpp": "llama.cpp", "sglang": "sglang"}
@@ -286,8 +286,8 @@ class ServedReport:
             out[name] = {
                 "drafts": sum(c.drafts for c in rounds) if len(rounds) == len(counts) else None,
                 "accepted": sum(c.accepted for c in counts),
-                "accepted_per_pos": _per_pos(counts) if any(c.accepted_per_pos for c in counts) else None,
-                "tau": round(_tau(counts), 4) if counts and len(rounds) == len(counts) else None,
+                "accepted_per_pos": per_position(counts) if any(c.accepted_per_pos for c in counts) else None,
+                "tau": round(tau(counts), 4) if counts and len(rounds) == len(counts) else None,
             }
         return out
 
@@ -314,18 +314,20 @@ class ServedReport:
             ("dflashkit_own", "dflashkit's own decoding"),
         ):
             row = s[name]
-            tau = "—" if row["tau"] is None else f"{row['tau']:.3f}"
+            tau_text = "—" if row["tau"] is None else f"{row['tau']:.3f}"
             drafts = "—" if row["drafts"] is None else str(row["drafts"])
-            lines.append(f"  {label:<30} {drafts:>7} {row['accepted']:>9} {tau:>7}  {row['accepted_per_pos'] or '—'}")
+            lines.append(
+                f"  {label:<30} {drafts:>7} {row['accepted']:>9} {tau_text:>7}  {row['accepted_per_pos'] or '—'}"
+            )
         usable = [p for p in self.prompts if p.engine is not None]
         lines.append("  per prompt (engine τ / dflashkit τ on the server's output, prompt tokens):")
         for p in self.prompts:
             if p.engine is None:
                 lines.append(f"    {p.id}: counters left out ({p.left_out})")
                 continue
-            e = _tau([p.engine]) if p.engine.drafts > 0 else float("nan")
+            e = tau([p.engine]) if p.engine.drafts > 0 else float("nan")
             lines.append(
-                f"    {p.id}: {e:.3f} / {_tau([p.teacher_forced]):.3f}, {p.prompt_tokens} tokens"
+                f"    {p.id}: {e:.3f} / {tau([p.teacher_forced]):.3f}, {p.prompt_tokens} tokens"
                 + ("" if p.same_tokens else f", output differs from token {p.first_difference}")
             )
         same = sum(p.same_tokens for p in self.prompts)
@@ -375,6 +377,95 @@ def _request_counters(
     return delta, ""
 
 
+class _Local:
+    """dflashkit's side of one request: the target's greedy output here and the drafter's counts on both outputs."""
+
+    def __init__(self, target: Any, drafter: Any, layers: list[int], n: int, slots: int, reserve: int | None,
+                 banned: list[int]) -> None:  # fmt: skip
+        self.target, self.drafter, self.layers, self.n, self.slots = target, drafter, layers, n, slots
+        self.reserve, self.banned = reserve, banned
+
+    def compare(self, p: Any, tokens: list[int]) -> tuple[Transcript, ServedPrompt]:
+        """(the server's output as replayed, the request's record without the engine's counts)."""
+        t, ids, n = self.target, list(p.ids), self.n
+        own_tr = transcript(t, self.layers, ids, [], n + self.slots, self.banned)
+        own_tokens = own_tr.ids[own_tr.prompt_len : own_tr.prompt_len + n]
+        same = own_tokens[: len(tokens)] == tokens
+        past = self.slots if self.reserve is None else 0  # vLLM counts a block past the end
+        tf_tr = own_tr if same else transcript(t, self.layers, ids, tokens, past, self.banned)
+        tf = replay_counts(self.drafter, t, tf_tr, len(tokens), self.reserve)
+        own = replay_counts(self.drafter, t, own_tr, n, self.reserve)
+        diff, tie = None, None
+        if not same:
+            diff = next(k for k, (a, b) in enumerate(zip(own_tokens, tokens, strict=False)) if a != b)
+            found = target_tie(t, ids, own_tokens, tokens)
+            tie = None if found is None else found[1]
+        return tf_tr, ServedPrompt(str(p.id), len(ids), None, tf, own, same, diff, tie)
+
+
+def _shifted(local: _Local, forced: list[Transcript], results: list[ServedPrompt]) -> dict[int, list[PromptCounts]]:
+    """The counts of the requests with usable counters if the engine fed the drafter each target layer one earlier
+    (−1) or later (+1): an off-by-one tap explains the engine exactly when one of them equals it."""
+    usable = [k for k, r in enumerate(results) if r.engine is not None]
+    out = {}
+    for shift in (-1, 1):
+        mapping = {i: i + shift for i in local.drafter.config.target_layer_ids}
+        if all(j in local.layers for j in mapping.values()):
+            out[shift] = [
+                replay_counts(local.drafter, local.target, forced[k], len(results[k].teacher_forced.tokens),
+                              local.reserve, mapping)
+                for k in usable
+            ]  # fmt: skip
+    return out
+
+
+def _complete(pool: ServerPool, url: str, ids: list[int], ask: dict[str, Any]) -> Any:
+    try:
+        c = pool.complete(ids, **ask)
+    except ServerError as e:
+        raise ServedError(str(e)) from None
+    if c.token_ids is None:
+        raise ServedError(
+            f"{url} answers with text only: serve-check needs the token ids it generated (vLLM: "
+            "return_token_ids; llama-server: return_tokens) — update the server"
+        )
+    return c
+
+
+def _counted(
+    pool: ServerPool, path: str, before: Counters, tokens: list[int], sleep: Callable[[float], None]
+) -> tuple[PromptCounts | None, str]:
+    """A request's counts from the metrics' difference over it, or why they are left out."""
+    delta, left_out = _request_counters(pool, path, before, len(tokens), sleep)
+    if left_out:
+        return None, left_out
+    per = [round(delta.per_pos.get(j, 0.0)) for j in range(max(delta.per_pos, default=-1) + 1)]
+    return PromptCounts(tokens, round(delta.drafts or 0), round(delta.accepted or 0), per), ""
+
+
+_SPEC_HINT = (
+    'start it with the drafter — vLLM --speculative-config \'{"method": "dflash", "model": DIR, '
+    '"num_speculative_tokens": N}\', llama-server -md DRAFTER.gguf --spec-type draft-dflash (and --metrics for '
+    "per-position counts)"
+)
+
+
+def _refuse_unusable(url: str, results: list[ServedPrompt], *, metrics: bool, no_spec: bool) -> None:
+    """ServedError when nothing can be compared: no speculative decoding, or no request's counters usable."""
+    if no_spec and any(r.engine is not None for r in results):
+        raise ServedError(
+            f"{url} reports no speculative decoding (its counters did not move over {len(results)} requests): "
+            + _SPEC_HINT
+        )
+    if all(r.engine is None for r in results):
+        reasons = "; ".join(sorted({r.left_out for r in results}))
+        if not metrics:
+            raise ServedError(
+                f"{url} reports no speculative-decoding counters ({reasons}): is a drafter configured? {_SPEC_HINT}"
+            )
+        raise ServedError(f"{url}: no request's counters are usable — {reasons}; check it while no other client runs")
+
+
 def check_server(
     target: Any,
     drafter: Any,
@@ -388,8 +479,6 @@ def check_server(
 ) -> ServedReport:
     """Check the deployment at `url` with `prompts` (`evaluate.stats.Prompt`s: id, ids; `messages` attribute or
     None for the template check). Raises ServedError where nothing can be compared."""
-    from dflashkit.data.conversations import end_of_turn_ids
-
     say = progress or (lambda _m: None)
     pool = ServerPool([url], retries=2, backoff_s=0.5, timeouts=settings.timeouts, sleep=sleep)
     try:
@@ -415,89 +504,42 @@ def check_server(
         rendered.append((list(p.ids), theirs))
 
     # greedy repeatability: the first prompt twice
-    stops = end_of_turn_ids(target.tokenizer) if target.tokenizer is not None else []
-    ask = {"max_tokens": n, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stop_ids": stops, "ignore_eos": True}
+    # no stop tokens: every output is exactly n tokens long (vLLM stops at stop_token_ids even with ignore_eos)
+    ask = {"max_tokens": n, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stop_ids": [], "ignore_eos": True}
     repeat: tuple[list[int], list[int]] | None = None
     echoed: dict[str, Any] = {}
     results: list[ServedPrompt] = []
     forced: list[Transcript] = []  # per request: the server's output, as replayed
     no_spec = True
+    local = _Local(target, drafter, layers, n, slots, reserve, banned)
     for i, p in enumerate(prompts):
         say(f"request {i + 1}/{len(prompts)}")
         before = _metrics(pool, settings.metrics_path) if first is not None else None
-        try:
-            c = pool.complete(list(p.ids), **ask)
-        except ServerError as e:
-            raise ServedError(str(e)) from None
-        if c.token_ids is None:
-            raise ServedError(
-                f"{url} answers with text only: serve-check needs the token ids it generated (vLLM: "
-                "return_token_ids; llama-server: return_tokens) — update the server"
-            )
-        tokens = list(c.token_ids)[:n]
-        settings_seen = c.info.get("generation_settings") if isinstance(c.info.get("generation_settings"), dict) else {}
-        echoed = echoed or settings_seen
-        engine_counts: PromptCounts | None = None
-        left_out = ""
+        c = _complete(pool, url, list(p.ids), ask)
+        tokens = list(c.token_ids or [])[:n]
+        seen = c.info.get("generation_settings")
+        echoed = echoed or (seen if isinstance(seen, dict) else {})
         if before is not None:
-            delta, left_out = _request_counters(pool, settings.metrics_path, before, len(tokens), sleep)
-            if not left_out:
-                per = [round(delta.per_pos.get(j, 0.0)) for j in range(max(delta.per_pos, default=-1) + 1)]
-                engine_counts = PromptCounts(tokens, round(delta.drafts or 0), round(delta.accepted or 0), per)
-                no_spec = no_spec and not (delta.drafts or delta.draft_tokens)
+            engine_counts, left_out = _counted(pool, settings.metrics_path, before, tokens, sleep)
+            moved = engine_counts is not None and bool(engine_counts.drafts or engine_counts.accepted)
         else:
             engine_counts = counts_from_answer(protocol, c.info, len(tokens))
-            if engine_counts is None:
-                left_out = "the server reports no counters (no /metrics, none in its answers)"
-            else:
-                engine_counts.tokens = tokens
-                no_spec = no_spec and not (engine_counts.drafts or engine_counts.accepted)
-                engine = "llama.cpp answers" if protocol == "llama.cpp" else "sglang answers"
-        if i == 0 and settings.probe_repeat:
-            again = pool.complete(list(p.ids), **ask)
-            repeat = (tokens, list(again.token_ids or [])[:n])
-        own_tr = transcript(target, layers, list(p.ids), [], n + slots, banned)
-        own_tokens = own_tr.ids[own_tr.prompt_len : own_tr.prompt_len + n]
-        same = own_tokens[: len(tokens)] == tokens
-        tf_tr = (
-            own_tr if same else transcript(target, layers, list(p.ids), tokens, slots if reserve is None else 0, banned)
-        )
-        forced.append(tf_tr)
-        tf = replay_counts(drafter, target, tf_tr, len(tokens), reserve)
-        own = replay_counts(drafter, target, own_tr, n, reserve)
-        diff, tie = None, None
-        if not same:
-            diff = next(k for k, (a, b) in enumerate(zip(own_tokens, tokens, strict=False)) if a != b)
-            found = target_tie(target, list(p.ids), own_tokens, tokens)
-            tie = None if found is None else found[1]
-        results.append(ServedPrompt(str(p.id), len(p.ids), engine_counts, tf, own, same, diff, tie, left_out))
-
-    spec_hint = (
-        'start it with the drafter — vLLM --speculative-config \'{"method": "dflash", "model": DIR, '
-        '"num_speculative_tokens": N}\', llama-server -md DRAFTER.gguf --spec-type draft-dflash (and --metrics for '
-        "per-position counts)"
-    )
-    if no_spec and any(r.engine is not None for r in results):
-        raise ServedError(
-            f"{url} reports no speculative decoding (its counters did not move over {len(results)} requests): "
-            + spec_hint
-        )
-    if all(r.engine is None for r in results):
-        reasons = "; ".join(sorted({r.left_out for r in results}))
-        if first is None:
-            raise ServedError(
-                f"{url} reports no speculative-decoding counters ({reasons}): is a drafter configured? {spec_hint}"
+            left_out = (
+                "the server reports no counters (no /metrics, none in its answers)" if engine_counts is None else ""
             )
-        raise ServedError(f"{url}: no request's counters are usable — {reasons}; check it while no other client runs")
-    usable = [k for k, r in enumerate(results) if r.engine is not None]
-    shifted = {}
-    for shift in (-1, 1):  # an engine tapping each layer one off: does it explain the engine's counts?
-        mapping = {i: i + shift for i in drafter.config.target_layer_ids}
-        if all(j in layers for j in mapping.values()):
-            shifted[shift] = [
-                replay_counts(drafter, target, forced[k], len(results[k].teacher_forced.tokens), reserve, mapping)
-                for k in usable
-            ]
+            if engine_counts is not None:
+                engine_counts.tokens = tokens
+                engine = "llama.cpp answers" if protocol == "llama.cpp" else "sglang answers"
+            moved = engine_counts is not None and bool(engine_counts.accepted or engine_counts.drafts)
+        no_spec = no_spec and not moved
+        if i == 0 and settings.probe_repeat:
+            repeat = (tokens, list(_complete(pool, url, list(p.ids), ask).token_ids or [])[:n])
+        tf_tr, result = local.compare(p, tokens)
+        result.engine, result.left_out = engine_counts, left_out
+        forced.append(tf_tr)
+        results.append(result)
+    _refuse_unusable(url, results, metrics=first is not None, no_spec=no_spec)
+    shifted = _shifted(local, forced, results)
     evidence = Evidence(
         protocol=protocol,
         block_size=bs,
@@ -578,11 +620,11 @@ def served_config(path: str | Path) -> dict[str, Any]:
             facts["sliding_window"] = int(window)
         return {k: v for k, v in facts.items() if v is not None}
     from dflashkit.drafter.config import DrafterConfig
-    from dflashkit.export.convert import _read_config, detect_format
+    from dflashkit.export.convert import detect_format, read_config
     from dflashkit.export.speculators_format import config_from_speculators
 
     try:
-        raw = _read_config(path)
+        raw = read_config(path)
         if detect_format(raw) == "speculators":
             cfg = config_from_speculators(raw, notes=[], source=str(path / "config.json"))
         else:

@@ -80,6 +80,21 @@ DROPPED_KEYS = {
 
 
 # ---------------------------------------------------------------------------------------------- config
+def _foreign_training(raw: dict[str, Any], kind: str) -> str | None:
+    """Why a speculators config describes a drafter trained otherwise than dflashkit runs it (None: it does not)."""
+    if raw.get("projector_type", "dflash") != "dflash":
+        kind_of = raw["projector_type"]
+        return f"projector_type {kind_of!r} adds a correction head dflashkit cannot run; only 'dflash' converts"
+    if raw.get("shift_label"):
+        return (
+            "shift_label: true — this drafter was trained to predict the token one position later than "
+            "DFlash's slot k → token a+k; it would draft shifted tokens (docs/troubleshooting.md#pitfall-label-shift)"
+        )
+    if head_of(kind).first_draft_slot == 1 and raw.get("sample_from_anchor"):
+        return "sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0"
+    return None
+
+
 def config_from_speculators(
     raw: dict[str, Any],
     *,
@@ -104,18 +119,9 @@ def config_from_speculators(
         head_fields = head_of(kind).fields_from_speculators(raw, source)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    if raw.get("projector_type", "dflash") != "dflash":
-        raise refuse(
-            f"projector_type {raw['projector_type']!r} adds a correction head dflashkit cannot run; "
-            f"only 'dflash' converts"
-        )
-    if raw.get("shift_label"):
-        raise refuse(
-            "shift_label: true — this drafter was trained to predict the token one position later than "
-            "DFlash's slot k → token a+k; it would draft shifted tokens (docs/troubleshooting.md#pitfall-label-shift)"
-        )
-    if head_of(kind).first_draft_slot == 1 and raw.get("sample_from_anchor"):
-        raise refuse("sample_from_anchor: true — slot 0 predicts a token (DSpark layout); z-lab DFlash discards slot 0")
+    why = _foreign_training(raw, kind)
+    if why:
+        raise refuse(why)
     tl = raw.get(SPECULATORS_NESTED)
     if not isinstance(tl, dict):
         raise refuse(f"required field '{SPECULATORS_NESTED}' is missing (expected the draft layers' Qwen3 config)")

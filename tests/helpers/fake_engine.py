@@ -70,7 +70,7 @@ class FakeEngine:
         self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "generated": 0}
         self.per_pos = [0] * (drafter.config.block_size - drafter.first_draft_slot())
         self.requests = 0
-        self._lock = threading.Lock()
+        self._lock, self._decoding = threading.Lock(), threading.Lock()
         self._gen = torch.Generator().manual_seed(1234)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -122,7 +122,8 @@ class FakeEngine:
     def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = [int(t) for t in body["prompt"]]
         n = int(body.get("n_predict", body.get("max_tokens", 16)))
-        out, counts = self._decode(prompt, n)
+        with self._decoding:  # one decode at a time: the tiny target is not shared across threads
+            out, counts = self._decode(prompt, n)
         with self._lock:
             self.requests += 1
             if self.reset_after is not None and self.requests > self.reset_after:
