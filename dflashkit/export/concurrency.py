@@ -23,7 +23,7 @@ from typing import Any
 
 from dflashkit.data.server_client import ServerError, ServerPool, ServerTimeouts
 from dflashkit.errors import DFlashError
-from dflashkit.export.served import Counters, ServedError, read_counters
+from dflashkit.export.served import ServedError, server_counters
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,6 @@ class LoadCurve:
         return "\n".join(lines)
 
 
-def _counters(pool: ServerPool, path: str) -> Counters | None:
-    try:
-        return read_counters(pool.text(path))
-    except ServerError:
-        return None
-
-
 def run_level(pool: ServerPool, prompts: list[list[int]], concurrency: int, settings: LoadSettings) -> Level:
     """One level: `concurrency` clients, `settings.rounds` requests each (at least every prompt once)."""
     total = max(concurrency * settings.rounds, len(prompts))
@@ -134,7 +127,7 @@ def run_level(pool: ServerPool, prompts: list[list[int]], concurrency: int, sett
         c = pool.complete(ids, **ask, ignore_eos=True)
         return len(c.token_ids or []), time.monotonic() - t0
 
-    before = _counters(pool, settings.metrics_path)
+    before = server_counters(pool, settings.metrics_path)
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=concurrency) as ex:
@@ -143,7 +136,7 @@ def run_level(pool: ServerPool, prompts: list[list[int]], concurrency: int, sett
         raise ServedError(str(e)) from None
     wall = time.monotonic() - t0
     level = Level(concurrency, total, sum(n for n, _ in done), wall, [s for _, s in done])
-    after = _counters(pool, settings.metrics_path) if before is not None else None
+    after = server_counters(pool, settings.metrics_path) if before is not None else None
     if after is not None and before is not None:
         d = after.minus(before)
         if not d.went_down() and d.drafts:

@@ -346,7 +346,8 @@ class ServedReport:
 
 
 # ---------------------------------------------------------------------------------------------- the check
-def _metrics(pool: ServerPool, path: str) -> Counters | None:
+def server_counters(pool: ServerPool, path: str) -> Counters | None:
+    """The speculative counters the pool's first server reports at `path` now (None: it reports none)."""
     try:
         return read_counters(pool.text(path))
     except ServerError:
@@ -360,7 +361,7 @@ def _request_counters(
     unusable ("" when usable)."""
     end = time.monotonic() + SETTLE_S
     while True:
-        after = _metrics(pool, path)
+        after = server_counters(pool, path)
         if after is None:
             return Counters(before.engine), "the metrics endpoint stopped answering"
         delta = after.minus(before)
@@ -493,7 +494,7 @@ def check_server(
     slots = bs - drafter.first_draft_slot()
     layers = sorted(set(drafter.config.target_layer_ids) | _neighbours(drafter, target))
     notes: list[str] = []
-    first = _metrics(pool, settings.metrics_path)
+    first = server_counters(pool, settings.metrics_path)
     engine = first.engine if first is not None else ""
 
     # the server's own rendering of each chat, against the one the drafter was trained on
@@ -514,7 +515,7 @@ def check_server(
     local = _Local(target, drafter, layers, n, slots, reserve, banned)
     for i, p in enumerate(prompts):
         say(f"request {i + 1}/{len(prompts)}")
-        before = _metrics(pool, settings.metrics_path) if first is not None else None
+        before = server_counters(pool, settings.metrics_path) if first is not None else None
         c = _complete(pool, url, list(p.ids), ask)
         tokens = list(c.token_ids or [])[:n]
         seen = c.info.get("generation_settings")
@@ -657,5 +658,6 @@ __all__ = [
     "read_counters",
     "replay_counts",
     "served_config",
+    "server_counters",
     "transcript",
 ]
