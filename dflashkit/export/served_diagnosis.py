@@ -6,8 +6,8 @@ causes — each one line naming what differs and one line with the fix.
 A cause is named only on evidence that separates it from the others, checked in this order:
   template   the server's own rendering of a chat (vLLM's and llama-server's /tokenize) differs from the prompt the
              drafter was trained on: chat template, thinking mode, BOS, system prompt
-  sampling   the same greedy request answered twice differently, or the server says it sampled at T > 0: greedy
-             comparisons do not hold there (the other causes are not judged)
+  sampling   the same greedy request answered twice differently, neither answer the target's greedy output, or the
+             server says it sampled at T > 0: greedy comparisons do not hold there (the other causes are not judged)
   length     outputs and acceptance equal to dflashkit's on every prompt up to some length (two or more) and
              different on every prompt at least half as long again: a shorter window than trained (sliding window,
              context limit, RoPE scaling)
@@ -113,7 +113,11 @@ def _sampling(ev: Evidence) -> Finding | None:
             "--generation-config / --override-generation-config, SGLang --sampling-defaults); to measure a drafter "
             "at T > 0, `dflashkit eval --temperatures T`",
         )
-    if ev.repeat is not None and ev.repeat[0] != ev.repeat[1]:
+    greedy = ev.prompts[0].own.tokens if ev.prompts else []
+    # one of two answers equal to the target's greedy output: a greedy server whose second answer ran other batch
+    # shapes (a cached prompt) past a near-tie, not a sampling one
+    either_greedy = ev.repeat is not None and any(r == greedy[: len(r)] for r in ev.repeat)
+    if ev.repeat is not None and ev.repeat[0] != ev.repeat[1] and not either_greedy:
         k = _first_difference(*ev.repeat)
         return Finding(
             "sampling",
