@@ -387,5 +387,5 @@ def test_cli_train_runs_with_online_features(tmp_path: Path, tiny_llama_dir: Pat
     trained = load_drafter(out / "final").config.extra["train_context"]
     assert 0 < trained <= 32
     argv = ["doctor", "--target", str(tiny_llama_dir), "--drafter", str(out / "final"), "--prompts", "1"]
-    main([*argv, "--max-new-tokens", "4", "--context", "5000"])
+    main([*argv, "--max-new-tokens", "4", "--context", "500"])  # within the target's 512 positions
     assert f"exceed the longest training context ({trained} tokens)" in capsys.readouterr().out
