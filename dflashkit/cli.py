@@ -73,14 +73,26 @@ def compile_arg(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def _load_commands() -> None:
-    """Import every module in dflashkit.commands; each registers its subcommands with @command."""
+# The module of dflashkit.commands that registers each command (tests/commands/test_cli_modules.py keeps it whole):
+# a command imports only its own module, not every command's dependencies (a second or more of its start).
+MODULE_OF = {
+    "info": "basic", "init-drafter": "basic", "capture": "capture", "convert": "convert", "inspect": "diagnose",
+    "diff": "diagnose", "doctor": "diagnose", "logs": "diagnose", "generate": "evaluate", "eval": "evaluate",
+    "simulate": "evaluate", "report": "evaluate", "plan": "plan", "prepare": "prepare", "quickstart": "quickstart",
+    "serve-check": "serve", "train": "train",
+}  # fmt: skip
+
+
+def _load_commands(name: str | None = None) -> None:
+    """Import the module of command `name`, or every module in dflashkit.commands; each registers its subcommands
+    with @command."""
     import importlib
     import pkgutil
 
     import dflashkit.commands as pkg
 
-    for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
+    mods = [MODULE_OF[name]] if name in MODULE_OF else sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
+    for mod in mods:
         importlib.import_module(f"dflashkit.commands.{mod}")
 
 
@@ -104,8 +116,9 @@ def _state_ranges(p: argparse.ArgumentParser) -> None:
             action.help = f"{action.help}; {stated}" if action.help else stated
 
 
-def build_parser() -> argparse.ArgumentParser:
-    _load_commands()
+def build_parser(name: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or at least of command `name` (only its module imported)."""
+    _load_commands(name)
     parser = _Parser(
         prog="dflashkit", description="Train, evaluate, diagnose and export DFlash drafters.", allow_abbrev=False
     )
@@ -146,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory, devices, distributed environment: `dflashkit.failures`) — prints one line and returns 2; anything else
     is a bug: its traceback, a request to report it, and 1."""
     try:
-        args = _parse(build_parser(), argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = _parse(build_parser(argv[0] if argv else None), argv)
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2, its one line printed): a code, not a raise
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     name = f"dflashkit {args.command}"

@@ -12,8 +12,10 @@ Modules and their public functions:
   config_fields.py  types of the config.json fields, checked before any value is used
   capture_needs.py  `capture_layer_ids`, `capture_target_lse`: what a capture stores for training a drafter
   model.py          `DFlashDrafter` (forward over [context K/V | block K/V]), `DrafterCache`, `to_additive`
-  tiled_attention.py  `tile_mask`, `tiled_attention`: exact attention under a training mask, only the keys each
-                    query tile sees (CPU training)
+  qwen3_blocks.py   `RMSNorm`, `GatedMLP`, `DefaultRope`, `rotate_half`: Qwen3's blocks, bit-identical to
+                    transformers', without importing its modeling code
+  tiled_attention.py  `tile_mask`, `tiled_attention`, `compile_ready`: exact attention under a training mask,
+                    only the keys each query tile sees (CPU training)
   heads/            the drafter heads on the backbone (DFlash's, DSpark's, DFlash2's) and their registry
   checkpoint.py     `save_drafter`, `load_drafter`, `read_tensors`, `check_tensors`
   defaults.py       `default_drafter_config(target, **overrides)`, `parse_overrides`, `describe_mask`

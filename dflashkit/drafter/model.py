@@ -21,34 +21,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflashkit.cpu_products import linear_product, route_linears
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
+from dflashkit.drafter.qwen3_blocks import DefaultRope, GatedMLP, RMSNorm, rotate_half
 from dflashkit.drafter.tiled_attention import TiledMask, tiled_attention
 
 # A mask is one tensor (bool or additive) or flex-attention BlockMask for every layer, or one per layer type
 # ("full_attention" / "sliding_attention").
 AttentionMask = Any
-
-
-def _qwen3_config(cfg: DrafterConfig) -> Qwen3Config:
-    """The Qwen3Config that transformers' RMSNorm / MLP / RoPE building blocks read."""
-    return Qwen3Config(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        hidden_act=cfg.hidden_act,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        vocab_size=cfg.vocab_size,
-        rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
-    )
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -136,8 +118,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape
@@ -190,12 +172,12 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, qcfg: Qwen3Config, layer_idx: int) -> None:
+    def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = DFlashAttention(cfg, layer_idx)
-        self.mlp = Qwen3MLP(qcfg)
-        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         # a head may wrap each sublayer (DFlash2's convolutions): `around(sublayer, x, block_len)`, within blocks
         self.attention_conv: nn.Module | None = None
         self.mlp_conv: nn.Module | None = None
@@ -216,13 +198,12 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
-        qcfg = _qwen3_config(config)
         h = config.hidden_size
         self.fc = nn.Linear(config.num_features * h, h, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, qcfg, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(qcfg)
+        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = DefaultRope(config.head_dim or h // config.num_attention_heads, config.rope_theta)
         if config.learned_mask_embedding:
             # Trained vector for block slots 1..bs-1 (targets without a spare embedding row, e.g. SmolLM2).
             self.mask_embedding = nn.Parameter(torch.empty(h))
@@ -240,7 +221,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, Qwen3RMSNorm):
+            elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         if self.config.learned_mask_embedding:
             nn.init.normal_(self.mask_embedding, std=std)

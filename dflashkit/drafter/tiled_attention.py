@@ -17,6 +17,7 @@ attends over every column, as the dense form does, so even those rows equal it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,9 +95,25 @@ def widest_tiles_bytes(rows: int, queries: int, context: int, itemsize: int, *, 
     return rows * itemsize * (queries * context + full * tile * tile + last * last)
 
 
-@torch.compiler.disable  # its tiles are data: a compiled drafter runs it eagerly instead of recompiling every step
+# Its tiles are data: a compiled drafter runs it eagerly instead of recompiling every step. The eager form is made by
+# `compile_ready`, not at import: `torch.compiler.disable` imports dynamo, a second of every command's start.
+_EAGER: list[Any] = []
+
+
+def compile_ready() -> None:
+    """Call before torch.compile of a drafter: makes the form a compiled graph calls (`tiled_attention` run eagerly)."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_tiled_attention))
+
+
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale: float, enable_gqa: bool) -> Tensor:
     """q (B, nh, Nq, d), k / v (B, kvh, Tk, d) → (B, nh, Nq, d): SDPA under the mask `tiled` was cut from."""
+    if torch.compiler.is_compiling() and _EAGER:  # without compile_ready a compiled graph traces the tiles
+        return _EAGER[0](q, k, v, tiled, scale=scale, enable_gqa=enable_gqa)
+    return _tiled_attention(q, k, v, tiled, scale=scale, enable_gqa=enable_gqa)
+
+
+def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale: float, enable_gqa: bool) -> Tensor:
     if k.shape[2] != tiled.key_length:
         raise ValueError(f"keys of length {k.shape[2]} under a mask over {tiled.key_length} keys")
     # one gather and one split per tensor: their backward is one scatter-add and one concatenation, where slicing
@@ -116,4 +133,12 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale:
     return torch.cat(outs, 2).to(q.dtype)
 
 
-__all__ = ["DEFAULT_TILE", "TiledMask", "tile_mask", "tiled_attention", "widest_tiles", "widest_tiles_bytes"]
+__all__ = [
+    "DEFAULT_TILE",
+    "TiledMask",
+    "compile_ready",
+    "tile_mask",
+    "tiled_attention",
+    "widest_tiles",
+    "widest_tiles_bytes",
+]

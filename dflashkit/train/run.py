@@ -30,6 +30,7 @@ from dflashkit.drafter.capture_needs import capture_layer_ids, capture_target_ls
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import HEADS, head_of
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.drafter.tiled_attention import compile_ready
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
 from dflashkit.target.devices import resolve_device
@@ -170,6 +171,7 @@ class Run:
         if self.compile_trial is None or self.compile_trial.current == EAGER:
             return self.module
         if self._compiled is None:
+            compile_ready()  # tiled attention runs eagerly inside the compiled graph
             self._compiled = torch.compile(self.module, dynamic=True)
         return self._compiled
 

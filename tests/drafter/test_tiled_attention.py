@@ -139,3 +139,31 @@ def test_drafter_training_forward_loss_and_gradients_equal_the_dense_path(cfg_kw
         results.append([hidden.detach(), loss.detach(), *[p.grad for p in drafter.parameters()]])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_under_torch_compile_it_runs_eagerly_once_made_ready() -> None:
+    """A compiled caller runs tiled attention eagerly (its tiles are data: outside the graph, not a graph per mask);
+    importing it does not import dynamo, so the eager form is made by `compile_ready`."""
+    import subprocess
+    import sys
+
+    from dflashkit.drafter import tiled_attention as ta
+
+    code = "import sys, dflashkit.drafter.tiled_attention; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+    torch.manual_seed(0)
+    mask = torch.rand(1, 1, 8, 12) > 0.4
+    mask[..., 0] = True
+    tiled = tile_mask(mask, torch.float32, tile=4)
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 4)
+    fn = lambda q, k, v: tiled_attention(q, k, v, tiled, scale=0.5, enable_gqa=False) * 2  # noqa: E731
+    torch._dynamo.reset()
+    ta.compile_ready()
+    assert ta._EAGER and getattr(ta._EAGER[0], "_torchdynamo_disable", False)
+    try:
+        explained = torch._dynamo.explain(fn)(q, k, v)
+        assert explained.op_count <= 2  # only `* 2`: the tiles ran outside the graph
+        assert torch.equal(torch.compile(fn, backend="eager")(q, k, v), fn(q, k, v))
+    finally:
+        torch._dynamo.reset()
