@@ -30,13 +30,15 @@ every shape (sizes of 1 aside: the traces avoid them where the step has none) �
 Nq·T, Nq². The CPU path loops over query tiles of 128 rows (`tiled_attention`): in a layer's loop every full tile
 leaves the same bytes behind, so a moment grows linearly with the tile's index and the middle tiles never hold the
 peak; the trace keeps the first two and the last two tiles of each loop, whose moments are polynomials in the tile
-count n and the last tile's rows r (1, T, n, n·T, r, r·T, r²). The drafter is traced at as many small shapes as
+count n and the last tile's rows r (1, T, n, n·T, r, r·T, r²) — or, where the block size divides the tile, traced at
+shapes whose last tile has the step's own r, in (1, T, n, n·T) alone. The drafter is traced at as many small shapes as
 there are terms, and the moments at the step's shape are their exact interpolation (`interpolate`, in integers);
 the largest is the peak. A step of one block, or of fewer than 4 tiles, is traced at its own blocks and interpolated
 in T alone. tests/train/test_memory.py checks the scaled step equals the full trace for every head kind and both
 attention paths.
 
-Checked against the allocator's own peak on CPU (tests/train/test_memory.py: within 15 %).
+Checked against the allocator's own peak on CPU (tests/train/test_memory.py: within 15 %). `traced=False` leaves
+the drafter's passes out: a lower bound in closed form, which train's pre-flight check tries first (memory_check).
 """
 
 from __future__ import annotations
@@ -374,6 +376,8 @@ def _terms(cfg: DrafterConfig, path: str) -> Any:
         if path == "fixed":
             return (1, t)
         n, r = _tiles(cfg, s)
+        if path == "tiles at r":  # the last tile's rows are the step's own: its terms are constants
+            return (1, t, n, n * t)
         return (1, t, n, n * t, *(r, r * t, r * r)[: {1: 0, 2: 2, 3: 3}[degree]])
 
     return terms
@@ -387,6 +391,8 @@ def _candidates(cfg: DrafterConfig, path: str, shape: StepShape) -> Iterator[Ste
         counts: Iterator[int] = iter([shape.blocks])
     elif path == "dense":
         counts = iter([2, 3, 4, 5])
+    elif path == "tiles at r":
+        counts = (b for b in range(2, 8 * DEFAULT_TILE) if _same_last_tile(cfg, b, shape))
     else:
         counts = (b for b in range(2, 8 * DEFAULT_TILE) if _tiles(cfg, StepShape(1, 1, b))[0] >= 4)
     for b in counts:
@@ -394,11 +400,18 @@ def _candidates(cfg: DrafterConfig, path: str, shape: StepShape) -> Iterator[Ste
             yield StepShape(rows=shape.rows, tokens=t, blocks=b)
 
 
+def _same_last_tile(cfg: DrafterConfig, blocks: int, shape: StepShape) -> bool:
+    """Whether `blocks` blocks make 4 or more query tiles whose last has the rows of `shape`'s last tile."""
+    n, r = _tiles(cfg, StepShape(1, 1, blocks))
+    return n >= 4 and r == _tiles(cfg, shape)[1]
+
+
 def _fit(cfg: DrafterConfig, shape: StepShape, *, bf16: bool, tiled: bool, path: str) -> _Fit:
     """Trace the drafter at the fewest small shapes whose monomials are independent, one per monomial (cached)."""
     import numpy as np
 
-    key = (repr(cfg), bf16, tiled, path, shape.rows, shape.blocks if path == "fixed" else None)
+    fixed = shape.blocks if path == "fixed" else _tiles(cfg, shape)[1] if path == "tiles at r" else None
+    key = (repr(cfg), bf16, tiled, path, shape.rows, fixed)
     if key in _FITS:
         return _FITS[key]
     terms = _terms(cfg, path)
@@ -434,7 +447,10 @@ def scaled_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySe
     of one block, or of fewer than 4 query tiles on the CPU path, is traced at its own blocks (its contexts scaled)."""
     tiled = settings.device == "cpu"
     few = shape.blocks == 1 or (tiled and _tiles(cfg, shape)[0] < 4)
-    path = "fixed" if few else "tiles" if tiled else "dense"
+    # Tiles whose last has the step's own rows make 4 traces instead of 7, where the block size allows them (one
+    # that divides the tile: the rows of the last tile repeat every tile) — else r is fitted too.
+    at_r = tiled and not few and sum(_same_last_tile(cfg, b, shape) for b in range(2, 8 * DEFAULT_TILE)) >= 2
+    path = "fixed" if few else "tiles at r" if at_r else "tiles" if tiled else "dense"
     return _fit(cfg, shape, bf16=settings.bf16, tiled=tiled, path=path).at(shape)
 
 
@@ -453,9 +469,10 @@ def loss_working_set(cfg: DrafterConfig, shape: StepShape, settings: MemorySetti
 
 
 def step_memory(
-    cfg: DrafterConfig, target: Any, shape: StepShape, settings: MemorySettings | None = None
+    cfg: DrafterConfig, target: Any, shape: StepShape, settings: MemorySettings | None = None, *, traced: bool = True
 ) -> MemoryParts:
-    """The peak bytes per rank of one training step of drafter `cfg` on `target` (a `TargetShape`)."""
+    """The peak bytes per rank of one training step of drafter `cfg` on `target` (a `TargetShape`). `traced=False`:
+    a lower bound in closed form, without the drafter's forward and backward (no trace: instant at any size)."""
     from dflashkit.features.footprint import forward_transient
 
     s = settings or MemorySettings()
@@ -479,7 +496,9 @@ def step_memory(
     if s.layout == "ddp" and s.world > 1:
         est.parts["DDP gradient buckets"] = p * 4
         est.notes["DDP gradient buckets"] = "DDP's reducer keeps a copy of every gradient for the all-reduce"
-    traced = scaled_drafter_step(cfg, shape, s)
+    passes = (
+        scaled_drafter_step(cfg, shape, s) if traced else dict.fromkeys(("forward_peak", "saved", "backward_peak"), 0)
+    )
     b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
     inputs = b * t * cfg.num_features * cfg.hidden_size * 4  # (B, T, K·H) float32 features
     if s.device == "cpu":  # per layer type the additive masks of the query tiles, at their widest (CUDA: flex)
@@ -494,12 +513,13 @@ def step_memory(
     est.phases["optimizer step"] = 2 * math.ceil(p / shard) * 4
     est.notes["optimizer step"] = "the gradients and the optimizer's temporaries (foreach: one per parameter)"
     est.phases["drafter step"] = inputs + max(
-        traced["forward_peak"], traced["saved"] + loss, traced["backward_peak"] + grads
+        passes["forward_peak"], passes["saved"] + loss, passes["backward_peak"] + grads
     )
     est.notes["drafter step"] = (
-        f"features + masks, then forward {traced['forward_peak'] / 2**30:.3f} / loss over saved "
-        f"{(traced['saved'] + loss) / 2**30:.3f} / backward + gradients "
-        f"{(traced['backward_peak'] + grads) / 2**30:.3f} GiB (traced on fake tensors at small shapes, scaled)"
+        f"features + masks, then forward {passes['forward_peak'] / 2**30:.3f} / loss over saved "
+        f"{(passes['saved'] + loss) / 2**30:.3f} / backward + gradients "
+        f"{(passes['backward_peak'] + grads) / 2**30:.3f} GiB "
+        + ("(traced on fake tensors at small shapes, scaled)" if traced else "(the drafter's activations left out)")
     )
     if s.online and not s.target_elsewhere:
         est.phases["online features"] = forward_transient(

@@ -63,8 +63,9 @@ def device_memory(device: torch.device, *, total: bool = False) -> int:
     return int(memory.total if total else memory.available)
 
 
-def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = None) -> MemoryParts:
-    """The memory model of one step of `cfg` on its drafter device (`shape`: the target's, read from cfg.target)."""
+def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = None, traced: bool = True) -> MemoryParts:
+    """The memory model of one step of `cfg` on its drafter device (`shape`: the target's, read from cfg.target);
+    `traced=False`: its lower bound in closed form (`step_memory`)."""
     from dflashkit.target.devices import resolve_device
     from dflashkit.target.distributed import read_env
     from dflashkit.target.shape import read_target_shape
@@ -89,7 +90,7 @@ def run_memory(cfg: Any, *, shape: Any = None, device: torch.device | None = Non
         loss_chunk_rows=cfg.loss_chunk_size,
     )
     row = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
-    return step_memory(drafter, shape, row, settings)
+    return step_memory(drafter, shape, row, settings, traced=traced)
 
 
 def blocks_per_row(cfg: Any) -> int:
@@ -110,12 +111,17 @@ def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device 
     what the device has and what to change."""
     from dflashkit.target.devices import resolve_device
     from dflashkit.target.distributed import read_env
+    from dflashkit.target.shape import read_target_shape
 
     if str(cfg.target).endswith(".gguf"):  # the shape is read from config.json files
         return None
     device = device or resolve_device(cfg.drafter_device, read_env()[2])
-    est = run_memory(cfg, device=device)
     have = device_memory(device) if available is None else available
+    shape = read_target_shape(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    # the closed-form lower bound first: a run far past the device is refused without tracing the drafter
+    est, about = run_memory(cfg, shape=shape, device=device, traced=False), "at least"
+    if est.peak <= have * (1 - HEADROOM):
+        est, about = run_memory(cfg, shape=shape, device=device), "about"
     if est.peak <= have * (1 - HEADROOM):
         return None
     biggest = max({**est.parts, **est.phases}.items(), key=lambda kv: kv[1])
@@ -127,7 +133,7 @@ def fit_problem(cfg: Any, *, available: int | None = None, device: torch.device 
     if not cfg.fsdp:
         changes.append("fsdp: true under torchrun (shards the drafter and its optimizer state)")
     return (
-        f"this run needs about {est.peak / 2**30:,.1f} GiB on {device} per step (largest: {biggest[0]} "
+        f"this run needs {about} {est.peak / 2**30:,.1f} GiB on {device} per step (largest: {biggest[0]} "
         f"{biggest[1] / 2**30:,.1f} GiB) but {device} has {have / 2**30:,.1f} GiB available; lower "
         + ", ".join(changes[:-1])
         + f" or set {changes[-1]} (dflashkit plan sizes a run for a device)"

@@ -39,6 +39,22 @@ def test_a_run_that_does_not_fit_is_refused_naming_what_to_change(tmp_path) -> N
     for lever in ("max_anchors (now 512)", "max_tokens (now 3072)", "online: false", "fsdp: true"):
         assert lever in problem
     assert fit_problem(cfg, available=int(est.peak * 1.2), device=torch.device("cpu")) is None
+
+
+def test_the_closed_form_bound_refuses_far_runs_and_the_trace_decides_near_ones(tmp_path) -> None:
+    """The lower bound (no drafter trace) never exceeds the traced estimate; a run past it is refused with "at
+    least", one between the two with the traced "about" — the same number `plan` prints."""
+    target = write_config(tmp_path / "qwen3-8b", QWEN3_8B)
+    cfg = _config(tmp_path, target, max_anchors=2000, max_tokens=8192)
+    cpu = torch.device("cpu")
+    bound, est = run_memory(cfg, device=cpu, traced=False), run_memory(cfg, device=cpu)
+    assert 0 < bound.peak < est.peak
+    assert set(bound.parts) == set(est.parts) and bound.parts == est.parts  # only the activations differ
+    far = fit_problem(cfg, available=int(bound.peak * 0.5), device=cpu)
+    assert far is not None and f"needs at least {bound.peak / 2**30:,.1f} GiB" in far
+    between = int((bound.peak + est.peak) / 2 / (1 - 0.1))  # HEADROOM: the usable share is 90 %
+    near = fit_problem(cfg, available=between, device=cpu)
+    assert near is not None and f"needs about {est.peak / 2**30:,.1f} GiB" in near
     offline = run_memory(_config(tmp_path, target, online=False), device=torch.device("cpu"))
     assert offline.parts["target weights"] == 2 * 151936 * 4096 * 4  # embedding table and LM head only
 
@@ -59,7 +75,9 @@ def test_train_refuses_before_loading_anything(tmp_path) -> None:
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert (
-        "train: this run needs about" in line and "max_anchors (now 100000)" in line and "Traceback" not in proc.stderr
+        "train: this run needs at least" in line
+        and "max_anchors (now 100000)" in line
+        and "Traceback" not in proc.stderr
     )
     assert proc.seconds < 30 and proc.peak_rss_mib < 800, (proc.seconds, proc.peak_rss_mib)
     assert not (tmp_path / "run").exists()
@@ -78,7 +96,7 @@ def test_doctor_reports_the_training_memory(tmp_path) -> None:
         fail = memory_finding(yaml)
     assert ok.status == "OK" and ok.check == "training memory" and "target weights 30.51" in ok.what
     assert "online features" in ok.what and "1 rank(s)" in ok.what
-    assert fail.status == "FAIL" and "needs about" in fail.what and "has 8.0 GiB available" in fail.what
+    assert fail.status == "FAIL" and "needs at least" in fail.what and "has 8.0 GiB available" in fail.what
 
 
 def test_drafter_flops_equal_a_count_by_hand() -> None:
