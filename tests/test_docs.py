@@ -49,7 +49,7 @@ def _commands(path: Path) -> list[tuple[str, list[str]]]:
     for where, source in sources:
         for line in source.splitlines():
             line = line.replace("$(which dflashkit)", "dflashkit")
-            if "dflashkit" not in line:
+            if "dflashkit" not in line or re.match(r"\s*(from|import)\s+dflashkit\b", line):  # Python, not a shell
                 continue
             lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
             lexer.whitespace_split = True
