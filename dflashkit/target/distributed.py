@@ -14,18 +14,21 @@ from dflashkit.errors import ConfigError
 
 @dataclass
 class DistContext:
-    """Rank facts from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); world 1 without them."""
+    """Rank facts from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); world 1 and no process group without
+    them. Under torchrun a process group exists at any world size, one rank included: `--nproc_per_node 1` runs the
+    distributed path (DDP, FSDP2, sharded capture) over NCCL on a single GPU."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     initialised_here: bool = False
+    group: bool = False  # a process group joins the ranks (torchrun launched this process)
 
     @classmethod
     def from_env(cls, *, use_cuda: bool, timeout: timedelta = timedelta(minutes=30)) -> DistContext:
         """The process group torchrun asks for (nccl on CUDA, gloo on CPU); `timeout` bounds every collective."""
         world, rank, local = read_env()
-        if world <= 1:
+        if not any(os.environ.get(k, "") != "" for k in TORCHRUN_VARS):
             return cls()
         import torch.distributed as dist
 
@@ -35,11 +38,11 @@ class DistContext:
                 torch.cuda.set_device(local)
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
             here = True
-        return cls(rank=rank, world_size=world, local_rank=local, initialised_here=here)
+        return cls(rank=rank, world_size=world, local_rank=local, initialised_here=here, group=True)
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.group or self.world_size > 1
 
     @property
     def is_main(self) -> bool:
