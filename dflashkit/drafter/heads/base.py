@@ -19,7 +19,6 @@ its kind:
     head.drafts_per_round(bs)       drafts one block proposes
     head.metric_slots(bs)           entries of the per-slot training metrics
     head.reads_final_layer          whether training reads the target's final-layer output (its distribution)
-    head.reads_previous_token       whether a slot's logits depend on the token before it (training feeds it)
     head.reads_target_lse(v, t)     whether training reads the log-sum-exp of the target's logits
     head.training_needs_target      whether a training run keeps the target loaded (offline features included)
     head.train_checks(t, d)         training options (and drafter fields) this head cannot train with, by name
@@ -124,7 +123,6 @@ class Head:
     """The DFlash head: the backbone's logits through the target's LM head, slot 0 holding the given token."""
 
     kind: ClassVar[str] = "dflash"
-    label: ClassVar[str] = "DFlash"
     settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its drafter config fields
     train_settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its training options
     zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {}  # config.json field → (its type's words, null ok)
@@ -135,7 +133,6 @@ class Head:
     reads_final_layer: ClassVar[bool] = False
     training_needs_target: ClassVar[bool] = False
     confidence_gate: ClassVar[bool] = False
-    reads_previous_token: ClassVar[bool] = False  # a slot's logits depend on the token before it (a Markov head)
     llamacpp_spec_type: ClassVar[str] = "draft-dflash"
     carries_target_tables: ClassVar[bool] = False  # its trainer saves copies of the target's embeddings / LM head
     quickstart_drafter: ClassVar[dict[str, Any]] = {}  # drafter fields the quickstart's budget takes for this kind

@@ -81,7 +81,6 @@ class DFlash2Head(Head):
     """Slot 0 holds the given token (as DFlash); slots 1 … bs − 1 draft through the selector's walk."""
 
     kind: ClassVar[str] = "dflash2"
-    label: ClassVar[str] = "DFlash2 convolutions and candidate selector"
     title: ClassVar[str] = "DFlash2"
     settings: ClassVar[type | None] = DFlash2Settings
     train_settings: ClassVar[type | None] = DFlash2TrainSettings

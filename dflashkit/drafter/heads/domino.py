@@ -48,7 +48,6 @@ class DominoHead(Head):
     """Slot k drafts the token at a + k + 1 (as DSpark), so a block of bs slots drafts bs tokens."""
 
     kind: ClassVar[str] = "domino"
-    label: ClassVar[str] = "Domino correction head"
     title: ClassVar[str] = "Domino"
     settings: ClassVar[type | None] = DominoSettings
     train_settings: ClassVar[type | None] = DominoTrainSettings
@@ -60,7 +59,6 @@ class DominoHead(Head):
         "pure_draft_prefix_len": (INT, True),
     }
     first_draft_slot: ClassVar[int] = 0
-    reads_previous_token: ClassVar[bool] = True  # the GRU reads the tokens before each slot
     vllm_problem: ClassVar[str | None] = "vLLM has no Domino drafter model (SGLang serves Domino: --to zlab)"
     vllm_cpu_problem: ClassVar[str | None] = vllm_problem
     zlab_problem: ClassVar[str | None] = "z-lab's DFlashDraftModel has no Domino correction head"

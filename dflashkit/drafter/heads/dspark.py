@@ -50,7 +50,6 @@ class DSparkHead(Head):
     """Slot k drafts the token at a + k + 1 (shifted by one against DFlash), so a block of bs drafts bs tokens."""
 
     kind: ClassVar[str] = "dspark"
-    label: ClassVar[str] = "DSpark heads"
     settings: ClassVar[type | None] = DSparkSettings
     train_settings: ClassVar[type | None] = DSparkTrainSettings
     zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
@@ -65,7 +64,6 @@ class DSparkHead(Head):
     reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
     training_needs_target: ClassVar[bool] = True  # the target's LM head forms that distribution every step
     confidence_gate: ClassVar[bool] = True  # its confidence head predicts each slot's acceptance
-    reads_previous_token: ClassVar[bool] = True  # the Markov head's bias
     llamacpp_spec_type: ClassVar[str] = "draft-dspark"
     carries_target_tables: ClassVar[bool] = True  # DeepSpec saves frozen copies of the embeddings and LM head
     # the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1 (docs/studies.md,

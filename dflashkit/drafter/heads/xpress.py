@@ -57,7 +57,6 @@ class XPressHead(Head):
     """Slot 0 holds the given token (as DFlash); slots 1 … bs − 1 draft, refined by the causal refiner."""
 
     kind: ClassVar[str] = "xpress"
-    label: ClassVar[str] = "XPress refiner"
     title: ClassVar[str] = "XPress"
     settings: ClassVar[type | None] = XPressSettings
     train_settings: ClassVar[type | None] = XPressTrainSettings
@@ -68,7 +67,6 @@ class XPressHead(Head):
     }
     architectures: ClassVar[tuple[str, ...]] = ("XPressDraftModel",)
     speculators_architecture: ClassVar[str] = "XPressSpeculator"
-    reads_previous_token: ClassVar[bool] = True  # the refiner reads the token before each slot
     vllm_problem: ClassVar[str | None] = (
         "no vLLM release has an XPress drafter model (its pull request vllm-project/vllm#54448 is in review, GPU "
         "model runner only)"
