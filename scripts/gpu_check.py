@@ -35,8 +35,8 @@ CONVERT_TO = ("zlab", "speculators", "vllm")  # GGUF needs the target as a GGUF:
 class Check:
     """The steps run so far: each a name, seconds, ok, and what it found."""
 
-    def __init__(self, out: Path, device: str) -> None:
-        self.out, self.device, self.steps = out, device, []
+    def __init__(self, device: str) -> None:
+        self.device, self.steps = device, []
 
     def cli(self, name: str, argv: list[str], *, refusal_ok: bool = False) -> int:
         """One dflashkit command in this process (no start-up per step); exit 2 is a refusal by name."""
@@ -134,7 +134,7 @@ def main() -> int:
     device = "cpu" if args.dry else "cuda"
     machine = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run)"
     print(f"# {machine}; torch {torch.__version__}; CUDA {torch.version.cuda}", flush=True)
-    check = Check(out, device)
+    check = Check(device)
     dev = ["--device", device]
     # on a CPU the measured choices (precision, compile) would time trials; a GPU runs bf16 autocast and flex
     quick = ["dtype=fp32", "compile=off"] if args.dry else []

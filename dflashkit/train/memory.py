@@ -447,9 +447,9 @@ def scaled_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySe
     of one block, or of fewer than 4 query tiles on the CPU path, is traced at its own blocks (its contexts scaled)."""
     tiled = settings.device == "cpu"
     few = shape.blocks == 1 or (tiled and _tiles(cfg, shape)[0] < 4)
-    # Tiles whose last has the step's own rows make 4 traces instead of 7, where the block size allows them (one
-    # that divides the tile: the rows of the last tile repeat every tile) — else r is fitted too.
-    at_r = tiled and not few and sum(_same_last_tile(cfg, b, shape) for b in range(2, 8 * DEFAULT_TILE)) >= 2
+    # Where the block size divides the tile, the last tile's rows repeat every few blocks: traces at the step's own
+    # r make 4 instead of 7 (r's terms constants) — else r is fitted too.
+    at_r = tiled and not few and DEFAULT_TILE % cfg.block_size == 0
     path = "fixed" if few else "tiles at r" if at_r else "tiles" if tiled else "dense"
     return _fit(cfg, shape, bf16=settings.bf16, tiled=tiled, path=path).at(shape)
 
