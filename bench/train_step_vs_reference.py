@@ -29,8 +29,8 @@ where n_valid counts the valid draft slots (not Σ w; D-PACE: w from the drafter
 speculators' default, not dflashkit's (2 at block size 4). speculators' label at slot k is the argmax of the verifier's
 logits at a + k − 1 (it has no label path), dflashkit's the token at a + k: the row's tokens are made so that both are
 the same (token j + 1 = the argmax of the verifier's logits over random final-layer states at j, each with a clear
-margin). dflashkit computes it with `block_loss(..., weights=decay_weights(bs, γ), normalizer=n_valid + 1e-5)`
-(D-PACE: `position_weights="dpace"`, `dpace_alpha=α`, the same normalizer).
+margin). dflashkit computes it with `block_loss` and `LossSpec(weights=decay_weights(bs, γ), normalizer=n_valid + 1e-5)`
+(D-PACE: `LossSpec(position_weights="dpace", dpace_alpha=α)`, the same normalizer).
 
 One step, timed: forward (dflashkit: blocks, masks, drafter, chunked `block_loss`; speculators: its `forward` with
 anchor choice, mask, the verifier's target logits and `compute_metrics`) + backward + AdamW step + zero_grad, no
@@ -53,6 +53,7 @@ when the anchors or labels differ. Prints a header naming the machine, a Markdow
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -137,7 +138,7 @@ def _dflashkit_child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     from dflashkit.drafter.checkpoint import load_drafter
     from dflashkit.train.blocks import attention_masks, build_blocks
-    from dflashkit.train.losses import block_loss, decay_weights
+    from dflashkit.train.losses import LossSpec, block_loss, decay_weights
     from dflashkit.train.optimizer_choice import make_adamw
 
     work = Path(args.workdir)
@@ -152,6 +153,7 @@ def _dflashkit_child(args: argparse.Namespace) -> dict:
     positions = torch.arange(ids.shape[1])[None]  # (1, T)
     optimizer = make_adamw(drafter.parameters(), args.adamw, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
     weights = decay_weights(bs, args.gamma) if args.weights == "decay" else None  # D-PACE: its default slot marks
+    spec = LossSpec(weights=weights, position_weights=args.weights, dpace_alpha=args.dpace_alpha)
     rss_built, load_peak = _memory()
     peak_reset = _reset_peak()  # from here the peak is the steps' own
     times, losses = [], []
@@ -167,10 +169,8 @@ def _dflashkit_child(args: argparse.Namespace) -> dict:
                 features, embeds, context_positions=blocks.context_positions,
                 block_positions=blocks.block_positions, attention_mask=masks, block_len=bs,
             )  # fmt: skip
-            loss = block_loss(
-                hidden.reshape(-1, bs, cfg.hidden_size), lm_head, labels, weights=weights, normalizer=n_valid + 1e-5,
-                position_weights=args.weights, dpace_alpha=args.dpace_alpha,
-            ).loss  # fmt: skip
+            states = hidden.reshape(-1, bs, cfg.hidden_size)  # (N, bs, H)
+            loss = block_loss(states, lm_head, labels, dataclasses.replace(spec, normalizer=n_valid + 1e-5)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

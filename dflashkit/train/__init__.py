@@ -15,7 +15,8 @@ Modules and their public functions:
   schedule.py      `cosine_with_warmup`, `cosine_at`
   packing.py       `plan_rows`, `PackedRows`, `collate_rows`, `step_rows`, `split_indices`
   blocks.py        `sample_anchors`, `build_blocks`, `masks_for_layer_types`, `attention_masks`, `reference_mask`
-  losses.py        `block_loss`, `decay_weights`, `dpace_weights`, `estimated_tau`
+  losses.py        `block_loss(hidden, head, labels, spec, target)` with `LossSpec`, `LossTarget`, `LMHead`;
+                   `decay_weights`, `dpace_weights`, `estimated_tau`
   objective_reference.py  every objective of `block_loss` in float64 loops: the definitions, and its test reference
   dspark_loss.py   `dspark_loss` (CE + L1 to the target + confidence BCE), `dspark_slot_weights`
   target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary,

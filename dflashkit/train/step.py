@@ -23,7 +23,15 @@ from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, attention_masks, build_blocks, sample_anchors
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
-from dflashkit.train.losses import DISTRIBUTION_KINDS, LossOutput, block_loss, dpace_weights
+from dflashkit.train.losses import (
+    DISTRIBUTION_KINDS,
+    LMHead,
+    LossOutput,
+    LossSpec,
+    LossTarget,
+    block_loss,
+    dpace_weights,
+)
 from dflashkit.train.packing import RowBatch, collate_rows, epoch_order, mix_seed, step_rows
 from dflashkit.train.run import Run
 from dflashkit.train.slot_targets import (
@@ -157,15 +165,15 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)  # (V', H), (B, Nb, bs)
     prev = inp.prev_tokens if inp.prev_tokens is not None else block_predecessors(rows, inp.blocks)  # (B, Nb, bs)
     labels = labels.reshape(-1, bs)
-    target = kl_target_logits(run, rows, inp.blocks) if cfg.loss in DISTRIBUTION_KINDS else None
-    soft: dict[str, Any] = {}
-    if cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
+    spec = LossSpec.from_config(cfg, weights=run.weights, normalizer=normalizer)
+    target = LossTarget()
+    if cfg.loss in DISTRIBUTION_KINDS:
+        target = LossTarget(logits=kl_target_logits(run, rows, inp.blocks))
+    elif cfg.loss == "topk":  # the stored top-k at index a+k−1, as draft ids (−1: dropped before renormalising)
         ids, lps = topk_targets(inp.blocks, rows, cfg.topk)  # (B, Nb, bs, K)
         ids = draft_vocab_topk(run.drafter, ids, run.lm_head.shape[0])
-        soft = dict(
-            topk_ids=ids.reshape(-1, bs, ids.shape[-1]),
-            topk_logprobs=lps.reshape(-1, bs, lps.shape[-1]),
-            ce_weight=cfg.topk_ce_weight,
+        target = LossTarget(
+            topk_ids=ids.reshape(-1, bs, ids.shape[-1]), topk_logprobs=lps.reshape(-1, bs, lps.shape[-1])
         )
 
     def configured_loss(
@@ -173,25 +181,9 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
     ) -> LossOutput:
         """The configured objective (or `kind`) over the step's labels for logits states·lm_rowsᵀ (with `extra`
         (V', r): states·[lm_rows ; extra]ᵀ, only extra trained)."""
-        kind = kind or cfg.loss
+        own = spec.with_kind(kind or cfg.loss)  # hard-label CE reads no target side (e.g. a head's CE term)
         with run.autocast():  # the LM-head products at the drafter's precision (on CUDA the head is bf16 already)
-            return block_loss(
-                states,
-                lm_rows,
-                labels,
-                weights=run.weights,
-                kind=kind,
-                target_logits=target if kind in DISTRIBUTION_KINDS else None,
-                chunk_size=cfg.loss_chunk_size,
-                normalizer=normalizer,
-                position_weights=cfg.position_weights,
-                dpace_alpha=cfg.dpace_alpha,
-                lk_eta=cfg.lk_eta,
-                lk_kl_scale=cfg.lk_kl_scale,
-                lk_kl_decay=cfg.lk_kl_decay,
-                extra_rows=extra,
-                **(soft if kind == "topk" else {}),
-            )
+            return block_loss(states, LMHead(lm_rows, extra), labels, own, target if own.kind != "ce" else None)
 
     terms = TrainingTerms(
         drafter=run.drafter,

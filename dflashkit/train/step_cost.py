@@ -152,7 +152,7 @@ def time_drafter_step(
     loss's products under bf16 autocast, as a bf16 run computes them."""
     from dflashkit.drafter.model import DFlashDrafter
     from dflashkit.train.blocks import attention_masks, build_blocks
-    from dflashkit.train.losses import block_loss, decay_weights
+    from dflashkit.train.losses import LossSpec, block_loss, decay_weights
     from dflashkit.train.optimizer_choice import make_adamw
 
     g = torch.Generator().manual_seed(seed)
@@ -185,7 +185,7 @@ def time_drafter_step(
             )  # fmt: skip
             labels = blocks.labels.reshape(-1, bs)  # (B·Nb, bs)
             states = hidden.reshape(-1, bs, cfg.hidden_size)
-            loss = block_loss(states, embed[:vocab], labels, weights=decay_weights(bs)).loss
+            loss = block_loss(states, embed[:vocab], labels, LossSpec(weights=decay_weights(bs))).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

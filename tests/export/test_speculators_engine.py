@@ -155,7 +155,7 @@ def test_acceptance_losses_equal_speculators_own(kind: str, tmp_path) -> None:
     """`loss: tv | nla | lk_hybrid` against speculators' eager `tv_loss`, `neg_log_acceptance_loss` and
     `lk_hybrid_loss` on the same logits: dflashkit's slot-weighted mean equals the same weighting of their
     per-position values (float32, the precision both train in)."""
-    from dflashkit.train.losses import block_loss, decay_weights
+    from dflashkit.train.losses import LossSpec, LossTarget, block_loss, decay_weights
 
     g = torch.Generator().manual_seed(9)
     n, bs, h, v = 6, 4, 8, 13
@@ -164,7 +164,7 @@ def test_acceptance_losses_equal_speculators_own(kind: str, tmp_path) -> None:
     labels = torch.randint(0, v, (n, bs), generator=g)
     labels[torch.rand(n, bs, generator=g) < 0.2] = -100
     targets = torch.randn(n, bs, v, generator=g) * 2
-    ours = block_loss(hidden, head, labels, kind=kind, target_logits=targets, lk_eta=2.0).loss
+    ours = block_loss(hidden, head, labels, LossSpec(kind=kind, lk_eta=2.0), LossTarget(logits=targets)).loss
     logits = (hidden @ head.T).reshape(-1, v)
     per = in_speculators(
         "speculators_losses.py", {"logits": logits, "targets": targets.reshape(-1, v), "eta": 2.0}, tmp_path

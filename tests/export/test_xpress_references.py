@@ -17,7 +17,7 @@ from dflashkit.drafter.heads import TrainingTerms, head_of
 from dflashkit.export.convert import convert
 from dflashkit.target.model import Target
 from dflashkit.train.config import TrainConfig
-from dflashkit.train.losses import DISTRIBUTION_KINDS, block_loss, decay_weights
+from dflashkit.train.losses import DISTRIBUTION_KINDS, LMHead, LossSpec, LossTarget, block_loss, decay_weights
 from helpers.checkpoints import small_config, write_checkpoint
 from helpers.reference_envs import in_speculators, speculators_python
 
@@ -89,10 +89,9 @@ def test_speculators_xpress_forward_passes_and_loss_equal_dflashkit(tmp_path: Pa
     train_cfg = TrainConfig(out=str(tmp_path / "unused"), loss="tv", drafter={"kind": "xpress"})
 
     def backbone_loss(states, rows, kind=None, extra=None):
-        kind = kind or train_cfg.loss
-        t = targets if kind in DISTRIBUTION_KINDS else None
-        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer,
-                          extra_rows=extra)  # fmt: skip
+        spec = LossSpec(kind=kind or train_cfg.loss, weights=weights, normalizer=normalizer)
+        t = LossTarget(logits=targets if spec.kind in DISTRIBUTION_KINDS else None)
+        return block_loss(states, LMHead(rows, extra), labels, spec, t)
 
     terms = TrainingTerms(
         drafter=drafter, hidden=hidden, head_weight=target.lm_head_weight, labels=labels, prev_tokens=prev_tf,

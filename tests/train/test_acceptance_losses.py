@@ -12,7 +12,7 @@ import torch
 
 from dflashkit.errors import ConfigError
 from dflashkit.train.config import TrainConfig
-from dflashkit.train.losses import NLA_EPS, block_loss, decay_weights
+from dflashkit.train.losses import NLA_EPS, LossSpec, LossTarget, block_loss, decay_weights
 
 
 def _slot_loss(kind: str, p: torch.Tensor, z: torch.Tensor, eta: float) -> torch.Tensor:
@@ -83,7 +83,7 @@ def test_acceptance_losses_and_gradients_equal_a_float64_reference(kind, chunk) 
     target = torch.randn(n, bs, v, generator=g, dtype=torch.float64) * 2
     eta = (1.3, 0.7) if kind == "lk_lambda" else 2.5
     lk = dict(lk_kl_scale=eta[0], lk_kl_decay=eta[1]) if kind == "lk_lambda" else dict(lk_eta=eta)
-    out = block_loss(hidden, weight, labels, kind=kind, target_logits=target, chunk_size=chunk, **lk)
+    out = block_loss(hidden, weight, labels, LossSpec(kind=kind, chunk_size=chunk, **lk), LossTarget(logits=target))
     gh, gw = torch.autograd.grad(out.loss, (hidden, weight))
     h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     ref = _reference(kind, h2, w2, labels, target, eta)
@@ -99,12 +99,12 @@ def test_tv_is_half_the_l1_distance_and_zero_at_the_target() -> None:
     weight = torch.eye(7, dtype=torch.float64)
     labels = torch.tensor([[-100, 1]])
     target = torch.randn(1, 2, 7, generator=g, dtype=torch.float64)
-    tv = block_loss(z, weight, labels, kind="tv", target_logits=target).loss
+    tv = block_loss(z, weight, labels, LossSpec(kind="tv"), LossTarget(logits=target)).loss
     half_l1 = 0.5 * (torch.softmax(z[0, 1], -1) - torch.softmax(target[0, 1], -1)).abs().sum()
     torch.testing.assert_close(tv, half_l1)
-    same = block_loss(target.clone(), weight, labels, kind="tv", target_logits=target).loss
+    same = block_loss(target.clone(), weight, labels, LossSpec(kind="tv"), LossTarget(logits=target)).loss
     assert float(same) == pytest.approx(0.0, abs=1e-12)
-    nla = block_loss(target.clone(), weight, labels, kind="nla", target_logits=target).loss
+    nla = block_loss(target.clone(), weight, labels, LossSpec(kind="nla"), LossTarget(logits=target)).loss
     assert float(nla) == pytest.approx(0.0, abs=1e-12)  # −log 1
 
 

@@ -17,7 +17,7 @@ from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
 from dflashkit.train.config import TrainConfig, check_resume_compatible
 from dflashkit.train.loop import train
-from dflashkit.train.losses import block_loss, dpace_weights, draft_slot_weights
+from dflashkit.train.losses import LossSpec, LossTarget, block_loss, dpace_weights, draft_slot_weights
 from dflashkit.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -88,7 +88,7 @@ def test_loss_and_grads_equal_the_float64_reference(alpha: float, chunk: int | N
     ref = reference_loss(h_ref, w_ref, labels, alpha)
     ref.backward()
     h32, w32 = hidden.float().requires_grad_(), weight.float().requires_grad_(train_head)
-    out = block_loss(h32, w32, labels, position_weights="dpace", dpace_alpha=alpha, chunk_size=chunk)
+    out = block_loss(h32, w32, labels, LossSpec(position_weights="dpace", dpace_alpha=alpha, chunk_size=chunk))
     out.loss.backward()
     torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h32.grad.double(), h_ref.grad, rtol=1e-4, atol=1e-6)
@@ -102,10 +102,10 @@ def test_loss_and_grads_equal_the_float64_reference(alpha: float, chunk: int | N
 
 def test_global_normaliser_makes_splits_add_up() -> None:
     hidden, weight, labels = _problem(3, n=8)
-    whole = block_loss(hidden, weight, labels, position_weights="dpace")
+    whole = block_loss(hidden, weight, labels, LossSpec(position_weights="dpace"))
     n = whole.weight_sum
     parts = [
-        block_loss(hidden[s], weight, labels[s], position_weights="dpace", normalizer=n)
+        block_loss(hidden[s], weight, labels[s], LossSpec(position_weights="dpace", normalizer=n))
         for s in (slice(0, 3), slice(3, 8))
     ]
     torch.testing.assert_close(sum(p.loss for p in parts), whole.loss)
@@ -115,13 +115,14 @@ def test_global_normaliser_makes_splits_add_up() -> None:
 def test_differs_from_the_decay_and_is_refused_with_soft_losses() -> None:
     hidden, weight, labels = _problem(4)
     assert not torch.allclose(
-        block_loss(hidden, weight, labels).loss, block_loss(hidden, weight, labels, position_weights="dpace").loss
+        block_loss(hidden, weight, labels).loss,
+        block_loss(hidden, weight, labels, LossSpec(position_weights="dpace")).loss,
     )
     target = torch.randn(*labels.shape, weight.shape[0], dtype=torch.float64)
     with pytest.raises(ValueError, match="hard-label cross-entropy"):
-        block_loss(hidden, weight, labels, kind="kl", target_logits=target, position_weights="dpace")
+        block_loss(hidden, weight, labels, LossSpec(kind="kl", position_weights="dpace"), LossTarget(logits=target))
     with pytest.raises(ValueError, match="position_weights"):
-        block_loss(hidden, weight, labels, position_weights="linear")
+        block_loss(hidden, weight, labels, LossSpec(position_weights="linear"))
     with pytest.raises(ValueError, match="dpace_alpha"):
         dpace_weights(torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool), 1.5)
     assert draft_slot_weights(4).tolist() == [0.0, 1.0, 1.0, 1.0]

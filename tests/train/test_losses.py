@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashkit.train.losses import block_loss, decay_weights, default_gamma, estimated_tau
+from dflashkit.train.losses import LossSpec, LossTarget, block_loss, decay_weights, default_gamma, estimated_tau
 
 
 def test_decay_weights_values() -> None:
@@ -58,9 +58,8 @@ def test_chunked_loss_and_grads_equal_unchunked(kind: str, chunk: int | None) ->
     ref = _unchunked(h1, w1, labels, weights, target if kind == "kl" else None)
     ref.backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = block_loss(
-        h2, w2, labels, weights=weights, kind=kind, chunk_size=chunk, target_logits=target if kind == "kl" else None
-    )
+    spec = LossSpec(weights=weights, kind=kind, chunk_size=chunk)
+    out = block_loss(h2, w2, labels, spec, LossTarget(logits=target if kind == "kl" else None))
     out.loss.backward()
     torch.testing.assert_close(out.loss.double(), ref.double())
     torch.testing.assert_close(h2.grad, h1.grad)
@@ -76,7 +75,7 @@ def test_callable_target_and_frozen_head() -> None:
         return target[start:end]
 
     h = hidden.clone().requires_grad_()
-    out = block_loss(h, weight, labels, kind="kl", target_logits=per_chunk, chunk_size=3)
+    out = block_loss(h, weight, labels, LossSpec(kind="kl", chunk_size=3), LossTarget(logits=per_chunk))
     out.loss.backward()
     assert calls == [(0, 3), (3, 6), (6, 7)]
     assert weight.grad is None and h.grad is not None
@@ -91,7 +90,7 @@ def test_kl_to_one_hot_target_approaches_ce() -> None:
     hidden, weight, labels, _ = _problem(2)
     sharp = F.one_hot(labels.clamp(min=0), weight.shape[0]).double() * 40.0  # target ≈ one-hot on the label
     ce = block_loss(hidden, weight, labels).loss
-    kl = block_loss(hidden, weight, labels, kind="kl", target_logits=sharp, chunk_size=2).loss
+    kl = block_loss(hidden, weight, labels, LossSpec(kind="kl", chunk_size=2), LossTarget(logits=sharp)).loss
     torch.testing.assert_close(kl, ce, rtol=1e-6, atol=1e-6)
 
 
@@ -101,7 +100,7 @@ def test_accuracy_counts_and_tau_on_hand_made_logits() -> None:
     preds = torch.tensor([[0, 1, 2], [0, 1, 0], [0, 2, 2], [0, 1, 1]])  # argmax per slot (N=4, bs=3)
     hidden = F.one_hot(preds, v).float() * 5.0
     labels = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, -100]])
-    out = block_loss(hidden, weight, labels, weights=decay_weights(bs), chunk_size=1)
+    out = block_loss(hidden, weight, labels, LossSpec(weights=decay_weights(bs), chunk_size=1))
     assert out.valid_counts.tolist() == [4, 4, 3]
     assert out.correct_counts.tolist() == [4, 3, 2]
     torch.testing.assert_close(out.accuracy, torch.tensor([1.0, 0.75, 2 / 3]))
@@ -127,7 +126,7 @@ def test_no_valid_slot_gives_zero_loss_and_finite_grads() -> None:
 def test_normalizer_and_leading_dims() -> None:
     hidden, weight, labels, _ = _problem(3, n=6)
     base = block_loss(hidden, weight, labels)
-    scaled = block_loss(hidden, weight, labels, normalizer=2 * base.weight_sum)
+    scaled = block_loss(hidden, weight, labels, LossSpec(normalizer=2 * base.weight_sum))
     torch.testing.assert_close(scaled.loss, base.loss / 2)
     batched = block_loss(hidden.view(2, 3, 4, -1), weight, labels.view(2, 3, 4))
     torch.testing.assert_close(batched.loss, base.loss)
@@ -136,9 +135,9 @@ def test_normalizer_and_leading_dims() -> None:
 def test_bad_arguments() -> None:
     hidden, weight, labels, target = _problem(4)
     with pytest.raises(ValueError):
-        block_loss(hidden, weight, labels, kind="kl")
+        block_loss(hidden, weight, labels, LossSpec(kind="kl"))
     with pytest.raises(ValueError):
-        block_loss(hidden, weight, labels, target_logits=target)
+        block_loss(hidden, weight, labels, LossSpec(), LossTarget(logits=target))
     with pytest.raises(ValueError):
         block_loss(hidden, weight[:, :3], labels)
 
@@ -146,7 +145,7 @@ def test_bad_arguments() -> None:
 def test_bf16_inputs_close_to_float32() -> None:
     hidden, weight, labels, _ = _problem(5)
     h16 = hidden.to(torch.bfloat16).requires_grad_()
-    out = block_loss(h16, weight.to(torch.bfloat16), labels, chunk_size=2)
+    out = block_loss(h16, weight.to(torch.bfloat16), labels, LossSpec(chunk_size=2))
     out.loss.backward()
     ref = block_loss(h16.detach().float(), weight.to(torch.bfloat16).float(), labels)
     assert out.loss.dtype == torch.float32 and h16.grad.dtype == torch.bfloat16
@@ -180,7 +179,7 @@ def test_under_bf16_autocast_the_frozen_head_is_cast_once_and_the_loss_follows_f
 
 def test_a_bf16_heads_gradient_equals_float32_softmax_cast_to_bf16() -> None:
     """With a bf16 head the chunked pass writes softmax − onehot straight in bf16: exactly the float32 values cast."""
-    from dflashkit.train.losses import _chunked_pass
+    from dflashkit.train.losses import LMHead, _ce, _chunked_pass, _Grads, _Rows
 
     g = torch.Generator().manual_seed(3)
     h = torch.randn(12, 16, generator=g).to(torch.bfloat16)
@@ -188,8 +187,8 @@ def test_a_bf16_heads_gradient_equals_float32_softmax_cast_to_bf16() -> None:
     lab = torch.randint(0, 40, (12,), generator=g)
     row_w = torch.rand(12, generator=g)
     row_w[3] = 0.0
-    run = dict(hidden=h, weight=w, labels=lab, row_w=row_w, target=None, bs=4, chunk_rows=2)
-    _, _, _, gh, _, _ = _chunked_pass(**run, need_gh=True, need_gw=False, soft=None, alpha=0.0)
+    rows = _Rows(labels=lab, row_w=row_w, bs=4, chunk_rows=2, slot_loss=_ce, grads=_Grads(True, False, False))
+    gh = _chunked_pass(h, LMHead(w), rows).gh
     logp = torch.log_softmax(F.linear(h, w), dim=-1, dtype=torch.float32)
     ref = logp.exp()
     ref[torch.arange(12), lab] -= 1.0

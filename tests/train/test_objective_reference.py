@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflashkit.train.losses import block_loss, default_gamma
+from dflashkit.train.losses import LossSpec, LossTarget, block_loss, default_gamma
 from dflashkit.train.objective_reference import block_loss64
 
 CASES = [
@@ -34,17 +34,19 @@ def test_block_loss_equals_the_float64_definitions(kind, opts, dpace) -> None:
     ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n * bs)]).view(n, bs, k)
     lps = torch.log_softmax(torch.randn(n, bs, k, generator=g, dtype=torch.float64), -1)
     kw: dict = {}
+    t = LossTarget()
     if kind in ("kl", "tv", "nla", "lk_hybrid", "lk_lambda"):
-        kw["target_logits"] = target
+        t = LossTarget(logits=target)
     if kind == "topk":
-        kw.update(topk_ids=ids, topk_logprobs=lps, ce_weight=opts["topk_ce_weight"])
+        t = LossTarget(topk_ids=ids, topk_logprobs=lps)
+        kw["ce_weight"] = opts["topk_ce_weight"]
     if kind == "lk_hybrid":
         kw["lk_eta"] = opts["eta"]
     if kind == "lk_lambda":
         kw.update(lk_kl_scale=opts["s"], lk_kl_decay=opts["d"])
     if dpace is not None:
         kw.update(position_weights="dpace", dpace_alpha=dpace)
-    got = block_loss(hidden, head, labels, kind=kind, **kw).loss
+    got = block_loss(hidden, head, labels, LossSpec(kind=kind, **kw), t).loss
     (grad,) = torch.autograd.grad(got, hidden)
     h2 = hidden.detach().clone().requires_grad_(True)
     ref = block_loss64(

@@ -33,7 +33,7 @@ from dflashkit.target.model import Target
 from dflashkit.train.blocks import build_blocks
 from dflashkit.train.config import TrainConfig, check_resume_compatible
 from dflashkit.train.loop import train
-from dflashkit.train.losses import block_loss, decay_weights
+from dflashkit.train.losses import LossSpec, LossTarget, block_loss, decay_weights
 from dflashkit.train.metrics import read_metrics
 from dflashkit.train.packing import collate_rows, pack_row
 from dflashkit.train.slot_targets import block_labels, draft_vocab_head, draft_vocab_topk, topk_targets
@@ -188,13 +188,14 @@ def test_topk_over_the_whole_vocabulary_equals_dense_kl(chunk: int | None) -> No
     so they agree to a few float32 roundings (unit 6e-8) over V = 13 terms — rel 1e-5 leaves a wide margin."""
     hidden, weight, labels, target = _problem(0, torch.float32)
     vals, ids = target.log_softmax(-1).topk(target.shape[-1], dim=-1)  # k = V: every token
+    dense_target, sparse_target = LossTarget(logits=target), LossTarget(topk_ids=ids, topk_logprobs=vals)
     dense, g_dense = _grads(
-        hidden, weight, lambda h, w: block_loss(h, w, labels, kind="kl", target_logits=target, chunk_size=chunk).loss
+        hidden, weight, lambda h, w: block_loss(h, w, labels, LossSpec(kind="kl", chunk_size=chunk), dense_target).loss
     )
     sparse, g_sparse = _grads(
         hidden,
         weight,
-        lambda h, w: block_loss(h, w, labels, kind="topk", topk_ids=ids, topk_logprobs=vals, chunk_size=chunk).loss,
+        lambda h, w: block_loss(h, w, labels, LossSpec(kind="topk", chunk_size=chunk), sparse_target).loss,
     )
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=0)
     assert_grads_close(g_sparse, g_dense, rel=1e-5)
@@ -236,14 +237,13 @@ def test_sparse_topk_loss_equals_python_loop(alpha: float) -> None:
     n0, k0 = valid[valid[:, 1] > 0][0].tolist()
     ids[n0, k0] = -1  # a slot with nothing kept
     ref, g_ref = _grads(hidden, weight, lambda h, w: _reference(h, w, labels, ids, vals, alpha))
+    topk = LossTarget(topk_ids=ids, topk_logprobs=vals)
     for chunk in (1, 4, None):
         out, g_out = _grads(
             hidden,
             weight,
             lambda h, w, chunk=chunk: (
-                block_loss(
-                    h, w, labels, kind="topk", topk_ids=ids, topk_logprobs=vals, ce_weight=alpha, chunk_size=chunk
-                ).loss
+                block_loss(h, w, labels, LossSpec(kind="topk", ce_weight=alpha, chunk_size=chunk), topk).loss
             ),
         )
         torch.testing.assert_close(out, ref)
@@ -251,15 +251,15 @@ def test_sparse_topk_loss_equals_python_loop(alpha: float) -> None:
         torch.testing.assert_close(g_out[1], g_ref[1])  # w.r.t. the head
     # α = 1 is plain CE; accuracy and counts are those of the hard labels
     ce = block_loss(hidden, weight, labels)
-    one = block_loss(hidden, weight, labels, kind="topk", topk_ids=ids, topk_logprobs=vals, ce_weight=1.0)
+    one = block_loss(hidden, weight, labels, LossSpec(kind="topk", ce_weight=1.0), topk)
     torch.testing.assert_close(one.loss, ce.loss)
     assert torch.equal(one.correct_counts, ce.correct_counts) and torch.equal(one.valid_counts, ce.valid_counts)
     with pytest.raises(ValueError, match="topk_ids"):
-        block_loss(hidden, weight, labels, kind="topk")
+        block_loss(hidden, weight, labels, LossSpec(kind="topk"))
     with pytest.raises(ValueError, match="vocabulary"):
-        block_loss(hidden, weight, labels, kind="topk", topk_ids=ids + 100, topk_logprobs=vals)
+        block_loss(hidden, weight, labels, LossSpec(kind="topk"), LossTarget(topk_ids=ids + 100, topk_logprobs=vals))
     with pytest.raises(ValueError, match="ce_weight"):
-        block_loss(hidden, weight, labels, ce_weight=0.5)
+        block_loss(hidden, weight, labels, LossSpec(ce_weight=0.5))
 
 
 # ---------------------------------------------------------------------------------------------- (d) alignment
@@ -341,15 +341,8 @@ def test_reduced_draft_vocabulary_drops_entries_outside_it() -> None:
     mapped[n0, k0 + 1] = -1  # as if its top-6 all missed the draft vocabulary:
     assert ((mapped == -1).all(-1) & (labels >= 0)).any()  # that slot falls back to CE
     ref, g_ref = _grads(hidden, head, lambda h, w: _reference(h, w, mapped_labels, mapped, vals, 0.2))
-    out, g_out = _grads(
-        hidden,
-        head,
-        lambda h, w: (
-            block_loss(
-                h, w, mapped_labels, kind="topk", topk_ids=mapped, topk_logprobs=vals, ce_weight=0.2, chunk_size=2
-            ).loss
-        ),
-    )
+    spec, topk = LossSpec(kind="topk", ce_weight=0.2, chunk_size=2), LossTarget(topk_ids=mapped, topk_logprobs=vals)
+    out, g_out = _grads(hidden, head, lambda h, w: block_loss(h, w, mapped_labels, spec, topk).loss)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g_out[0], g_ref[0])
     torch.testing.assert_close(g_out[1], g_ref[1])

@@ -23,7 +23,7 @@ from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.loop import train
-from dflashkit.train.losses import DISTRIBUTION_KINDS, block_loss, decay_weights
+from dflashkit.train.losses import DISTRIBUTION_KINDS, LMHead, LossSpec, LossTarget, block_loss, decay_weights
 from dflashkit.train.metrics import read_metrics
 from helpers.train_runs import write_tokens_file
 from helpers.xpress_reference import bias64, weights64
@@ -49,10 +49,9 @@ def _drafter(bs: int = 4) -> DFlashDrafter:
 
 def _terms(d, hidden, head, labels, prevs, weights, target, cfg, normalizer) -> TrainingTerms:
     def backbone_loss(states, rows, kind=None, extra=None):  # as the train step forms it
-        kind = kind or cfg.loss
-        t = target if kind in DISTRIBUTION_KINDS else None
-        return block_loss(states, rows, labels, weights=weights, kind=kind, target_logits=t, normalizer=normalizer,
-                          extra_rows=extra)  # fmt: skip
+        spec = LossSpec(kind=kind or cfg.loss, weights=weights, normalizer=normalizer)
+        t = LossTarget(logits=target if spec.kind in DISTRIBUTION_KINDS else None)
+        return block_loss(states, LMHead(rows, extra), labels, spec, t)
 
     return TrainingTerms(
         drafter=d, hidden=hidden, head_weight=head, labels=labels, prev_tokens=prevs, weights=weights,
@@ -134,14 +133,13 @@ def test_extra_rows_equal_the_concatenated_head_without_its_gradient(kind: str, 
     labels = torch.randint(0, 50, (3, 4), generator=g)
     labels[2, 3] = -100
     target = torch.randn(3, 4, 50, generator=g) if kind != "ce" else None
-    kw = dict(kind=kind, target_logits=target, normalizer=3.0, chunk_size=2)
-    if dpace:
-        kw["position_weights"] = "dpace"
+    spec = LossSpec(kind=kind, normalizer=3.0, chunk_size=2, position_weights="dpace" if dpace else "decay")
+    t = LossTarget(logits=target)
     a_states, a_rows = states.clone().requires_grad_(True), torch.cat([w, r], 1).requires_grad_(True)
-    want = block_loss(a_states, a_rows, labels, **kw)
+    want = block_loss(a_states, a_rows, labels, spec, t)
     want.loss.backward()
     b_states, b_r = states.clone().requires_grad_(True), r.clone().requires_grad_(True)
-    got = block_loss(b_states, w, labels, extra_rows=b_r, **kw)
+    got = block_loss(b_states, LMHead(w, b_r), labels, spec, t)
     got.loss.backward()
     assert float(got.loss.detach()) == pytest.approx(float(want.loss.detach()), rel=1e-6)
     assert torch.equal(got.correct_counts, want.correct_counts)
