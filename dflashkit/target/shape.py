@@ -5,7 +5,9 @@
 
 transformers builds the text model on the meta device (parameters with shapes and no storage: a 27 B config builds
 in a tenth of a second once its modeling code is imported), so the counts are those of the text model: the decoder,
-its embeddings and LM head (a tied head counted once). A VL wrapper's vision tower is not counted (families that
+its embeddings and LM head (a tied head counted once). The plain dense decoders transformers defines (Llama, Mistral,
+Qwen2, Qwen3) are counted in closed form instead (`decoder_counts`: the same numbers, without the two seconds of
+importing modeling code). A VL wrapper's vision tower is not counted (families that
 `Target.load` opens as image-text models keep it in memory too: Gemma 3, Qwen2.5-VL, Qwen3-VL). A MoE target runs
 `experts_per_token` of its `num_experts` routed experts per token (the parameters under an `experts` module);
 everything else runs for every token.
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dflashkit.errors import TargetError
+from dflashkit.target.decoder_counts import DecoderCounts, closed_form_counts
 from dflashkit.validation import PositiveInt, problem, show
 
 if TYPE_CHECKING:
@@ -241,12 +244,26 @@ def _dtype(raw: dict[str, Any]) -> str | None:
     return None
 
 
-def _shape(config: PreTrainedConfig, raw: dict[str, Any], source: str, *, trust_remote_code: bool) -> TargetShape:
+def _counts(config: PreTrainedConfig, source: str, *, trust_remote_code: bool) -> tuple[DecoderCounts, int]:
+    """The text model's parameter counts and how many of them are routed experts: in closed form for a plain dense
+    decoder transformers itself defines (`decoder_counts`), else from the meta build."""
     text = config.get_text_config()
+    plain = text is config and not (trust_remote_code and getattr(config, "auto_map", None))
+    counts = closed_form_counts(text) if plain else None
+    if counts is not None:
+        return counts, 0
     built = _meta_text_model(config, source, trust_remote_code=trust_remote_code)
     total = sum(p.numel() for p in built.module.parameters())  # shared (tied) parameters once
     # routed experts: every parameter inside a module named `experts` (fused (E, …) tensors or a list of E experts)
     routed = sum(p.numel() for name, p in built.module.named_parameters() if "experts" in name.split(".")[:-1])
+    tied = built.head.weight is built.embeddings.weight
+    return DecoderCounts(total, built.embeddings.weight.numel(), tied, built.name), routed
+
+
+def _shape(config: PreTrainedConfig, raw: dict[str, Any], source: str, *, trust_remote_code: bool) -> TargetShape:
+    text = config.get_text_config()
+    counts, routed = _counts(config, source, trust_remote_code=trust_remote_code)
+    total = counts.total
     experts = per_token = None
     active = total
     if routed:
@@ -265,7 +282,7 @@ def _shape(config: PreTrainedConfig, raw: dict[str, Any], source: str, *, trust_
     layers, heads = int(text.num_hidden_layers), int(text.num_attention_heads)
     return TargetShape(
         source=source,
-        architecture=architectures[0] if named else built.name,
+        architecture=architectures[0] if named else counts.name,
         model_type=str(text.model_type),
         hidden_size=int(text.hidden_size),
         num_layers=layers,
@@ -276,10 +293,10 @@ def _shape(config: PreTrainedConfig, raw: dict[str, Any], source: str, *, trust_
         head_dim=_positive_field(text, ("head_dim",)) or int(text.hidden_size) // heads,
         layer_types=tuple(getattr(text, "layer_types", None) or ("full_attention",) * layers),
         max_position_embeddings=_positive_field(text, ("max_position_embeddings",)),
-        tie_word_embeddings=built.head.weight is built.embeddings.weight,
+        tie_word_embeddings=counts.tied,
         num_parameters=total,
         num_active_parameters=active,
-        embedding_parameters=built.embeddings.weight.numel(),
+        embedding_parameters=counts.embeddings,
         num_experts=experts,
         experts_per_token=per_token,
         vision_language=isinstance(raw.get("text_config"), dict),
