@@ -77,18 +77,6 @@ def target(tiny_llama_dir) -> Target:
     return Target.load(tiny_llama_dir)
 
 
-@pytest.mark.parametrize("bs", [2, 4, 7])
-def test_greedy_is_lossless_with_random_drafters(target: Target, bs: int) -> None:
-    for seed, vocab in ((0, None), (1, 40)):
-        drafter = random_dspark(dspark_config(bs=bs, draft_vocab_size=vocab), seed)
-        prompt = torch.randint(3, 97, (6 + seed,), generator=torch.Generator().manual_seed(seed))
-        ref = reference_greedy(target, prompt, 23)
-        res = generate(
-            target, prompt, drafter=drafter, settings=DecodeSettings(max_new_tokens=23, check_invariants=True)
-        )
-        assert res.tokens == ref, (bs, seed)
-
-
 def test_oracle_rounds_propose_bs_drafts(target: Target) -> None:
     prompt = torch.tensor([3, 14, 15, 92, 65, 35])
     ref = reference_greedy(target, prompt, 40)

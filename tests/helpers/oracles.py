@@ -52,7 +52,7 @@ class PositionalOracle(DFlashDrafter):
         ref = self._ref if isinstance(self.reference, dict) else self.reference
         rows = []
         for k in range(n):
-            pos = self._positions[k + 1]
+            pos = self._positions[0] + k + 1  # row k proposes the token one past slot k (the first row: slot 0)
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + pos * 97 + k + 1)
             row = torch.randn(vocab, generator=g)
             true = ref[pos] if pos < len(ref) else int(torch.randint(vocab, (1,), generator=g))

@@ -6,16 +6,13 @@ and what Domino cannot train with is refused by name."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
 from dflashkit.drafter.config import DrafterConfig
-from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.heads import TrainingTerms, head_of
 from dflashkit.drafter.heads.domino_loss import lambda_base_at
 from dflashkit.drafter.model import DFlashDrafter
@@ -23,7 +20,6 @@ from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.loop import train
-from dflashkit.train.metrics import read_metrics
 from helpers.domino_reference import corrected64, gru64, weights64
 from helpers.train_runs import write_tokens_file
 
@@ -133,41 +129,6 @@ def cfg_for(out: Path, **kw) -> TrainConfig:
     )  # fmt: skip
     base.update(kw)
     return TrainConfig(**base)
-
-
-def test_trains_learns_resumes_exactly_and_warm_starts(tmp_path: Path, target: Target, tiny_llama_dir: Path) -> None:
-    tokens = write_tokens_file(tmp_path / "tokens.jsonl", 6)
-    kw = dict(tokens=str(tokens), online=True, target=str(tiny_llama_dir))
-    straight = train(cfg_for(tmp_path / "a", **kw), target=target)
-    assert straight.step == 8 and straight.val_metrics is not None
-    recs = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
-    assert recs[-1]["loss"] < recs[0]["loss"] and all(math.isfinite(r["loss"]) for r in recs)
-    assert len(recs[-1]["accuracy"]) == 5 and recs[-1]["accuracy"][0] == 1.0  # the given token, then every slot
-    d = load_drafter(tmp_path / "a" / "final")
-    assert d.config.kind == "domino"
-    fresh = DFlashDrafter(d.config)
-    assert not torch.equal(d.prefix_gru.weight_hh_l0, fresh.prefix_gru.weight_hh_l0)  # the GRU learned
-
-    def kill(end) -> None:
-        if end.step == 4:
-            raise RuntimeError("simulated kill")
-
-    with pytest.raises(RuntimeError, match="simulated kill"):
-        train(cfg_for(tmp_path / "b", **kw), target=target, callbacks=[kill])
-    train(cfg_for(tmp_path / "b", **kw), target=target)
-    a, b = read_tensors(tmp_path / "a" / "final"), read_tensors(tmp_path / "b" / "final")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
-
-    # a DFlash checkpoint warm-starts Domino: the backbone carried over, the correction at its init
-    plain_cfg = default_drafter_config(target, num_hidden_layers=1, block_size=4)
-    torch.manual_seed(4)
-    save_drafter(DFlashDrafter(plain_cfg), tmp_path / "plain")
-    train(cfg_for(tmp_path / "c", init_from=str(tmp_path / "plain"), max_steps=1, lr=1e-12, **kw), target=target)
-    warm, plain = load_drafter(tmp_path / "c" / "final"), load_drafter(tmp_path / "plain")
-    assert warm.config.kind == "domino" and warm.config.gru_hidden_dim == 8
-    for k, v in plain.state_dict().items():  # a step at lr 1e-12 moves nothing measurable
-        torch.testing.assert_close(warm.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
 
 
 def test_a_time_based_run_decays_lambda_by_the_time_spent(tmp_path: Path, target, tiny_llama_dir, monkeypatch):
