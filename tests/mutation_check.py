@@ -12,12 +12,13 @@ is the one imported (checked before anything runs). First the union of every sel
 unmutated copy and must pass; then, per fault, its `old` snippet is replaced by `new`, its tests run (`-x`: the first
 failure suffices) and the file is restored. A fault is caught when pytest reports a failure (or the run outlives its
 timeout, as a hang would fail CI); it is missed when its tests pass. Exit status: 0 when every fault is caught, 1 when
-one is missed or the baseline fails, 2 when the fault table is stale (an `old` snippet no longer occurs exactly once,
-or a named test no longer exists) — a fault table that silently stopped matching the code would prove nothing.
+one is missed or the baseline fails, 2 when the fault table is stale (an `old` snippet no longer occurs exactly once in
+the function named, or a named test no longer exists) — a table that silently stopped matching the code proves nothing.
 
-Add a fault: append a `Fault` to FAULTS — a one-line change a careless engineer could make, the narrowest existing
-tests that must catch it (`tests/…/test_x.py::test_name`, every parametrisation runs) and why they do. This file is
-not collected by pytest (its name does not match `test_*.py`); tests/test_mutation_check.py checks the table.
+Add a fault: append a `Fault` to FAULTS — a one-line change a careless engineer could make, the function that holds
+it, the narrowest existing tests that must catch it (`tests/…/test_x.py::test_name`, every parametrisation runs) and
+why they do. This file is not collected by pytest (its name does not match `test_*.py`); tests/test_mutation_check.py
+checks the table.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Fault:
-    """One seeded fault: in `file`, the snippet `old` (which must occur exactly once) becomes `new`."""
+    """One seeded fault: in `file`, the snippet `old` (which must occur exactly once, inside `within`) becomes `new`."""
 
     id: str
     file: str  # repository-relative path
+    within: str  # the innermost function or class that holds `old` ("<module>": none), so a snippet that moved is seen
     old: str
     new: str
     tests: tuple[str, ...]  # pytest node ids (file or file::function) that must fail under the fault
@@ -51,6 +53,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "loss-decay-sign",
         "dflashkit/train/losses.py",
+        "decay_weights",
         "w = torch.exp(-(k - 1) / g)",
         "w = torch.exp((k - 1) / g)",
         ("tests/train/test_losses.py::test_decay_weights_values",),
@@ -59,6 +62,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "loss-kl-direction",
         "dflashkit/train/losses.py",
+        "_kl",
         "torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)",
         "torch.where(q > 0, q * (logq - logp), 0.0).sum(-1)",
         ("tests/train/test_losses.py::test_chunked_loss_and_grads_equal_unchunked",),
@@ -67,6 +71,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "loss-topk-renormalise",
         "dflashkit/train/losses.py",
+        "sparse_topk_target",
         "probs = torch.where(total > 0, e / total.clamp_min(torch.finfo(lp.dtype).tiny), 0.0)",
         "probs = torch.where(total > 0, lp.exp(), 0.0)",
         ("tests/train/test_topk_loss.py::test_sparse_topk_loss_equals_python_loop",),
@@ -75,14 +80,25 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "loss-tv-factor",
         "dflashkit/train/losses.py",
-        "tv = 1.0 - overlap",
-        "tv = 2.0 * (1.0 - overlap)",
+        "_tv",
+        "return 1.0 - overlap, -d_overlap",
+        "return 2.0 * (1.0 - overlap), -d_overlap",
         ("tests/train/test_acceptance_losses.py::test_tv_is_half_the_l1_distance_and_zero_at_the_target",),
         "TV loses its ½: ‖p − q‖₁ instead of 1 − α",
     ),
     Fault(
+        "loss-lk-tv-term",
+        "dflashkit/train/losses.py",
+        "_lk",
+        "tv = 1.0 - overlap",
+        "tv = 2.0 * (1.0 - overlap)",
+        ("tests/train/test_acceptance_losses.py::test_acceptance_losses_and_gradients_equal_a_float64_reference",),
+        "the LK losses' TV term loses its ½ (its gradient, written apart, keeps it)",
+    ),
+    Fault(
         "loss-ignore-index",
         "dflashkit/train/losses.py",
+        "block_loss",
         "valid = (flat_lab != -100).view(n, bs)",
         "valid = (flat_lab != -1).view(n, bs)",
         ("tests/train/test_losses.py::test_chunked_loss_and_grads_equal_unchunked",),
@@ -91,6 +107,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "loss-dpace-alpha",
         "dflashkit/train/losses.py",
+        "dpace_weights",
         "q_tilde = torch.where(valid, (1 - alpha) * q + alpha, 1.0)",
         "q_tilde = torch.where(valid, alpha * q + (1 - alpha), 1.0)",
         ("tests/train/test_dpace.py::test_weights_equal_the_closed_form_loop",),
@@ -99,6 +116,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "loss-dpace-tail",
         "dflashkit/train/losses.py",
+        "dpace_weights",
         "tail = torch.flip(torch.cumsum(torch.flip(m * c, [-1]), dim=-1), [-1])",
         "tail = torch.cumsum(m * c, dim=-1)",
         ("tests/train/test_dpace.py::test_weights_equal_the_closed_form_loop",),
@@ -108,6 +126,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "blocks-label-shift",
         "dflashkit/train/blocks.py",
+        "build_blocks",
         "idx = ac[:, :, None] + k  # (B, Nb, bs)",
         "idx = ac[:, :, None] + k + 1  # (B, Nb, bs)",
         ("tests/train/test_blocks.py::test_labels_and_positions",),
@@ -116,6 +135,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "topk-target-shift",
         "dflashkit/train/slot_targets.py",
+        "topk_targets",
         "s_ids[:, 1:] = torch.where(same, ids[:, :-1], -1)",
         "s_ids[:, :-1] = torch.where(same, ids[:, 1:], -1)",
         ("tests/train/test_topk_loss.py::test_slot_k_reads_the_topk_at_a_plus_k_minus_1_of_its_own_document",),
@@ -124,6 +144,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "kl-target-shift",
         "dflashkit/train/slot_targets.py",
+        "kl_target_logits",
         "+ torch.arange(bs, device=run.device) - 1).clamp(0, t - 1)",
         "+ torch.arange(bs, device=run.device)).clamp(0, t - 1)",
         (
@@ -136,6 +157,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "mask-anchor-visible",
         "dflashkit/train/blocks.py",
+        "_visible",
         "& (k_pos < q_anchor)",
         "& (k_pos <= q_anchor)",
         ("tests/train/test_blocks.py::test_dense_and_flex_match_reference",),
@@ -144,6 +166,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "mask-causal-direction",
         "dflashkit/train/blocks.py",
+        "_visible",
         "own = own & (k_slot <= q_slot)",
         "own = own & (k_slot >= q_slot)",
         ("tests/train/test_blocks.py::test_dense_and_flex_match_reference",),
@@ -152,6 +175,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "mask-other-document",
         "dflashkit/train/blocks.py",
+        "_visible",
         "(q_doc >= 0) & (k_doc == q_doc) &",
         "(q_doc >= 0) &",
         ("tests/train/test_blocks.py::test_dense_and_flex_match_reference",),
@@ -160,6 +184,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "mask-inference-self",
         "dflashkit/drafter/model.py",
+        "positional_mask",
         "visible &= diff >= 0",
         "visible &= diff > 0",
         ("tests/train/test_blocks.py::test_training_mask_forward_equals_per_block_inference",),
@@ -168,6 +193,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "block-anchor-slot",
         "dflashkit/drafter/model.py",
+        "block_embeddings",
         "out[:, :, 0] = first",
         "out[:, :, -1] = first",
         ("tests/drafter/test_model.py",),
@@ -177,6 +203,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "decode-keep-off-by-one",
         "dflashkit/decode/generate.py",
+        "_verify_chain",
         "keep = accepted + 1",
         "keep = accepted",
         ("tests/decode/test_generate.py::test_greedy_is_lossless",),
@@ -185,6 +212,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "decode-accepted-prefix",
         "dflashkit/decode/generate.py",
+        "_greedy_accept_lazy",
         "accepted = int((drafts.to(rest.device) == posterior[:-1]).long().cumprod(0).sum())",
         "accepted = int((drafts.to(rest.device) == posterior[:-1]).long().sum())",
         ("tests/decode/test_generate.py::test_greedy_is_lossless",),
@@ -193,6 +221,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "decode-bonus-token",
         "dflashkit/decode/generate.py",
+        "_greedy_accept_lazy",
         "return accepted, int(posterior[accepted])",
         "return accepted, int(posterior[-1])",
         ("tests/decode/test_generate.py::test_greedy_is_lossless",),
@@ -201,6 +230,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "sampling-accepted-prefix",
         "dflashkit/sampling.py",
+        "accept_argmax_drafts",
         "accepted = int(matches.cumprod(0).sum())",
         "accepted = int(matches.sum())",
         ("tests/decode/test_generate.py::test_sampling_matches_target_distribution",),
@@ -209,6 +239,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "tree-heap-order",
         "dflashkit/decode/tree.py",
+        "push",
         "heapq.heappush(heap, (-(log_probs[parent] + vals[rank]), counter, d, rank, parent))",
         "heapq.heappush(heap, (log_probs[parent] + vals[rank], counter, d, rank, parent))",
         ("tests/decode/test_tree.py::test_build_tree_matches_brute_force_top_prefixes",),
@@ -217,6 +248,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "tree-child-parent",
         "dflashkit/decode/tree.py",
+        "build_tree",
         "push(d + 1, 0, node)",
         "push(d + 1, 0, parent)",
         ("tests/decode/test_tree.py::test_build_tree_matches_brute_force_top_prefixes",),
@@ -225,6 +257,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "tree-follow-unverified",
         "dflashkit/decode/tree.py",
+        "follow_tree",
         "nxt = next((c for c in table[cur] if node_tokens[c] == want), None)",
         "nxt = next((c for c in table[cur]), None)",
         ("tests/decode/test_tree.py::test_follow_tree_hand_built",),
@@ -233,6 +266,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "tree-mask-transposed",
         "dflashkit/decode/tree.py",
+        "tree_attention_bias",
         "allowed[:, start:] = tree_attention_mask(parents)",
         "allowed[:, start:] = tree_attention_mask(parents).t()",
         ("tests/decode/test_tree.py::test_tree_attention_bias_sees_the_cache_and_ancestors_only",),
@@ -242,6 +276,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "gguf-tensor-name",
         "dflashkit/export/gguf_export.py",
+        "<module>",
         '"self_attn.k_proj.weight": "attn_k.weight",',
         '"self_attn.k_proj.weight": "attn_key.weight",',
         ("tests/export/test_gguf_export.py::test_real_row_drafter_matches_the_loader",),
@@ -250,6 +285,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "gguf-transposed-weight",
         "dflashkit/export/gguf_export.py",
+        "_weight_array",
         "arr = t.detach().to(torch.float32).cpu().numpy()",
         "arr = t.detach().to(torch.float32).cpu().numpy().T",
         ("tests/export/test_gguf_export.py::test_real_row_drafter_matches_the_loader",),
@@ -258,6 +294,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "gguf-target-layers",
         "dflashkit/export/gguf_export.py",
+        "gguf_target_layers",
         "return [int(i) + 1 for i in cfg.target_layer_ids]",
         "return [int(i) for i in cfg.target_layer_ids]",
         ("tests/export/test_gguf_export.py::test_real_row_drafter_matches_the_loader",),
@@ -266,6 +303,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "vllm-d2t-offsets",
         "dflashkit/export/serving.py",
+        "serving_tensors",
         'out["d2t"] = absolute - torch.arange(absolute.shape[0], dtype=torch.long)',
         'out["d2t"] = absolute',
         ("tests/export/test_serving.py::test_reduced_vocabulary_exports_what_vllm_loads_and_round_trips_exactly",),
@@ -274,6 +312,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "vllm-config-key",
         "dflashkit/export/serving.py",
+        "serving_config",
         'config["draft_vocab_size"] = cfg.draft_vocab_size',
         'config["dflash_config"]["draft_vocab_size"] = cfg.draft_vocab_size',
         ("tests/export/test_serving.py::test_reduced_vocabulary_exports_what_vllm_loads_and_round_trips_exactly",),
@@ -282,6 +321,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "speculators-layer-ids",
         "dflashkit/export/speculators_format.py",
+        "config_to_speculators",
         "SPECULATORS_LAYER_IDS: [i + 1 for i in cfg.target_layer_ids],",
         "SPECULATORS_LAYER_IDS: list(cfg.target_layer_ids),",
         ("tests/export/test_convert.py::test_zlab_speculators_zlab_round_trip_is_exact",),
@@ -291,6 +331,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "validation-block-size",
         "dflashkit/validation.py",
+        "<module>",
         "int, Field(ge=2, le=1024)",
         "int, Field(ge=1, le=1024)",
         ("tests/test_validation.py::test_types_accept_their_domain_and_nothing_else",),
@@ -299,6 +340,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "validation-port",
         "dflashkit/validation.py",
+        "<module>",
         "Port = Annotated[int, Field(ge=1, le=65535)",
         "Port = Annotated[int, Field(ge=0, le=65535)",
         ("tests/test_validation.py::test_types_accept_their_domain_and_nothing_else",),
@@ -307,6 +349,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "validation-url-port",
         "dflashkit/validation.py",
+        "_server_url",
         "if port is not None and not 1 <= port <= 65535:",
         "if port is not None and not 0 <= port <= 65535:",
         ("tests/test_validation.py::test_types_accept_their_domain_and_nothing_else",),
@@ -315,6 +358,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "validation-blank-text",
         "dflashkit/validation.py",
+        "<module>",
         'Text = Annotated[str, Field(min_length=1, pattern=r"\\S")',
         "Text = Annotated[str, Field(min_length=1)",
         ("tests/test_validation.py::test_types_accept_their_domain_and_nothing_else",),
@@ -323,6 +367,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "config-mask-token-bound",
         "dflashkit/drafter/config.py",
+        "validate",
         "if not self.mask_token_id < self.vocab_size:",
         "if not self.mask_token_id <= self.vocab_size:",
         ("tests/drafter/test_model.py::test_bad_config_fields",),
@@ -332,6 +377,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "capture-layer-off-by-one",
         "dflashkit/target/model.py",
+        "_hooks",
         "handles.append(self.layers[idx].register_forward_hook(hook))",
         "handles.append(self.layers[idx - 1].register_forward_hook(hook))",
         ("tests/target/test_model.py::test_features_equal_output_hidden_states",),
@@ -349,7 +395,9 @@ MIN_TIMEOUT = 120.0
 
 def problems(faults: tuple[Fault, ...], root: Path) -> list[str]:
     """Why the fault table does not match the files under `root` (empty when it does): every `old` occurs exactly
-    once in its file and differs from `new`, every id is unique, every named test file and function exists."""
+    once in its file, inside the function `within` names, and differs from `new`; every id is unique; every named test
+    file and function exists. (A snippet can stay unique yet move to code its tests do not reach — a copy of a line
+    in another function after a refactor — hence `within`.)"""
     out: list[str] = []
     seen: set[str] = set()
     for f in faults:
@@ -360,9 +408,12 @@ def problems(faults: tuple[Fault, ...], root: Path) -> list[str]:
         if not path.is_file():
             out.append(f"{f.id}: {f.file} does not exist")
             continue
-        count = path.read_text(encoding="utf-8").count(f.old)
+        text = path.read_text(encoding="utf-8")
+        count = text.count(f.old)
         if count != 1:
             out.append(f"{f.id}: `{f.old}` occurs {count} times in {f.file}, expected exactly once")
+        elif (holder := enclosing(text, line_of(text, f.old))) != f.within:
+            out.append(f"{f.id}: `{f.old}` is in {holder} of {f.file}, expected in {f.within}")
         if f.old == f.new:
             out.append(f"{f.id}: `new` equals `old`")
         if not f.tests:
@@ -372,6 +423,17 @@ def problems(faults: tuple[Fault, ...], root: Path) -> list[str]:
             if problem:
                 out.append(f"{f.id}: {problem}")
     return out
+
+
+def enclosing(text: str, line: int) -> str:
+    """The innermost function or class of the Python source `text` that spans `line` ("<module>": none does)."""
+    best, span = "<module>", None
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            end = node.end_lineno or node.lineno
+            if node.lineno <= line <= end and (span is None or end - node.lineno < span):
+                best, span = node.name, end - node.lineno
+    return best
 
 
 def _node_problem(root: Path, node: str) -> str | None:
