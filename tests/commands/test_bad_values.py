@@ -3,8 +3,10 @@ domain — wrong type, NaN/inf, negative, zero, huge, empty, wrong nesting — t
 line, no traceback, and nothing written to the output directory.
 
 The values come from one pool of YAML texts; whether a value is in a field's domain is decided by an oracle
-written here by hand for each declared type (not by the types themselves), so a type that accepts too much or a
-check that runs too late shows up as a failing case.
+written here by hand for each declared type (not by the types themselves). The suite grows with types and doors,
+not fields: each type against its oracle over the whole pool; each door (a training option, a drafter field through
+train and init-drafter) with every refused value of each type; and each field with one refused value, so a field
+checked late, or with another type than declared, still fails.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dflashkit.validation import (
     UnitInterval,
     field_types,
     parse_yaml_value,
+    problem,
 )
 from helpers.bad_input import _one_line_error
 
@@ -124,32 +127,43 @@ BY_NAME: dict[str, Callable[[object], bool]] = {  # fields whose type is private
 }
 
 
-def _cases(cls: type, skip: set[str]) -> list[tuple[str, str, str]]:
-    out = []
-    for name, t in field_types(cls).items():
-        rule = oracle(t, name)
-        if name in skip or rule is None:
-            continue
-        for text, what in POOL:
-            if not rule(parse_yaml_value(text, "pool")):
-                out.append((name, text, what))
-    return out
+def _refused(rule: Callable[[object], bool]) -> list[tuple[str, str]]:
+    """The pool's values (YAML text, what it is) that `rule` refuses."""
+    return [(text, what) for text, what in POOL if not rule(parse_yaml_value(text, "pool"))]
 
 
 # Fields set by every case below (so a bad value of another field is the only problem) or not simple values.
 TRAIN_SKIP = {"drafter", "features", "tokens", "online", "out", "target"}
-TRAIN_CASES = _cases(TrainConfig, TRAIN_SKIP)
 # The target couples hidden_size, vocab_size and num_target_layers; dicts are checked as mappings elsewhere.
 DRAFTER_SKIP = {"extra", "hidden_size", "vocab_size", "num_target_layers", "layer_types"}
-DRAFTER_CASES = _cases(DrafterConfig, DRAFTER_SKIP)
+FIELDS = {
+    "train": {n: t for n, t in field_types(TrainConfig).items() if n not in TRAIN_SKIP},
+    "drafter": {n: t for n, t in field_types(DrafterConfig).items() if n not in DRAFTER_SKIP},
+}
 
 
 def test_the_pool_reaches_every_declared_field():
-    """Every field of both configs has an oracle (so the property covers it) unless it is skipped on purpose."""
-    for cls, skip in ((TrainConfig, TRAIN_SKIP), (DrafterConfig, DRAFTER_SKIP)):
-        uncovered = [n for n, t in field_types(cls).items() if n not in skip and oracle(t, n) is None]
-        assert not uncovered, f"{cls.__name__}: no oracle for {uncovered}"
-    assert len(TRAIN_CASES) > 400 and len(DRAFTER_CASES) > 150
+    """Every field of both configs has an oracle (so the properties cover it) unless it is skipped on purpose."""
+    for which, fields in FIELDS.items():
+        uncovered = [n for n, t in fields.items() if oracle(t, n) is None]
+        assert not uncovered, f"{which}: no oracle for {uncovered}"
+
+
+# One property per validation type: the type itself accepts exactly what its oracle accepts, over the whole pool.
+TYPES = {repr(t): t for fields in FIELDS.values() for n, t in fields.items() if n not in BY_NAME}
+
+
+@pytest.mark.parametrize("key", sorted(TYPES))
+def test_each_type_accepts_exactly_what_its_oracle_accepts(key):
+    t = TYPES[key]
+    rule = oracle(t)
+    for text, what in POOL:
+        value = parse_yaml_value(text, "pool")
+        assert (problem(t, value) is None) == rule(value), (key, text, what)
+
+
+def _train(field: str, text: str, out: Path) -> list[str]:
+    return ["train", "-", f"out={out}", "features=feats", f"{field}={text}"]
 
 
 def _assert_refused(capsys, rc: int, out: Path) -> str:
@@ -158,25 +172,42 @@ def _assert_refused(capsys, rc: int, out: Path) -> str:
     return line
 
 
-@pytest.mark.parametrize("name,text,what", TRAIN_CASES, ids=[f"{n}={w}" for n, _, w in TRAIN_CASES])
-def test_every_bad_training_value_is_one_line_and_writes_nothing(name, text, what, tmp_path, capsys):
-    out = tmp_path / "run"
-    rc = main(["train", "-", f"out={out}", "features=feats", f"{name}={text}"])
-    line = _assert_refused(capsys, rc, out)
-    assert f"{name} = " in line and "expected" in line, line
+# One property per input door and validation type: every value of the pool the type refuses, through one field of
+# that type at the door, is one line naming the field, and nothing is written.
+def _one_field_per_type(fields: dict[str, object]) -> list[str]:
+    seen: dict[str, str] = {}
+    for name, t in fields.items():
+        seen.setdefault(name if name in BY_NAME else repr(t), name)
+    return sorted(seen.values())
 
 
-@pytest.mark.parametrize("name,text,what", DRAFTER_CASES, ids=[f"{n}={w}" for n, _, w in DRAFTER_CASES])
-def test_every_bad_drafter_value_is_refused_by_train_and_init_drafter(
-    name, text, what, tiny_llama_dir, tmp_path, capsys
-):
+DOOR_CASES = [("train", n) for n in _one_field_per_type(FIELDS["train"])]
+DOOR_CASES += [("drafter", n) for n in _one_field_per_type(FIELDS["drafter"])]
+
+
+@pytest.mark.parametrize("which,name", DOOR_CASES, ids=[f"{w}.{n}" for w, n in DOOR_CASES])
+def test_every_refused_value_of_a_type_is_one_line_at_each_door(which, name, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["train", "-", f"out={out}", "features=feats", f"drafter.{name}={text}"])
-    line = _assert_refused(capsys, rc, out)
-    assert f"drafter.{name} = " in line, line
-    rc = main(["init-drafter", str(out), "--target", str(tiny_llama_dir), f"{name}={text}"])
-    line = _assert_refused(capsys, rc, out)
-    assert f"{name} = " in line, line
+    field = name if which == "train" else f"drafter.{name}"
+    for text, what in _refused(oracle(FIELDS[which][name], name)):
+        line = _assert_refused(capsys, main(_train(field, text, out)), out)
+        assert f"{field} = " in line and "expected" in line, (what, line)
+        if which == "drafter":
+            rc = main(["init-drafter", str(out), "--target", str(tiny_llama_dir), f"{name}={text}"])
+            assert f"{name} = " in _assert_refused(capsys, rc, out), what
+
+
+# Every field reaches its type at the door (one refused value each): a field checked late, or not at all, fails.
+FIELD_CASES = [(w, n) for w, fields in FIELDS.items() for n in fields]
+
+
+@pytest.mark.parametrize("which,name", FIELD_CASES, ids=[f"{w}.{n}" for w, n in FIELD_CASES])
+def test_every_field_is_checked_at_the_door(which, name, tmp_path, capsys):
+    out = tmp_path / "run"
+    field = name if which == "train" else f"drafter.{name}"
+    text, what = _refused(oracle(FIELDS[which][name], name))[0]
+    line = _assert_refused(capsys, main(_train(field, text, out)), out)
+    assert f"{field} = " in line, (what, line)
 
 
 # Evaluation: every typed flag of `eval` (and generate's own), each given values outside its type.
