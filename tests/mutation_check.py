@@ -148,8 +148,7 @@ FAULTS: tuple[Fault, ...] = (
         "+ torch.arange(bs, device=run.device) - 1).clamp(0, t - 1)",
         "+ torch.arange(bs, device=run.device)).clamp(0, t - 1)",
         (
-            "tests/train/test_train.py::test_target_labels_and_kl_train",
-            "tests/train/test_train.py::test_acceptance_losses_train",
+            "tests/train/test_topk_loss.py::test_slot_k_reads_the_targets_logits_at_a_plus_k_minus_1_of_its_own_document",
         ),
         "kind=kl: slot k is taught the target's distribution at a + k (the next token's) instead of a + k − 1",
     ),
@@ -233,7 +232,7 @@ FAULTS: tuple[Fault, ...] = (
         "accept_argmax_drafts",
         "accepted = int(matches.cumprod(0).sum())",
         "accepted = int(matches.sum())",
-        ("tests/decode/test_generate.py::test_sampling_matches_target_distribution",),
+        ("tests/test_sampling.py::test_argmax_drafts_keep_the_longest_matching_prefix",),
         "T > 0 with argmax drafts: every match counts, not the longest matching prefix",
     ),
     Fault(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +37,13 @@ from dflashkit.train.loop import train
 from dflashkit.train.losses import LossSpec, LossTarget, block_loss, decay_weights
 from dflashkit.train.metrics import read_metrics
 from dflashkit.train.packing import collate_rows, pack_row
-from dflashkit.train.slot_targets import block_labels, draft_vocab_head, draft_vocab_topk, topk_targets
+from dflashkit.train.slot_targets import (
+    block_labels,
+    draft_vocab_head,
+    draft_vocab_topk,
+    kl_target_logits,
+    topk_targets,
+)
 from dflashkit.train.state import latest_checkpoint
 from dflashkit.train.step import row_anchors
 from helpers.weights_close import assert_grads_close
@@ -306,6 +313,34 @@ def test_slot_k_reads_the_topk_at_a_plus_k_minus_1_of_its_own_document() -> None
     assert torch.equal(few, got_ids[..., :2])
     with pytest.raises(DataError, match="more entries"):
         topk_targets(blocks, rows, k=4)
+
+
+def test_slot_k_reads_the_targets_logits_at_a_plus_k_minus_1_of_its_own_document() -> None:
+    """loss: kl (and tv, nla, lk): the dense logits each slot is trained towards. A stand-in target answers every
+    position with its input id in every entry; ids tag document and index (100·d + i + 3), so each slot's logits
+    name the index they came from."""
+    docs = []
+    for d, n in enumerate((9, 11)):
+        ids = 100 * d + torch.arange(n) + 3
+        docs.append(Sample(f"d{d}", ids, torch.ones(n, dtype=torch.bool), torch.zeros(n, 2), ids.clone()))
+    rows = collate_rows([pack_row(docs, 32)], [0], pad_to_multiple=8)
+    blocks = build_blocks(rows.input_ids, rows.doc_ids, rows.positions, rows.loss_mask, block_size=4,
+                          anchors=row_anchors(rows, seed=0, epoch=0, max_anchors=512))  # fmt: skip
+
+    class Echo:  # (1, n) ids → logits (1, n, 5): each row its id
+        def forward(self, ids, logits=True):
+            return SimpleNamespace(logits=ids[..., None].float().expand(*ids.shape, 5))
+
+    run = SimpleNamespace(target=Echo(), device=torch.device("cpu"))
+    got = kl_target_logits(run, rows, blocks)(0, blocks.num_blocks)  # (Nb, 4, 5)
+    offset, checked = [0, 9], 0
+    for n, a in enumerate(blocks.anchors[0].tolist()):
+        d = int(rows.doc_ids[0, a])
+        for k in range(1, 4):
+            if a - offset[d] + k < len(docs[d]):  # inside the document (beyond it the slot has no label)
+                assert (got[n, k] == float(docs[d].input_ids[a - offset[d] + k - 1])).all(), (n, k)
+                checked += 1
+    assert checked > 30
 
 
 # ---------------------------------------------------------------------------------------------- (e) draft vocab
