@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), run ruff (lint + format check), mypy (the public surface) and the test suite. `.ci/run` calls exactly this.
-# Extra arguments go to pytest (e.g. `scripts/test.sh -m slow`).
+# Set up (scripts/setup.sh), run ruff (lint + format check), mypy (the public surface), the test suite and the mutation
+# check (tests/mutation_check.py: the suite still catches each seeded fault). `.ci/run` calls exactly this.
+# Extra arguments go to pytest alone (e.g. `scripts/test.sh -m slow`), without the mutation check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,4 +10,8 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 # the public surface type-checks as users' code reads it (pyproject.toml [tool.mypy])
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+.venv/bin/python -m pytest -q
+exec .venv/bin/python tests/mutation_check.py
