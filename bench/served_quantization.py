@@ -65,7 +65,7 @@ def main() -> None:
         export_gguf(args.drafter, gguf, target=llamacpp.f32_target_gguf(), outtype="f32")
         for kind in args.types.split(","):
             path = gguf_path() if kind == "Q4_1" else llamacpp.target_gguf(kind)
-            extra = ["-md", str(gguf), "--spec-type", drafter.head.llamacpp_spec_type or "draft-dflash"]
+            extra = ["-md", str(gguf), "--spec-type", drafter.head.format.llamacpp_spec_type or "draft-dflash"]
             extra += ["--spec-draft-n-max", str(n_max), "--metrics"]
             t0 = time.monotonic()
             with LlamaServer(path, slots=1, threads=2, extra_args=extra) as srv:

@@ -190,7 +190,7 @@ def _load_curve(args: argparse.Namespace, records: object) -> int:
             export_gguf(args.drafter, gguf, target=target_gguf, outtype="f32")
             slots = max(args.concurrency)
             n_max = drafter.config.block_size - drafter.first_draft_slot()
-            spec = ["-md", str(gguf), "--spec-type", drafter.head.llamacpp_spec_type or "draft-dflash"]
+            spec = ["-md", str(gguf), "--spec-type", drafter.head.format.llamacpp_spec_type or "draft-dflash"]
             spec += ["--spec-draft-n-max", str(n_max), "--metrics"]
             url = stack.enter_context(LlamaServer(target_gguf, slots=slots, extra_args=spec)).url
             baseline = stack.enter_context(LlamaServer(target_gguf, slots=slots, extra_args=["--metrics"])).url

@@ -240,14 +240,14 @@ def _facts(report: CheckpointReport) -> None:
     facts["rope_theta"] = cfg.rope_theta if cfg else (raw or {}).get("rope_theta")
     facts["block_size"] = cfg.block_size if cfg else _raw_field(raw, "block_size")
     facts["kind"] = cfg.kind if cfg else kind_of_config(raw or {})
-    facts["heads"] = head_of(facts["kind"]).inspect_facts(report.tensors, cfg)  # the head's own tensors
+    facts["heads"] = head_of(facts["kind"]).format.inspect_facts(report.tensors, cfg)  # the head's own tensors
     facts["is_causal"] = cfg.is_causal if cfg else (raw or {}).get("is_causal")
     facts["draft_vocab_size"] = cfg.draft_vocab_size if cfg else _raw_field(raw, "draft_vocab_size")
     # DeepSpec's layout (convert --to deepspec) keeps a learned mask in its row of the embed_tokens copy
     in_row = bool(
         cfg
         and cfg.learned_mask_embedding
-        and head_of(cfg).carries_target_tables
+        and head_of(cfg).format.carries_target_tables
         and "embed_tokens.weight" in report.tensors
     )
     learned = "mask_embedding" in report.tensors or in_row
@@ -461,8 +461,8 @@ def inspect_checkpoint(path: str | Path, *, check_values: bool = True) -> Checkp
 
 
 def _kind_line(f: dict) -> str:
-    """The kind's words on the block-size line: drafts a round, and its head's own parts (`Head.describe`)."""
-    return head_of(f.get("kind") or "dflash").describe(f, f["block_size"])
+    """The kind's words on the block-size line: drafts a round, and its head's own parts (`HeadFormat.describe`)."""
+    return head_of(f.get("kind") or "dflash").format.describe(f, f["block_size"])
 
 
 def render_report(report: CheckpointReport) -> str:

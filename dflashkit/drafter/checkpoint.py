@@ -92,7 +92,7 @@ IMPORT_HINT = (
 def target_copies(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     """The target tables a DeepSpec DSpark checkpoint carries: (vocab_size, hidden_size) tensors named as in
     TARGET_COPIES, in a DSpark checkpoint without a vocabulary map (the serving layout's lm_head rows are not)."""
-    if not head_of(cfg).carries_target_tables or "d2t" in tensors:
+    if not head_of(cfg).format.carries_target_tables or "d2t" in tensors:
         return {}
     want = (cfg.vocab_size, cfg.hidden_size)
     return {k: tensors[k] for k in TARGET_COPIES if k in tensors and tuple(tensors[k].shape) == want}
@@ -100,7 +100,7 @@ def target_copies(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[
 
 def deepspec_hint(unexpected: list[str], cfg: DrafterConfig) -> str | None:
     """How to import a DSpark checkpoint whose only unexpected tensors are the target tables DeepSpec saves."""
-    copies = head_of(cfg).carries_target_tables and set(unexpected) <= set(TARGET_COPIES)
+    copies = head_of(cfg).format.carries_target_tables and set(unexpected) <= set(TARGET_COPIES)
     return IMPORT_HINT if unexpected and copies else None
 
 
@@ -257,7 +257,7 @@ def load_drafter(
     """Load a z-lab-format drafter strictly (ours, z-lab's, or converted)."""
     path = Path(path)
     cfg = load_config(path)
-    aliases = head_of(cfg).key_aliases  # names other writers of this kind use (z-lab's nn.Embedding codebooks)
+    aliases = head_of(cfg).format.key_aliases  # names other writers of this kind use (z-lab's nn.Embedding codebooks)
     tensors = {aliases.get(k, k): v for k, v in from_serving_layout(read_tensors(path), str(path)).items()}
     check_mask_file(path, tensors, cfg.mask_token_id)
     with torch.device("meta"):

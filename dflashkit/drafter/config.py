@@ -352,10 +352,10 @@ class DrafterConfig(*DRAFTER_SETTINGS):
         if self.extra:
             dflash["dflashkit"] = self.extra
         head = head_of(self)
-        dflash.update(head.zlab_dflash_fields(self))
+        dflash.update(head.format.zlab_dflash_fields(self))
         return {
-            "architectures": list(head.architectures),
-            **head.zlab_fields(self),
+            "architectures": list(head.format.architectures),
+            **head.format.zlab_fields(self),
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -406,7 +406,8 @@ class DrafterConfig(*DRAFTER_SETTINGS):
         rope = raw.get("rope_parameters") or {}
         num_layers = int(pick("num_hidden_layers"))
         kind = kind_of_config(raw)
-        head_fields = integral_ints(head_of(kind).fields_from_zlab(raw, source))  # 16.0 as 16, as int(pick(…)) does
+        # 16.0 as 16, as int(pick(…)) does
+        head_fields = integral_ints(head_of(kind).format.fields_from_zlab(raw, source))
         target_layer_ids = pick("target_layer_ids", None)
         if target_layer_ids is None:  # z-lab's fallback: build_target_layer_ids(num_target_layers, num_hidden_layers)
             if pick("num_target_layers", None) is None:

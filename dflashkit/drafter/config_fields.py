@@ -28,7 +28,7 @@ INT, FLOAT, BOOL, STR, DICT, INT_LIST, STR_LIST = (
     "a list of strings",
 )
 
-# field → (expected kind, null allowed): the backbone's; each head declares its own (`Head.zlab_field_types`)
+# field → (expected kind, null allowed): the backbone's; each head declares its own (`HeadFormat.zlab_field_types`)
 ZLAB_FIELDS: dict[str, tuple[str, bool]] = {
     "hidden_size": (INT, False),
     "vocab_size": (INT, False),
@@ -95,7 +95,7 @@ def _describe(v: Any) -> str:
     return f"{text if len(text) <= 60 else text[:57] + '...'} ({kind})"
 
 
-# each head's own config.json fields (`Head.zlab_field_types`), added by the head registry when it is imported
+# each head's own config.json fields (`HeadFormat.zlab_field_types`), added by the head registry when it is imported
 HEAD_FIELDS: dict[str, tuple[str, bool]] = {}
 
 

@@ -38,8 +38,8 @@ NUM_ANCHORS = 512  # DeepSpec's constructor requires the field; it only sizes tr
 def deepspec_problems(cfg: DrafterConfig) -> list[str]:
     """Why a drafter cannot be written in DeepSpec's layout exactly (empty: it can)."""
     problems = []
-    if head_of(cfg).deepspec_problem:
-        problems.append(head_of(cfg).deepspec_problem)
+    if head_of(cfg).format.deepspec_problem:
+        problems.append(head_of(cfg).format.deepspec_problem)
     if cfg.draft_vocab_size is not None:
         problems.append(
             f"a draft vocabulary of {cfg.draft_vocab_size} ids: DeepSpec drafts over the whole vocabulary, so the "

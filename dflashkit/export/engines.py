@@ -53,7 +53,7 @@ def export_problems(cfg: DrafterConfig, *, num_target_layers: int | None = None)
             "the drafter mixes causal (sliding) and bidirectional (full) block attention; llama.cpp "
             "has one causal switch for all draft layers (set is_causal to make them agree)"
         )
-    return problems + head_of(cfg).gguf_problems(cfg)
+    return problems + head_of(cfg).format.gguf_problems(cfg)
 
 
 @dataclass
@@ -86,18 +86,18 @@ def engine_verdicts(
     cfg: DrafterConfig, *, files: set[str], keys: set[str], raw: dict[str, Any] | None = None
 ) -> list[EngineVerdict]:
     """One verdict per engine for a drafter directory holding `files` (names) with tensor `keys` and config
-    `raw` (its config.json as read). What differs by kind comes from the head: the kinds vLLM runs only in its GPU
-    model runner (`vllm_cpu_problem`, `vllm_gpu_layout`), a learned mask vLLM drops (`vllm_drops_learned_mask`),
-    what z-lab's class lacks (`zlab_problem`), llama.cpp's `--spec-type`."""
-    raw, head = raw or {}, head_of(cfg)
+    `raw` (its config.json as read). What differs by kind comes from the head's format record (`Head.format`): the
+    kinds vLLM runs only in its GPU model runner (`vllm_cpu_problem`, `vllm_gpu_layout`), a learned mask vLLM drops
+    (`vllm_drops_learned_mask`), what z-lab's class lacks (`zlab_problem`), llama.cpp's `--spec-type`."""
+    raw, fmt = raw or {}, head_of(cfg).format
     out: list[EngineVerdict] = []
     layout = _vllm_layout_problems(cfg, keys, raw)
     model = vllm_model_problems(cfg)
-    dropped = cfg.learned_mask_embedding and head.vllm_drops_learned_mask
+    dropped = cfg.learned_mask_embedding and fmt.vllm_drops_learned_mask
     mask_degrades = cfg.learned_mask_embedding and MASK_FILE not in files
     for engine, cpu in (("vLLM (GPU)", False), ("vLLM (CPU)", True)):
-        refuse = [head.vllm_cpu_problem] if cpu and head.vllm_cpu_problem else list(model)
-        if cpu and not head.vllm_cpu_problem and mixed_layers(cfg):
+        refuse = [fmt.vllm_cpu_problem] if cpu and fmt.vllm_cpu_problem else list(model)
+        if cpu and not fmt.vllm_cpu_problem and mixed_layers(cfg):
             refuse.append("vLLM's CPU runner (V1) refuses drafters mixing sliding and full attention layers")
         if refuse:
             out.append(EngineVerdict(engine, "refuses", "; ".join(refuse)))
@@ -106,7 +106,7 @@ def engine_verdicts(
                 EngineVerdict(
                     engine,
                     "degrades",
-                    f"vLLM's {head.title} model drops a learned mask embedding ({MASK_FILE} too) and feeds the "
+                    f"vLLM's {fmt.title} model drops a learned mask embedding ({MASK_FILE} too) and feeds the "
                     f"target's row {cfg.mask_token_id} at masked slots",
                 )
             )
@@ -121,8 +121,8 @@ def engine_verdicts(
                     f"target's row {cfg.mask_token_id} at masked slots — {TO_VLLM}",
                 )
             )
-        elif head.vllm_gpu_layout:
-            out.append(EngineVerdict(engine, "unverified", f"{head.vllm_gpu_layout}; dflashkit runs vLLM on CPU only"))
+        elif fmt.vllm_gpu_layout:
+            out.append(EngineVerdict(engine, "unverified", f"{fmt.vllm_gpu_layout}; dflashkit runs vLLM on CPU only"))
         else:
             out.append(EngineVerdict(engine, "loads"))
     problems = export_problems(cfg)
@@ -130,9 +130,9 @@ def engine_verdicts(
         out.append(EngineVerdict("llama.cpp", "refuses", "; ".join(problems)))
     else:
         command = "dflashkit convert DIR OUT.gguf --to gguf --target TARGET.gguf"
-        out.append(EngineVerdict("llama.cpp", "converts", f"{command} (--spec-type {head.llamacpp_spec_type})"))
-    if head.zlab_problem:
-        out.append(EngineVerdict("z-lab", "refuses", head.zlab_problem))
+        out.append(EngineVerdict("llama.cpp", "converts", f"{command} (--spec-type {fmt.llamacpp_spec_type})"))
+    if fmt.zlab_problem:
+        out.append(EngineVerdict("z-lab", "refuses", fmt.zlab_problem))
     elif cfg.draft_vocab_size is not None:
         out.append(EngineVerdict("z-lab", "refuses", "z-lab's drafter classes have no reduced draft vocabulary"))
     elif cfg.learned_mask_embedding:
@@ -143,7 +143,7 @@ def engine_verdicts(
         out.append(EngineVerdict("z-lab", "unverified", "z-lab's layout; its loader is not run by dflashkit"))
     out.append(
         EngineVerdict(
-            "SGLang", "unverified", f"SGLang's loader reads z-lab's {head.title} fields; dflashkit does not run SGLang"
+            "SGLang", "unverified", f"SGLang's loader reads z-lab's {fmt.title} fields; dflashkit does not run SGLang"
         )
     )
     return out

@@ -101,7 +101,7 @@ FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # gguf.LlamaFileType A
 def gguf_tensor_name(key: str, cfg: DrafterConfig | None = None) -> str:
     """dflashkit checkpoint key → llama.cpp tensor name (`layers.3.mlp.up_proj.weight` → `blk.3.ffn_up.weight`);
     a head's own tensors are named by the head of `cfg`."""
-    own = head_of(cfg).gguf_tensors(cfg, {key: torch.empty(0)}) if cfg is not None else {}
+    own = head_of(cfg).format.gguf_tensors(cfg, {key: torch.empty(0)}) if cfg is not None else {}
     if key in own:
         return own[key][0]
     if key in GLOBAL_TENSORS:
@@ -120,7 +120,7 @@ def gguf_target_layers(cfg: DrafterConfig) -> list[int]:
 def spec_flags(cfg: DrafterConfig) -> str:
     """The llama.cpp flags that run this drafter as dflashkit does."""
     head = head_of(cfg)
-    return f"--spec-type {head.llamacpp_spec_type} --spec-draft-n-max {head.drafts_per_round(cfg.block_size)}"
+    return f"--spec-type {head.format.llamacpp_spec_type} --spec-draft-n-max {head.drafts_per_round(cfg.block_size)}"
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -270,7 +270,7 @@ def build_export(
 ) -> GGUFExport:
     """Map a checked dflashkit drafter onto llama.cpp's dflash tensors (names, layouts, tables)."""
     exp = GGUFExport()
-    own = head_of(cfg).gguf_tensors(cfg, tensors)  # the head's tensors: {key: (name, tensor, kept F32)}
+    own = head_of(cfg).format.gguf_tensors(cfg, tensors)  # the head's tensors: {key: (name, tensor, kept F32)}
     for key, t in tensors.items():
         if key in ("mask_embedding", "draft_to_target"):
             continue
@@ -356,7 +356,7 @@ def _write(
         for k, v, vtype, sub in target.tokenizer_fields:
             w.add_key_value(k, v, vtype, sub_type=sub)
         w.add_uint32(MASK_KEY, cfg.mask_token_id)
-        for name, value in head_of(cfg).gguf_keys(cfg).items():  # DSpark's flags, DFlash2's geometry
+        for name, value in head_of(cfg).format.gguf_keys(cfg).items():  # DSpark's flags, DFlash2's geometry
             add = w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int) else w.add_float32
             add(f"{ARCH}.{name}", value)
         # provenance (llama.cpp ignores unknown keys)
@@ -411,7 +411,7 @@ def export_gguf(
         f"tokenizer copied from {tgt.path.name} ({tgt.vocab_size} tokens); mask_token_id "
         f"{cfg.mask_token_id}; block_size {cfg.block_size}: run with {spec_flags(cfg)} for dflashkit's drafts"
     )
-    name = f"{Path(src).name} {head_of(cfg).title} drafter"
+    name = f"{Path(src).name} {head_of(cfg).format.title} drafter"
     _write(out, cfg, tgt, exp, outtype=outtype, name=name, source_format=fmt)
     notes.append(f"{_mb(os.path.getsize(out))} written, drafter matrices {outtype}")
     named = "default" if str(target).lower() in DEFAULT_ALIASES else None  # an HF target is not named here

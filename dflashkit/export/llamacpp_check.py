@@ -97,7 +97,7 @@ def llamacpp_side(
         n_max=slots,
         n_predict=max_new_tokens,
         verbose=True,
-        spec_type=drafter.head.llamacpp_spec_type,
+        spec_type=drafter.head.format.llamacpp_spec_type,
         extra=["-c", str(max(4096, need)), "-b", str(max(2048, need))],
     )
     if known_output is not None:

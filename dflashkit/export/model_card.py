@@ -160,9 +160,9 @@ def render(card: ModelCard) -> str:
         "---",
         MARK.format(name=name),
         "",
-        f"# {name}: a {head.title} drafter",
+        f"# {name}: a {head.format.title} drafter",
         "",
-        f"A {head.title} speculative-decoding drafter for {about}, in {LAYOUTS[card.layout][1]}, written by "
+        f"A {head.format.title} speculative-decoding drafter for {about}, in {LAYOUTS[card.layout][1]}, written by "
         f"dflashkit from `{card.source}`. The target verifies every drafted token, so the output is the target's "
         "own; the drafter only changes how many tokens each target step commits (τ).",
         "",
@@ -190,7 +190,7 @@ def _drafter_lines(cfg: DrafterConfig) -> list[str]:
         else f"full ({cfg.vocab_size} tokens)"
     )
     rows = [
-        ("kind", f"{head.title} (`{cfg.kind}`)"),
+        ("kind", f"{head.format.title} (`{cfg.kind}`)"),
         ("layers", str(cfg.num_hidden_layers)),
         ("block size", f"{cfg.block_size} ({n} drafts a round)"),
         ("target_layer_ids", f"{list(cfg.target_layer_ids)} (outputs of the target's decoder layers)"),
@@ -369,7 +369,7 @@ def _serve_commands(card: ModelCard, t: _Target, rows: list[EngineVerdict]) -> l
             steps.append(
                 shell_line("dflashkit", "convert", card.out, gguf, "--to", "gguf", "--target", t.gguf or "TARGET.gguf")
             )
-        flags = ("--spec-type", head.llamacpp_spec_type, "--spec-draft-n-max", n)
+        flags = ("--spec-type", head.format.llamacpp_spec_type, "--spec-draft-n-max", n)
         steps.append(shell_line("llama-server", "-m", t.gguf or "TARGET.gguf", "-md", gguf, *flags))
         out.append(_Served("llama.cpp", steps, gguf, LLAMA_SERVER_URL))
     return out

@@ -290,8 +290,8 @@ def serve_check(
         raise DFlashError(f"unknown engine(s) {unknown}; expected one of {', '.join(ENGINES)}")
     drafter = load_any_drafter(drafter_dir, target=target, device=target.device).eval()
     bs = drafter.config.block_size
-    if drafter.head.vllm_cpu_problem and "vllm" in engines:
-        raise EngineUnavailable(drafter.head.vllm_cpu_problem)
+    if drafter.head.format.vllm_cpu_problem and "vllm" in engines:
+        raise EngineUnavailable(drafter.head.format.vllm_cpu_problem)
     if "llamacpp" in engines:  # before dflashkit's own decoding: what llama.cpp's graph cannot run is known now
         from dflashkit.export.gguf_export import export_problems
 

@@ -40,7 +40,7 @@ SERVING_FORMAT = "vllm"
 
 def vllm_model_problems(cfg: DrafterConfig) -> list[str]:
     """Why vLLM's drafter models cannot run this drafter (empty when they can)."""
-    out = [head_of(cfg).vllm_problem] if head_of(cfg).vllm_problem else []
+    out = [head_of(cfg).format.vllm_problem] if head_of(cfg).format.vllm_problem else []
     if cfg.hidden_act != "silu":
         out.append(f"hidden_act {cfg.hidden_act!r}: vLLM's drafter MLP runs silu only")
     return out
@@ -118,7 +118,7 @@ def write_serving(
         save_file(st, str(tmp), metadata={"format": "pt"})
     atomic_write_text(out / CONFIG_NAME, json.dumps(serving_config(cfg), indent=2, sort_keys=True) + "\n")
     mask_file = out / MASK_FILE
-    note = head_of(cfg).serving_note(cfg)
+    note = head_of(cfg).format.serving_note(cfg)
     notes += [note] if note else []
     if cfg.learned_mask_embedding:
         write_mask_file(out, cfg, tensors)

@@ -116,7 +116,7 @@ def config_from_speculators(
         # each value against its declared DrafterConfig type before any arithmetic (a head count of 0 must not
         # reach hidden // heads): the door z-lab configs pass too
         check_declared_values({k: v for k, v in raw.items() if k != SPECULATORS_NESTED}, {}, source)
-        head_fields = head_of(kind).fields_from_speculators(raw, source)
+        head_fields = head_of(kind).format.fields_from_speculators(raw, source)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     why = _foreign_training(raw, kind)
@@ -196,6 +196,7 @@ def config_from_speculators(
             rope_theta=float(theta),
             draft_vocab_size=draft_vocab,
             extra=dict(ours.get("extra") or {}),
+            kind=kind,
             **integral_ints(head_fields),
         )
     except (ConfigError, TypeError, ValueError) as e:
@@ -257,9 +258,9 @@ def config_to_speculators(cfg: DrafterConfig, verifier: str | None = None) -> di
         "use_sliding_window": SLIDING_ATTENTION in cfg.layer_types,
     }
     return {
-        "architectures": [head.speculators_architecture],
+        "architectures": [head.format.speculators_architecture],
         "speculators_model_type": cfg.kind,
-        **head.speculators_fields(cfg),
+        **head.format.speculators_fields(cfg),
         SPECULATORS_NESTED: tl,
         "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
         "block_size": cfg.block_size,

@@ -108,13 +108,13 @@ class QuickstartSettings:
 
     def train_settings(self) -> dict[str, Any]:
         """The TrainConfig overrides of this run: `train_overrides` over the head's quickstart preset."""
-        return {**self.head.quickstart_train, **self.train_overrides}
+        return {**self.head.format.quickstart_train, **self.train_overrides}
 
     def drafter_overrides(self, target: Any = None) -> dict[str, Any]:
         """The DrafterConfig overrides of this run (for `default_drafter_config`). With `warm_start` they include
         the target's layer geometry (`warm_start_overrides`), so `target` must be given."""
         overrides = {"num_hidden_layers": self.num_hidden_layers, "block_size": self.block_size}
-        overrides |= {**self.head.quickstart_drafter, **self.drafter_extra}
+        overrides |= {**self.head.format.quickstart_drafter, **self.drafter_extra}
         if not self.warm_start:
             return overrides
         if target is None:

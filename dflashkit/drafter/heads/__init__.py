@@ -1,11 +1,13 @@
 """Drafter heads on the one DFlash backbone, and the registry every stage asks about a drafter's kind.
 
     head = head_of(cfg)        # cfg.kind (or a kind name) → its Head: what the stages need to know of it
+    head.format                # what the kind is to formats and engines: one frozen HeadFormat record
     KINDS                      # the kinds a drafter config may name
     DRAFTER_SETTINGS, TRAIN_SETTINGS   # the heads' own config fields and training options (base classes of the
                                        # drafter config and the training config)
 
   base.py     `Head`: the interface, with the DFlash backbone's own behaviour as its defaults (the DFlash head)
+  format.py   `HeadFormat`: what a kind is to formats and engines, DFlash's facts as its defaults
   dspark.py   `DSparkHead`: every slot drafts; a Markov head and a confidence head (DeepSpec's DSpark)
   dspark_net.py    its network: `MarkovHead`, `ConfidenceHead`, `markov_chain` (the greedy chain over a block)
   dspark_draft.py  its decoding round (the Markov head left to right) and its DDTree children's distribution
@@ -16,7 +18,7 @@
   xpress.py   `XPressHead`: a low-rank causal refiner biases the backbone's logits; Jacobi passes decode the block
   xpress_net.py, xpress_draft.py, xpress_loss.py  its network (and the Jacobi passes), its drafting, its objective
 
-A new head: a module here with a `Head` subclass, and one entry in HEADS.
+A new head: a module here with a `Head` subclass (its `format` a `HeadFormat`), and one entry in HEADS.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from dflashkit.drafter.heads.base import BlockSlots, DraftRound, Head, HeadObjec
 from dflashkit.drafter.heads.dflash2 import DFlash2Head
 from dflashkit.drafter.heads.domino import DominoHead
 from dflashkit.drafter.heads.dspark import DSparkHead
+from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.drafter.heads.xpress import XPressHead
 
 HEADS: dict[str, Head] = {head.kind: head for head in (Head(), DSparkHead(), DFlash2Head(), DominoHead(), XPressHead())}
 KINDS = tuple(HEADS)
 for _head in HEADS.values():  # a hand-edited config.json's head fields are type-checked like the backbone's
-    add_head_fields(_head.zlab_field_types)
+    add_head_fields(_head.format.zlab_field_types)
 
 
 def head_of(config_or_kind: Any) -> Head:
@@ -44,7 +47,7 @@ def head_of(config_or_kind: Any) -> Head:
 
 def kind_of_config(raw: dict[str, Any]) -> str:
     """The kind a config.json (z-lab layout) describes: the first head besides DFlash's that recognises it."""
-    return next((h.kind for h in HEADS.values() if h.kind != "dflash" and h.recognises(raw)), "dflash")
+    return next((h.kind for h in HEADS.values() if h.kind != "dflash" and h.format.recognises(raw)), "dflash")
 
 
 # each head's drafter config fields and training options, as base classes: DrafterConfig and TrainConfig inherit them
@@ -65,6 +68,7 @@ __all__ = [
     "BlockSlots",
     "DraftRound",
     "Head",
+    "HeadFormat",
     "HeadObjective",
     "TrainingTerms",
     "head_of",

@@ -6,38 +6,39 @@ its kind:
 
     head.settings                   its drafter config fields: a keyword-only dataclass with their types (each type is
                                     its check) and defaults, which `DrafterConfig` inherits; `head.fields` their names
-                                    (refused for other kinds by name); `zlab_field_types` their config.json types
+                                    (refused for other kinds by name)
     head.train_settings             likewise the training options only its objective reads (`TrainConfig` inherits
                                     them; `head.train_fields` their names)
-    head.architectures              the `architectures` entry of its z-lab config.json; `zlab_fields(cfg)` the rest,
-                                    `recognises(raw)` / `fields_from_zlab(raw, source)` read them back
+    head.format                     what the kind *is* to formats and engines — architectures, config.json and GGUF
+                                    fields, engine verdicts, inspect's words, the quickstart's preset: one frozen
+                                    `HeadFormat` record (heads/format.py), read by export, inspect, serve-check and
+                                    the quickstart, never by training or decoding
     head.extra_parameters(cfg)      parameters it adds to the backbone's
+    head.check_config(cfg, where)   rules between its config fields and the backbone's, refused by field
+    head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
     head.scale_embeddings(cfg, e)   the block's embeddings as its layers read them (default: unchanged)
     head.unary_logits(cfg, z)       the LM head's logits as its drafts read them; `unary_weight(cfg, w)` the same
                                     scaling on the LM-head rows (training forms h·Wᵀ in chunks)
     head.first_draft_slot           block slot of the first draft (DFlash 1: slot 0 holds the given token)
-    head.drafts_per_round(bs)       drafts one block proposes
+    head.drafts_per_round(bs)       drafts one block proposes (`verify_width(bs)`: 1 + those)
     head.metric_slots(bs)           entries of the per-slot training metrics
     head.reads_final_layer          whether training reads the target's final-layer output (its distribution)
     head.reads_target_lse(v, t)     whether training reads the log-sum-exp of the target's logits
     head.training_needs_target      whether a training run keeps the target loaded (offline features included)
     head.train_checks(t, d)         training options (and drafter fields) this head cannot train with, by name
-    head.add_modules(drafter)       its parameters on the drafter (and `reset(drafter, std)` their init)
-    head.check_config(cfg, where)   rules between its config fields and the backbone's, refused by field
+    head.training_loss(t)           its own training term added to the objective (`TrainingTerms`; None: none)
+    head.objective(t)               its whole objective in place of the backbone's (`HeadObjective`; None: none)
     head.draft_round(r)             one decoding round's drafts, their distribution q (T > 0), logits and hidden states
+    head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
     head.tree_conditional(d, z, h, e, block)   how a DDTree node ranks its children (None: the per-depth marginals)
     head.greedy_drafts(d, z, prev, h, e, block)   greedy drafts from a block's logits (and the scores they were picked
                                     from)
     head.teacher_forced_logits(d, z, prevs, h, e, block)   slot scores given the true previous tokens (doctor)
                                     (z: the draft slots' logits, h: their hidden states, e: the target's embeddings,
                                     block: `BlockSlots`, the whole block's states and the token before it)
-    head.training_loss(t)           its own training term added to the objective (`TrainingTerms`; None: none)
-    head.objective(t)               its whole objective in place of the backbone's (`HeadObjective`; None: none)
-    head.confidence_gate            whether decoding may cut a round by a confidence head (`confidence_min`)
-    head.llamacpp_spec_type         llama.cpp's --spec-type for this kind
-    head.vllm_problem, vllm_cpu_problem, vllm_gpu_layout, vllm_drops_learned_mask, zlab_problem   engine verdicts
 
-A new head subclasses `Head`, overrides what differs, and is added to the registry in `__init__.py`.
+A new head subclasses `Head`, overrides what differs, gives its `HeadFormat` (a subclass where its layouts need
+functions of their own), and is added to the registry in `__init__.py`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.sampling import SamplingParams, probs, sample
 
 
@@ -125,32 +127,13 @@ class Head:
     kind: ClassVar[str] = "dflash"
     settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its drafter config fields
     train_settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its training options
-    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {}  # config.json field → (its type's words, null ok)
     fields: ClassVar[tuple[str, ...]] = ()  # names of `settings`' fields
     train_fields: ClassVar[tuple[str, ...]] = ()  # names of `train_settings`' fields
-    architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     first_draft_slot: ClassVar[int] = 1
     reads_final_layer: ClassVar[bool] = False
     training_needs_target: ClassVar[bool] = False
     confidence_gate: ClassVar[bool] = False
-    llamacpp_spec_type: ClassVar[str] = "draft-dflash"
-    carries_target_tables: ClassVar[bool] = False  # its trainer saves copies of the target's embeddings / LM head
-    quickstart_drafter: ClassVar[dict[str, Any]] = {}  # drafter fields the quickstart's budget takes for this kind
-    quickstart_train: ClassVar[dict[str, Any]] = {}  # training options likewise
-    vllm_cpu_problem: ClassVar[str | None] = None  # why vLLM's CPU build cannot run this kind (None: it can)
-    vllm_problem: ClassVar[str | None] = None  # why no vLLM build can run this kind (None: one can)
-    vllm_gpu_layout: ClassVar[str | None] = None  # a GPU-only kind: vLLM's model for it, as `serve-check` names it
-    vllm_drops_learned_mask: ClassVar[bool] = False  # vLLM's model for it feeds a token row at masked slots
-    zlab_problem: ClassVar[str | None] = None  # why z-lab's drafter classes cannot run this kind (None: they can)
-    title: ClassVar[str] = "DFlash"  # the kind as users read it
-    # why DeepSpec's Qwen3DSparkModel cannot run this kind (None: it can)
-    deepspec_problem: ClassVar[str | None] = (
-        "a DFlash drafter (slot 0 is the anchor): DeepSpec's Qwen3DSparkModel drafts from every slot — export it "
-        "with --to vllm or --to zlab"
-    )
-
-    speculators_architecture: ClassVar[str] = "DFlashSpeculator"
-    key_aliases: ClassVar[dict[str, str]] = {}  # checkpoint key another writer uses → dflashkit's
+    format: ClassVar[HeadFormat] = HeadFormat()  # what the kind is to formats and engines (heads/format.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -169,42 +152,6 @@ class Head:
         """The LM-head rows (V', H) whose products with the hidden states are the logits training supervises."""
         return weight
 
-    def speculators_fields(self, cfg: Any) -> dict[str, Any]:
-        """Top-level fields of its speculators config.json beyond the backbone's."""
-        return {}
-
-    def gguf_keys(self, cfg: Any) -> dict[str, bool | int | float]:
-        """GGUF keys (`dflash.NAME`: bool, u32 or f32 by the value's type) llama.cpp reads for this kind."""
-        return {}
-
-    def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
-        """This head's own checkpoint keys → (llama.cpp tensor name, the tensor to write, kept F32)."""
-        return {}
-
-    def gguf_problems(self, cfg: Any) -> list[str]:
-        """Why llama.cpp's graph cannot run this head's geometry (empty when it can)."""
-        return []
-
-    def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
-        """Fields this head writes inside the z-lab config's `dflash_config`."""
-        return {}
-
-    def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
-        """This head's `DrafterConfig` fields (with `kind`) from a speculators config.json of its kind."""
-        return {"kind": self.kind} if self.kind != "dflash" else {}
-
-    def describe(self, facts: dict[str, Any], block_size: Any) -> str:
-        """`inspect`'s words for this kind: how many drafts a round, and its own parts."""
-        return f" ({self.title}: {block_size - 1} drafts a round)" if isinstance(block_size, int) else ""
-
-    def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
-        """What `inspect` reports of this head's own tensors (None: nothing)."""
-        return None
-
-    def serving_note(self, cfg: Any) -> str | None:
-        """What a user must know about vLLM running this drafter's serving layout (None: nothing)."""
-        return None
-
     def drafts_per_round(self, block_size: int) -> int:
         """Drafts one block proposes: the slots after the first draft slot."""
         return block_size - self.first_draft_slot
@@ -220,18 +167,6 @@ class Head:
     def extra_parameters(self, cfg: Any) -> int:
         """Parameters this head adds to the backbone's (from the config alone)."""
         return 0
-
-    def recognises(self, raw: dict[str, Any]) -> bool:
-        """Whether a config.json (z-lab layout) describes a drafter of this kind."""
-        return any(a in self.architectures for a in raw.get("architectures") or [])
-
-    def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
-        """This head's `DrafterConfig` fields from a config.json of its kind (refusing variants it cannot run)."""
-        return {}
-
-    def zlab_fields(self, cfg: Any) -> dict[str, Any]:
-        """Top-level config.json fields this head writes (as the engines that run it read them)."""
-        return {}
 
     def reads_target_lse(self, draft_vocab_size: int | None, target: Any) -> bool:
         """Whether training reads the log-sum-exp of the target's logits per position (stored at capture)."""

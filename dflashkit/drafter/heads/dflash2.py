@@ -14,6 +14,7 @@ DFlash2, and so does `convert --to speculators`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from dflashkit.drafter.config_fields import FLOAT, INT
 from dflashkit.drafter.heads.base import DraftRound, Head, TrainingTerms
+from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.errors import ConfigError
 from dflashkit.validation import (
     Bool,
@@ -77,36 +79,145 @@ GGUF_LAYER = {
 }
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(DFlash2Settings))
+
+
+class DFlash2Format(HeadFormat):
+    """DFlash2's layouts: z-lab's DFlash2DraftModel config.json (its fields in `dflash_config`), speculators'
+    DFlash2DraftModel, llama.cpp's convolution and selector tensors."""
+
+    # ------------------------------------------------------------------ config.json layouts
+    def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        dflash = raw.get("dflash_config") or {}
+        out = {}
+        for name in _FIELDS:
+            value = dflash.get(name, raw.get(name))
+            if value is not None:
+                out[name] = value
+        missing = [n for n in _FIELDS[:4] if n not in out]
+        if missing:
+            raise ConfigError(f"{source}: a DFlash2 drafter needs dflash_config.{missing[0]} (an integer ≥ 1)")
+        if out.get("final_logit_softcapping") is not None and float(out["final_logit_softcapping"]) <= 0:
+            out["final_logit_softcapping"] = None  # z-lab's and llama.cpp's reading: ≤ 0 means no cap
+        return out
+
+    def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
+        """Its fields inside `dflash_config`, where z-lab's model and llama.cpp's converter read them."""
+        out = {name: getattr(cfg, name) for name in _FIELDS}
+        if out["final_logit_softcapping"] is None:
+            del out["final_logit_softcapping"]
+        return out
+
+    def speculators_fields(self, cfg: Any) -> dict[str, Any]:
+        if cfg.draft_vocab_size is not None:
+            raise ConfigError(
+                f"draft_vocab_size {cfg.draft_vocab_size}: speculators runs DFlash2 over the target's whole "
+                f"vocabulary only (its DFlash2DraftModel refuses a draft vocabulary); export with --to zlab or "
+                f"--to gguf, or train with the whole vocabulary"
+            )
+        if cfg.output_multiplier != 1.0 or cfg.final_logit_softcapping is not None or cfg.input_embedding_scale != 1.0:
+            raise ConfigError(
+                "output_multiplier, final_logit_softcapping or input_embedding_scale set: speculators' DFlash2 has no "
+                "such fields and would draft differently; export with --to zlab or --to gguf"
+            )
+        return {name: getattr(cfg, name) for name in _FIELDS[:4]}
+
+    def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """DrafterConfig fields of a speculators DFlash2 config (its defaults where a field is absent)."""
+        defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+        return {n: int(raw.get(n) or d) for n, d in defaults.items()}
+
+    # ------------------------------------------------------------------ GGUF (llama.cpp's dflash architecture)
+    def gguf_keys(self, cfg: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "conv_kernel_size": int(cfg.conv_kernel_size),
+            "conv_group_size": int(cfg.conv_group_size),
+            "selector_rank": int(cfg.selector_rank),
+            "selector_top_k": int(cfg.selector_top_k),
+            "logit_scale": float(cfg.output_multiplier),
+            "embedding_scale": float(cfg.input_embedding_scale),
+        }
+        if cfg.final_logit_softcapping is not None:
+            out["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        return out
+
+    def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
+        """Its tensors as llama.cpp names them (the base kernels kept F32, as its converter does); B spread over the
+        target's vocabulary through the id map when the draft vocabulary is reduced."""
+        out = {}
+        for key, t in tensors.items():
+            if key in GGUF_GLOBAL:
+                if key.endswith("successor_codebook") and "draft_to_target" in tensors:  # names only: no map given
+                    full = torch.zeros(cfg.vocab_size, t.shape[1], dtype=t.dtype)
+                    t = full.index_copy_(0, tensors["draft_to_target"].long(), t)
+                out[key] = (GGUF_GLOBAL[key], t, False)
+                continue
+            parts = key.split(".", 2)
+            if len(parts) == 3 and parts[0] == "layers" and parts[2] in GGUF_LAYER:
+                out[key] = (f"blk.{parts[1]}.{GGUF_LAYER[parts[2]]}", t, parts[2].endswith("base_kernel"))
+        return out
+
+    def gguf_problems(self, cfg: Any) -> list[str]:
+        need = cfg.selector_top_k * (cfg.selector_top_k + 1)
+        if cfg.hidden_size < need:
+            return [
+                f"hidden_size {cfg.hidden_size} < selector_top_k·(selector_top_k + 1) = {need}: llama.cpp returns "
+                f"each slot's K candidates and K² scores in a row of hidden_size floats"
+            ]
+        return []
+
+    # ------------------------------------------------------------------ inspect
+    def describe(self, facts: dict[str, Any], block_size: Any) -> str:
+        d = facts.get("heads")
+        if not d or not isinstance(block_size, int):
+            return super().describe(facts, block_size)
+        return (
+            f" (DFlash2: {block_size - 1} drafts a round; convolutions of {d['conv_kernel_size']} taps, selector rank "
+            f"{d['selector_rank']} over the top-{d['selector_top_k']})"
+        )
+
+    def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
+        base = tensors.get("layers.0.attention_conv.base_kernel")
+        a = tensors.get("candidate_selector.predecessor_codebook")
+        return {
+            "conv_kernel_size": base["shape"][1] if base else (cfg.conv_kernel_size if cfg else None),
+            "selector_rank": a["shape"][1] if a else (cfg.selector_rank if cfg else None),
+            "selector_top_k": cfg.selector_top_k if cfg else None,
+        }
+
+
 class DFlash2Head(Head):
     """Slot 0 holds the given token (as DFlash); slots 1 … bs − 1 draft through the selector's walk."""
 
     kind: ClassVar[str] = "dflash2"
-    title: ClassVar[str] = "DFlash2"
     settings: ClassVar[type | None] = DFlash2Settings
     train_settings: ClassVar[type | None] = DFlash2TrainSettings
-    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
-        "conv_kernel_size": (INT, False),
-        "conv_group_size": (INT, False),
-        "selector_rank": (INT, False),
-        "selector_top_k": (INT, False),
-        "output_multiplier": (FLOAT, True),
-        "final_logit_softcapping": (FLOAT, True),
-        "input_embedding_scale": (FLOAT, True),
-    }
-    architectures: ClassVar[tuple[str, ...]] = ("DFlash2DraftModel",)
-    speculators_architecture: ClassVar[str] = "DFlash2DraftModel"
-    key_aliases: ClassVar[dict[str, str]] = {
-        f"candidate_selector.{n}_codebook.weight": f"candidate_selector.{n}_codebook"
-        for n in ("predecessor", "successor")
-    }
-    vllm_cpu_problem: ClassVar[str | None] = (
-        "vLLM runs DFlash2 drafters (qwen3_dflash2) in its GPU model runner; the vLLM environment here is the CPU "
-        "build — check a DFlash2 drafter with --engine llamacpp"
-    )
-    vllm_gpu_layout: ClassVar[str | None] = "DFlash2DraftModel layout (qwen3_dflash2)"
-    deepspec_problem: ClassVar[str | None] = (
-        "a DFlash2 drafter: DeepSpec's Qwen3DSparkModel has no convolutions or candidate selector — export it with "
-        "--to zlab, --to speculators or --to gguf"
+    format: ClassVar[HeadFormat] = DFlash2Format(
+        title="DFlash2",
+        zlab_field_types={
+            "conv_kernel_size": (INT, False),
+            "conv_group_size": (INT, False),
+            "selector_rank": (INT, False),
+            "selector_top_k": (INT, False),
+            "output_multiplier": (FLOAT, True),
+            "final_logit_softcapping": (FLOAT, True),
+            "input_embedding_scale": (FLOAT, True),
+        },
+        architectures=("DFlash2DraftModel",),
+        speculators_architecture="DFlash2DraftModel",
+        key_aliases={
+            f"candidate_selector.{n}_codebook.weight": f"candidate_selector.{n}_codebook"
+            for n in ("predecessor", "successor")
+        },
+        vllm_cpu_problem=(
+            "vLLM runs DFlash2 drafters (qwen3_dflash2) in its GPU model runner; the vLLM environment here is the CPU "
+            "build — check a DFlash2 drafter with --engine llamacpp"
+        ),
+        vllm_gpu_layout="DFlash2DraftModel layout (qwen3_dflash2)",
+        deepspec_problem=(
+            "a DFlash2 drafter: DeepSpec's Qwen3DSparkModel has no convolutions or candidate selector — export it with "
+            "--to zlab, --to speculators or --to gguf"
+        ),
     )
 
     def check_config(self, cfg: Any, where: Any) -> None:
@@ -168,105 +279,6 @@ class DFlash2Head(Head):
             layer.attention_conv.reset_parameters()
             layer.mlp_conv.reset_parameters()
         drafter.candidate_selector.reset_parameters(std)
-
-    # ------------------------------------------------------------------ config.json layouts
-    def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
-        dflash = raw.get("dflash_config") or {}
-        out = {}
-        for name in self.fields:
-            value = dflash.get(name, raw.get(name))
-            if value is not None:
-                out[name] = value
-        missing = [n for n in self.fields[:4] if n not in out]
-        if missing:
-            raise ConfigError(f"{source}: a DFlash2 drafter needs dflash_config.{missing[0]} (an integer ≥ 1)")
-        if out.get("final_logit_softcapping") is not None and float(out["final_logit_softcapping"]) <= 0:
-            out["final_logit_softcapping"] = None  # z-lab's and llama.cpp's reading: ≤ 0 means no cap
-        return out
-
-    def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
-        """Its fields inside `dflash_config`, where z-lab's model and llama.cpp's converter read them."""
-        out = {name: getattr(cfg, name) for name in self.fields}
-        if out["final_logit_softcapping"] is None:
-            del out["final_logit_softcapping"]
-        return out
-
-    def speculators_fields(self, cfg: Any) -> dict[str, Any]:
-        if cfg.draft_vocab_size is not None:
-            raise ConfigError(
-                f"draft_vocab_size {cfg.draft_vocab_size}: speculators runs DFlash2 over the target's whole "
-                f"vocabulary only (its DFlash2DraftModel refuses a draft vocabulary); export with --to zlab or "
-                f"--to gguf, or train with the whole vocabulary"
-            )
-        if cfg.output_multiplier != 1.0 or cfg.final_logit_softcapping is not None or cfg.input_embedding_scale != 1.0:
-            raise ConfigError(
-                "output_multiplier, final_logit_softcapping or input_embedding_scale set: speculators' DFlash2 has no "
-                "such fields and would draft differently; export with --to zlab or --to gguf"
-            )
-        return {name: getattr(cfg, name) for name in self.fields[:4]}
-
-    def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
-        """DrafterConfig fields of a speculators DFlash2 config (its defaults where a field is absent)."""
-        defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-        return {"kind": self.kind, **{n: int(raw.get(n) or d) for n, d in defaults.items()}}
-
-    # ------------------------------------------------------------------ GGUF (llama.cpp's dflash architecture)
-    def gguf_keys(self, cfg: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "conv_kernel_size": int(cfg.conv_kernel_size),
-            "conv_group_size": int(cfg.conv_group_size),
-            "selector_rank": int(cfg.selector_rank),
-            "selector_top_k": int(cfg.selector_top_k),
-            "logit_scale": float(cfg.output_multiplier),
-            "embedding_scale": float(cfg.input_embedding_scale),
-        }
-        if cfg.final_logit_softcapping is not None:
-            out["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
-        return out
-
-    def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
-        """Its tensors as llama.cpp names them (the base kernels kept F32, as its converter does); B spread over the
-        target's vocabulary through the id map when the draft vocabulary is reduced."""
-        out = {}
-        for key, t in tensors.items():
-            if key in GGUF_GLOBAL:
-                if key.endswith("successor_codebook") and "draft_to_target" in tensors:  # names only: no map given
-                    full = torch.zeros(cfg.vocab_size, t.shape[1], dtype=t.dtype)
-                    t = full.index_copy_(0, tensors["draft_to_target"].long(), t)
-                out[key] = (GGUF_GLOBAL[key], t, False)
-                continue
-            parts = key.split(".", 2)
-            if len(parts) == 3 and parts[0] == "layers" and parts[2] in GGUF_LAYER:
-                out[key] = (f"blk.{parts[1]}.{GGUF_LAYER[parts[2]]}", t, parts[2].endswith("base_kernel"))
-        return out
-
-    def gguf_problems(self, cfg: Any) -> list[str]:
-        need = cfg.selector_top_k * (cfg.selector_top_k + 1)
-        if cfg.hidden_size < need:
-            return [
-                f"hidden_size {cfg.hidden_size} < selector_top_k·(selector_top_k + 1) = {need}: llama.cpp returns "
-                f"each slot's K candidates and K² scores in a row of hidden_size floats"
-            ]
-        return []
-
-    # ------------------------------------------------------------------ inspect
-    def describe(self, facts: dict[str, Any], block_size: Any) -> str:
-        d = facts.get("heads")
-        if not d or not isinstance(block_size, int):
-            return super().describe(facts, block_size)
-        return (
-            f" (DFlash2: {block_size - 1} drafts a round; convolutions of {d['conv_kernel_size']} taps, selector rank "
-            f"{d['selector_rank']} over the top-{d['selector_top_k']})"
-        )
-
-    def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
-        base = tensors.get("layers.0.attention_conv.base_kernel")
-        a = tensors.get("candidate_selector.predecessor_codebook")
-        return {
-            "conv_kernel_size": base["shape"][1] if base else (cfg.conv_kernel_size if cfg else None),
-            "selector_rank": a["shape"][1] if a else (cfg.selector_rank if cfg else None),
-            "selector_top_k": cfg.selector_top_k if cfg else None,
-        }
 
     # ------------------------------------------------------------------ training
     def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
@@ -332,4 +344,4 @@ class DFlash2Head(Head):
         return teacher_forced_scores(drafter, hidden, draft_logits, prev_tokens)
 
 
-__all__ = ["DFlash2Head", "DFlash2Settings", "DFlash2TrainSettings"]
+__all__ = ["DFlash2Format", "DFlash2Head", "DFlash2Settings", "DFlash2TrainSettings"]

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from dflashkit.drafter.config_fields import BOOL, INT, STR
 from dflashkit.drafter.heads.base import DraftRound, Head, HeadObjective, TrainingTerms
+from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.errors import ConfigError
 from dflashkit.validation import NonNegativeInt, PositiveInt, UnitInterval, fail
 
@@ -44,54 +45,11 @@ class DominoTrainSettings:
     lambda_base_decay_ratio: UnitInterval = 0.5  # drafter.kind: domino — fraction of the run over which λ falls to 0
 
 
-class DominoHead(Head):
-    """Slot k drafts the token at a + k + 1 (as DSpark), so a block of bs slots drafts bs tokens."""
+VLLM_PROBLEM = "vLLM has no Domino drafter model (SGLang serves Domino: --to zlab)"
 
-    kind: ClassVar[str] = "domino"
-    title: ClassVar[str] = "Domino"
-    settings: ClassVar[type | None] = DominoSettings
-    train_settings: ClassVar[type | None] = DominoTrainSettings
-    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
-        "projector_type": (STR, True),
-        "shift_label": (BOOL, True),
-        "gru_hidden_dim": (INT, False),
-        "emb_dim": (INT, False),
-        "pure_draft_prefix_len": (INT, True),
-    }
-    first_draft_slot: ClassVar[int] = 0
-    vllm_problem: ClassVar[str | None] = "vLLM has no Domino drafter model (SGLang serves Domino: --to zlab)"
-    vllm_cpu_problem: ClassVar[str | None] = vllm_problem
-    zlab_problem: ClassVar[str | None] = "z-lab's DFlashDraftModel has no Domino correction head"
-    deepspec_problem: ClassVar[str | None] = (
-        "a Domino drafter: DeepSpec's Qwen3DSparkModel has no GRU correction head — export it with --to zlab"
-    )
-    # the quickstart's budget: a correction sized to the small default target
-    quickstart_drafter: ClassVar[dict[str, Any]] = {"gru_hidden_dim": 128, "emb_dim": 128}
 
-    # ------------------------------------------------------------------ config
-    def check_config(self, cfg: Any, where: Any) -> None:
-        if cfg.pure_draft_prefix_len >= cfg.block_size:
-            raise fail(
-                where("pure_draft_prefix_len"),
-                "pure_draft_prefix_len",
-                cfg.pure_draft_prefix_len,
-                f"below block_size {cfg.block_size} (at least one slot of a block is corrected)",
-            )
-
-    def extra_parameters(self, cfg: Any) -> int:
-        """GRU (3G·H + 3G·G), projection (E·(H + G) + V'·E)."""
-        h, g, e = cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim
-        return 3 * g * (h + g) + e * (h + g) + (cfg.draft_vocab_size or cfg.vocab_size) * e
-
-    def add_modules(self, drafter: Any) -> None:
-        from dflashkit.drafter.heads.domino_net import build_correction
-
-        build_correction(drafter)
-
-    def reset(self, drafter: Any, std: float) -> None:
-        from dflashkit.drafter.heads.domino_net import reset_correction
-
-        reset_correction(drafter, std)
+class DominoFormat(HeadFormat):
+    """Domino's layout: Model-Optimizer's and SpecForge's z-lab DFlash checkpoint with `projector_type: "domino"`."""
 
     # ------------------------------------------------------------------ config.json layouts
     def recognises(self, raw: dict[str, Any]) -> bool:
@@ -161,6 +119,58 @@ class DominoHead(Head):
             "pure_draft_prefix_len": cfg.pure_draft_prefix_len if cfg else None,
         }
 
+
+class DominoHead(Head):
+    """Slot k drafts the token at a + k + 1 (as DSpark), so a block of bs slots drafts bs tokens."""
+
+    kind: ClassVar[str] = "domino"
+    settings: ClassVar[type | None] = DominoSettings
+    train_settings: ClassVar[type | None] = DominoTrainSettings
+    first_draft_slot: ClassVar[int] = 0
+    format: ClassVar[HeadFormat] = DominoFormat(
+        title="Domino",
+        zlab_field_types={
+            "projector_type": (STR, True),
+            "shift_label": (BOOL, True),
+            "gru_hidden_dim": (INT, False),
+            "emb_dim": (INT, False),
+            "pure_draft_prefix_len": (INT, True),
+        },
+        vllm_problem=VLLM_PROBLEM,
+        vllm_cpu_problem=VLLM_PROBLEM,
+        zlab_problem="z-lab's DFlashDraftModel has no Domino correction head",
+        deepspec_problem=(
+            "a Domino drafter: DeepSpec's Qwen3DSparkModel has no GRU correction head — export it with --to zlab"
+        ),
+        # the quickstart's budget: a correction sized to the small default target
+        quickstart_drafter={"gru_hidden_dim": 128, "emb_dim": 128},
+    )
+
+    # ------------------------------------------------------------------ config
+    def check_config(self, cfg: Any, where: Any) -> None:
+        if cfg.pure_draft_prefix_len >= cfg.block_size:
+            raise fail(
+                where("pure_draft_prefix_len"),
+                "pure_draft_prefix_len",
+                cfg.pure_draft_prefix_len,
+                f"below block_size {cfg.block_size} (at least one slot of a block is corrected)",
+            )
+
+    def extra_parameters(self, cfg: Any) -> int:
+        """GRU (3G·H + 3G·G), projection (E·(H + G) + V'·E)."""
+        h, g, e = cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim
+        return 3 * g * (h + g) + e * (h + g) + (cfg.draft_vocab_size or cfg.vocab_size) * e
+
+    def add_modules(self, drafter: Any) -> None:
+        from dflashkit.drafter.heads.domino_net import build_correction
+
+        build_correction(drafter)
+
+    def reset(self, drafter: Any, std: float) -> None:
+        from dflashkit.drafter.heads.domino_net import reset_correction
+
+        reset_correction(drafter, std)
+
     # ------------------------------------------------------------------ training
     def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
         for name, value, ok, why in (
@@ -224,4 +234,4 @@ class DominoHead(Head):
         return teacher_forced(drafter, draft_logits, prev_tokens, hidden, embed_weight)
 
 
-__all__ = ["DominoHead", "DominoSettings", "DominoTrainSettings"]
+__all__ = ["DominoFormat", "DominoHead", "DominoSettings", "DominoTrainSettings"]

@@ -2,7 +2,8 @@
 low-rank Markov head on the previous token, and a confidence head estimating acceptance.
 
 Its network is in `dspark_net.py`, its loss in `dflashkit.train.dspark_loss`, its drafting round in
-`dflashkit.drafter.heads.dspark_draft`; this module is what the stages ask about it.
+`dflashkit.drafter.heads.dspark_draft`; this module is what the stages ask about it:
+its settings, its behaviour (`DSparkHead`) and its layouts (`DSparkFormat`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from dflashkit.drafter.config_fields import BOOL, INT, STR
 from dflashkit.drafter.heads.base import DraftRound, Head
+from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.errors import ConfigError
 from dflashkit.validation import Bool, NonNegativeFloat, PositiveInt
 
@@ -46,41 +48,9 @@ GGUF_NAMES = {
 }
 
 
-class DSparkHead(Head):
-    """Slot k drafts the token at a + k + 1 (shifted by one against DFlash), so a block of bs drafts bs tokens."""
-
-    kind: ClassVar[str] = "dspark"
-    settings: ClassVar[type | None] = DSparkSettings
-    train_settings: ClassVar[type | None] = DSparkTrainSettings
-    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
-        "markov_rank": (INT, True),
-        "markov_head_type": (STR, True),
-        "enable_confidence_head": (BOOL, True),
-        "confidence_head_with_markov": (BOOL, True),
-        "sample_from_anchor": (BOOL, True),
-    }
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)
-    first_draft_slot: ClassVar[int] = 0
-    reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
-    training_needs_target: ClassVar[bool] = True  # the target's LM head forms that distribution every step
-    confidence_gate: ClassVar[bool] = True  # its confidence head predicts each slot's acceptance
-    llamacpp_spec_type: ClassVar[str] = "draft-dspark"
-    carries_target_tables: ClassVar[bool] = True  # DeepSpec saves frozen copies of the embeddings and LM head
-    # the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1 (docs/studies.md,
-    # "DSpark CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults
-    quickstart_drafter: ClassVar[dict[str, Any]] = {"markov_rank": 64}
-    quickstart_train: ClassVar[dict[str, Any]] = {"dspark_ce_weight": 1.0}
-    title: ClassVar[str] = "DSpark"
-    deepspec_problem: ClassVar[str | None] = None
-    vllm_cpu_problem: ClassVar[str | None] = (
-        "vLLM runs DSpark drafters only in its GPU model runner (v1/worker/gpu/spec_decode/dspark); the vLLM "
-        "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
-    )
-
-    vllm_gpu_layout: ClassVar[str | None] = "Qwen3DSparkModel layout (method 'dspark')"
-    vllm_drops_learned_mask: ClassVar[bool] = True  # qwen3_dspark.py embeds masked slots with the mask token's row
-    zlab_problem: ClassVar[str | None] = "z-lab's DFlashDraftModel has no Markov or confidence head"
-    speculators_architecture: ClassVar[str] = "DSparkSpeculator"
+class DSparkFormat(HeadFormat):
+    """DSpark's layouts: DeepSpec's Qwen3DSparkModel config.json (read by vLLM and llama.cpp's converter), speculators'
+    DSparkSpeculator, llama.cpp's Markov and confidence tensors."""
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
         return {
@@ -106,7 +76,6 @@ class DSparkHead(Head):
             )
         self.fields_from_zlab({"sample_from_anchor": True, **raw}, source)  # the variants it can run
         return {
-            "kind": self.kind,
             "markov_rank": int(raw["markov_rank"]),
             "confidence_head": bool(raw.get("enable_confidence_head", False)),
         }
@@ -169,12 +138,6 @@ class DSparkHead(Head):
             "confidence_head": bool(raw.get("enable_confidence_head", True)),
         }
 
-    def extra_parameters(self, cfg: Any) -> int:
-        """Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)."""
-        r = cfg.markov_rank
-        out = cfg.vocab_size * r + r * (cfg.draft_vocab_size or cfg.vocab_size)
-        return out + ((cfg.hidden_size + r + 1) if cfg.confidence_head else 0)
-
     def zlab_fields(self, cfg: Any) -> dict[str, Any]:
         """As DeepSpec, vLLM and llama.cpp's converter read a DSpark config."""
         return {
@@ -186,6 +149,50 @@ class DSparkHead(Head):
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,
         }
+
+
+class DSparkHead(Head):
+    """Slot k drafts the token at a + k + 1 (shifted by one against DFlash), so a block of bs drafts bs tokens."""
+
+    kind: ClassVar[str] = "dspark"
+    settings: ClassVar[type | None] = DSparkSettings
+    train_settings: ClassVar[type | None] = DSparkTrainSettings
+    first_draft_slot: ClassVar[int] = 0
+    reads_final_layer: ClassVar[bool] = True  # its L1 term reads the target's distribution
+    training_needs_target: ClassVar[bool] = True  # the target's LM head forms that distribution every step
+    confidence_gate: ClassVar[bool] = True  # its confidence head predicts each slot's acceptance
+    format: ClassVar[HeadFormat] = DSparkFormat(
+        title="DSpark",
+        architectures=("Qwen3DSparkModel",),
+        zlab_field_types={
+            "markov_rank": (INT, True),
+            "markov_head_type": (STR, True),
+            "enable_confidence_head": (BOOL, True),
+            "confidence_head_with_markov": (BOOL, True),
+            "sample_from_anchor": (BOOL, True),
+        },
+        speculators_architecture="DSparkSpeculator",
+        carries_target_tables=True,  # DeepSpec saves frozen copies of the embeddings and LM head
+        llamacpp_spec_type="draft-dspark",
+        vllm_cpu_problem=(
+            "vLLM runs DSpark drafters only in its GPU model runner (v1/worker/gpu/spec_decode/dspark); the vLLM "
+            "environment here is the CPU build — check a DSpark drafter with --engine llamacpp"
+        ),
+        vllm_gpu_layout="Qwen3DSparkModel layout (method 'dspark')",
+        vllm_drops_learned_mask=True,  # qwen3_dspark.py embeds masked slots with the mask token's row
+        zlab_problem="z-lab's DFlashDraftModel has no Markov or confidence head",
+        deepspec_problem=None,
+        # the quickstart's budget: Markov rank 64 and CE weight 1.0 instead of DeepSpec's 256 and 0.1
+        # (docs/studies.md, "DSpark CE weight"); given values win, and `dflashkit train` keeps DeepSpec's defaults
+        quickstart_drafter={"markov_rank": 64},
+        quickstart_train={"dspark_ce_weight": 1.0},
+    )
+
+    def extra_parameters(self, cfg: Any) -> int:
+        """Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)."""
+        r = cfg.markov_rank
+        out = cfg.vocab_size * r + r * (cfg.draft_vocab_size or cfg.vocab_size)
+        return out + ((cfg.hidden_size + r + 1) if cfg.confidence_head else 0)
 
     def reads_target_lse(self, draft_vocab_size: int | None, target: Any) -> bool:
         """With a draft vocabulary on a target whose logits are final_norm(h) · Wᵀ (`Target.plain_head`), its loss
@@ -265,4 +272,4 @@ class DSparkHead(Head):
         return draft_logits + drafter.markov_head.bias(prev_tokens).float()
 
 
-__all__ = ["DSparkHead", "DSparkSettings", "DSparkTrainSettings"]
+__all__ = ["DSparkFormat", "DSparkHead", "DSparkSettings", "DSparkTrainSettings"]

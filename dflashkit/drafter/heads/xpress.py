@@ -16,6 +16,7 @@ engine serves an XPress drafter yet.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from dflashkit.drafter.config_fields import INT
 from dflashkit.drafter.heads.base import BlockSlots, DraftRound, Head, HeadObjective, TrainingTerms
+from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.errors import ConfigError
 from dflashkit.validation import NonNegativeFloat, NonNegativeInt, PositiveInt, UnitInterval
 
@@ -53,65 +55,33 @@ class XPressTrainSettings:
     xpress_ce_weight: UnitInterval = 0.1
 
 
-class XPressHead(Head):
-    """Slot 0 holds the given token (as DFlash); slots 1 … bs − 1 draft, refined by the causal refiner."""
+_FIELDS = tuple(f.name for f in dataclasses.fields(XPressSettings))
+VLLM_PROBLEM = (
+    "no vLLM release has an XPress drafter model (its pull request vllm-project/vllm#54448 is in review, GPU "
+    "model runner only)"
+)
 
-    kind: ClassVar[str] = "xpress"
-    title: ClassVar[str] = "XPress"
-    settings: ClassVar[type | None] = XPressSettings
-    train_settings: ClassVar[type | None] = XPressTrainSettings
-    zlab_field_types: ClassVar[dict[str, tuple[str, bool]]] = {
-        "xpress_rank": (INT, False),
-        "xpress_mlp_ratio": (INT, False),
-        "num_jacobi_passes": (INT, False),
-    }
-    architectures: ClassVar[tuple[str, ...]] = ("XPressDraftModel",)
-    speculators_architecture: ClassVar[str] = "XPressSpeculator"
-    vllm_problem: ClassVar[str | None] = (
-        "no vLLM release has an XPress drafter model (its pull request vllm-project/vllm#54448 is in review, GPU "
-        "model runner only)"
-    )
-    vllm_cpu_problem: ClassVar[str | None] = vllm_problem
-    zlab_problem: ClassVar[str | None] = "z-lab's DFlashDraftModel has no XPress refiner"
-    deepspec_problem: ClassVar[str | None] = (
-        "an XPress drafter: DeepSpec's Qwen3DSparkModel has no refiner — export it with --to speculators"
-    )
-    # the quickstart's budget: a refiner sized to the small default target (its token table alone is V × r); the
-    # quickstart's draft vocabulary keeps the loss at CE (speculators' CE + TV needs the whole vocabulary)
-    quickstart_drafter: ClassVar[dict[str, Any]] = {"xpress_rank": 64}
 
-    # ------------------------------------------------------------------ config
-    def extra_parameters(self, cfg: Any) -> int:
-        """Token table V·r, D_h and D_g 2·H·r, fusion 3r·r, mixer r·bs², MLP 3·r·(r·ratio), readout V'·r."""
-        r, h = cfg.xpress_rank, cfg.hidden_size
-        v, vd = cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size
-        return v * r + 2 * h * r + 3 * r * r + r * cfg.block_size**2 + 3 * r * r * cfg.xpress_mlp_ratio + vd * r
-
-    def add_modules(self, drafter: Any) -> None:
-        from dflashkit.drafter.heads.xpress_net import build_refiner
-
-        build_refiner(drafter)
-
-    def reset(self, drafter: Any, std: float) -> None:
-        drafter.refiner_head.reset(std)
+class XPressFormat(HeadFormat):
+    """XPress's layouts: speculators' XPressSpeculator and dflashkit's z-lab XPressDraftModel."""
 
     # ------------------------------------------------------------------ config.json layouts
     def fields_from_zlab(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         dflash = raw.get("dflash_config") or {}
-        missing = [n for n in self.fields if dflash.get(n, raw.get(n)) is None]
+        missing = [n for n in _FIELDS if dflash.get(n, raw.get(n)) is None]
         if missing:
             raise ConfigError(f"{source}: an XPress drafter needs dflash_config.{missing[0]} (an integer)")
-        return {n: dflash.get(n, raw.get(n)) for n in self.fields}
+        return {n: dflash.get(n, raw.get(n)) for n in _FIELDS}
 
     def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
-        return {n: getattr(cfg, n) for n in self.fields}
+        return {n: getattr(cfg, n) for n in _FIELDS}
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
-        return {n: getattr(cfg, n) for n in self.fields}
+        return {n: getattr(cfg, n) for n in _FIELDS}
 
     def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         """DrafterConfig fields of a speculators XPress config (its defaults where a field is absent)."""
-        return {"kind": self.kind, **{n: int(raw.get(n, d)) for n, d in SPECULATORS_DEFAULTS.items()}}
+        return {n: int(raw.get(n, d)) for n, d in SPECULATORS_DEFAULTS.items()}
 
     def gguf_problems(self, cfg: Any) -> list[str]:
         return ["llama.cpp has no XPress drafter (its dflash graph has no refiner)"]
@@ -129,6 +99,48 @@ class XPressHead(Head):
             "xpress_rank": down["shape"][0] if down else (cfg.xpress_rank if cfg else None),
             "passes": cfg.num_jacobi_passes if cfg else None,
         }
+
+
+class XPressHead(Head):
+    """Slot 0 holds the given token (as DFlash); slots 1 … bs − 1 draft, refined by the causal refiner."""
+
+    kind: ClassVar[str] = "xpress"
+    settings: ClassVar[type | None] = XPressSettings
+    train_settings: ClassVar[type | None] = XPressTrainSettings
+    format: ClassVar[HeadFormat] = XPressFormat(
+        title="XPress",
+        zlab_field_types={
+            "xpress_rank": (INT, False),
+            "xpress_mlp_ratio": (INT, False),
+            "num_jacobi_passes": (INT, False),
+        },
+        architectures=("XPressDraftModel",),
+        speculators_architecture="XPressSpeculator",
+        vllm_problem=VLLM_PROBLEM,
+        vllm_cpu_problem=VLLM_PROBLEM,
+        zlab_problem="z-lab's DFlashDraftModel has no XPress refiner",
+        deepspec_problem=(
+            "an XPress drafter: DeepSpec's Qwen3DSparkModel has no refiner — export it with --to speculators"
+        ),
+        # the quickstart's budget: a refiner sized to the small default target (its token table alone is V × r); the
+        # quickstart's draft vocabulary keeps the loss at CE (speculators' CE + TV needs the whole vocabulary)
+        quickstart_drafter={"xpress_rank": 64},
+    )
+
+    # ------------------------------------------------------------------ config
+    def extra_parameters(self, cfg: Any) -> int:
+        """Token table V·r, D_h and D_g 2·H·r, fusion 3r·r, mixer r·bs², MLP 3·r·(r·ratio), readout V'·r."""
+        r, h = cfg.xpress_rank, cfg.hidden_size
+        v, vd = cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size
+        return v * r + 2 * h * r + 3 * r * r + r * cfg.block_size**2 + 3 * r * r * cfg.xpress_mlp_ratio + vd * r
+
+    def add_modules(self, drafter: Any) -> None:
+        from dflashkit.drafter.heads.xpress_net import build_refiner
+
+        build_refiner(drafter)
+
+    def reset(self, drafter: Any, std: float) -> None:
+        drafter.refiner_head.reset(std)
 
     # ------------------------------------------------------------------ training
     def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
@@ -191,4 +203,4 @@ class XPressHead(Head):
         return teacher_forced(drafter, draft_logits, prev_tokens, block)
 
 
-__all__ = ["XPressHead", "XPressSettings", "XPressTrainSettings"]
+__all__ = ["XPressFormat", "XPressHead", "XPressSettings", "XPressTrainSettings"]
