@@ -50,6 +50,7 @@ import torch
 from transformers import DynamicCache
 
 from dflashkit.cpu_products import products
+from dflashkit.cpu_products.choice import ENV, with_override
 from dflashkit.cpu_products.machine import machine_line
 from dflashkit.data.conversations import default_stop_token_ids
 from dflashkit.data.regenerate import generate_longest_first
@@ -286,16 +287,16 @@ def _kv_cache(target: Target, kind: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _products(way: str) -> Iterator[None]:
-    """Every product of the block computed `way` (DFLASHKIT_PRODUCTS for the process, restored after)."""
-    old = os.environ.get(products.ENV)
-    os.environ[products.ENV] = way
+    """Every product of the block computed `way` (products=way in DFLASHKIT_CHOICES for the process, restored after)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = with_override("products", way)
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(products.ENV, None)
+            os.environ.pop(ENV, None)
         else:
-            os.environ[products.ENV] = old
+            os.environ[ENV] = old
 
 
 if __name__ == "__main__":

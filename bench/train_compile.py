@@ -1,7 +1,7 @@
 """What `torch.compile` costs and saves on the quickstart's training step and on a capture on this machine: the
-compile choice's own trials (`compile: auto` with DFLASHKIT_TRAIN_COMPILE=measure; `capture --compile auto` with
-DFLASHKIT_CAPTURE_COMPILE=measure) run inside a real training run at the quickstart's geometry and a real capture
-with the default target, and what they found.
+compile choice's own trials (`compile: auto` with train_compile=measure; `capture --compile auto` with
+capture_compile=measure, both in DFLASHKIT_CHOICES) run inside a real training run at the quickstart's geometry and a
+real capture with the default target, and what they found.
 
     .venv/bin/python bench/train_compile.py                 # fp32 and bf16 (dtype), one run each
     .venv/bin/python bench/train_compile.py --dtypes fp32 --samples 24
@@ -43,20 +43,22 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from dflashkit.cpu_products.choice import ENV, with_override
     from dflashkit.cpu_products.compile_choice import EAGER_STEPS, ROUNDS, WARM_STEPS
     from dflashkit.cpu_products.machine import machine_line
     from dflashkit.data.samples import Sample
     from dflashkit.quickstart.run import QuickstartSettings, build_initial_drafter
     from dflashkit.target.model import Target
-    from dflashkit.train.compile_choice import ENV_VAR, TRAIN_COMPILE
+    from dflashkit.train.compile_choice import TRAIN_COMPILE
     from dflashkit.train.config import TrainConfig
     from dflashkit.train.loop import train
     from dflashkit.train.metrics import read_metrics
 
-    os.environ["DFLASHKIT_PRODUCTS_STORE"] = str(scratch / "store")
-    os.environ[ENV_VAR] = "measure"
+    os.environ[ENV] = with_override("store", None, with_override("train_compile", "measure"))
     try:
         target = Target.load("default")
+        # the choices' stores from here on (the target was loaded from the user's cache)
+        os.environ["DFLASHKIT_CACHE"] = str(scratch / "cache")
         s = QuickstartSettings(draft_vocab=args.draft_vocab)
         rng = random.Random(0)
         tokens = scratch / "tokens.jsonl"
@@ -106,15 +108,16 @@ def main() -> None:
 
 
 def _capture_trial(target, n: int, scratch: Path) -> dict:
-    """The capture's compile trial (`capture --compile auto`, DFLASHKIT_CAPTURE_COMPILE=measure) over `n` samples of
+    """The capture's compile trial (`capture --compile auto`, capture_compile=measure) over `n` samples of
     random lengths from 128 to 1,024 tokens, fp32, one sample a forward."""
     import torch
 
+    from dflashkit.cpu_products.choice import ENV, with_override
     from dflashkit.data.samples import Sample
     from dflashkit.features.capture import CaptureSettings, capture
-    from dflashkit.features.capture_compile import CAPTURE_COMPILE, ENV_VAR, compile_key
+    from dflashkit.features.capture_compile import CAPTURE_COMPILE, compile_key
 
-    os.environ[ENV_VAR] = "measure"
+    os.environ[ENV] = with_override("capture_compile", "measure")
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(128, 1025, (n,), generator=g).tolist()
     samples = [Sample(f"c{i}", torch.randint(3, target.vocab_size, (t,), generator=g), torch.ones(t, dtype=torch.bool))

@@ -8,14 +8,14 @@ pays n = 1 per token. For each n this times (all interleaved, on the same cache,
   forward        the target's decoder layers + final norm + LM head over n positions, with the products dflashkit
                  uses: each shape the way this machine does it fastest (measured at first use: cpu_products/products.py)
   stock          the same pass with every product through F.linear (how plain PyTorch / HF run it)
-  few_rows       the same pass with every product weight-stationary (DFLASHKIT_PRODUCTS=few_rows)
-  onednn         the same pass with every product through oneDNN (DFLASHKIT_PRODUCTS=onednn; where torch has it)
-  onednn_fused   the same, a layer's products of one input (q/k/v, gate/up) as one (DFLASHKIT_PRODUCTS=onednn_fused)
-  mkl_packed     the same pass with every product through MKL's packed GEMM (DFLASHKIT_PRODUCTS=mkl_packed; where
+  few_rows       the same pass with every product weight-stationary (products=few_rows)
+  onednn         the same pass with every product through oneDNN (products=onednn; where torch has it)
+  onednn_fused   the same, a layer's products of one input (q/k/v, gate/up) as one (products=onednn_fused)
+  mkl_packed     the same pass with every product through MKL's packed GEMM (products=mkl_packed; where
                  torch has MKL)
   native_rows    the same pass with every product through the few-row kernel compiled for this CPU
-                 (DFLASHKIT_PRODUCTS=native_rows; where a C++ compiler is)
-  native_layers  the same pass with every decoder layer one compiled call (DFLASHKIT_PRODUCTS=native_layers;
+                 (products=native_rows; where a C++ compiler is)
+  native_layers  the same pass with every decoder layer one compiled call (products=native_layers;
                  a Llama-family target, where a C++ compiler is: target/native_layers.py)
   body / head    the decoder layers alone / final norm + LM head over n rows (dflashkit's products)
 and forward(n) / forward(1): a drafter pays off only if τ exceeds (draft + forward(n)) / forward(1). It also prints
@@ -39,6 +39,7 @@ import torch
 
 from dflashkit.cpu_products import products
 from dflashkit.cpu_products import report as product_report
+from dflashkit.cpu_products.choice import ENV, with_override
 from dflashkit.cpu_products.machine import machine_line, read_bandwidth
 from dflashkit.target.cache import crop
 from dflashkit.target.devices import synchronize
@@ -59,14 +60,14 @@ def _mode(path: str):
 
     class _Env:
         def __enter__(self):
-            self.old = os.environ.get(products.ENV)
-            os.environ[products.ENV] = "auto" if path == "forward" else path
+            self.old = os.environ.get(ENV)
+            os.environ[ENV] = with_override("products", "auto" if path == "forward" else path)
 
         def __exit__(self, *exc):
             if self.old is None:
-                os.environ.pop(products.ENV, None)
+                os.environ.pop(ENV, None)
             else:
-                os.environ[products.ENV] = self.old
+                os.environ[ENV] = self.old
 
     return _Env()
 

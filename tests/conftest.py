@@ -34,27 +34,33 @@ TINY_CONFIG = dict(
 torch.set_num_threads(1)
 
 
-# Product choices measured by the suite (tiny shapes, timings on a busy machine) stay in memory, in this process and
-# in the ones it starts (CLI children, torchrun ranks): the user's store (~/.cache/dflashkit/products) keeps only what
-# real runs measured.
-os.environ["DFLASHKIT_PRODUCTS_STORE"] = "off"
+# Every choice made by measurement (cpu_products/choice.py) is pinned or kept in memory for the suite, in this process
+# and in the ones it starts (CLI children, torchrun ranks), through one variable, DFLASHKIT_CHOICES:
+# - store=off: choices measured by the suite (tiny shapes, timings on a busy machine) stay in memory; the user's store
+#   (~/.cache/dflashkit/products, …) keeps only what real runs measured.
+# - optimizer=fused: AdamW's implementation is measured at the start of a run (optimizer_impl: auto); runs a test
+#   compares bit for bit must not choose differently on a busy machine.
+# - train_precision=fp32, capture_precision=fp32: a CPU run's precision (dtype: auto) and a capture's are timed at
+#   their start; the suite trains and captures in fp32, the reference.
+# - train_compile, capture_compile, regenerate_compile, decode_compile=off: a test run with a long schedule would
+#   otherwise compile for minutes; the suite runs eager.
+# The tests of each choice measure with its entry removed (tests/helpers/choices.py: set_choice).
+os.environ["DFLASHKIT_CHOICES"] = ",".join(
+    [
+        "store=off",
+        "optimizer=fused",
+        "train_precision=fp32",
+        "capture_precision=fp32",
+        "train_compile=off",
+        "capture_compile=off",
+        "regenerate_compile=off",
+        "decode_compile=off",
+    ]
+)
 
 # MKL's packed copies (target/packed_weights.py) default to a quarter of the machine's memory; the suite's processes
 # load SmolLM2 in many modules and would hold GBs of them. 1 GB still lets a decoding width of SmolLM2 pack.
 os.environ["DFLASHKIT_PACKED_MAX_GB"] = "1"
-
-# AdamW's implementation is measured at the start of a run (optimizer_impl: auto); runs a test compares bit for bit
-# must not choose differently on a busy machine, so the suite (and the processes it starts) names one.
-# tests/train/test_optimizer_choice.py measures with this unset.
-os.environ["DFLASHKIT_ADAMW"] = "fused"
-
-# Likewise a CPU run's precision (dtype: auto) is timed at its start; the suite trains in fp32, the reference.
-# tests/train/test_precision_choice.py measures with this unset.
-os.environ["DFLASHKIT_TRAIN_PRECISION"] = "fp32"
-
-# And a capture's (capture precision auto): the suite captures with the fp32 target, the reference.
-# tests/features/test_capture_precision.py measures with this unset.
-os.environ["DFLASHKIT_CAPTURE_PRECISION"] = "fp32"
 
 
 def _tiny_config(kind: str):
@@ -158,16 +164,3 @@ def wide_head_target(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("wide") / "llama_wide"
     model.save_pretrained(path)
     return path
-
-
-# And whether a run's step is compiled (compile: auto): a test run with a long schedule would otherwise compile for
-# minutes; the suite runs eager. tests/train/test_compile_trial.py measures with this unset.
-os.environ["DFLASHKIT_TRAIN_COMPILE"] = "off"
-# The same for a capture's forwards (capture --compile auto); tests/features/test_capture_compile.py measures with
-# this unset.
-os.environ["DFLASHKIT_CAPTURE_COMPILE"] = "off"
-# And regeneration's in-process batches (prepare --compile auto); tests/data/test_regenerate_compile.py measures with
-# this unset.
-os.environ["DFLASHKIT_REGENERATE_COMPILE"] = "off"
-# And an evaluation's decoding (eval --compile auto); tests/evaluate/test_decode_compile.py measures with this unset.
-os.environ["DFLASHKIT_DECODE_COMPILE"] = "off"

@@ -10,9 +10,10 @@ a DSpark drafter with a reduced draft vocabulary then trains without a full-voca
 a --drafter-config).
 --precision: what the target computes in — fp32 (a float32 target as loaded, the reference), bf16 (autocast), or
 auto (the default: both timed on this machine at the samples' length, bf16 only when clearly faster; kept in the user
-cache, `DFLASHKIT_CAPTURE_PRECISION` overrides; dflashkit.features.capture_precision). A rerun keeps its capture's.
+cache, `capture_precision=` in DFLASHKIT_CHOICES overrides; dflashkit.features.capture_precision). A rerun keeps
+its capture's.
 --compile: whether the target's decoder layers run through torch.compile — auto (the default: tried in a large
-capture's first batches, kept only when faster; `DFLASHKIT_CAPTURE_COMPILE` overrides; dflashkit.features.
+capture's first batches, kept only when faster; `capture_compile=` in DFLASHKIT_CHOICES overrides; dflashkit.features.
 capture_compile), on, off.
 
 Rerunning the same command after a kill resumes: finished shards that still match manifest.json (size,

@@ -17,7 +17,8 @@ of line groups the statistics. `long-context` builds prompts of several lengths 
 and the PNG plots; with --temperatures, one such directory per temperature and DIR/compare.md. `simulate` writes
 the transcript cache (reused by later runs), then DIR/results.json + report. `eval --compile`: whether the target's
 decoder layers run through torch.compile while decoding — auto (the default: timed in the warm-up where the planned
-work repays the compile; DFLASHKIT_DECODE_COMPILE=on|off|measure overrides; dflashkit.evaluate.decode_compile), on, off.
+work repays the compile; DFLASHKIT_CHOICES=decode_compile=on|off|measure overrides;
+dflashkit.evaluate.decode_compile), on, off.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ regenerated. The same command run again continues where it stopped (a resume), s
 runs of M minutes each.
 
 --compile: whether in-process regeneration runs the target's decoder layers through torch.compile — auto (the
-default: tried in a long regeneration's first batches, kept only when faster; `DFLASHKIT_REGENERATE_COMPILE`
+default: tried in a long regeneration's first batches, kept only when faster; `regenerate_compile=` in DFLASHKIT_CHOICES
 overrides; dflashkit.data.regenerate_compile), on, off.
 
 --server regenerates through OpenAI-compatible servers of the target (vLLM, SGLang, llama-server), requests spread

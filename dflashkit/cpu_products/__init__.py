@@ -1,7 +1,7 @@
 """How this CPU computes, chosen by measurement at run time and kept in the user cache: the matrix products of a
-decoding step, each shape the way this machine does it fastest (overridable by `DFLASHKIT_PRODUCTS`), and the
-precision of whole passes — a training step, a capture forward (`precision_store.py`) — and whether a training step
-is compiled (`compile_choice.py`) (docs/cpu-performance.md).
+decoding step, each shape the way this machine does it fastest (overridable by `DFLASHKIT_CHOICES=products=…`), and
+the one mechanism every measured choice uses (`choice.py`: candidates, key, gate, store, override) — the precision of
+whole passes, whether a step is compiled (`compile_choice.py`), the optimizer (docs/cpu-performance.md).
 
 Reads: nothing but the tensors it is handed and its stores of choices. Writes: the choices
 (`~/.cache/dflashkit/products/<machine>.json`, `…/train_precision/`, `…/capture_precision/`, `…/train_compile/`) and
@@ -13,7 +13,7 @@ The one entry point for the stages above (the target's decoder layers, the draft
     logits = linear_product(hidden, w)     # hidden (..., H), w (V, H) → (..., V): a lone product (an LM head)
     with stock_products(): ...             # F.linear everywhere (HF's way: stock baselines, prefills)
     stock_active()                         # inside stock_products()?
-    mode()                                 # "auto" (measured) or the candidate DFLASHKIT_PRODUCTS forces
+    mode()                                 # "auto" (measured) or the candidate DFLASHKIT_CHOICES=products=… forces
 
 Modules:
   products.py     the candidates and the `Chooser` that times them (ABBA-interleaved, kept only when faster)
@@ -22,10 +22,10 @@ Modules:
   packed_weights.py MKL's packed GEMM, one packed copy per weight and row count, within a memory budget
   native_rows.py  the kernels compiled for this CPU at first use: a few-row product (kernels/rows_linear.cpp) and a
                   whole decoder layer (kernels/decoder_layer.cpp, driven by target/native_layers.py)
-  store.py        where the choices are kept between runs (`~/.cache/dflashkit/products/`), and for how long
-  precision_store.py fp32 or bf16 autocast for a whole pass (a training step, a capture forward), timed on this
-                  machine and kept in the user cache: `MeasuredPrecision(folder, env_var).choose(key, timer)`
-  compile_choice.py whether a repeated step runs through torch.compile: `MeasuredCompile(folder, env_var).start(…)`,
+  choice.py       a choice made by measurement: `Choice(name, values, default=, gate=)` — its override (one entry of
+                  DFLASHKIT_CHOICES), its store in the user cache and for how long it is trusted, the gate a winner
+                  must pass (`pick`), one timed trial of every candidate (`measure`: the precision of a whole pass)
+  compile_choice.py whether a repeated step runs through torch.compile: `MeasuredCompile(name).start(…)`,
                   timed inside a run's own first steps when the run can repay the compile, kept in the user cache
   report.py       what was chosen so far (`dflashkit info`), and whether a choice is still being timed
   machine.py      the CPU, its vector extensions, BLAS and threads, and a measured memory bandwidth

@@ -1,7 +1,7 @@
 """Whether a repeated step (a training step) runs through `torch.compile`, decided by timing it inside the run's
 own first steps and kept in the user cache: the rule behind training's `compile: auto`.
 
-    TRAIN_COMPILE = MeasuredCompile("train_compile", "DFLASHKIT_TRAIN_COMPILE")
+    TRAIN_COMPILE = MeasuredCompile("train_compile")     # its DFLASHKIT_CHOICES entry and store (cpu_products.choice)
     trial = TRAIN_COMPILE.start(key, "auto", remaining_s)   # remaining_s(seconds a unit) → seconds of work left
     trial.current                # "eager" or "compiled": what the next step runs
     trial.finished(seconds, work)  # after every step: its seconds (agreed over ranks) and its work in the run's
@@ -15,10 +15,10 @@ Compiling costs once — minutes for a drafter's training step on a 2-core CPU, 
 saves a fraction of every step, or nothing: compiled code is not faster on every device and shape, and a CPU run of
 minutes never earns minutes of compiling back. So nothing is assumed; the choice is measured where it runs:
 
-1. `on` / `off` (the config, or `DFLASHKIT_TRAIN_COMPILE`, which replaces the measurement under `auto`) is taken
-   as it is; `measure` runs the trial below whatever the run's length.
+1. `on` / `off` (the config, or the kind's entry in `DFLASHKIT_CHOICES`, e.g. `train_compile=off`, which replaces
+   the measurement under `auto`) is taken as it is; `measure` runs the trial below whatever the run's length.
 2. A stored entry for the key (the step's geometry, precision and device, on this machine, measured within the
-   products' age limit) decides without compiling to find out: compiled when its trial found the compiled step
+   choices' age limit) decides without compiling to find out: compiled when its trial found the compiled step
    faster *and* the time this run will save — the work left × (1 − compiled ÷ eager) — exceeds its compile time.
    An entry that recorded the compiled step unusable keeps it eager.
 3. Without one: the first steps run eager and are timed; the trial compiles only when the run's work left is at
@@ -35,7 +35,6 @@ compile time. A distributed run never reads a store (each node has its own): its
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dflashkit.cpu_products.choice import ENV, Choice, Store
 from dflashkit.cpu_products.step_trial import decide
-from dflashkit.cpu_products.store import kind_file, read_entries, write_choices
 from dflashkit.errors import ConfigError
 
 SETTINGS = ("auto", "on", "off")
@@ -60,29 +59,30 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class MeasuredCompile:
-    """One kind of step whose compilation is measured: its folder in the user cache, its environment variable, and
-    the unit of work its timings are per ("a step"; "per 1k tokens" where a step's work varies)."""
+    """One kind of step whose compilation is measured: its name (its DFLASHKIT_CHOICES entry and its store in the
+    user cache: `cpu_products.choice`) and the unit of work its timings are per ("a step"; "per 1k tokens" where a
+    step's work varies)."""
 
-    folder: str
-    env_var: str
+    name: str
     unit: str = "a step"
 
+    @property
+    def choice(self) -> Choice:
+        return Choice(self.name, FORCED)
+
     def store_path(self) -> Path | None:
-        """This machine's file: <cache>/<folder>/, or <$DFLASHKIT_PRODUCTS_STORE>/<folder>/ (None when "off")."""
-        return kind_file(self.folder)
+        """This machine's file: <cache>/<name>/<machine>.json (None under DFLASHKIT_CHOICES=store=off)."""
+        store = self.choice.store()
+        return None if store is None else store.path
 
     def stored_choices(self, path: Path | None = None) -> dict[str, dict[str, Any]]:
         """The stored entries still usable (well-formed, measured within the age limit), by key."""
-        return read_entries(self.store_path() if path is None else path, _well_formed)
+        path = self.store_path() if path is None else path
+        return {} if path is None else Store(path).read(_well_formed)
 
     def forced(self) -> str | None:
-        """The environment variable's value (None when unset); an unknown one is a ConfigError naming it."""
-        value = os.environ.get(self.env_var, "").strip().lower()
-        if not value:
-            return None
-        if value not in FORCED:
-            raise ConfigError(f"{self.env_var}={value!r}: expected one of {', '.join(FORCED)}")
-        return value
+        """The override in DFLASHKIT_CHOICES (None when there is none); an unknown one is a ConfigError naming it."""
+        return self.choice.override()
 
     def start(
         self,
@@ -105,7 +105,7 @@ class MeasuredCompile:
         trial = CompileTrial(key, remaining_s, store=self, path=path if write else None)
         forced = self.forced() if setting == "auto" else setting
         if forced in ("on", "off"):
-            why = f"{self.env_var}={forced}" if setting == "auto" else f"compile: {forced}"
+            why = self.choice.why(forced) if setting == "auto" else f"compile: {forced}"
             trial.settle(COMPILED if forced == "on" else EAGER, f"{why} → {_word(forced == 'on')}")
         elif forced == "measure":
             trial.gated = False
@@ -122,7 +122,7 @@ class MeasuredCompile:
     def record(self, path: Path | None, key: str, entry: dict[str, Any]) -> None:
         """Store `entry` for `key` with the time it was measured (nothing when `path` is None)."""
         if path is not None:
-            write_choices(path, {**self.stored_choices(path), key: {**entry, "measured_at": time.time()}})
+            Store(path).record(key, entry, _well_formed)
 
 
 class CompileTrial:
@@ -270,7 +270,7 @@ class CompileTrial:
                 EAGER,
                 f"eager: ~{left / 60:,.1f} min of work left, too little to risk compiling (~{self.risk_s:,.0f} s "
                 f"{'recorded' if self.risk_s != UNKNOWN_COMPILE_S else 'assumed'} here; tried from "
-                f"{TRIAL_FACTOR * self.risk_s / 60:,.0f} min of work, or with {self.store.env_var}=measure)",
+                f"{TRIAL_FACTOR * self.risk_s / 60:,.0f} min of work, or with {ENV}={self.store.name}=measure)",
             )
             return
         rounds = [(COMPILED, EAGER) if r % 2 == 0 else (EAGER, COMPILED) for r in range(ROUNDS)]
@@ -328,7 +328,7 @@ def _number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and x >= 0
 
 
-def _well_formed(e: object) -> bool:
+def _well_formed(_key: str, e: object) -> bool:
     """An entry a choice can be made from: a recorded failure, or a trial's three timings and its verdict."""
     if not isinstance(e, dict) or e.get("choice") not in (EAGER, COMPILED):
         return False

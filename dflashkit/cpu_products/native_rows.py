@@ -13,7 +13,7 @@ compiled the first time a trial needs it, with the machine's C++ compiler (`$CXX
 model and flags and the torch version — a cache shared by two kinds of CPU never hands one the other's
 instructions. No compiler, a build that fails or a cache that cannot be written: the candidate is unusable on this
 machine (RuntimeError, recorded as such by the chooser: never timed, never chosen) and `status()` says why;
-`dflashkit info` prints it. `DFLASHKIT_NATIVE=off` leaves it out.
+`dflashkit info` prints it. `DFLASHKIT_CHOICES=native=off` leaves it out (and the compiled layers with it).
 
 Each output is the same dot product as F.linear's, summed in another order (float32 rounding differences only).
 Only contiguous float32 CPU tensors go through the kernel; anything else runs F.linear.
@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflashkit.cpu_products.choice import Choice
 from dflashkit.errors import DFlashError
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "rows_linear.cpp"  # the product; decoder_layer.cpp (a whole layer) is built into the same library
 SOURCES = (SOURCE, KERNELS / "decoder_layer.cpp")
 HEADERS = (KERNELS / "rows_tiles.h",)
-ENV = "DFLASHKIT_NATIVE"
+SWITCH = Choice("native", ("on", "off"), stored=False)  # DFLASHKIT_CHOICES=native=off: left out
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 BUILD_TIMEOUT_S = 300
 
@@ -50,12 +51,12 @@ _F32 = torch.float32
 
 
 def enabled() -> bool:
-    """Whether the candidate takes part: not on a machine without a C++ compiler, nor with DFLASHKIT_NATIVE=off."""
+    """Whether the candidate takes part: not on a machine without a C++ compiler, nor with native=off."""
     return not _switched_off() and _compiler() is not None
 
 
 def _switched_off() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("off", "0", "no")
+    return SWITCH.override() == "off"
 
 
 def _compiler() -> str | None:
@@ -119,7 +120,7 @@ def _load() -> object:
         raise RuntimeError(str(_STATE["reason"]))
     try:
         if _switched_off():
-            raise RuntimeError(f"{ENV}=off")
+            raise RuntimeError(SWITCH.why("off"))
         cxx = _compiler()
         if cxx is None:
             raise RuntimeError("no C++ compiler on this machine ($CXX, g++, c++)")
@@ -190,14 +191,14 @@ def layer_kernel() -> tuple[object, object]:
 
 
 def reset() -> None:
-    """Forget this process's build result (tests: another cache directory, compiler or DFLASHKIT_NATIVE)."""
+    """Forget this process's build result (tests: another cache directory, compiler or native=off)."""
     _STATE.clear()
 
 
 __all__ = [
-    "ENV",
     "SOURCE",
     "SOURCES",
+    "SWITCH",
     "enabled",
     "layer_kernel",
     "library_path",

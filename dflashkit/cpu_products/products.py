@@ -4,9 +4,8 @@ measurement, never by a rule from another CPU.
     logits = linear_product(hidden, weight)       # hidden (..., H), weight (V, H) → (..., V)
     route_linears(target.layers)                  # every nn.Linear inside goes through linear_product
     with stock_products(): ...                    # F.linear everywhere (stock baselines, e.g. HF generate)
-    DFLASHKIT_PRODUCTS=auto|stock|few_rows|onednn|onednn_fused|mkl_packed|native_rows|native_layers  # or forced
-    DFLASHKIT_PRODUCTS_STORE=off|DIR              # where measured choices are kept (default: the user cache)
-    DFLASHKIT_PRODUCTS_MAX_AGE_DAYS=7             # … and for how long (store.py)
+    DFLASHKIT_CHOICES=products=auto|stock|few_rows|onednn|onednn_fused|mkl_packed|native_rows|native_layers
+                                                  # or forced (choice.py: the override, the store, its age limit)
 
 A decoding step multiplies a few rows (1 for an AR step, 2–17 for a verify pass, the batch for regeneration) by
 every weight matrix. Ways to compute the same float32 products, whose speed depends on the CPU and its BLAS:
@@ -45,8 +44,9 @@ land in the middle of a timed decode and slow it. Likewise `Target.forward` with
 features, checks: whole sequences, once) takes stock products — samples of equal length meet a width twice by
 chance, and a trial there buys nothing.
 A choice holds for the process and is kept in `~/.cache/dflashkit/products/` keyed by CPU, BLAS, torch, threads and
-kernel source, so later runs skip the timing for a week; then it is timed again (store.py: the machine
-drifts; what was chosen, and whether a timing is under way: report.py).
+kernel source, so later runs skip the timing for a week; then it is timed again (choice.py: the machine drifts;
+an entry stored before a candidate joined is timed again, with it; what was chosen, and whether a timing is under
+way: report.py).
 All compute each output as the same dot product; only the summation order inside it may differ (last-bit
 differences, as between two batch shapes of F.linear). Only CPU tensors of 1…MAX_ROWS rows without autograd take
 part: training, long prefills and GPUs always run F.linear.
@@ -56,7 +56,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
+import re
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -68,10 +70,10 @@ from torch import Tensor, nn
 
 import dflashkit.cpu_products.native_rows as native_rows
 import dflashkit.cpu_products.packed_weights as packed_weights
+from dflashkit.cpu_products.choice import ENV, Choice, Store
 from dflashkit.cpu_products.machine import last_level_cache_bytes
 from dflashkit.cpu_products.siblings import Siblings, sibling_product
 from dflashkit.cpu_products.step_trial import MAX_EXTENSIONS, MIN_GAIN, StepTrial, decide, unclear
-from dflashkit.cpu_products.store import max_age_seconds, read_choices, store_path, write_choices
 from dflashkit.errors import ConfigError
 
 MAX_ROWS = 64  # decoding steps, verify passes and regeneration batches; longer inputs are prefills: stock
@@ -80,10 +82,10 @@ PACKED = "mkl_packed"  # MKL's packed GEMM, a copy of the weights per row count 
 NATIVE = "native_rows"  # a few-row kernel compiled for this CPU at first use (native_rows.py)
 LAYERS = "native_layers"  # whole decoder layers compiled for this CPU (target/native_layers.py)
 MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED, NATIVE, LAYERS)
-ENV = "DFLASHKIT_PRODUCTS"
+PRODUCTS = Choice("products", MODES)  # DFLASHKIT_CHOICES=products=…; the store <cache>/products/
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
 _STOCK = [0]  # > 0 inside stock_products()
-_ENV_NOW = [os.environ.get(ENV)]  # DFLASHKIT_PRODUCTS as read when the current pass opened (linear_product)
+_ENV_NOW = [os.environ.get(ENV)]  # DFLASHKIT_CHOICES as read when the current pass opened (linear_product)
 _EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
 
 
@@ -163,23 +165,22 @@ def stock_active() -> bool:
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ConfigError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(MODES)}")
+    """ "auto" (measured), or the candidate DFLASHKIT_CHOICES=products=… forces (one this machine can run)."""
+    value = PRODUCTS.override() or "auto"
     native = native_rows.status() if value in (NATIVE, LAYERS) else None
     if native is not None and not native["available"]:
-        raise ConfigError(f"{ENV}={value}: the kernel cannot be had here ({native['reason']})")
+        raise ConfigError(f"{ENV}: products={value}: the kernel cannot be had here ({native['reason']})")
     if value == LAYERS:
         return value
     if value != "auto" and value not in CANDIDATES and not (value == FUSED and "onednn" in CANDIDATES):
         lacks = "MKL's packed GEMM (torch.ops.mkl)" if value == PACKED else "oneDNN (torch.backends.mkldnn)"
-        raise ConfigError(f"{ENV}={value}: this torch build has no {lacks}; use auto or stock")
+        raise ConfigError(f"{ENV}: products={value}: this torch build has no {lacks}; use auto or stock")
     return value
 
 
 class Chooser:
     """The measured choice per shape. `timer(name, fn) -> seconds`, `store` (a JSON file, or None: memory only) and
-    `now` (the wall clock a choice is stamped with: store.py) are injectable, so the selection logic is
+    `now` (the wall clock a choice is stamped with: choice.py) are injectable, so the selection logic is
     tested without timing anything."""
 
     def __init__(
@@ -326,14 +327,42 @@ class Chooser:
 
     # --------------------------------------------------------------------------------------- the store
     def _load(self) -> None:
-        """The stored choices still usable (store.read_choices: every current candidate timed, not too old);
-        the others are measured again when met."""
+        """The stored choices still usable (`usable`: every current candidate timed, not too old); the others are
+        measured again when met."""
         self._loaded = True
         if self.store is not None:
-            self.choices.update(read_choices(self.store, _names, now=self.now(), max_age=max_age_seconds()))
+            self.choices.update(Store(self.store).read(usable, now=self.now()))
 
     def _save(self) -> None:
-        write_choices(self.store, self.choices)
+        if self.store is not None:
+            Store(self.store).write(self.choices)
+
+
+def store_path() -> Path | None:
+    """This machine's file of product choices, <cache>/products/<machine>.json, the machine including the kernels'
+    source (a changed kernel is timed anew); None under DFLASHKIT_CHOICES=store=off or without a usable cache."""
+    store = PRODUCTS.store(native_rows.source_digest())
+    return None if store is None else store.path
+
+
+def usable(key: str, entry: dict[str, object]) -> bool:
+    """A stored entry that may be used as it is: a key of the shape-key form, every candidate `_names(key)` gives
+    timed (one stored before a candidate joined is timed again, with it), one of them chosen. A damaged entry (a
+    timing that is not a number) is measured again, never trusted."""
+    names = _names(key)
+    return (
+        bool(_KEY.match(key))
+        and all(f"{n}_ms" in entry and _timing(entry[f"{n}_ms"]) for n in names)
+        and entry.get("choice") in names
+    )
+
+
+_KEY = re.compile(r"^\d+x[^:]+:\w+(:b)?$")  # ROWSx…:dtype[:b], as shape_key and pass groups write them
+
+
+def _timing(ms: object) -> bool:
+    """A stored timing: milliseconds, or null for a candidate that failed on this shape."""
+    return ms is None or (isinstance(ms, int | float) and not isinstance(ms, bool) and math.isfinite(ms) and ms >= 0)
 
 
 def _names(key: str) -> list[str]:
@@ -424,10 +453,10 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     """x (..., H) @ weight (V, H)ᵀ (+ bias) → (..., V), the way this machine computes it fastest: per pass group
     and row count when the product belongs to one (`route_linears`), else per shape.
 
-    A decoding step runs ~200 of these, so a settled choice (measured, or forced by DFLASHKIT_PRODUCTS) is looked
+    A decoding step runs ~200 of these, so a settled choice (measured, or forced by DFLASHKIT_CHOICES) is looked
     up by (group or weight shape, input shape, dtype, CPU or not, the variable's value) in the thread count's
     chooser before any other work: tens of microseconds of Python per call add up to milliseconds a step, so the
-    settled path is kept to one lookup (bench/product_overhead.py times both). DFLASHKIT_PRODUCTS is
+    settled path is kept to one lookup (bench/product_overhead.py times both). DFLASHKIT_CHOICES is
     read when a pass opens (its group's first linear) and by every lone product: a change takes effect at the next
     pass."""
     if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
@@ -539,6 +568,7 @@ __all__ = [
     "MIN_GAIN",
     "NATIVE",
     "PACKED",
+    "PRODUCTS",
     "Chooser",
     "PassGroup",
     "close_pass",
@@ -550,4 +580,6 @@ __all__ = [
     "route_linears",
     "shape_key",
     "stock_products",
+    "store_path",
+    "usable",
 ]

@@ -42,7 +42,7 @@ def choices_by_rows(report: dict[str, object] | None = None) -> dict[int, dict[s
 
 
 def products_measured(device: torch.device | str = "cpu") -> bool:
-    """Whether products on `device` are chosen by measurement: CPU with DFLASHKIT_PRODUCTS=auto (other devices run
+    """Whether products on `device` are chosen by measurement: CPU with products auto (other devices run
     F.linear; a forced path is not timed)."""
     return torch.device(device).type == "cpu" and products.mode() == "auto"
 

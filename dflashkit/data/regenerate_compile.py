@@ -10,9 +10,9 @@ A batch's work is the tokens it generated (batches differ in length, so rates pe
 and keeps it only when faster beyond the noise; a stored trial for this target, batch size and device decides at
 once by the work left. Decoding steps grow the cache a token at a time, and the cache and the measured products
 break a compiled layer's graph, so on the CPUs measured it is slower (docs/studies.md); the trial finds out where it
-is not. `DFLASHKIT_REGENERATE_COMPILE=on|off` replaces the measurement under `auto`, `=measure` runs the trial
-whatever the size; kept in `~/.cache/dflashkit/regenerate_compile/`, listed by `dflashkit info`. Greedy replies are
-the target's either way up to float rounding (a near-tie of two logits may resolve differently).
+is not. `DFLASHKIT_CHOICES=regenerate_compile=on|off` replaces the measurement under `auto`, `=measure` runs the
+trial whatever the size; kept in `~/.cache/dflashkit/regenerate_compile/`, listed by `dflashkit info`. Greedy
+replies are the target's either way up to float rounding (a near-tie of two logits may resolve differently).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from dflashkit.cpu_products.compile_choice import CompileTrial, MeasuredCompile,
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
 
-REGENERATE_COMPILE = MeasuredCompile("regenerate_compile", "DFLASHKIT_REGENERATE_COMPILE", unit="per 1k new tokens")
-ENV_VAR = REGENERATE_COMPILE.env_var
+REGENERATE_COMPILE = MeasuredCompile("regenerate_compile", unit="per 1k new tokens")
 
 
 def compile_key(target: Target, batch_size: int) -> str:
@@ -42,4 +41,4 @@ def start_trial(
     return REGENERATE_COMPILE.start(compile_key(target, batch_size), setting, seconds_left)
 
 
-__all__ = ["ENV_VAR", "REGENERATE_COMPILE", "compile_key", "start_trial"]
+__all__ = ["REGENERATE_COMPILE", "compile_key", "start_trial"]

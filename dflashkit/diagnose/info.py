@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflashkit.cpu_products.choice import Choice
 from dflashkit.cpu_products.compile_choice import MeasuredCompile
-from dflashkit.cpu_products.precision_store import MeasuredPrecision
 from dflashkit.data.regenerate_compile import REGENERATE_COMPILE
 from dflashkit.drafter.defaults import default_drafter_config, describe_mask
 from dflashkit.errors import ConfigError
@@ -100,12 +100,12 @@ def _compiled_layers_refused(target: Any) -> str | None:
 
 def _machine() -> dict[str, Any]:
     """The CPU, its BLAS, and the decoding products chosen on it so far (measured at first use, then kept)."""
+    from dflashkit.cpu_products.choice import DAY, max_age_seconds
     from dflashkit.cpu_products.machine import describe_machine
     from dflashkit.cpu_products.native_rows import status as native_status
     from dflashkit.cpu_products.packed_weights import budget_bytes
     from dflashkit.cpu_products.products import CANDIDATES, FUSED, LAYERS, NATIVE, PACKED, mode
     from dflashkit.cpu_products.report import choices_by_rows, choices_report
-    from dflashkit.cpu_products.store import DAY, max_age_seconds
 
     report = choices_report()
     stamps = [e["measured_at"] for e in report["choices"].values() if isinstance(e.get("measured_at"), int | float)]
@@ -142,26 +142,27 @@ def _measured_compile(name: str, kind: MeasuredCompile) -> dict[str, Any]:
     path = kind.store_path()
     fields = ("choice", "eager_ms", "compiled_ms", "compile_s", "unusable")
     return {
-        f"{name}_compile_forced": forced and f"{forced} ({kind.env_var})",
+        f"{name}_compile_forced": forced and kind.choice.why(forced),
         f"{name}_compile_store": str(path) if path is not None else None,
         f"{name}_compile_unit": kind.unit,
         f"{name}_compile_by_key": {k: {x: e[x] for x in fields if x in e} for k, e in kind.stored_choices().items()},
     }
 
 
-def _measured_precision(name: str, kind: MeasuredPrecision) -> dict[str, Any]:
+def _measured_precision(name: str, kind: Choice) -> dict[str, Any]:
     """The precision CPU runs of `name` (training under dtype: auto, capture under --precision auto) take here:
-    forced by the environment, or the choices timed so far on this machine, by key (cpu_products.precision_store)."""
+    forced by the environment, or the choices timed so far on this machine, by key (cpu_products.choice)."""
     try:
-        forced = kind.forced()
+        forced = kind.override()
     except ConfigError as e:
         forced = f"invalid: {e}"
-    path = kind.store_path()
+    store = kind.store()
     fields = ("choice", "fp32_ms", "bf16_ms")
+    stored = store.read(kind.usable_entry(kind.values)) if store is not None else {}
     return {
-        f"{name}_precision_forced": forced and f"{forced} ({kind.env_var})",
-        f"{name}_precision_store": str(path) if path is not None else None,
-        f"{name}_precision_by_key": {k: {x: e.get(x) for x in fields} for k, e in kind.stored_choices().items()},
+        f"{name}_precision_forced": forced and kind.why(forced),
+        f"{name}_precision_store": str(store.path) if store is not None else None,
+        f"{name}_precision_by_key": {k: {x: e.get(x) for x in fields} for k, e in stored.items()},
     }
 
 
@@ -221,7 +222,7 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
     flags = f" ({', '.join(m['flags'])})" if m["flags"] else ""
     rows = m["products_by_rows"]
     if m["products_mode"] != "auto":
-        chosen = f"{m['products_mode']} everywhere (DFLASHKIT_PRODUCTS)"
+        chosen = f"{m['products_mode']} everywhere (products={m['products_mode']} in DFLASHKIT_CHOICES)"
     elif rows:
         chosen = "; ".join(f"{r} rows: " + ", ".join(f"{k} {n}" for k, n in c.items()) for r, c in rows.items())
     else:
@@ -311,9 +312,9 @@ def _native(status: dict[str, Any]) -> str:
 
 
 def _kept(m: dict[str, Any]) -> str:
-    """Where the measured choices are kept and when they are timed again (cpu_products/store.py)."""
+    """Where the measured choices are kept and when they are timed again (cpu_products/choice.py)."""
     if m.get("products_store") is None:
-        return "in this process only (DFLASHKIT_PRODUCTS_STORE=off or no cache)"
+        return "in this process only (DFLASHKIT_CHOICES=store=off or no cache)"
     oldest = m.get("products_oldest_days")
     age = f"; the oldest {oldest:g} days old" if oldest is not None else ""
     return f"{m['products_store']} (timed again after {m['products_max_age_days']:g} days{age})"

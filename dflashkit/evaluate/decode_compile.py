@@ -26,8 +26,8 @@ speculative methods run alike (the speedup compares like with like); an `hf_base
 `generate`, never compiled. A compiled run that fails (dynamo, inductor, the recompile limit) settles the choice on
 eager and the evaluation runs that prompt again eagerly: each progress record says whether its prompt ran compiled,
 and results.json counts them (`decode_compile.prompts_compiled`), so a resumed or interrupted evaluation says so.
-`DFLASHKIT_DECODE_COMPILE=on|off` replaces the measurement under `auto`, `=measure` runs the trial whatever the
-size; kept in `~/.cache/dflashkit/decode_compile/`, listed by `dflashkit info`. Greedy output is the target's either
+`DFLASHKIT_CHOICES=decode_compile=on|off` replaces the measurement under `auto`, `=measure` runs the trial whatever
+the size; kept in `~/.cache/dflashkit/decode_compile/`, listed by `dflashkit info`. Greedy output is the target's either
 way up to float rounding (a near-tie of two logits may resolve differently; AR and drafts share the same layers).
 """
 
@@ -52,8 +52,7 @@ from dflashkit.target.devices import synchronize
 if TYPE_CHECKING:
     from dflashkit.target.model import Target
 
-DECODE_COMPILE = MeasuredCompile("decode_compile", "DFLASHKIT_DECODE_COMPILE", unit="per 1k tokens")
-ENV_VAR = DECODE_COMPILE.env_var
+DECODE_COMPILE = MeasuredCompile("decode_compile", unit="per 1k tokens")
 MAX_ROUNDS = 24  # a cap on a trial's warm-up rounds (its schedule takes at most 12: 4 eager, the compile, 1 + 6)
 T = TypeVar("T")
 
@@ -162,4 +161,4 @@ def _compiled_keys(target: Target) -> set[str]:
     return keys
 
 
-__all__ = ["DECODE_COMPILE", "ENV_VAR", "MAX_ROUNDS", "DecodeCompile", "compile_key", "start_choice"]
+__all__ = ["DECODE_COMPILE", "MAX_ROUNDS", "DecodeCompile", "compile_key", "start_choice"]

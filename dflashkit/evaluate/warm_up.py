@@ -6,7 +6,7 @@ On CPU, the products of each decoding width are timed inside the real steps at f
 trial runs every candidate — the slower ones too — for a few steps each. A timing that caught those steps would
 measure the trial, not the speed every later run on the machine gets from the store. `settle` runs a method for
 SETTLE_TOKENS tokens, again while a width's trial is under way (at most SETTLE_RUNS runs); nothing where products
-are not measured (GPUs, a path forced by DFLASHKIT_PRODUCTS).
+are not measured (GPUs, a path forced by DFLASHKIT_CHOICES=products=…).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ Each batch runs eagerly or inside `target.compiled_layers.compiled_layers` as th
 timed, each batch's seconds per 1,000 tokens feed the trial (batches vary in length, so rates are compared). `auto`
 tries compiling only when the capture has enough tokens left to repay ten times the compile time it risks, and keeps
 it only when faster beyond the noise; a stored trial for this target, precision and device decides at once by the
-tokens left. `DFLASHKIT_CAPTURE_COMPILE=on|off` replaces the measurement under `auto`, `=measure` runs the trial
-whatever the capture's size; the choice is kept in `~/.cache/dflashkit/capture_compile/`, listed by `dflashkit info`.
-A compiled forward that raises is run again eagerly and recorded unusable. Compiled layers compute the same function
-as transformers' up to float rounding (the features and labels differ by rounding, as between two BLAS paths).
+tokens left. `DFLASHKIT_CHOICES=capture_compile=on|off` replaces the measurement under `auto`, `=measure` runs the
+trial whatever the capture's size; the choice is kept in `~/.cache/dflashkit/capture_compile/`, listed by
+`dflashkit info`. A compiled forward that raises is run again eagerly and recorded unusable. Compiled layers compute
+the same function as transformers' up to float rounding (the features and labels differ by rounding, as between two
+BLAS paths).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from dflashkit.target.compiled_layers import compiled_layers
 if TYPE_CHECKING:
     from dflashkit.target.model import Target, TargetOutput
 
-CAPTURE_COMPILE = MeasuredCompile("capture_compile", "DFLASHKIT_CAPTURE_COMPILE", unit="per 1k tokens")
-ENV_VAR = CAPTURE_COMPILE.env_var
+CAPTURE_COMPILE = MeasuredCompile("capture_compile", unit="per 1k tokens")
 
 
 def compile_key(target: Target, precision: str) -> str:
@@ -111,4 +111,4 @@ def _sync(target: Target) -> None:
         torch.cuda.synchronize(target.device)
 
 
-__all__ = ["CAPTURE_COMPILE", "ENV_VAR", "CaptureForwards", "compile_key"]
+__all__ = ["CAPTURE_COMPILE", "CaptureForwards", "compile_key"]

@@ -5,9 +5,9 @@ chosen by timing both at the capture's sample length on this machine.
     out = capture_forward(target, ids, precision, layer_ids=ids_of_layers, logits=True)  # (B, T, K·H), (B, T, V)
 
 `auto` on a float32 CPU target times a forward of each (`time_target_forward`: a warm-up, then the best of two) at
-the samples' median length rounded up to a power of two, and takes bf16 autocast only when `MARGIN` faster
-(cpu_products.precision_store: kept per machine and key in `<cache>/capture_precision/`, timed again after the
-products' age limit, `DFLASHKIT_CAPTURE_PRECISION=fp32|bf16` replaces the measurement, `dflashkit info` lists the
+the samples' median length rounded up to a power of two, and takes bf16 autocast only when `BF16_GATE` faster
+(`cpu_products.choice`: kept per machine and key in `<cache>/capture_precision/`, timed again after the choices'
+age limit, `DFLASHKIT_CHOICES=capture_precision=fp32|bf16` replaces the measurement, `dflashkit info` lists the
 stored choices); on a GPU `auto` is bf16 autocast, untimed, as training's. A target loaded in bf16 or fp16 computes
 in its own dtype, recorded as "bf16-weights" / "fp16-weights" (not autocast: its residual stream is half too); asking
 it for fp32 is a ConfigError. Under bf16 autocast the target's products run in bf16 and its residual stream stays
@@ -31,13 +31,13 @@ from torch import Tensor
 
 from dflashkit.cpu_products import mode as products_mode
 from dflashkit.cpu_products import stock_products
-from dflashkit.cpu_products.precision_store import PRECISIONS, MeasuredPrecision
+from dflashkit.cpu_products.choice import BF16_GATE, PRECISIONS, Choice
 from dflashkit.errors import ConfigError
 
 if TYPE_CHECKING:
     from dflashkit.target.model import Target, TargetOutput
 
-CAPTURE = MeasuredPrecision("capture_precision", "DFLASHKIT_CAPTURE_PRECISION")
+CAPTURE = Choice("capture_precision", PRECISIONS, default="fp32", gate=BF16_GATE)
 CHOICES = ("auto", *PRECISIONS)
 # a target loaded in a half type computes in it: recorded apart from bf16 autocast (whose residual stream and labels
 # stay fp32), so a capture begun one way is never resumed the other
@@ -145,11 +145,15 @@ def capture_precision(
     if requested != "auto":
         return requested, {}
     if target.device.type != "cpu":  # a GPU computes bf16 natively: no timing (as training's dtype: auto)
-        return CAPTURE.forced() or "bf16", {}
+        return CAPTURE.override() or "bf16", {}
     tokens = timed_length(lengths)
     timer = timer or time_target_forward
-    return CAPTURE.choose(
-        choice_key(target, tokens), lambda bf16: timer(target, tokens, bf16), all_reduce=all_reduce, use_store=use_store
+    return CAPTURE.measure(
+        choice_key(target, tokens),
+        PRECISIONS,
+        lambda p: timer(target, tokens, p == "bf16"),
+        all_reduce=all_reduce,
+        store=CAPTURE.store() if use_store else None,
     )
 
 

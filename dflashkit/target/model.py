@@ -268,7 +268,7 @@ class Target:
 
         Without a cache the pass is a one-off over whole sequences (capture, features, checks), not a decoding
         step: under the measured choice (`auto`) it takes stock products, so a short sample met twice is never
-        timed as a decoding width; products forced by DFLASHKIT_PRODUCTS hold here as in every other pass.
+        timed as a decoding width; products forced by DFLASHKIT_CHOICES hold here as in every other pass.
         A decoding pass the compiled layers take (native_layers.py) is opened here: when its measured candidate
         is `native_layers` it runs compiled, else through transformers' layers.
         """

@@ -126,7 +126,7 @@ class LayerPlan:
     def why_not(text_model: nn.Module) -> str | None:
         """None when every layer of `text_model` can run compiled, else the first reason it cannot."""
         if not native_rows.enabled():
-            return "no C++ compiler here (or DFLASHKIT_NATIVE=off)"
+            return "no C++ compiler here (or DFLASHKIT_CHOICES=native=off)"
         if getattr(text_model, "rotary_emb", None) is None or getattr(text_model, "embed_tokens", None) is None:
             return "no rotary module or embeddings on the text model"
         for i, layer in enumerate(text_model.layers):

@@ -8,9 +8,9 @@ the run's own first steps on this machine (the rule: `cpu_products.compile_choic
 `auto` compiles only where the measurement says it pays: a stored trial for this geometry whose compiled step was
 faster and whose compile time this run's remaining work repays, or — none stored — a trial inside the first steps
 when the run is long enough to risk it (ten times the compile time recorded on this machine, five minutes assumed
-where none is). `DFLASHKIT_TRAIN_COMPILE=on|off` replaces the measurement under `auto`, `=measure` runs the trial
-whatever the run's length; `compile: on | off` in the config always wins. The entries live in
-`~/.cache/dflashkit/train_compile/<machine>.json` (the products' age limit); `dflashkit info` lists them. A
+where none is). `DFLASHKIT_CHOICES=train_compile=on|off` replaces the measurement under `auto`, `=measure` runs the
+trial whatever the run's length; `compile: on | off` in the config always wins. The entries live in
+`~/.cache/dflashkit/train_compile/<machine>.json` (the choices' age limit); `dflashkit info` lists them. A
 validation pass (no gradient) always runs eager: compiling its inference graph would cost a second compile for a
 pass of seconds.
 """
@@ -28,8 +28,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.train.memory import StepShape
 from dflashkit.train.precision_choice import geometry_key
 
-TRAIN_COMPILE = MeasuredCompile("train_compile", "DFLASHKIT_TRAIN_COMPILE")
-ENV_VAR = TRAIN_COMPILE.env_var
+TRAIN_COMPILE = MeasuredCompile("train_compile")
 
 
 def setting(value: Any) -> str:
@@ -64,4 +63,4 @@ def start_trial(
     return TRAIN_COMPILE.start(key, setting(value), remaining_s, distributed=distributed, write=write, path=path)
 
 
-__all__ = ["ENV_VAR", "TRAIN_COMPILE", "compile_key", "setting", "start_trial"]
+__all__ = ["TRAIN_COMPILE", "compile_key", "setting", "start_trial"]

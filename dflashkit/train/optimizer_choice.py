@@ -12,24 +12,25 @@ run's device, at the start of a fresh run (a fraction of a second for a SmolLM2-
 Markov embedding (vocabulary × rank) makes the optimizer step a large share of a CPU training step.
 
 A run keeps its choice for life (stored in the training state), so a resumed run continues bit for bit; ranks
-sum their timings before choosing, so every rank of a distributed run steps the same way. `DFLASHKIT_ADAMW`
-(fused | foreach | default) replaces the measurement of `auto` (the test suite pins it so runs compared bit for bit
-cannot choose differently on a busy machine); an explicit `optimizer_impl` in the config always wins.
+sum their timings before choosing, so every rank of a distributed run steps the same way.
+`DFLASHKIT_CHOICES=optimizer=fused|foreach|default` replaces the measurement of `auto` (the test suite pins it so runs
+compared bit for bit cannot choose differently on a busy machine); an explicit `optimizer_impl` in the config always
+wins. The override and the pick are the measured-choice mechanism's (`cpu_products.choice`); nothing is stored.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
+from dflashkit.cpu_products.choice import Choice
 from dflashkit.target.devices import synchronize
 
 IMPLS = ("fused", "foreach", "default")
-ENV_VAR = "DFLASHKIT_ADAMW"
+OPTIMIZER = Choice("optimizer", IMPLS, stored=False)  # the fastest, no gate (every candidate is exact)
 _MEASURE_ELEMENTS = 1 << 26  # at most this many scratch elements per candidate (4 copies live: 1 GiB in fp32)
 
 
@@ -98,23 +99,15 @@ def choose_adamw_impl(
 ) -> tuple[str, dict[str, float]]:
     """(the faster implementation, {impl: ms per step}) on the parameters' device. `all_reduce` sums the
     timings over ranks (so all choose alike); `timer` measures one candidate (default `time_adamw_step`);
-    `DFLASHKIT_ADAMW` names the implementation instead (no measurement, empty timings)."""
-    forced = os.environ.get(ENV_VAR, "").strip()
+    `DFLASHKIT_CHOICES=optimizer=…` names the implementation instead (no measurement, empty timings)."""
+    forced = OPTIMIZER.override()
     if forced:
-        if forced not in IMPLS:
-            from dflashkit.errors import ConfigError
-
-            raise ConfigError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(IMPLS)}")
         return forced, {}
     timer = timer or time_adamw_step
     live = [p for p in params if p.requires_grad]
     device, dtype = live[0].device, live[0].dtype
     impls = available_impls(device, dtype)
-    ms = torch.tensor([1000.0 * timer(live, impl) for impl in impls], dtype=torch.float64, device=device)
-    if all_reduce is not None:
-        ms = all_reduce(ms)
-    timings = {impl: round(float(t), 2) for impl, t in zip(impls, ms.tolist(), strict=True)}
-    return min(timings, key=timings.__getitem__), timings
+    return OPTIMIZER.measure("", impls, lambda impl: timer(live, impl), all_reduce=all_reduce, device=device)
 
 
-__all__ = ["ENV_VAR", "IMPLS", "available_impls", "choose_adamw_impl", "make_adamw", "time_adamw_step"]
+__all__ = ["IMPLS", "OPTIMIZER", "available_impls", "choose_adamw_impl", "make_adamw", "time_adamw_step"]

@@ -11,30 +11,25 @@ few seconds) and takes bf16 only when it is at least `MARGIN` faster: bf16 round
 On CUDA `auto` is bf16 (tensor cores compute it natively).
 
 A choice is kept in the user cache (`~/.cache/dflashkit/train_precision/<machine>.json`, keyed by the drafter's
-geometry and the step's shape) and timed again after the age limit of the measured product choices
-(`DFLASHKIT_PRODUCTS_MAX_AGE_DAYS`, default 7); `dflashkit info` lists the stored ones. `DFLASHKIT_TRAIN_PRECISION`
-(fp32 | bf16) replaces the measurement; an explicit `dtype` in the config always wins. A run keeps its precision for
-life (the training state records it), so a resumed run continues as it began. Ranks sum their timings before
-choosing, so every rank of a distributed run computes alike. The rule and the store are shared with the capture's
-choice (`cpu_products.precision_store`).
+geometry and the step's shape) and timed again after the choices' age limit (`cpu_products.choice`, default 7 days);
+`dflashkit info` lists the stored ones. `DFLASHKIT_CHOICES=train_precision=fp32|bf16` replaces the measurement; an
+explicit `dtype` in the config always wins. A run keeps its precision for life (the training state records it), so a
+resumed run continues as it began. Ranks sum their timings before choosing, so every rank of a distributed run
+computes alike. The mechanism (override, store, gate) is the one every measured choice uses (`cpu_products.choice`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from torch import Tensor
 
-from dflashkit.cpu_products.precision_store import MARGIN, PRECISIONS, MeasuredPrecision
+from dflashkit.cpu_products.choice import BF16_GATE as MARGIN
+from dflashkit.cpu_products.choice import PRECISIONS, Choice, Store
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.train.memory import StepShape
 
-TRAINING = MeasuredPrecision("train_precision", "DFLASHKIT_TRAIN_PRECISION")
-ENV_VAR = TRAINING.env_var
-store_path = TRAINING.store_path
-stored_choices = TRAINING.stored_choices
-forced_precision = TRAINING.forced
+TRAINING = Choice("train_precision", PRECISIONS, default="fp32", gate=MARGIN)
 
 
 def geometry_key(cfg: DrafterConfig, shape: StepShape) -> str:
@@ -53,29 +48,19 @@ def choose_precision(
     timer: Callable[[DrafterConfig, StepShape, bool], float],
     *,
     all_reduce: Callable[[Tensor], Tensor] | None = None,
-    path: Path | None = None,
+    store: Store | None = None,
     use_store: bool = True,
 ) -> tuple[str, dict[str, float]]:
     """(the precision a CPU run of drafter `cfg` at `shape` computes in, {precision: ms per step} when timed now).
     `timer(cfg, shape, bf16)` → seconds of one real step (`step_cost.time_drafter_step`); `all_reduce` sums timings
-    over ranks; `path` the store (default this machine's file), `use_store` False: neither read nor written."""
-    return TRAINING.choose(
+    over ranks; `store` the store (default this machine's), `use_store` False: neither read nor written."""
+    return TRAINING.measure(
         geometry_key(cfg, shape),
-        lambda bf16: timer(cfg, shape, bf16),
+        PRECISIONS,
+        lambda p: timer(cfg, shape, p == "bf16"),
         all_reduce=all_reduce,
-        path=path,
-        use_store=use_store,
+        store=(store or TRAINING.store()) if use_store else None,
     )
 
 
-__all__ = [
-    "ENV_VAR",
-    "MARGIN",
-    "PRECISIONS",
-    "TRAINING",
-    "choose_precision",
-    "forced_precision",
-    "geometry_key",
-    "store_path",
-    "stored_choices",
-]
+__all__ = ["MARGIN", "PRECISIONS", "TRAINING", "choose_precision", "geometry_key"]

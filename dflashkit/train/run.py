@@ -553,7 +553,7 @@ def _precision(
         return state.precision or "fp32"
     from dflashkit.train.memory import StepShape
     from dflashkit.train.memory_check import blocks_per_row
-    from dflashkit.train.precision_choice import ENV_VAR, choose_precision, forced_precision
+    from dflashkit.train.precision_choice import TRAINING, choose_precision
     from dflashkit.train.step_cost import precision_timer
 
     shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
@@ -563,7 +563,8 @@ def _precision(
         if timings:
             why = ", ".join(f"{k} {v:.0f} ms" for k, v in timings.items()) + " a step on this machine"
         else:
-            why = ENV_VAR if forced_precision() else "timed before on this machine (dflashkit info)"
+            forced = TRAINING.override()
+            why = TRAINING.why(forced) if forced else "timed before on this machine (dflashkit info)"
         print(f"[dflashkit train] precision: {why} → {choice}", flush=True)
     return choice
 

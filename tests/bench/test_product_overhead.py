@@ -7,11 +7,12 @@ import json
 import pytest
 
 from helpers.bench_scripts import load_bench
+from helpers.choices import set_choice
 
 
 def test_product_overhead_reports_every_path(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")  # no measurement in a test: the forced choice is settled
+    set_choice(monkeypatch, "products", "stock")  # no measurement in a test: the forced choice is settled
     assert (
         load_bench("product_overhead").main(
             ["--rows", "2", "--in", "16", "--out", "24", "--rounds", "2", "--calls", "5"]

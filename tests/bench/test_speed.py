@@ -13,6 +13,7 @@ from dflashkit.drafter.checkpoint import save_drafter
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from helpers.bench_scripts import load_bench
+from helpers.choices import set_choice
 
 REQUIRED = (
     "tau_chain_macro",
@@ -154,7 +155,7 @@ def test_paired_ratios_against_a_hand_computed_summary():
 
 
 def test_speed_bench_adds_the_budget_ddtree_auto_chooses(tiny_llama_dir, drafter_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     bench = load_bench("speed")
     prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
     argv = ["--target", str(tiny_llama_dir), "--drafter", str(drafter_dir), "--dataset", str(prompts)]

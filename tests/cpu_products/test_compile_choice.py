@@ -21,8 +21,9 @@ from dflashkit.cpu_products.compile_choice import (
     MeasuredCompile,
 )
 from dflashkit.errors import ConfigError
+from helpers.choices import set_choice
 
-KIND = MeasuredCompile("test_compile", "DFLASHKIT_TEST_COMPILE")
+KIND = MeasuredCompile("train_compile")
 LONG = 100 * TRIAL_FACTOR * UNKNOWN_COMPILE_S  # seconds of work: any trial fits
 
 
@@ -42,19 +43,21 @@ def _run(trial, eager: float, compiled: float, compile_s: float, steps: int = 40
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KIND.env_var, raising=False)
+    set_choice(monkeypatch, KIND.name, None)
 
 
 def test_settings_and_the_environment_force_a_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "s.json"
     assert KIND.start("k", "on", lambda s: 0.0, path=path).choice == COMPILED
     assert KIND.start("k", "off", lambda s: LONG, path=path).choice == EAGER
-    monkeypatch.setenv(KIND.env_var, "on")
+    set_choice(monkeypatch, KIND.name, "on")
     trial = KIND.start("k", "auto", lambda s: 0.0, path=path)
-    assert trial.choice == COMPILED and KIND.env_var in trial.message
+    assert trial.choice == COMPILED and "train_compile=on (DFLASHKIT_CHOICES)" in trial.message
     assert KIND.start("k", "off", lambda s: 0.0, path=path).choice == EAGER  # the config's own value wins
-    monkeypatch.setenv(KIND.env_var, "sometimes")
-    with pytest.raises(ConfigError, match=r"DFLASHKIT_TEST_COMPILE='sometimes': expected one of on, off, measure"):
+    set_choice(monkeypatch, KIND.name, "sometimes")
+    with pytest.raises(
+        ConfigError, match=r"DFLASHKIT_CHOICES: train_compile='sometimes': expected one of on, off, measure"
+    ):
         KIND.start("k", "auto", lambda s: 0.0, path=path)
     with pytest.raises(ConfigError, match="compile: 'maybe'"):
         KIND.start("k", "maybe", lambda s: 0.0, path=path)
@@ -146,7 +149,7 @@ def test_the_risk_is_the_longest_compile_recorded_here(tmp_path: Path) -> None:
 
 
 def test_measure_tries_whatever_the_length(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(KIND.env_var, "measure")
+    set_choice(monkeypatch, KIND.name, "measure")
     path = tmp_path / "s.json"
     KIND.record(path, "k", {"choice": EAGER, "eager_ms": 1.0, "compiled_ms": 1.0, "compile_s": 1.0})
     trial = KIND.start("k", "auto", lambda s: 1.0, path=path)  # a stored entry and a short run: timed anyway
@@ -229,7 +232,7 @@ def test_a_cheaper_compile_measured_later_keeps_the_recorded_compile_time(
     path = tmp_path / "s.json"
     _run(KIND.start("k", "auto", lambda s: LONG, path=path), 0.4, 0.2, 50.0)
     assert KIND.stored_choices(path)["k"]["compile_s"] == pytest.approx(50.0 + 0.2 - 0.4)
-    monkeypatch.setenv(KIND.env_var, "measure")
+    set_choice(monkeypatch, KIND.name, "measure")
     again = KIND.start("k", "auto", lambda s: LONG, path=path)
     _run(again, 0.4, 0.2, 1.0)
     assert KIND.stored_choices(path)["k"]["compile_s"] == pytest.approx(50.0 + 0.2 - 0.4)

@@ -13,6 +13,7 @@ from torch import nn
 from dflashkit.cpu_products import native_rows, products
 from dflashkit.cpu_products.products import NATIVE, Chooser, route_linears
 from dflashkit.errors import ConfigError
+from helpers.choices import set_choice
 
 needs_kernel = pytest.mark.skipif(not native_rows.enabled(), reason="no C++ compiler here")
 
@@ -124,10 +125,10 @@ def test_without_a_working_compiler_it_is_unusable_and_says_why(monkeypatch, tmp
         with pytest.raises(RuntimeError, match="failed"):
             native_rows.native_product(torch.randn(2, 4), torch.randn(3, 4), None)
         monkeypatch.setitem(products.CANDIDATES, NATIVE, native_rows.native_product)
-        monkeypatch.setenv(products.ENV, NATIVE)
+        set_choice(monkeypatch, "products", NATIVE)
         with pytest.raises(ConfigError, match="cannot be had here"):
             products.mode()
-        monkeypatch.setenv(products.ENV, "auto")
+        set_choice(monkeypatch, "products", "auto")
         c = Chooser(timer=lambda name, fn: (fn(), 1.0)[1], store=None, repeats=3)
         x, w = torch.randn(2, 16), torch.randn(8, 16)
         entry = c.measure(x, w, None)
@@ -149,18 +150,18 @@ def test_a_cache_that_cannot_be_written_makes_it_unusable_not_an_error(monkeypat
 
 
 def test_off_leaves_it_out(monkeypatch):
-    monkeypatch.setenv(native_rows.ENV, "off")
+    set_choice(monkeypatch, "native", "off")
     assert not native_rows.enabled()
     native_rows.reset()
     try:
-        assert native_rows.status() == {"available": False, "library": None, "reason": f"{native_rows.ENV}=off"}
+        assert native_rows.status() == {"available": False, "library": None, "reason": "native=off (DFLASHKIT_CHOICES)"}
     finally:
         native_rows.reset()
 
 
 @needs_kernel
 def test_a_forced_run_decodes_a_routed_model_as_stock_does(monkeypatch):
-    """DFLASHKIT_PRODUCTS=native_rows on a routed model: every product of a few rows through the kernel, outputs
+    """products=native_rows on a routed model: every product of a few rows through the kernel, outputs
     within rounding of the stock run."""
     torch.manual_seed(10)
     net = nn.Sequential(nn.Linear(24, 40), nn.SiLU(), nn.Linear(40, 24))
@@ -170,9 +171,9 @@ def test_a_forced_run_decodes_a_routed_model_as_stock_does(monkeypatch):
     real = products.CANDIDATES[NATIVE]
     monkeypatch.setitem(products.CANDIDATES, NATIVE, lambda *a: calls.append(a[0].shape) or real(*a))
     with torch.no_grad():
-        monkeypatch.setenv(products.ENV, "stock")
+        set_choice(monkeypatch, "products", "stock")
         want = net(x)
-        monkeypatch.setenv(products.ENV, NATIVE)
+        set_choice(monkeypatch, "products", NATIVE)
         got = net(x)
     assert calls == [(4, 24), (4, 40)]  # both products, as (rows, in)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

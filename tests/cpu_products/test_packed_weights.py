@@ -12,6 +12,7 @@ from torch import nn
 from dflashkit.cpu_products import packed_weights, products
 from dflashkit.cpu_products.products import PACKED, Chooser, route_linears
 from dflashkit.errors import ConfigError
+from helpers.choices import set_choice
 
 pytestmark = pytest.mark.skipif(not packed_weights.available(), reason="this torch build has no MKL packed GEMM")
 
@@ -94,7 +95,7 @@ def test_a_lone_products_trial_keeps_its_copy_only_when_chosen(monkeypatch, pack
     speeds = {"stock": 1.0, PACKED: 0.5 if packed_wins else 2.0}
     c = Chooser(timer=_timer(speeds), store=None, repeats=3)
     monkeypatch.setattr(products, "chooser", lambda: c)
-    monkeypatch.setenv(products.ENV, "auto")
+    set_choice(monkeypatch, "products", "auto")
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(64, 16, generator=g), torch.randn(4, 16, generator=g)
     with torch.no_grad():
@@ -126,7 +127,7 @@ def test_a_pass_groups_trial_releases_its_copies_unless_chosen(monkeypatch, pack
     )
     c = Chooser(timer=_timer({}), store=None, repeats=3, clock=lambda: now[0])
     monkeypatch.setattr(products, "chooser", lambda: c)
-    monkeypatch.setenv(products.ENV, "auto")
+    set_choice(monkeypatch, "products", "auto")
     torch.manual_seed(4)
     net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16))
     route_linears(net)

@@ -13,6 +13,7 @@ from torch import nn
 from dflashkit.cpu_products import products
 from dflashkit.cpu_products import report as product_report
 from dflashkit.cpu_products.products import CANDIDATES, MAX_ROWS, Chooser, route_linears
+from helpers.choices import set_choice
 from helpers.product_fakes import clocked_candidates as _clocked_candidates
 from helpers.product_fakes import fake_timer as _fake_timer
 from helpers.product_fakes import use_chooser as _use
@@ -238,7 +239,7 @@ def test_a_width_that_stops_coming_is_paused_while_settled_widths_run(monkeypatc
 
 def test_the_rest_of_a_pass_takes_its_openings_settled_choice(monkeypatch):
     """A pass group's other products skip the lookup when the pass's opening found its width settled; a forced
-    DFLASHKIT_PRODUCTS takes effect at the next pass, every product of a pass runs one path, and a width not settled
+    DFLASHKIT_CHOICES takes effect at the next pass, every product of a pass runs one path, and a width not settled
     (a trial under way) leaves the rest of the pass to the chooser."""
     torch.manual_seed(7)
     net = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 16, bias=False), nn.Linear(16, 8))
@@ -264,11 +265,11 @@ def test_the_rest_of_a_pass_takes_its_openings_settled_choice(monkeypatch):
             net(x)
         assert group.this_pass == ((1, 2), torch.float32, True, "few_rows")
         assert [n for n, _ in seen] == ["few_rows"] * 9 and len(looked_up) == 3  # one lookup a pass: its opening
-        monkeypatch.setenv(products.ENV, "stock")
+        set_choice(monkeypatch, "products", "stock")
         seen.clear()
         net(x)
         assert [n for n, _ in seen] == ["stock"] * 3 and group.this_pass[3] == "stock"
-        monkeypatch.setenv(products.ENV, "auto")
+        set_choice(monkeypatch, "products", "auto")
         seen.clear()
         net(torch.randn(1, 5, 16))  # another width met for the first time: stock, and its pass not settled
         assert [n for n, _ in seen] == ["stock"] * 3 and group.this_pass is None

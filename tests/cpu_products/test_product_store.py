@@ -1,6 +1,7 @@
-"""Where measured product choices are kept and for how long: DFLASHKIT_PRODUCTS_STORE picks the file, each choice is
-stamped with when it was measured and timed again past DFLASHKIT_PRODUCTS_MAX_AGE_DAYS (a machine drifts), an entry
-without a stamp or stamped in the future beyond the limit is timed again, a bad limit is refused by name."""
+"""Where measured product choices are kept and for how long: the user cache (DFLASHKIT_CACHE) holds the file unless
+DFLASHKIT_CHOICES says store=off, each choice is stamped with when it was measured and timed again past max_age_days
+(a machine drifts), an entry without a stamp or stamped in the future beyond the limit is timed again, a bad limit is
+refused by name."""
 
 import json
 import os
@@ -10,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from dflashkit.cpu_products import native_rows
-from dflashkit.cpu_products import store as product_store
-from dflashkit.cpu_products.products import CANDIDATES, Chooser
-from dflashkit.cpu_products.store import DAY, fresh, max_age_seconds, read_choices
-from dflashkit.errors import ConfigError
+from dflashkit.cpu_products import native_rows, products
+from dflashkit.cpu_products.choice import DAY, Store, fresh, max_age_seconds
+from dflashkit.cpu_products.products import CANDIDATES, Chooser, store_path, usable
+from dflashkit.errors import ConfigError, TargetError
+from helpers.choices import set_choice
 
 N = len(CANDIDATES)
 T0 = 1_800_000_000.0  # a wall-clock time (2027): the injected `now` of the choosers below
@@ -34,28 +35,27 @@ def _settle(c: Chooser, x, w) -> str:
     return c.choose(x, w, None)
 
 
-def test_where_choices_are_kept_follows_the_store_variable(monkeypatch, tmp_path):
-    """DFLASHKIT_PRODUCTS_STORE: "off" keeps choices in the process (the suite sets it, so processes it starts inherit
-    it); a directory holds the machine's file; a file there is refused by name; unset: the user cache."""
-    assert os.environ["DFLASHKIT_PRODUCTS_STORE"] == "off" and product_store.store_path() is None
-    child = "from dflashkit.cpu_products.store import store_path; print(store_path())"
+def test_where_choices_are_kept_follows_the_cache_and_store_off(monkeypatch, tmp_path):
+    """store=off in DFLASHKIT_CHOICES keeps choices in the process (the suite sets it, so processes it starts inherit
+    it); otherwise the machine's file is in <DFLASHKIT_CACHE>/products; a cache that is a file is refused by name."""
+    assert "store=off" in os.environ["DFLASHKIT_CHOICES"] and store_path() is None
+    child = "from dflashkit.cpu_products.products import store_path; print(store_path())"
     assert subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120).stdout == "None\n"
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
-    path = product_store.store_path()
-    assert path.parent == tmp_path / "choices" and path.suffix == ".json"
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "file"))
-    with pytest.raises(ConfigError, match=r"DFLASHKIT_PRODUCTS_STORE=.* is a file; expected 'off' or a directory"):
-        product_store.store_path()
-    monkeypatch.delenv("DFLASHKIT_PRODUCTS_STORE")
+    set_choice(monkeypatch, "store", None)
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
-    assert product_store.store_path().parent == tmp_path / "cache" / "products"
+    path = store_path()
+    assert path.parent == tmp_path / "cache" / "products" and path.suffix == ".json"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "file"))
+    with pytest.raises(TargetError, match=r"DFLASHKIT_CACHE=.* is a file; expected a directory"):
+        store_path()
 
 
 def test_a_changed_kernel_source_reads_another_file(monkeypatch, tmp_path):
     """Choices timed with one version of the compiled kernel are not those of the next (an upgrade re-times them)."""
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "choices"))
-    before = product_store.store_path()
+    set_choice(monkeypatch, "store", None)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
+    before = store_path()
     for i, original in enumerate(native_rows.SOURCES):  # the product's kernel, then the layer's
         source = tmp_path / original.name
         source.write_bytes(original.read_bytes() + b"// changed\n")
@@ -63,12 +63,12 @@ def test_a_changed_kernel_source_reads_another_file(monkeypatch, tmp_path):
         changed[i] = source
         with monkeypatch.context() as m:
             m.setattr(native_rows, "SOURCES", tuple(changed))
-            after = product_store.store_path()
+            after = store_path()
         assert after.parent == before.parent and after != before
 
 
 def test_a_stored_choice_is_used_for_a_week_then_timed_again(monkeypatch, tmp_path):
-    monkeypatch.delenv(product_store.MAX_AGE_ENV, raising=False)
+    set_choice(monkeypatch, "max_age_days", None)
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(200, 32, generator=g), torch.randn(2, 32, generator=g)
     store, key = tmp_path / "c.json", "2x32x200:float32"
@@ -90,10 +90,10 @@ def test_a_stored_choice_is_used_for_a_week_then_timed_again(monkeypatch, tmp_pa
     assert saved["choice"] == "stock" and saved["measured_at"] == int(later)
 
 
-def test_the_age_limit_follows_its_variable_and_refuses_a_bad_one(monkeypatch, tmp_path):
-    monkeypatch.delenv(product_store.MAX_AGE_ENV, raising=False)
+def test_the_age_limit_follows_its_entry_and_refuses_a_bad_one(monkeypatch, tmp_path):
+    set_choice(monkeypatch, "max_age_days", None)
     assert max_age_seconds() == 7 * DAY
-    monkeypatch.setenv(product_store.MAX_AGE_ENV, "0.5")
+    set_choice(monkeypatch, "max_age_days", "0.5")
     assert max_age_seconds() == 0.5 * DAY
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(200, 32, generator=g), torch.randn(2, 32, generator=g)
@@ -101,18 +101,18 @@ def test_the_age_limit_follows_its_variable_and_refuses_a_bad_one(monkeypatch, t
     _settle(Chooser(timer=_timer({"stock": 1.0, "few_rows": 0.5}, []), store=store, repeats=3, now=lambda: T0), x, w)
     day_later = Chooser(timer=_timer({"stock": 1.0, "few_rows": 0.5}, calls := []), store=store, now=lambda: T0 + DAY)
     assert day_later.choose(x, w, None) == "stock" and calls == []  # older than half a day: first sight again
-    monkeypatch.setenv(product_store.MAX_AGE_ENV, "0")
+    set_choice(monkeypatch, "max_age_days", "0")
     assert max_age_seconds() == 0.0
     for bad in ("a week", "-1", "nan", "inf"):
-        monkeypatch.setenv(product_store.MAX_AGE_ENV, bad)
-        with pytest.raises(ConfigError, match=rf"DFLASHKIT_PRODUCTS_MAX_AGE_DAYS='{bad}': expected a number of days"):
+        set_choice(monkeypatch, "max_age_days", bad)
+        with pytest.raises(ConfigError, match=rf"DFLASHKIT_CHOICES: max_age_days='{bad}': expected a number of days"):
             max_age_seconds()
-        with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS_MAX_AGE_DAYS"):
+        with pytest.raises(ConfigError, match="DFLASHKIT_CHOICES: max_age_days"):
             Chooser(store=store).choose(x, w, None)  # named when the store is read, not a traceback from inside
 
 
-def test_entries_without_a_time_from_the_future_or_damaged_are_timed_again(tmp_path):
-    names = lambda key: ["stock", "few_rows"]  # noqa: E731
+def test_entries_without_a_time_from_the_future_or_damaged_are_timed_again(monkeypatch, tmp_path):
+    monkeypatch.setattr(products, "_names", lambda key: ["stock", "few_rows"])
     good = {"choice": "few_rows", "stock_ms": 2.0, "few_rows_ms": 1.0, "measured_at": int(T0)}
     choices = {
         "1x8x8:float32": good,
@@ -130,32 +130,32 @@ def test_entries_without_a_time_from_the_future_or_damaged_are_timed_again(tmp_p
     }
     store = tmp_path / "c.json"
     store.write_text(json.dumps({"machine": {}, "choices": choices}))
-    got = read_choices(store, names, now=T0, max_age=7 * DAY)
+    got = Store(store).read(usable, now=T0)
     assert sorted(got) == ["11x8x8:float32:b", "1x8x8:float32", "5x8x8:float32"]
     assert fresh({"measured_at": T0 + DAY}, T0, 7 * DAY)  # a clock set back a little: still within the limit
     store.write_text('{"choices": [1, 2]}')
-    assert read_choices(store, names, now=T0, max_age=7 * DAY) == {}
+    assert Store(store).read(usable, now=T0) == {}
     store.write_text("{not json")
-    assert read_choices(store, names, now=T0, max_age=7 * DAY) == {}
-    assert read_choices(None, names, now=T0, max_age=7 * DAY) == {}
+    assert Store(store).read(usable, now=T0) == {}
+    assert Store(tmp_path / "none.json").read(usable, now=T0) == {}
 
 
 def test_info_says_where_choices_are_kept_and_how_old_they_are(monkeypatch, tmp_path):
     import time
 
-    from dflashkit.cpu_products import products
     from dflashkit.diagnose.info import _machine, _machine_lines
 
     monkeypatch.setattr(products, "_CHOOSERS", {})  # choosers read the store variable when made
     lines = "\n".join(_machine_lines(_machine()))
-    assert "choices kept      in this process only (DFLASHKIT_PRODUCTS_STORE=off" in lines  # as the suite runs
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
-    monkeypatch.setenv(product_store.MAX_AGE_ENV, "10")
+    assert "choices kept      in this process only (DFLASHKIT_CHOICES=store=off" in lines  # as the suite runs
+    set_choice(monkeypatch, "store", None)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    set_choice(monkeypatch, "max_age_days", "10")
     monkeypatch.setattr(products, "_CHOOSERS", {})
     entry = {"choice": "stock", **{f"{n}_ms": 1.0 for n in CANDIDATES}, "measured_at": int(time.time() - 2 * DAY)}
-    product_store.write_choices(product_store.store_path(), {"3x8x8:float32": entry})
+    Store(store_path()).write({"3x8x8:float32": entry})
     lines = "\n".join(_machine_lines(_machine()))
-    assert f"choices kept      {product_store.store_path()} (timed again after 10 days; the oldest 2 days old)" in lines
+    assert f"choices kept      {store_path()} (timed again after 10 days; the oldest 2 days old)" in lines
     assert "3 rows: stock 1" in lines
 
 

@@ -1,6 +1,6 @@
 """The products of a decoding step: every candidate equals F.linear within float32 rounding; the choice is made by
 measurement (injected timings here: the faster candidate wins only beyond the noise, stock otherwise), kept for the
-process and on disk, overridden by DFLASHKIT_PRODUCTS; fallbacks run F.linear exactly."""
+process and on disk, overridden by DFLASHKIT_CHOICES=products=…; fallbacks run F.linear exactly."""
 
 import json
 
@@ -13,6 +13,7 @@ from dflashkit.cpu_products import products
 from dflashkit.cpu_products import report as product_report
 from dflashkit.cpu_products.products import CANDIDATES, MAX_ROWS, Chooser, linear_product, route_linears
 from dflashkit.errors import ConfigError
+from helpers.choices import set_choice
 from helpers.product_fakes import fake_timer as _fake_timer
 from helpers.product_fakes import use_chooser as _use
 
@@ -66,16 +67,16 @@ def test_the_override_and_the_fallbacks(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(500, 32, generator=g)
     x = torch.randn(1, 4, 32, generator=g)
-    monkeypatch.setenv(products.ENV, "stock")
+    set_choice(monkeypatch, "products", "stock")
     assert torch.equal(linear_product(x, w), F.linear(x, w))
-    monkeypatch.setenv(products.ENV, "few_rows")
+    set_choice(monkeypatch, "products", "few_rows")
     assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x.reshape(4, 32), w, None).reshape(1, 4, 500))
-    monkeypatch.setenv(products.ENV, "fastest")
+    set_choice(monkeypatch, "products", "fastest")
     with pytest.raises(
-        ConfigError, match="DFLASHKIT_PRODUCTS='fastest': expected one of auto, stock, few_rows, onednn"
+        ConfigError, match="DFLASHKIT_CHOICES: products='fastest': expected one of auto, stock, few_rows, onednn"
     ):
         linear_product(x, w)
-    monkeypatch.setenv(products.ENV, "few_rows")
+    set_choice(monkeypatch, "products", "few_rows")
     long = torch.randn(MAX_ROWS + 1, 32, generator=g)  # a prefill: stock
     assert torch.equal(linear_product(long, w), F.linear(long, w))
     with products.stock_products():
@@ -151,7 +152,7 @@ def test_a_pass_without_a_cache_is_never_measured(tiny_llama_dir, monkeypatch, t
 
 def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
     """A decoding step's ~200 products skip the chooser once a shape's choice is settled (measured or forced);
-    unsettled calls (first sight, fallbacks) ask again, and a changed DFLASHKIT_PRODUCTS takes effect at once."""
+    unsettled calls (first sight, fallbacks) ask again, and a changed DFLASHKIT_CHOICES takes effect at once."""
     g = torch.Generator().manual_seed(6)
     w, x = torch.randn(40, 8, generator=g), torch.randn(2, 8, generator=g)
     fake = Chooser(timer=_fake_timer({"stock": 1.0, "few_rows": 0.2}, []), store=None, repeats=3)
@@ -165,9 +166,9 @@ def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
         for _ in range(3):
             assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
         assert asked == ["choose", "choose"]
-        monkeypatch.setenv(products.ENV, "stock")
+        set_choice(monkeypatch, "products", "stock")
         assert torch.equal(linear_product(x, w), F.linear(x, w))
-        monkeypatch.setenv(products.ENV, "auto")
+        set_choice(monkeypatch, "products", "auto")
         assert torch.equal(linear_product(x, w), CANDIDATES["few_rows"](x, w, None))
     assert asked == ["choose", "choose"]
 
@@ -222,16 +223,14 @@ def test_a_store_measured_before_a_candidate_joined_is_measured_again(tmp_path):
 
 @pytest.mark.skipif("onednn" not in CANDIDATES, reason="this torch build has no oneDNN")
 def test_the_onednn_override_runs_onednn():
-    import os
-
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(300, 32, generator=g), torch.randn(1, 3, 32, generator=g)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        mp.setenv(products.ENV, "onednn")
+        set_choice(mp, "products", "onednn")
         got = linear_product(x, w)
         assert torch.equal(got, CANDIDATES["onednn"](x.reshape(3, 32), w, None).reshape(1, 3, 300))
         assert ((got - F.linear(x, w)).abs() <= _bound(x, w)).all()
         mp.delitem(CANDIDATES, "onednn")  # a build without oneDNN: forcing it is refused by name
-        with pytest.raises(ConfigError, match="DFLASHKIT_PRODUCTS=onednn: this torch build has no oneDNN"):
+        with pytest.raises(ConfigError, match="DFLASHKIT_CHOICES: products=onednn: this torch build has no oneDNN"):
             products.mode()
-    assert os.environ.get(products.ENV) != "onednn"
+    assert products.PRODUCTS.override() != "onednn"

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit.cpu_products import products
-from dflashkit.cpu_products import store as product_store
 from dflashkit.cpu_products.products import CANDIDATES, FUSED, Chooser, route_linears
 from dflashkit.cpu_products.siblings import FusedSet, sibling_product
+from helpers.choices import set_choice
 
 pytestmark = pytest.mark.skipif("onednn" not in CANDIDATES, reason="this torch build has no oneDNN")
 
@@ -50,7 +50,7 @@ def _fused_layers(n=2, **kw):
 
 
 def test_siblings_are_found_by_watching_a_pass_and_fused_without_a_copy(monkeypatch):
-    monkeypatch.setenv(products.ENV, FUSED)
+    set_choice(monkeypatch, "products", FUSED)
     net = _fused_layers()
     before = {n: p.clone() for n, p in net.named_parameters()}
     x = torch.randn(3, 32)
@@ -110,7 +110,7 @@ def test_a_slice_is_never_stale_nor_shared():
 
 
 def test_what_is_never_fused(monkeypatch):
-    monkeypatch.setenv(products.ENV, FUSED)
+    set_choice(monkeypatch, "products", FUSED)
     trained = nn.Sequential(Layer())  # weights that require grad (a drafter in training): never views
     route_linears(trained, fuse=True)
     drafter = nn.Sequential(Layer()).requires_grad_(False)
@@ -146,7 +146,7 @@ def test_a_fusing_group_times_the_fused_product_in_its_steps(monkeypatch, tmp_pa
 
     fake = Chooser(timer=lambda n, fn: fn() or 1.0, store=tmp_path / "c.json", repeats=3, clock=lambda: now[0])
     monkeypatch.setattr(products, "chooser", lambda: fake)
-    monkeypatch.setenv(products.ENV, "auto")
+    set_choice(monkeypatch, "products", "auto")
     x = torch.randn(2, 32)
     ref = _reference(net[0], x)
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
@@ -186,8 +186,8 @@ def test_a_target_decodes_the_same_with_its_products_fused(tiny_llama_dir, monke
     fused products equals HF `generate` with stock products token for token."""
     from dflashkit.target.model import Target
 
-    monkeypatch.setenv(products.ENV, FUSED)
-    monkeypatch.setenv(product_store.STORE_ENV, "off")
+    set_choice(monkeypatch, "products", FUSED)
+    set_choice(monkeypatch, "store", "off")
     target = Target.load(tiny_llama_dir)
     ids = torch.randint(3, target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -11,7 +11,8 @@ import pytest
 from dflashkit.cpu_products.compile_choice import COMPILED, EAGER_STEPS, ROUNDS, WARM_STEPS
 from dflashkit.data.conversations import Conversation
 from dflashkit.data.regenerate import RegenSettings, read_regenerated, regenerate
-from dflashkit.data.regenerate_compile import ENV_VAR, REGENERATE_COMPILE, compile_key
+from dflashkit.data.regenerate_compile import REGENERATE_COMPILE, compile_key
+from helpers.choices import set_choice
 from helpers.fake_compile import fake_layer_compile
 
 BATCHES = WARM_STEPS + EAGER_STEPS + 2 + 2 * ROUNDS + 2
@@ -33,7 +34,7 @@ def _lines(path: Path) -> list[dict]:
 def fake_compile(tiny, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """(calls, set_fail): torch.compile replaced by a counting (or failing) stand-in; the store in tmp_path."""
     with fake_layer_compile(
-        tiny, monkeypatch, tmp_path / "store", ENV_VAR, "Unsupported: data-dependent branch\ndetail"
+        tiny, monkeypatch, tmp_path / "store", "regenerate_compile", "Unsupported: data-dependent branch\ndetail"
     ) as faked:
         yield faked
 
@@ -45,7 +46,7 @@ def test_a_measured_trial_writes_the_same_lines_and_stores_its_verdict(
     convs = _convs(BATCHES)
     regenerate(tiny, convs, tmp_path / "eager.jsonl", progress=False, settings=RegenSettings(**SETTINGS, compile="off"))
     assert calls == []
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "regenerate_compile", "measure")
     regenerate(tiny, convs, tmp_path / "trial.jsonl", progress=False, settings=RegenSettings(**SETTINGS))
     assert _lines(tmp_path / "trial.jsonl") == _lines(tmp_path / "eager.jsonl")
     entry = REGENERATE_COMPILE.stored_choices()[compile_key(tiny, 1)]
@@ -62,10 +63,10 @@ def test_a_failing_compile_reruns_the_batch_eagerly_and_is_recorded(
     convs = _convs(WARM_STEPS + EAGER_STEPS + 2)
     regenerate(tiny, convs, tmp_path / "eager.jsonl", progress=False, settings=RegenSettings(**SETTINGS, compile="off"))
     set_fail(True)
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "regenerate_compile", "measure")
     regenerate(tiny, convs, tmp_path / "failed.jsonl", progress=False, settings=RegenSettings(**SETTINGS))
     assert _lines(tmp_path / "failed.jsonl") == _lines(tmp_path / "eager.jsonl") and len(calls) == 1
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "regenerate_compile", None)
     entry = REGENERATE_COMPILE.stored_choices()[compile_key(tiny, 1)]
     assert entry["unusable"] == "RuntimeError: Unsupported: data-dependent branch"
 
@@ -83,14 +84,15 @@ def test_really_compiled_regeneration_writes_the_eager_lines(
     """torch.compile itself: whether inductor compiles the decoding layers (here its lowering of a stacked product
     with dynamic shapes can fail) or not, the greedy lines are the eager ones and the verdict is stored."""
     tiny.__dict__.pop("_compiled_layer_forwards", None)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "store"))
+    set_choice(monkeypatch, "store", None)
     convs = _convs(WARM_STEPS + EAGER_STEPS + 2 + 2 * ROUNDS)
     regenerate(tiny, convs, tmp_path / "eager.jsonl", progress=False, settings=RegenSettings(**SETTINGS, compile="off"))
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "regenerate_compile", "measure")
     regenerate(tiny, convs, tmp_path / "real.jsonl", progress=False, settings=RegenSettings(**SETTINGS))
     tiny.__dict__.pop("_compiled_layer_forwards", None)
     assert _lines(tmp_path / "real.jsonl") == _lines(tmp_path / "eager.jsonl")
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "regenerate_compile", None)
     assert compile_key(tiny, 1) in REGENERATE_COMPILE.stored_choices()
 
 

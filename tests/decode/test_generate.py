@@ -13,6 +13,7 @@ from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.sampling import SamplingParams, probs
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 from helpers.oracles import reference_greedy
 
 
@@ -346,7 +347,7 @@ def test_the_prompts_width_is_never_measured(tiny_llama_dir, monkeypatch):
     real_one = chooser.measure
     monkeypatch.setattr(chooser, "measure", lambda x, w, b: measured.append(x.shape[0]) or real_one(x, w, b))
     monkeypatch.setattr(products, "chooser", lambda: chooser)
-    monkeypatch.setenv(products.ENV, "auto")
+    set_choice(monkeypatch, "products", "auto")
     target = Target.load(tiny_llama_dir)
     torch.manual_seed(0)
     drafter = DFlashDrafter(drafter_config()).eval()

@@ -24,6 +24,7 @@ from dflashkit.evaluate.simulate import simulate
 from dflashkit.evaluate.stats import Method, parse_method, parse_methods
 from dflashkit.evaluate.transcripts import build_transcripts, transcript_of
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 from helpers.oracles import drafter_config, make_prompts, oracle_for
 
 
@@ -107,7 +108,7 @@ def test_transcript_of_equals_the_cached_transcript(llama, tmp_path):
 
 
 def test_choose_tree_budget_measures_every_candidate(llama, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     prompts = make_prompts(3, seed=11)
     drafter = oracle_for(llama, prompts, 24, p_correct=0.8, seed=4)
     choice = choose_tree_budget(llama, drafter, prompts, max_new_tokens=24, budgets=[4, 1, 2], repeats=1)
@@ -130,7 +131,7 @@ def test_choose_tree_budget_measures_every_candidate(llama, monkeypatch):
 
 
 def test_evaluate_with_ddtree_auto(llama, tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     prompts = make_prompts(3, seed=7)
     n_new = 16
     drafter = oracle_for(llama, prompts, n_new, p_correct=0.8, seed=2)
@@ -195,7 +196,7 @@ def test_cli_eval_ddtree_auto(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     from dflashkit.drafter.checkpoint import save_drafter
     from dflashkit.drafter.model import DFlashDrafter
 
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     torch.manual_seed(0)
     a = save_drafter(DFlashDrafter(drafter_config([2, 7], bs=3)), tmp_path / "a")
     data, calib = tmp_path / "prompts.jsonl", tmp_path / "calib.jsonl"
@@ -223,7 +224,7 @@ def test_a_resumed_run_reruns_the_prompts_of_another_budget(llama, tmp_path, mon
     """budget_choice.json damaged between two runs → the budget is measured again; where it comes out different,
     the prompts evaluated with the old one run again (no statistic mixes two budgets); where it is the same, or the
     choice was kept, nothing runs again — records written before runs kept their budget included."""
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     prompts = make_prompts(3, seed=7)
     drafter = oracle_for(llama, prompts, 12, p_correct=0.8, seed=2)
     row = {"tau": 1.5, "round_ms": 10.0, "tokens_per_s": 150.0}

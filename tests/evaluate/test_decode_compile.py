@@ -13,12 +13,13 @@ import torch
 
 import dflashkit.evaluate.evaluate as ev
 from dflashkit.cpu_products.compile_choice import COMPILED, ROUNDS
-from dflashkit.evaluate.decode_compile import DECODE_COMPILE, ENV_VAR, compile_key
+from dflashkit.evaluate.decode_compile import DECODE_COMPILE, compile_key
 from dflashkit.evaluate.evaluate import EvalSettings, evaluate
 from dflashkit.evaluate.report import render
 from dflashkit.evaluate.stats import verify_width
 from dflashkit.target.compiled_layers import GRAPHS_PER_LAYER, compiled_layers
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 from helpers.fake_compile import fake_layer_compile
 from helpers.oracles import make_prompts, oracle_for
 
@@ -49,8 +50,10 @@ def key(llama, setup) -> str:
 def fake_compile(llama, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """(calls, set_fail): torch.compile replaced by a counting (or failing) stand-in; the store in tmp_path; products
     not measured (their settling runs are not what these tests look at)."""
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
-    with fake_layer_compile(llama, monkeypatch, tmp_path / "store", ENV_VAR, "InductorError: lowering failed") as f:
+    set_choice(monkeypatch, "products", "stock")
+    with fake_layer_compile(
+        llama, monkeypatch, tmp_path / "store", "decode_compile", "InductorError: lowering failed"
+    ) as f:
         yield f
 
 
@@ -92,7 +95,7 @@ def test_a_measured_trial_decodes_as_eager_and_stores_its_verdict(
     calls, _ = fake_compile
     eager = _evaluate(llama, setup, tmp_path / "eager", compile="off")
     assert calls == [] and eager["decode_compile"]["choice"] == "eager"
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "decode_compile", "measure")
     seen = _compiled_probe(llama, monkeypatch)
     doc = _evaluate(llama, setup, tmp_path / "measured")
     assert _decoded(tmp_path / "measured") == _decoded(tmp_path / "eager")
@@ -114,13 +117,13 @@ def test_a_failing_compile_reruns_eagerly_and_is_recorded(
     calls, set_fail = fake_compile
     _evaluate(llama, setup, tmp_path / "eager", compile="off")
     set_fail(True)
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "decode_compile", "measure")
     doc = _evaluate(llama, setup, tmp_path / "failed")
     assert _decoded(tmp_path / "failed") == _decoded(tmp_path / "eager") and len(calls) == 1
     assert doc["decode_compile"]["choice"] == "eager" and "failed" in doc["decode_compile"]["why"]
     report = render(tmp_path / "failed" / "results.json")
     assert "- torch.compile of the target's layers while decoding: eager: the compiled step failed (Runtime" in report
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "decode_compile", None)
     entry = DECODE_COMPILE.stored_choices()[key]
     assert entry["unusable"] == "RuntimeError: InductorError: lowering failed"
 
@@ -156,10 +159,10 @@ def test_without_a_warm_up_auto_stays_eager_and_on_compiles(
     llama, setup, tmp_path: Path, fake_compile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls, _ = fake_compile
-    monkeypatch.setenv(ENV_VAR, "measure")  # even a trial asked for has nowhere to run
+    set_choice(monkeypatch, "decode_compile", "measure")  # even a trial asked for has nowhere to run
     doc = _evaluate(llama, setup, tmp_path / "a", warmup=False)
     assert doc["decode_compile"]["choice"] == "eager" and "--no-warmup" in doc["decode_compile"]["why"] and not calls
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "decode_compile", None)
     seen = _compiled_probe(llama, monkeypatch)
     doc = _evaluate(llama, setup, tmp_path / "b", warmup=False, compile="on")
     assert doc["decode_compile"] == {"choice": COMPILED, "why": "compile: on → compiled", "prompts_compiled": 2}
@@ -223,16 +226,17 @@ def test_really_compiled_decoding_decodes_as_eager(
     """torch.compile itself (inductor), every timed run through it: the decoded tokens are the eager ones; then a
     measured trial stores its verdict."""
     llama.__dict__.pop("_compiled_layer_forwards", None)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "store"))
+    set_choice(monkeypatch, "store", None)
     _evaluate(llama, setup, tmp_path / "eager", compile="off")
     doc = _evaluate(llama, setup, tmp_path / "real", compile="on")
     assert doc["decode_compile"] == {"choice": COMPILED, "why": "compile: on → compiled", "prompts_compiled": 2}
     assert _decoded(tmp_path / "real") == _decoded(tmp_path / "eager")
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "decode_compile", "measure")
     doc = _evaluate(llama, setup, tmp_path / "measured")
     llama.__dict__.pop("_compiled_layer_forwards", None)
     assert _decoded(tmp_path / "measured") == _decoded(tmp_path / "eager")
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "decode_compile", None)
     assert "unusable" not in DECODE_COMPILE.stored_choices()[key]
 
 
@@ -242,9 +246,12 @@ def test_info_lists_the_decode_compile_choices(tmp_path: Path, monkeypatch: pyte
     def lines() -> list[str]:
         return _compile_lines(_measured_compile("decode", DECODE_COMPILE), "decode")
 
-    assert lines() == ["  decode compile    off (DFLASHKIT_DECODE_COMPILE) under compile auto"]  # as the suite runs
-    monkeypatch.delenv(ENV_VAR)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
+    assert lines() == [
+        "  decode compile    decode_compile=off (DFLASHKIT_CHOICES) under compile auto"
+    ]  # as the suite runs
+    set_choice(monkeypatch, "decode_compile", None)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    set_choice(monkeypatch, "store", None)
     assert lines() == ["  decode compile    compile auto: timed in a long evaluation's warm-up (none stored yet)"]
     entry = {"choice": "eager", "eager_ms": 2791.0, "compiled_ms": 2801.0, "compile_s": 81.0}
     DECODE_COMPILE.record(DECODE_COMPILE.store_path(), "k", entry)

@@ -20,6 +20,7 @@ from dflashkit.evaluate.stats import acceptance_stats, load_prompts, parse_metho
 from dflashkit.evaluate.triage import first_divergence, logit_margin, triage_divergence
 from dflashkit.sampling import SamplingParams
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 from helpers.oracles import drafter_config, make_prompts, oracle_for
 
 REQUIRED = (
@@ -59,7 +60,7 @@ def test_evaluate_results_and_resume(llama, tmp_path, monkeypatch):
     calls = []
     real_generate = ev.generate
     monkeypatch.setattr(ev, "generate", lambda *a, **k: calls.append(k["settings"].method) or real_generate(*a, **k))
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")  # no products timed: the warm-up is one short run per method
+    set_choice(monkeypatch, "products", "stock")  # no products timed: the warm-up is one short run per method
     doc = evaluate(
         llama,
         drafters,
@@ -148,7 +149,7 @@ def test_warm_up_settles_the_measured_products(tiny_llama_dir, tmp_path, monkeyp
     ticks = count()
     chooser = products.Chooser(store=None, repeats=2, clock=lambda: float(next(ticks)))
     monkeypatch.setattr(products, "chooser", lambda: chooser)
-    monkeypatch.setenv(products.ENV, "auto")
+    set_choice(monkeypatch, "products", "auto")
     monkeypatch.setattr(warm_up, "SETTLE_RUNS", settle_runs)
     target = Target.load(tiny_llama_dir)  # its own routed linears: pass groups of this test's chooser only
     group = target.layers[0].mlp.up_proj._pass_group

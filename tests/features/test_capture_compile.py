@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from dflashkit.cpu_products.compile_choice import COMPILED, EAGER_STEPS, ROUNDS, WARM_STEPS
-from dflashkit.features.capture_compile import CAPTURE_COMPILE, ENV_VAR, compile_key
+from dflashkit.features.capture_compile import CAPTURE_COMPILE, compile_key
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.target.compiled_layers import compiled_layers
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 from helpers.fake_compile import fake_layer_compile
 from tests.features.test_capture import LAYERS, make_samples, quiet
 
@@ -30,7 +31,7 @@ def llama(tiny_target_dirs) -> Target:
 def fake_compile(llama: Target, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """(calls, set_fail): torch.compile replaced by a counting (or failing) stand-in; the store in tmp_path."""
     with fake_layer_compile(
-        llama, monkeypatch, tmp_path / "store", ENV_VAR, "BackendCompilerFailed: inductor\ndetail"
+        llama, monkeypatch, tmp_path / "store", "capture_compile", "BackendCompilerFailed: inductor\ndetail"
     ) as faked:
         yield faked
 
@@ -47,7 +48,7 @@ def test_a_measured_trial_captures_the_same_files_and_stores_its_verdict(
     samples = make_samples([20 + i for i in range(TRIAL_BATCHES + 3)])
     quiet(llama, samples, tmp_path / "eager", compile="off", precision="fp32")
     assert calls == []
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "capture_compile", "measure")
     logged: list[str] = []
     from dflashkit.features.capture import CaptureSettings, capture
 
@@ -67,11 +68,11 @@ def test_a_failing_compile_reruns_the_batch_eagerly_and_is_recorded(
     samples = make_samples([20 + i for i in range(WARM_STEPS + EAGER_STEPS + 3)])
     quiet(llama, samples, tmp_path / "eager", compile="off", precision="fp32")
     set_fail(True)
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "capture_compile", "measure")
     quiet(llama, samples, tmp_path / "failed", precision="fp32")
     _same_files(tmp_path / "eager", tmp_path / "failed", llama)
     assert len(calls) == 1  # the first compiled layer raised; nothing compiled after
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "capture_compile", None)
     entry = CAPTURE_COMPILE.stored_choices()[compile_key(llama, "fp32")]
     assert entry["unusable"] == "RuntimeError: BackendCompilerFailed: inductor"
     quiet(llama, samples, tmp_path / "later", precision="fp32")  # a later capture stays eager: nothing compiled

@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflashkit.cpu_products.precision_store import MARGIN
+from dflashkit.cpu_products.choice import BF16_GATE as MARGIN
+from dflashkit.cpu_products.choice import PRECISIONS
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.features import capture_precision as cp
 from dflashkit.features.captured import CapturedFeatures
 from dflashkit.features.manifest import MANIFEST_NAME, Manifest
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 from tests.features.test_capture import LAYERS, make_samples, quiet
-
-ENV = cp.CAPTURE.env_var
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_timed_length_is_the_median_rounded_up_to_a_power_of_two_within_bounds()
 def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_kept(
     llama: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))  # the store is on (the suite turns it off) …
+    set_choice(monkeypatch, "capture_precision", None)
+    set_choice(monkeypatch, "store", None)  # the store is on (the suite turns it off) …
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))  # … in this test's own cache
     samples, calls = make_samples([100, 120, 90]), []
     close = _timer(0.010, 0.010 / (MARGIN - 0.05), calls)  # bf16 faster, but by less than the margin
@@ -61,7 +61,7 @@ def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_kept(
     longer = make_samples([600, 700, 650])  # another length: timed on its own
     choice, ms = cp.capture_precision(llama, _lengths(longer), timer=_timer(0.030, 0.010, calls))
     assert (choice, ms) == ("bf16", {"fp32": 30.0, "bf16": 10.0})
-    stored = cp.CAPTURE.stored_choices()
+    stored = cp.CAPTURE.store().read(cp.CAPTURE.usable_entry(PRECISIONS))
     assert stored[cp.choice_key(llama, 128)]["choice"] == "fp32"
     assert stored[cp.choice_key(llama, 1024)]["choice"] == "bf16"
 
@@ -69,18 +69,18 @@ def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_kept(
         raise AssertionError("a stored choice is not timed again")
 
     assert cp.capture_precision(llama, _lengths(longer), timer=never) == ("bf16", {})
-    monkeypatch.setenv(ENV, "fp32")  # the environment replaces the measurement
+    set_choice(monkeypatch, "capture_precision", "fp32")  # the environment replaces the measurement
     assert cp.capture_precision(llama, _lengths(longer), timer=never) == ("fp32", {})
-    monkeypatch.setenv(ENV, "half")
-    with pytest.raises(ConfigError, match=f"{ENV}='half': expected one of fp32, bf16"):
+    set_choice(monkeypatch, "capture_precision", "half")
+    with pytest.raises(ConfigError, match="DFLASHKIT_CHOICES: capture_precision='half': expected one of fp32, bf16"):
         cp.capture_precision(llama, _lengths(longer), timer=never)
 
 
 def test_info_lists_the_capture_choices(llama: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dflashkit.diagnose.info import _machine_lines, _measured_precision
 
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
+    set_choice(monkeypatch, "capture_precision", None)
+    set_choice(monkeypatch, "store", None)
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
     cp.capture_precision(llama, [300], timer=_timer(0.9, 0.3, []))
 
@@ -96,8 +96,8 @@ def test_info_lists_the_capture_choices(llama: Target, tmp_path: Path, monkeypat
         "  capture (CPU)     precision auto, timed per target and sequence length:",
         f"    {cp.choice_key(llama, 512)}: bf16 (fp32 900 ms, bf16 300 ms a forward)",
     ]
-    monkeypatch.setenv(ENV, "fp32")
-    assert lines() == ["  capture (CPU)     fp32 (DFLASHKIT_CAPTURE_PRECISION) for every run"]
+    set_choice(monkeypatch, "capture_precision", "fp32")
+    assert lines() == ["  capture (CPU)     capture_precision=fp32 (DFLASHKIT_CHOICES) for every run"]
 
 
 def test_explicit_precisions_a_target_in_its_own_dtype_and_a_gpu(
@@ -121,7 +121,7 @@ def test_explicit_precisions_a_target_in_its_own_dtype_and_a_gpu(
         cp.capture_precision(half, [10], "fp32")
     gpu = SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"))  # a float32 target on a GPU: bf16, untimed
     assert cp.capture_precision(gpu, [10], "auto", timer=never) == ("fp32", {})  # the suite's environment says fp32
-    monkeypatch.delenv(ENV)
+    set_choice(monkeypatch, "capture_precision", None)
     assert cp.capture_precision(gpu, [10], "auto", timer=never) == ("bf16", {})
 
 
@@ -151,7 +151,7 @@ def test_the_manifest_records_the_precision_and_a_resume_keeps_it(
     llama: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     samples = make_samples([9, 12, 7])
-    monkeypatch.setenv(ENV, "bf16")
+    set_choice(monkeypatch, "capture_precision", "bf16")
     whole = quiet(llama, samples, tmp_path / "whole", dtype="fp32", shard_max_tokens=10)
     part = quiet(llama, samples, tmp_path / "part", dtype="fp32", shard_max_tokens=10)
     assert whole.precision == part.precision == "bf16" and len(part.shards) == 3
@@ -159,7 +159,8 @@ def test_the_manifest_records_the_precision_and_a_resume_keeps_it(
     manifest.shards[-1]["done"] = False  # as if killed before the last shard
     manifest.save(tmp_path / "part")
     (tmp_path / "part" / manifest.shards[-1]["file"]).unlink()
-    monkeypatch.setenv(ENV, "fp32")  # this machine would now choose fp32: the capture still finishes in bf16
+    # this machine would now choose fp32: the capture still finishes in bf16
+    set_choice(monkeypatch, "capture_precision", "fp32")
     assert quiet(llama, samples, tmp_path / "part", dtype="fp32", shard_max_tokens=10).precision == "bf16"
     last = manifest.shards[-1]["file"]
     assert (tmp_path / "part" / last).read_bytes() == (tmp_path / "whole" / last).read_bytes()
@@ -181,7 +182,8 @@ def test_a_capture_older_than_the_field_resumes_as_the_target_is_loaded(
     assert Manifest.load(tmp_path).precision is None
     with pytest.raises(DataError, match="already holds a capture with precision 'fp32' but this run has 'bf16'"):
         quiet(llama, samples, tmp_path, dtype="fp32", shard_max_tokens=10, precision="bf16")
-    monkeypatch.setenv(ENV, "bf16")  # this machine would choose bf16 now: the capture still finishes as it began
+    # this machine would choose bf16 now: the capture still finishes as it began
+    set_choice(monkeypatch, "capture_precision", "bf16")
     assert quiet(llama, samples, tmp_path, dtype="fp32", shard_max_tokens=10).precision == "fp32"
     raw = json.loads((tmp_path / MANIFEST_NAME).read_text())
     assert raw["precision"] == "fp32" and all(sh["done"] for sh in raw["shards"])

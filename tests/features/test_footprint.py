@@ -30,6 +30,7 @@ from dflashkit.features.manifest import Manifest, bytes_per_token
 from dflashkit.target import logsumexp
 from dflashkit.target.model import Target
 from dflashkit.target.shape import read_target_shape
+from helpers.choices import set_choice
 from tests.helpers.peak_memory import AllocationTrace, own_parameters
 
 TOLERANCE = 0.15  # the estimated peak within 15 % of the measured one
@@ -71,7 +72,7 @@ LENGTHS = [7, 12, 5, 130, 9, 44, 3, 300, 17, 8, 11, 6, 25]  # 13 samples: indice
 )
 def test_disk_is_what_capture_writes(target, tmp_path, kw, monkeypatch):
     # stock products: the log-sum-exp's few-row products would otherwise be timed for each short length (seconds)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     settings = CaptureSettings(layer_ids=(1, 4, 6), **kw)
     capture(target, make_samples(LENGTHS, 97), tmp_path, settings=settings, progress=False, log=None)
     per = settings_token_bytes(settings, hidden_size=64)

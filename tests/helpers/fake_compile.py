@@ -1,5 +1,6 @@
 """torch.compile replaced by a stand-in for the compile-choice tests: the compiled target layers' calls counted, and
-failing on demand with `error`'s text; the choices' store in a test directory; the target's compiled forwards made
+failing on demand with `error`'s text; the choices' store in a test directory (the cache, store on, the kind's override
+removed); the target's compiled forwards made
 anew before and after (they are kept per target)."""
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.choices import set_choice
+
 
 @contextmanager
 def fake_layer_compile(
-    target: Any, monkeypatch: pytest.MonkeyPatch, store: Path, env_var: str, error: str
+    target: Any, monkeypatch: pytest.MonkeyPatch, store: Path, name: str, error: str
 ) -> Iterator[tuple[list[int], Any]]:
     """Yields (calls, set_fail): one entry in `calls` per compiled layer call; `set_fail(True)` makes them raise."""
     _forget_compiled(target)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(store))
-    monkeypatch.delenv(env_var, raising=False)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(store))
+    set_choice(monkeypatch, "store", None)
+    set_choice(monkeypatch, name, None)
     calls: list[int] = []
     state = {"fail": False}
 

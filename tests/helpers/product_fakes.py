@@ -5,12 +5,13 @@ import torch.nn.functional as F
 
 from dflashkit.cpu_products import products
 from dflashkit.cpu_products.products import CANDIDATES, Chooser
+from helpers.choices import set_choice
 
 
 def use_chooser(monkeypatch, chooser: Chooser) -> Chooser:
     """Make `chooser` the process's product chooser, in auto mode, for this test."""
     monkeypatch.setattr(products, "chooser", lambda: chooser)
-    monkeypatch.setenv(products.ENV, "auto")
+    set_choice(monkeypatch, "products", "auto")
     return chooser
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dflashkit.cpu_products.products import stock_products
 from dflashkit.target import attention
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def gqa_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")  # the same linears in both runs
+    set_choice(monkeypatch, "products", "stock")  # the same linears in both runs
     return calls
 
 

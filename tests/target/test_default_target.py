@@ -51,7 +51,7 @@ def test_info_command_runs(capsys):
     from dflashkit.cpu_products.products import CANDIDATES
 
     assert f"timed candidates  {', '.join(CANDIDATES)}" in out and "BLAS" in out  # what the products choose from
-    assert "choices kept      in this process only" in out  # the suite keeps no store (DFLASHKIT_PRODUCTS_STORE=off)
+    assert "choices kept      in this process only" in out  # the suite keeps no store (DFLASHKIT_CHOICES=store=off)
     if "onednn" in CANDIDATES:
         assert "onednn_fused (the target's layers)" in out
     if "mkl_packed" in CANDIDATES:  # the memory its copies may take

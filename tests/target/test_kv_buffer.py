@@ -15,6 +15,7 @@ from dflashkit.target import cache as tc
 from dflashkit.target import kv_buffer
 from dflashkit.target.kv_buffer import GrowingLayer, growing_cache
 from dflashkit.target.model import Target
+from helpers.choices import set_choice
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -64,7 +65,7 @@ def test_logits_bit_identical_to_dynamic_cache(tiny_target_dirs, kind, room, mon
     monkeypatch.setattr(kv_buffer, "MIN_ROOM", room)
     # the same products in both runs: under the measured choice a width's trial may switch candidates (another
     # summation order) between the two, after earlier tests in the process met the same widths
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS", "stock")
+    set_choice(monkeypatch, "products", "stock")
     target = Target.load(tiny_target_dirs[kind])
     plain = DynamicCache(config=target.model.config)
     growing = target.new_cache()

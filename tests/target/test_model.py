@@ -8,6 +8,7 @@ import torch
 from dflashkit.cpu_products import stock_products
 from dflashkit.errors import TargetError
 from dflashkit.target.model import Target, find_text_model
+from helpers.choices import set_choice
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
@@ -37,9 +38,9 @@ def test_features_equal_output_hidden_states(tiny_target_dirs, kind):
 
 @pytest.mark.parametrize("way", ["few_rows", "onednn"])
 def test_forced_products_hold_in_passes_without_a_cache(tiny_target_dirs, monkeypatch, way):
-    """DFLASHKIT_PRODUCTS=<way> forces every routed product, a pass without a cache (capture, checks) included: its
-    features are exactly the model's own hidden states under the same forced way (under auto such a pass takes stock
-    products, so a short sample is never timed as a decoding width)."""
+    """products=<way> in DFLASHKIT_CHOICES forces every routed product, a pass without a cache (capture, checks)
+    included: its features are exactly the model's own hidden states under the same forced way (under auto such a
+    pass takes stock products, so a short sample is never timed as a decoding width)."""
     from dflashkit.cpu_products import products
 
     if way not in products.CANDIDATES:
@@ -52,7 +53,7 @@ def test_forced_products_hold_in_passes_without_a_cache(tiny_target_dirs, monkey
         return inner(x, w, b)
 
     monkeypatch.setitem(products.CANDIDATES, way, counted)
-    monkeypatch.setenv(products.ENV, way)
+    set_choice(monkeypatch, "products", way)
     target = Target.load(tiny_target_dirs["llama"])
     ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     ref = target.model(input_ids=ids, output_hidden_states=True)

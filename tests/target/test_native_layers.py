@@ -15,6 +15,7 @@ from dflashkit.target.cache import crop
 from dflashkit.target.kv_buffer import growing_cache
 from dflashkit.target.model import Target
 from dflashkit.target.native_layers import LayerPlan
+from helpers.choices import set_choice
 from helpers.oracles import PositionalOracle, drafter_config, reference_greedy
 
 pytestmark = pytest.mark.skipif(not native_rows.enabled(), reason="no C++ compiler here")
@@ -62,7 +63,7 @@ def _tree_mask(parents: list[int], held: int) -> torch.Tensor:
 
 
 def _pass(target: Target, way: str, n: int, mask, monkeypatch, layer_ids=(0, 2)):
-    """Prefill CONTEXT tokens, then one pass of n tokens under DFLASHKIT_PRODUCTS=way: (logits, features, the
+    """Prefill CONTEXT tokens, then one pass of n tokens under products=way: (logits, features, the
     new keys and values of layer 1)."""
     g = torch.Generator().manual_seed(7)
     ctx = torch.randint(3, 97, (1, CONTEXT), generator=g)
@@ -77,7 +78,7 @@ def _pass(target: Target, way: str, n: int, mask, monkeypatch, layer_ids=(0, 2))
             depths[i] = 0 if p < 0 else depths[p] + 1
         mask = mask.to(target.dtype)
     pos = (CONTEXT + torch.tensor(depths if mask is not None else list(range(n))))[None]
-    monkeypatch.setenv(products.ENV, way)
+    set_choice(monkeypatch, "products", way)
     out = target.forward(new, cache=cache, use_cache=True, position_ids=pos, attention_mask=mask, layer_ids=layer_ids)
     layer = cache.layers[1]
     return out.logits, out.features, layer.keys[..., CONTEXT:, :].clone(), layer.values[..., CONTEXT:, :].clone()
@@ -120,7 +121,7 @@ def test_compiled_layers_run_only_when_chosen_and_taken(monkeypatch):
     cache = target.new_cache()
     with products.stock_products():
         target.forward(torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
-    monkeypatch.setenv(products.ENV, products.LAYERS)
+    set_choice(monkeypatch, "products", products.LAYERS)
     target.forward(torch.tensor([[5, 6], [7, 8]]), cache=growing_cache(target.model.config), use_cache=True)
     assert len(calls) == 1  # a batch of two: not taken
     bool_mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
@@ -140,16 +141,16 @@ def test_the_cache_grows_and_compacts_under_compiled_passes(monkeypatch):
     prompt = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(1))
     caches = {}
     for way in (products.LAYERS, "stock"):
-        monkeypatch.setenv(products.ENV, way)
+        set_choice(monkeypatch, "products", way)
         cache = caches[way] = target.new_cache()
         with products.stock_products():
             target.forward(prompt, cache=cache, use_cache=True)
-    monkeypatch.setenv(products.ENV, "stock")
+    set_choice(monkeypatch, "products", "stock")
     for step in range(300):  # past MIN_ROOM: the buffers are reallocated at least once
         ids = torch.tensor([[3 + step % 90, 4 + step % 90]])
         outs = {}
         for way, cache in caches.items():
-            monkeypatch.setenv(products.ENV, way)
+            set_choice(monkeypatch, "products", way)
             outs[way] = target.forward(ids, cache=cache, use_cache=True).logits
             crop(cache, cache.layers[0].get_seq_length() - 1)  # keep one of the two: a rejected draft
         assert torch.allclose(outs[products.LAYERS], outs["stock"], atol=1e-4, rtol=1e-4), step
@@ -158,7 +159,7 @@ def test_the_cache_grows_and_compacts_under_compiled_passes(monkeypatch):
 @pytest.mark.parametrize("method", ["ar", "chain", "tree"])
 def test_decoding_through_compiled_layers_is_lossless(tiny_llama_dir, monkeypatch, method):
     target = Target.load(tiny_llama_dir)
-    monkeypatch.setenv(products.ENV, products.LAYERS)
+    set_choice(monkeypatch, "products", products.LAYERS)
     calls = []
     run = LayerPlan.run
     monkeypatch.setattr(LayerPlan, "run", lambda self, *a: calls.append(1) or run(self, *a))

@@ -17,10 +17,11 @@ from dflashkit.data.samples import Sample
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.errors import ConfigError
 from dflashkit.target.model import Target
-from dflashkit.train.compile_choice import ENV_VAR, TRAIN_COMPILE
+from dflashkit.train.compile_choice import TRAIN_COMPILE
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.loop import train
 from dflashkit.train.metrics import read_metrics
+from helpers.choices import set_choice
 from helpers.train_runs import DRAFTER, cfg_for, make_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,8 +50,9 @@ class _Counted(nn.Module):
 @pytest.fixture
 def fake_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Returns (calls, set_fail): torch.compile replaced; the compile store in tmp_path."""
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path / "store"))
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "store"))
+    set_choice(monkeypatch, "store", None)
+    set_choice(monkeypatch, "train_compile", None)
     calls: list[bool] = []
     state = {"fail": False}
 
@@ -74,7 +76,7 @@ def test_a_measured_trial_runs_real_steps_and_stores_its_verdict(
     kw = dict(max_steps=steps, save_every=0, eval_every=5, val_samples=1)
     train(cfg_for(tmp_path / "eager", compile="off", **kw), dataset=samples, target=target)
     assert calls == []
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "train_compile", "measure")
     train(cfg_for(tmp_path / "trial", compile="auto", **kw), dataset=samples, target=target)
     # every compiled step of the schedule ran through the stand-in, validation never did
     compiled_steps = 2 + ROUNDS
@@ -92,12 +94,12 @@ def test_a_failing_compile_reruns_the_step_eagerly_and_is_recorded(
     steps = WARM_STEPS + EAGER_STEPS + 3
     train(cfg_for(tmp_path / "eager", compile=False, max_steps=steps, save_every=0), dataset=samples, target=target)
     set_fail(True)
-    monkeypatch.setenv(ENV_VAR, "measure")
+    set_choice(monkeypatch, "train_compile", "measure")
     result = train(cfg_for(tmp_path / "f", max_steps=steps, save_every=0), dataset=samples, target=target)
     assert result.step == steps and len(calls) == 1
     assert _losses(tmp_path / "f") == _losses(tmp_path / "eager")  # no step lost, none doubled
     assert "the compiled step failed (RuntimeError: InvalidCxxCompiler" in capsys.readouterr().out
-    monkeypatch.delenv(ENV_VAR)
+    set_choice(monkeypatch, "train_compile", None)
     (entry,) = TRAIN_COMPILE.stored_choices().values()
     assert entry["unusable"].startswith("RuntimeError: InvalidCxxCompiler") and "more detail" not in entry["unusable"]
 
@@ -122,7 +124,7 @@ def test_a_really_compiled_step_trains_as_eager_does(
     tmp_path: Path, target: Target, samples: list[Sample], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch.compile itself (inductor, a C++ build on CPU): the same losses as eager within float rounding."""
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "train_compile", None)
     kw = dict(max_steps=4, save_every=0)
     train(cfg_for(tmp_path / "eager", compile="off", **kw), dataset=samples, target=target)
     train(cfg_for(tmp_path / "compiled", compile="on", **kw), dataset=samples, target=target)
@@ -136,10 +138,11 @@ def test_info_lists_the_forced_or_stored_compile_choices(tmp_path: Path, monkeyp
     def lines() -> list[str]:
         return _compile_lines(_measured_compile("train", TRAIN_COMPILE), "train")
 
-    monkeypatch.setenv(ENV_VAR, "off")  # as the suite runs
-    assert lines() == ["  train compile     off (DFLASHKIT_TRAIN_COMPILE) under compile auto"]
-    monkeypatch.delenv(ENV_VAR)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
+    set_choice(monkeypatch, "train_compile", "off")  # as the suite runs
+    assert lines() == ["  train compile     train_compile=off (DFLASHKIT_CHOICES) under compile auto"]
+    set_choice(monkeypatch, "train_compile", None)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    set_choice(monkeypatch, "store", None)
     assert lines() == ["  train compile     compile auto: timed in a long run's first steps (none stored yet)"]
     path = TRAIN_COMPILE.store_path()
     TRAIN_COMPILE.record(path, "a", {"choice": COMPILED, "eager_ms": 400.0, "compiled_ms": 250.0, "compile_s": 90.0})

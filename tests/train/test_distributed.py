@@ -182,18 +182,21 @@ def test_ddp_teardown_never_hangs(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_agree_on_a_timed_compile(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """`compile: auto` timed under DDP (DFLASHKIT_TRAIN_COMPILE=measure, torch.compile itself): the ranks time with
+    """`compile: auto` timed under DDP (train_compile=measure, torch.compile itself): the ranks time with
     their step times agreed, settle alike (rank 0 says what), and the run completes in step."""
     from dflashkit.cpu_products.compile_choice import EAGER_STEPS, ROUNDS, WARM_STEPS
 
     steps = WARM_STEPS + EAGER_STEPS + 2 + 2 * ROUNDS + 2
     tokens = _tokens(tmp_path / "tokens.jsonl")
     args = [a for a in _args(tokens, tiny_llama_dir, tmp_path / "run", 1) if not a.startswith("max_steps=")]
-    os.environ["DFLASHKIT_TRAIN_COMPILE"], old = "measure", os.environ.get("DFLASHKIT_TRAIN_COMPILE")
+    from dflashkit.cpu_products.choice import ENV, with_override
+
+    old = os.environ[ENV]
+    os.environ[ENV] = with_override("train_compile", "measure")
     try:
         proc = _torchrun(tmp_path, [*args, f"max_steps={steps}", "save_every=0"])
     finally:
-        os.environ["DFLASHKIT_TRAIN_COMPILE"] = old or "off"
+        os.environ[ENV] = old
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdicts = [line for line in proc.stdout.splitlines() if "(timed now) →" in line]
     assert len(verdicts) == 1 and "torch.compile: eager" in verdicts[0], proc.stdout[-3000:]

@@ -13,12 +13,12 @@ from dflashkit.errors import ConfigError
 from dflashkit.train import optimizer_choice
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.optimizer_choice import (
-    ENV_VAR,
     available_impls,
     choose_adamw_impl,
     make_adamw,
     time_adamw_step,
 )
+from helpers.choices import set_choice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,7 +29,7 @@ def _params(seed: int = 0) -> list[torch.Tensor]:
 
 
 def test_the_faster_candidate_wins_and_ranks_sum_their_timings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "optimizer", None)
     assert available_impls(torch.device("cpu")) == ["fused", "foreach"]
     fast = {"fused": 0.002, "foreach": 0.005}
     assert choose_adamw_impl(_params(), timer=lambda p, impl: fast[impl]) == ("fused", {"fused": 2.0, "foreach": 5.0})
@@ -47,10 +47,10 @@ def test_the_environment_names_one_and_a_bad_name_is_refused(monkeypatch: pytest
     def never(p, impl):
         raise AssertionError("measured although named")
 
-    monkeypatch.setenv(ENV_VAR, "foreach")
+    set_choice(monkeypatch, "optimizer", "foreach")
     assert choose_adamw_impl(_params(), timer=never) == ("foreach", {})
-    monkeypatch.setenv(ENV_VAR, "turbo")
-    with pytest.raises(ConfigError, match=f"{ENV_VAR}='turbo'.*fused, foreach, default"):
+    set_choice(monkeypatch, "optimizer", "turbo")
+    with pytest.raises(ConfigError, match=r"DFLASHKIT_CHOICES: optimizer='turbo'.*fused, foreach, default"):
         choose_adamw_impl(_params(), timer=never)
 
 
@@ -83,7 +83,7 @@ def test_a_run_records_its_measured_choice_and_keeps_it_on_resume(
     from dflashkit.train.loop import train
 
     target = Target.load(tiny_llama_dir)
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "optimizer", None)
     calls = []
 
     def measured(params, impl):

@@ -11,14 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.cpu_products.choice import PRECISIONS, Store
 from dflashkit.errors import ConfigError
 from dflashkit.train import precision_choice
 from dflashkit.train.memory import StepShape
-from dflashkit.train.precision_choice import ENV_VAR, MARGIN, choose_precision, geometry_key, stored_choices
+from dflashkit.train.precision_choice import MARGIN, TRAINING, choose_precision, geometry_key
+from helpers.choices import set_choice
 from tests.helpers.train_runs import DRAFTER, cfg_for, make_samples
 from tests.train.test_blocks import tiny_config
 
 SHAPE = StepShape(rows=1, tokens=64, blocks=8)
+
+
+def stored_choices(path: Path) -> dict:
+    return Store(path).read(TRAINING.usable_entry(PRECISIONS))
 
 
 def _timer(fp32: float, bf16: float, calls: list[bool]):
@@ -32,15 +38,15 @@ def _timer(fp32: float, bf16: float, calls: list[bool]):
 def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_stored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "train_precision", None)
     cfg, path, calls = tiny_config(), tmp_path / "store.json", []
-    assert choose_precision(cfg, SHAPE, _timer(0.010, 0.010 / (MARGIN - 0.05), calls), path=path) == (
+    assert choose_precision(cfg, SHAPE, _timer(0.010, 0.010 / (MARGIN - 0.05), calls), store=Store(path)) == (
         "fp32",
         {"fp32": 10.0, "bf16": round(10.0 / (MARGIN - 0.05), 2)},
     )
     assert calls == [False, True]
     wide = StepShape(rows=1, tokens=64, blocks=16)  # another shape: timed on its own
-    choice, timings = choose_precision(cfg, wide, _timer(0.020, 0.010, calls), path=path)
+    choice, timings = choose_precision(cfg, wide, _timer(0.020, 0.010, calls), store=Store(path))
     assert (choice, timings) == ("bf16", {"fp32": 20.0, "bf16": 10.0})
     stored = stored_choices(path)
     assert stored[geometry_key(cfg, SHAPE)]["choice"] == "fp32" and stored[geometry_key(cfg, wide)]["choice"] == "bf16"
@@ -48,33 +54,33 @@ def test_bf16_only_when_faster_by_the_margin_and_the_choice_is_stored(
     def never(*a) -> float:
         raise AssertionError("a stored choice is not timed again")
 
-    assert choose_precision(cfg, wide, never, path=path) == ("bf16", {})
+    assert choose_precision(cfg, wide, never, store=Store(path)) == ("bf16", {})
 
 
 def test_a_stale_or_damaged_store_is_timed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "train_precision", None)
     cfg, path = tiny_config(), tmp_path / "store.json"
     old = time.time() - 30 * 86400
     key = geometry_key(cfg, SHAPE)
     path.write_text(json.dumps({"choices": {key: {"choice": "bf16", "fp32_ms": 9, "bf16_ms": 1, "measured_at": old}}}))
     calls: list[bool] = []
-    assert choose_precision(cfg, SHAPE, _timer(0.01, 0.01, calls), path=path)[0] == "fp32"
+    assert choose_precision(cfg, SHAPE, _timer(0.01, 0.01, calls), store=Store(path))[0] == "fp32"
     assert calls == [False, True]
     path.write_text("{not json")
     assert stored_choices(path) == {}
-    assert choose_precision(cfg, SHAPE, _timer(0.03, 0.01, calls), path=path)[0] == "bf16"
+    assert choose_precision(cfg, SHAPE, _timer(0.03, 0.01, calls), store=Store(path))[0] == "bf16"
 
 
 def test_ranks_sum_their_timings_and_do_not_read_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "train_precision", None)
     cfg, path, calls = tiny_config(), tmp_path / "store.json", []
-    choose_precision(cfg, SHAPE, _timer(0.03, 0.01, calls), path=path)  # stored: bf16
+    choose_precision(cfg, SHAPE, _timer(0.03, 0.01, calls), store=Store(path))  # stored: bf16
 
     def peer_finds_bf16_slow(ms: torch.Tensor) -> torch.Tensor:
         return ms + torch.tensor([10.0, 100.0], dtype=ms.dtype)
 
     choice, timings = choose_precision(
-        cfg, SHAPE, _timer(0.03, 0.01, calls), path=path, all_reduce=peer_finds_bf16_slow
+        cfg, SHAPE, _timer(0.03, 0.01, calls), store=Store(path), all_reduce=peer_finds_bf16_slow
     )
     assert (choice, timings) == ("fp32", {"fp32": 40.0, "bf16": 110.0})
     assert calls == [False, True, False, True]
@@ -84,15 +90,15 @@ def test_the_environment_names_one_and_a_bad_name_is_refused(monkeypatch: pytest
     def never(*a) -> float:
         raise AssertionError("not timed")
 
-    monkeypatch.setenv(ENV_VAR, "bf16")
+    set_choice(monkeypatch, "train_precision", "bf16")
     assert choose_precision(tiny_config(), SHAPE, never, use_store=False) == ("bf16", {})
-    monkeypatch.setenv(ENV_VAR, "fp16")
-    with pytest.raises(ConfigError, match="DFLASHKIT_TRAIN_PRECISION='fp16': expected one of fp32, bf16"):
+    set_choice(monkeypatch, "train_precision", "fp16")
+    with pytest.raises(ConfigError, match="DFLASHKIT_CHOICES: train_precision='fp16': expected one of fp32, bf16"):
         choose_precision(tiny_config(), SHAPE, never, use_store=False)
 
 
 def test_both_precisions_time_a_real_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    set_choice(monkeypatch, "train_precision", None)
     from dflashkit.train.step_cost import time_drafter_step
 
     timer = lambda c, s, bf16: time_drafter_step(c, s, steps=1, bf16=bf16)  # noqa: E731
@@ -110,8 +116,8 @@ def test_a_run_records_its_precision_and_keeps_it_on_resume(
     from dflashkit.train.loop import train
 
     target = Target.load(tiny_llama_dir)
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", "off")
+    set_choice(monkeypatch, "train_precision", None)
+    set_choice(monkeypatch, "store", "off")
     calls: list[bool] = []
     monkeypatch.setattr("dflashkit.train.step_cost.time_drafter_step", lambda c, s, steps, bf16: 0.01 if bf16 else 0.02)
     samples = make_samples(target, [1, 3, 5], n=3)
@@ -145,10 +151,12 @@ def test_info_reports_the_forced_or_stored_precision(tmp_path: Path, monkeypatch
     def info() -> dict:
         return _measured_precision("train", precision_choice.TRAINING)
 
-    monkeypatch.setenv(ENV_VAR, "fp32")  # as the suite runs
-    assert _machine_lines_subset(info()) == ["  training (CPU)    fp32 (DFLASHKIT_TRAIN_PRECISION) for every run"]
-    monkeypatch.delenv(ENV_VAR)
-    monkeypatch.setenv("DFLASHKIT_PRODUCTS_STORE", str(tmp_path))
+    set_choice(monkeypatch, "train_precision", "fp32")  # as the suite runs
+    assert _machine_lines_subset(info()) == [
+        "  training (CPU)    train_precision=fp32 (DFLASHKIT_CHOICES) for every run"
+    ]
+    set_choice(monkeypatch, "train_precision", None)
+    set_choice(monkeypatch, "store", None)
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))
     assert "none stored yet" in _machine_lines_subset(info())[0]
     cfg = tiny_config()
