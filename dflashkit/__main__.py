@@ -1,7 +1,5 @@
 """`python -m dflashkit …` is the `dflashkit` command."""
 
-import sys
+from dflashkit.cli import run
 
-from dflashkit.cli import main
-
-sys.exit(main())
+run()

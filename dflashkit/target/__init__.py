@@ -13,6 +13,8 @@ Modules and their public functions:
   shape.py      `read_target_shape(target)`: a target's shape from its config.json alone (sizes, layer kinds,
                 exact parameter counts of a model built on the meta device); `read_config_json(file)`: its
                 fields checked
+  decoder_counts.py `closed_form_counts(text_config)`: the same counts of Llama, Mistral, Qwen2 and Qwen3 decoders
+                in closed form, without importing their modeling code
   cache.py      the target's KV cache during verification: `crop`, `keep_positions`, `snapshot` / `restore`
                 (recurrent states of hybrid Gated DeltaNet layers)
   kv_buffer.py  `growing_cache(config)`: attention K/V in buffers with room, a step's tokens written in place
