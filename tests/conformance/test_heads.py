@@ -2,8 +2,9 @@
 smallest settings): it trains on the tiny target (the loss falls and stays finite), a killed run resumes to the same
 weights, a DFlash checkpoint warm-starts it (the backbone carried over); random drafters decode losslessly — chain
 and DDTree, full and reduced vocabulary — equal to the target's own greedy decoding; `simulate` (teacher-forced
-rounds over recorded transcripts) replays the real loop's acceptance lengths exactly; it converts to every format
-its record claims and each other format refuses it in one line naming the kind. What is particular to a head (its
+rounds over recorded transcripts) replays the real loop's acceptance lengths exactly; `convert` writes every format
+its format record claims — z-lab's and speculators' layouts read back to the same tensors — and refuses each other
+one in one line naming the kind. What is particular to a head (its
 objective against a float64 reference, its drafts against a Python loop of its definition) stays in its own files."""
 
 from __future__ import annotations
@@ -14,19 +15,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflashkit.cli import main
 from dflashkit.decode.generate import DecodeSettings, generate
 from dflashkit.drafter.checkpoint import load_drafter, read_tensors, save_drafter
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.defaults import default_drafter_config
 from dflashkit.drafter.heads import HEADS
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.errors import ConfigError
 from dflashkit.evaluate.simulate import simulate_many
 from dflashkit.evaluate.transcripts import build_transcripts
+from dflashkit.export.convert import load_any
 from dflashkit.target.model import Target
 from dflashkit.train.config import TrainConfig
 from dflashkit.train.loop import train
 from dflashkit.train.metrics import read_metrics
+from helpers.bad_input import _one_line_error
 from helpers.oracles import PositionalOracle, make_prompts, reference_greedy
+from helpers.target_gguf import write_target_gguf
 from helpers.train_runs import write_tokens_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -157,3 +163,42 @@ def test_simulation_replays_the_real_loop(kind: str, target: Target, tmp_path: P
                 assert sims[name][method]["per_prompt"][p.id] == res.acceptance_lengths, (name, method, p.id)
                 accepted += sum(n - 1 for n in res.acceptance_lengths)
     assert accepted > 0  # some drafts were accepted: the comparison reaches past the first slot
+
+
+def _claims(kind: str, to: str, cfg: DrafterConfig) -> bool:
+    """Whether the kind's format record says `convert --to to` writes it."""
+    fmt = HEADS[kind].format
+    if to == "deepspec":
+        return fmt.deepspec_problem is None
+    if to == "vllm":
+        return fmt.vllm_problem is None
+    if to == "gguf":
+        return not fmt.gguf_problems(cfg)
+    if to == "speculators":
+        try:
+            fmt.speculators_fields(cfg)
+        except ConfigError:
+            return False
+    return True  # zlab: dflashkit's own layout holds every kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_converts_to_what_its_record_claims_and_refuses_the_rest(kind, tiny_llama_dir, tmp_path, capsys):
+    cfg = tiny_config(kind)
+    src = tmp_path / "src"
+    save_drafter(random_drafter(cfg, seed=2), src)
+    source = read_tensors(src)
+    target_gguf = write_target_gguf(tmp_path / "target.gguf", tiny_llama_dir)
+    for to in ("zlab", "speculators", "vllm", "deepspec", "gguf"):
+        out = tmp_path / (f"{to}.gguf" if to == "gguf" else to)
+        target = target_gguf if to == "gguf" else tiny_llama_dir
+        rc = main(["convert", str(src), str(out), "--to", to, "--target", str(target)])
+        if not _claims(kind, to, cfg):
+            line = _one_line_error(capsys, rc)
+            assert HEADS[kind].format.title in line or kind in line, (to, line)
+            continue
+        assert rc == 0 and out.exists(), (to, capsys.readouterr())
+        if to in ("zlab", "speculators"):  # read back exactly
+            back_cfg, back, _ = load_any(out, num_target_layers=cfg.num_target_layers)
+            assert back_cfg.kind == kind and sorted(back) == sorted(source), to
+            assert all(torch.equal(back[k], source[k]) for k in source), to
