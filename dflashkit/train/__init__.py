@@ -18,7 +18,6 @@ Modules and their public functions:
   losses.py        `block_loss(hidden, head, labels, spec, target)` with `LossSpec`, `LossTarget`, `LMHead`;
                    `decay_weights`, `dpace_weights`, `estimated_tau`
   objective_reference.py  every objective of `block_loss` in float64 loops: the definitions, and its test reference
-  dspark_loss.py   `dspark_loss` (CE + L1 to the target + confidence BCE), `dspark_slot_weights`
   target_lse.py    `RowLogSumExp` (the target's log-sum-exp per row, once per run: DSpark with a draft vocabulary,
                    unless the features carry it: `dflashkit capture --target-lse`)
   optimizer_choice.py  `choose_adamw_impl` (fused or foreach AdamW, timed on this machine), `make_adamw`

@@ -29,13 +29,13 @@ from dflashkit.cpu_products.compile_choice import EAGER, CompileTrial
 from dflashkit.drafter.capture_needs import capture_layer_ids, capture_target_lse
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import HEADS, head_of
+from dflashkit.drafter.heads.dspark_loss import dspark_slot_weights
 from dflashkit.drafter.model import DFlashDrafter
 from dflashkit.drafter.tiled_attention import compile_ready
 from dflashkit.errors import ConfigError, DataError
 from dflashkit.io_utils import remove_stale_temps
 from dflashkit.target.devices import resolve_device
 from dflashkit.train.distributed import DistContext, drop_reducer, read_env
-from dflashkit.train.dspark_loss import dspark_slot_weights
 from dflashkit.train.losses import DISTRIBUTION_KINDS, decay_weights, draft_slot_weights
 from dflashkit.train.metrics import MetricsLogger, RollingStats
 from dflashkit.train.optimizer_choice import choose_adamw_impl, make_adamw

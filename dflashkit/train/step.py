@@ -22,7 +22,6 @@ from dflashkit.drafter.heads import HeadObjective, TrainingTerms, head_of
 from dflashkit.target.logsumexp import vocab_subset_logits
 from dflashkit.train.blocks import BlockBatch, attention_masks, build_blocks, sample_anchors
 from dflashkit.train.config import TrainConfig
-from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
 from dflashkit.train.losses import (
     DISTRIBUTION_KINDS,
     LMHead,
@@ -160,8 +159,6 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
             inp.features, inp.blocks.first_tokens, inp.blocks.context_positions, inp.blocks.block_positions, masks
         )  # (B, Nq, H)
     bs = inp.blocks.block_size
-    if inp.final_hidden is not None:  # an objective against the target's distribution at each slot (DSpark's)
-        return _dspark_step_loss(run, inp, rows, hidden, normalizer)
     head, labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)  # (V', H), (B, Nb, bs)
     prev = inp.prev_tokens if inp.prev_tokens is not None else block_predecessors(rows, inp.blocks)  # (B, Nb, bs)
     labels = labels.reshape(-1, bs)
@@ -200,23 +197,26 @@ def step_loss(run: Run, inp: StepInputs, rows: RowBatch, normalizer: Tensor | fl
         total_steps=run.total_steps,
         progress=inp.progress,
         backbone_loss=configured_loss,
+        target_labels=inp.labels.reshape(-1, bs),
+        # the target's distribution at each slot, where the head reads the target's final layer
+        target_logits=None if inp.final_hidden is None else _target_logits(run, inp, rows, head),
     )
     own = run.drafter.head.objective(terms)
     if own is not None:
-        return _head_objective_output(run, own, labels)
+        return _head_objective_output(run, own)
     # a head's scaling of its logits, on W's rows
     out = configured_loss(terms.hidden, run.drafter.head.unary_weight(run.drafter.config, head))
     extra = run.drafter.head.training_loss(terms)
     return out if extra is None else dataclasses.replace(out, loss=out.loss + extra)
 
 
-def _head_objective_output(run: Run, own: HeadObjective, labels: Tensor) -> LossOutput:
+def _head_objective_output(run: Run, own: HeadObjective) -> LossOutput:
     """A head's own objective as the loop's LossOutput: per-slot accuracy from its counts, with the given token's
     entry first when every slot drafts (as DFlash's slot 0), so `estimated_tau` reads it as it reads DFlash's."""
     correct, counts = own.correct_counts, own.valid_counts  # (bs,) each
-    weight_sum = (run.weights.to(counts.device) * counts).sum()
+    weight_sum = own.weight_sum if own.weight_sum is not None else (run.weights.to(counts.device) * counts).sum()
     if run.drafter.head.first_draft_slot == 0:
-        blocks = (labels[:, 0] != -100).sum().reshape(1).to(counts.device)
+        blocks = counts[:1]  # the given token: once per block whose first slot is live
         correct, counts = torch.cat([blocks, correct]), torch.cat([blocks, counts])
     accuracy = correct.float() / counts.clamp_min(1).float()
     return LossOutput(
@@ -249,20 +249,17 @@ def slot_weights(cfg: TrainConfig, weights: Tensor, ce: Tensor, counted: Tensor)
     return weights.to(ce.device)[None].expand_as(ce) * counted
 
 
-def _dspark_step_loss(
-    run: Run, inp: StepInputs, rows: RowBatch, hidden: Tensor, normalizer: Tensor | float
-) -> LossOutput:
-    """The DSpark loss of a step: p_target from the target's final-layer output at each slot's index (its final
-    norm and LM head, computed only for the supervised slots, chunk by chunk). With a reduced draft vocabulary
-    (and a plain linear head) only the draft ids' logits are formed; the log-sum-exp over the whole vocabulary
-    comes from the rows when the features carry it (captured with `--target-lse`), else from the run's per-row
-    cache (`dflashkit.train.target_lse`)."""
-    cfg, bs = run.cfg, inp.blocks.block_size
+def _target_logits(run: Run, inp: StepInputs, rows: RowBatch, head: Tensor) -> Any:
+    """The target's distribution at each slot's index (a + k for slot k) as `TrainingTerms.target_logits` gives it:
+    flattened slot ids (m,) → its logits from the target's final-layer output there (final norm and LM head, only
+    for the slots asked, once per distinct position). With a reduced draft vocabulary (and a plain linear head) only
+    the draft ids' logits are formed (`head`: their rows); the log-sum-exp over the whole vocabulary comes from the
+    rows when the features carry it (captured with `--target-lse`), else from the run's per-row cache
+    (`dflashkit.train.target_lse`)."""
     b, t, h_dim = inp.final_hidden.shape
     rows_bt = torch.arange(b, device=run.device)[:, None, None] * t + every_slot_target_index(inp.blocks)  # (B, Nb, bs)
     flat_final = inp.final_hidden.reshape(b * t, h_dim)
     flat_rows = rows_bt.reshape(-1)
-    head, draft_labels = draft_vocab_head(run.drafter, run.lm_head, inp.labels)
     reduced = capture_target_lse(run.drafter.config, run.target)
     flat_lse = None
     if reduced:
@@ -271,7 +268,7 @@ def _dspark_step_loss(
             lse = run.target_lse.rows(run.target, inp.final_hidden, rows.input_ids, rows.doc_ids)  # (B, T)
         flat_lse = lse.reshape(b * t)
 
-    def target_logits(slots: Tensor) -> tuple[Tensor, ...]:  # flattened slot ids (m,) → see dspark_loss
+    def target_logits(slots: Tensor) -> tuple[Tensor, ...]:  # flattened slot ids (m,)
         # slots of overlapping blocks share row positions (a+k): the target's head runs once per position
         positions, inverse = torch.unique(flat_rows[slots], return_inverse=True)
         sel = flat_final.index_select(0, positions)  # (U, H)
@@ -281,20 +278,7 @@ def _dspark_step_loss(
         logits = vocab_subset_logits(run.target, sel, head).to(head.device)  # (U, V') a subset of the lse's logits
         return logits, flat_lse.index_select(0, positions), inverse  # (U, V'), (U,)
 
-    return dspark_loss(
-        hidden.reshape(-1, bs, hidden.shape[-1]),
-        head,
-        run.drafter,
-        inp.labels.reshape(-1, bs),
-        inp.prev_tokens.reshape(-1, bs),
-        target_logits,
-        weights=None if cfg.position_weights == "dpace" else run.weights,  # D-PACE: L1 and BCE keep exp(−k/4)
-        normalizer=normalizer,
-        loss_weights=DSparkLossWeights(cfg.dspark_ce_weight, cfg.dspark_l1_weight, cfg.dspark_confidence_weight),
-        draft_labels=draft_labels.reshape(-1, bs),
-        position_weights=cfg.position_weights,
-        dpace_alpha=cfg.dpace_alpha,
-    )
+    return target_logits
 
 
 class _IndexedRows(torch.utils.data.Dataset):

@@ -98,7 +98,7 @@ def test_drafts_are_the_markov_heads_left_to_right_argmax(target: Target, monkey
 
     def spy(*args, **kw):
         out = real(*args, **kw)
-        seen.append((args[3], out))  # (bonus, (drafts, q, logits))
+        seen.append((args[0].bonus, out))  # (bonus, (drafts, q, logits))
         return out
 
     monkeypatch.setattr(dspark_draft, "draft_dspark", spy)

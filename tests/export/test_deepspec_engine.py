@@ -159,7 +159,7 @@ def test_the_dspark_loss_and_its_gradients_equal_deepspecs(deepspec) -> None:
     from deepspec.modeling.dspark.common import AcceptRatePredictor, DSparkForwardOutput
     from deepspec.modeling.dspark.markov_head import VanillaMarkov
 
-    from dflashkit.train.dspark_loss import dspark_loss
+    from dflashkit.drafter.heads.dspark_loss import dspark_loss
     from helpers.dspark_blocks import dspark_blocks
 
     drafter, hidden, head, tokens, valid, labels, prev = dspark_blocks()

@@ -129,7 +129,8 @@ def test_dpace_weights_equal_speculators_own(alpha, tmp_path) -> None:
 def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
     """DSpark + D-PACE (`position_weights: dpace`, L1 weight 0) against speculators' DSpark loss with `--loss-fn ce
     --per-position-loss-weight dpace`: D-PACE-weighted CE plus the confidence BCE on exp(−k/4), over the valid slots."""
-    from dflashkit.train.dspark_loss import DSparkLossWeights, dspark_loss
+    from dflashkit.drafter.heads.dspark_loss import DSparkLossSpec, DSparkLossWeights, dspark_loss
+    from dflashkit.train.losses import dpace_weights
     from helpers.dspark_blocks import dspark_blocks
 
     drafter, hidden, head, tokens, valid, labels, prev = dspark_blocks()
@@ -140,10 +141,8 @@ def test_dspark_with_dpace_equals_speculators_loss(tmp_path) -> None:
         logits = hidden @ head.T + drafter.markov_head.bias(prev)  # (N, γ, V)
         ce = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1), reduction="none").view(n, g)
         confidence = drafter.confidence_head(hidden, emb)
-        ours = dspark_loss(
-            hidden, head, drafter, labels, prev, targets, loss_weights=DSparkLossWeights(ce=1.0, l1=0.0),
-            position_weights="dpace", dpace_alpha=0.5,
-        ).loss  # fmt: skip
+        spec = DSparkLossSpec(DSparkLossWeights(ce=1.0, l1=0.0), dpace=lambda ce, m: dpace_weights(ce, m, 0.5))
+        ours = dspark_loss(hidden, head, drafter, labels, prev, targets, spec).loss
     payload = {"ce": ce * valid, "valid": valid, "alpha": 0.5, "logits": logits, "targets": targets}
     theirs = float(in_speculators("speculators_dpace.py", {**payload, "confidence": confidence}, tmp_path)["loss"])
     # speculators divides by Σm + 1e-5 (the CE) and Σm + 1e-8 (the BCE), Σm = 20 here: a relative 5e-7 apart

@@ -109,16 +109,23 @@ class TrainingTerms:
     # (`kind`: another loss kind) over the step's labels, slot weights and normaliser, for the logits
     # hidden·[rows ; extra]ᵀ — `extra` (V', r) trainable rows beside the frozen ones (r = 0 without it)
     backbone_loss: Any = None
+    target_labels: Tensor | None = None  # (N, bs) long the labels as target ids (−100 invalid; `labels` are draft ids)
+    # where the head reads the target's final layer (`reads_final_layer`): flattened slot ids (m,) → the target's
+    # logits at each slot's index (m, V), or (logits of U distinct positions, each slot's index into them), or (their
+    # draft-id logits (U, V'), log-sum-exp over V (U,), index (m,)) — see dspark_loss.py `_target_probs`
+    target_logits: Any = None
 
 
 @dataclass
 class HeadObjective:
     """A head's whole objective of one step, in place of the backbone's: the loss (a scalar, already normalised) and,
-    per block slot (bs,), how many live slots its drafts got right and how many there were."""
+    per block slot (bs,), how many live slots its drafts got right and how many there were (and, where its weights
+    are its own, their sum over the valid slots)."""
 
     loss: Tensor
     correct_counts: Tensor  # (bs,) long
     valid_counts: Tensor  # (bs,) long
+    weight_sum: Tensor | None = None  # Σ slot weights over the valid slots (None: the run's weights · valid_counts)
 
 
 class Head:

@@ -1,9 +1,9 @@
 """The DSpark head (DeepSpec's design): every slot drafts, the backbone's logits corrected left to right by a
 low-rank Markov head on the previous token, and a confidence head estimating acceptance.
 
-Its network is in `dspark_net.py`, its loss in `dflashkit.train.dspark_loss`, its drafting round in
-`dflashkit.drafter.heads.dspark_draft`; this module is what the stages ask about it:
-its settings, its behaviour (`DSparkHead`) and its layouts (`DSparkFormat`).
+Its network is in `dspark_net.py`, its objective in `dspark_loss.py`, its drafting round in `dspark_draft.py`;
+this module is what the stages ask about it: its settings, its behaviour (`DSparkHead`) and its layouts
+(`DSparkFormat`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dflashkit.drafter.config_fields import BOOL, INT, STR
-from dflashkit.drafter.heads.base import DraftRound, Head
+from dflashkit.drafter.heads.base import DraftRound, Head, HeadObjective, TrainingTerms
 from dflashkit.drafter.heads.format import HeadFormat
 from dflashkit.errors import ConfigError
 from dflashkit.validation import Bool, NonNegativeFloat, PositiveInt
@@ -212,6 +212,13 @@ class DSparkHead(Head):
                 f"give at least one a weight > 0"
             )
 
+    def objective(self, terms: TrainingTerms) -> HeadObjective | None:
+        """CE to the label + L1 to the target's distribution + the confidence head's BCE (dspark_loss.py), replacing
+        the backbone's objective."""
+        from dflashkit.drafter.heads.dspark_loss import dspark_objective
+
+        return dspark_objective(terms)
+
     def add_modules(self, drafter: Any) -> None:
         from dflashkit.drafter.heads.dspark_net import ConfidenceHead, MarkovHead
 
@@ -227,10 +234,7 @@ class DSparkHead(Head):
         """The backbone pass, then the Markov head left to right (dspark_draft.py); every slot drafts."""
         from dflashkit.drafter.heads.dspark_draft import draft_dspark
 
-        args = (r.target, r.drafter, r.cache, r.bonus, r.new_ctx, r.new_pos, r.start, r.block_size, r.n_verify)
-        drafts, q, logits = draft_dspark(
-            *args, r.sampling, r.draft_sampling, r.generator, confidence_min=r.confidence_min
-        )
+        drafts, q, logits = draft_dspark(r)
         return drafts, q, logits, logits[:, :0]  # its DDTree children need no hidden states
 
     def tree_conditional(

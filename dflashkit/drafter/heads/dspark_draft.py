@@ -21,35 +21,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.drafter.heads.base import q_over_target
-from dflashkit.sampling import SamplingParams, probs, sample
+from dflashkit.drafter.heads.base import DraftRound, q_over_target
+from dflashkit.sampling import probs, sample
 
 
-def draft_dspark(
-    target: object,
-    drafter: Any,  # DFlashDrafter (drafter.model, which builds its heads from this package)
-    dcache: Any,  # DrafterCache
-    bonus: int,
-    new_ctx: Tensor,
-    new_pos: Tensor,
-    start: int,
-    bs: int,
-    n_verify: int,
-    sampling: SamplingParams,
-    draft_sampling: bool,
-    gen: torch.Generator | None,
-    confidence_min: float | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
+def draft_dspark(r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor]:
     """(drafts (n,) target ids, q over the target vocabulary (n, V) when drafts are sampled else None, the backbone's
     logits (n_verify, V') before the Markov correction), n ≤ n_verify (fewer when the confidence cut-off stops)."""
+    target, drafter, bonus, bs = r.target, r.drafter, r.bonus, r.block_size
+    sampling, confidence_min = r.sampling, r.confidence_min
     embeds = drafter.block_embeddings(torch.tensor([[bonus]]), target.embed_weight, bs)
-    hidden = drafter(
-        new_ctx, embeds, context_positions=new_pos, block_positions=torch.arange(start, start + bs)[None], cache=dcache
-    )[0, :n_verify]  # (n, H)
+    positions = torch.arange(r.start, r.start + bs)[None]
+    hidden = drafter(r.new_ctx, embeds, context_positions=r.new_pos, block_positions=positions, cache=r.cache)
+    hidden = hidden[0, : r.n_verify]  # (n, H)
     base = drafter.logits(hidden, target.lm_head_weight).float()  # (n, V')
     head = drafter.markov_head
     conf_head = getattr(drafter, "confidence_head", None) if confidence_min is not None else None
-    sampled = not sampling.greedy and draft_sampling
+    sampled = not sampling.greedy and r.draft_sampling
     prev, prefix = int(bonus), 1.0
     drafts, qs = [], []
     for k in range(base.shape[0]):
@@ -61,7 +49,7 @@ def draft_dspark(
         row = base[k] + head.bias(prev_t)[0].float()  # (V',)
         if sampled:
             q = probs(row, sampling)
-            pick = int(sample(q, gen))
+            pick = int(sample(q, r.generator))
             qs.append(q)
         else:
             pick = int(row.argmax())

@@ -1,4 +1,5 @@
-"""The DSpark training loss (DeepSpec's defaults), computed in row chunks so no (rows, V) tensor lives at once.
+"""The DSpark objective (DeepSpec's defaults), computed in row chunks so no (rows, V) tensor lives at once:
+`DSparkHead.objective` (`dspark_objective`) in place of the backbone's, from the step's `TrainingTerms`.
 
 Block slot k (0..γ−1) of the block at anchor a drafts the token at a + k + 1; its logits are the backbone's plus the
 Markov bias of its previous token (teacher-forced: the anchor's token for slot 0, the label of slot k − 1 after):
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflashkit.train.losses import LossOutput, dpace_weights
+from dflashkit.drafter.heads.base import HeadObjective, TrainingTerms
 
 DSPARK_DECAY = 4.0  # DeepSpec's loss_decay_gamma: w_k = exp(−k/4)
 _CHUNK_LOGITS = 1 << 25  # rows × vocabulary per chunk (two float32 (rows, V) tensors live: 256 MiB)
@@ -39,6 +41,39 @@ class DSparkLossWeights:
     ce: float = 0.1
     l1: float = 0.9
     confidence: float = 1.0
+
+
+@dataclass(frozen=True)
+class DSparkLossSpec:
+    """How `dspark_loss` weighs one batch: its terms' weights; the slot weights (γ,) (None: `dspark_slot_weights`);
+    the normaliser (None: Σ w over the valid slots, or their number under D-PACE); `dpace`: D-PACE's rule (per-slot
+    CE (N, γ), valid (N, γ) → the CE term's slot weights (N, γ)) in place of the slot weights for the CE term (the
+    L1 and confidence terms keep them); `chunk_rows`: rows per chunk (None: by the vocabulary's width)."""
+
+    loss_weights: DSparkLossWeights = DSparkLossWeights()
+    weights: Tensor | None = None
+    normalizer: Tensor | float | None = None
+    dpace: Callable[[Tensor, Tensor], Tensor] | None = None
+    chunk_rows: int | None = None
+
+
+@dataclass
+class _LiveRows:
+    """The live rows' labels (M,) (draft ids, −100: no CE) and each row's CE and L1 weights (M,)."""
+
+    labels: Tensor
+    ce_w: Tensor
+    l1_w: Tensor
+
+
+@dataclass
+class _TargetSide:
+    """Rows [r0, r1) → the target's logits (see `_target_probs`); the draft ids' target ids (V',) (None: the whole
+    vocabulary); rows per chunk."""
+
+    logits_of: Callable[[int, int], Tensor | tuple[Tensor, ...]]
+    d2t: Tensor | None
+    chunk_rows: int
 
 
 def dspark_slot_weights(num_slots: int, gamma: float | None = None) -> Tensor:
@@ -59,13 +94,11 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
         emb: Tensor,  # (M, r) = W1[prev]
         w2: Tensor,  # (V', r)
         weight: Tensor,  # (V', H) frozen
-        labels: Tensor,  # (M,) draft ids, −100: no CE
-        ce_row_w: Tensor,  # (M,) the CE term's weight of each row
-        l1_row_w: Tensor,  # (M,) the L1 term's
-        target_logits: Callable[[int, int], Tensor | tuple[Tensor, ...]],  # rows [r0, r1) → see _target_probs
-        d2t: Tensor | None,  # (V',) target id of each draft id
-        chunk_rows: int,
+        rows_in: _LiveRows,
+        target: _TargetSide,
     ):  # type: ignore[override]
+        labels, ce_row_w, l1_row_w = rows_in.labels, rows_in.ce_w, rows_in.l1_w
+        target_logits, d2t, chunk_rows = target.logits_of, target.d2t, target.chunk_rows
         m = hidden.shape[0]
         acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -107,7 +140,7 @@ class _ChunkedDSparkTerms(torch.autograd.Function):
     def backward(ctx, grad_total: Tensor, _g_l1: Tensor, _g_preds: Tensor):  # type: ignore[override]
         gh, ge, gw2 = ctx.saved_tensors
         g = grad_total
-        return gh * g.to(gh.dtype), ge * g.to(ge.dtype), (gw2 * g).to(ctx.w2_dtype), *([None] * 7)
+        return gh * g.to(gh.dtype), ge * g.to(ge.dtype), (gw2 * g).to(ctx.w2_dtype), None, None, None
 
 
 @torch.no_grad()
@@ -156,17 +189,11 @@ def dspark_loss(
     drafter: torch.nn.Module,
     labels: Tensor,
     prev_tokens: Tensor,
-    target_logits: Tensor | Callable[[Tensor], Tensor],
-    *,
-    weights: Tensor | None = None,
-    normalizer: Tensor | float | None = None,
-    loss_weights: DSparkLossWeights = DSparkLossWeights(),
+    target_logits: Tensor | Callable[[Tensor], Any],
+    spec: DSparkLossSpec = DSparkLossSpec(),
     draft_labels: Tensor | None = None,
-    chunk_rows: int | None = None,
-    position_weights: str = "decay",
-    dpace_alpha: float = 0.5,
-) -> LossOutput:
-    """The DSpark loss of one batch of blocks (see the module docstring).
+) -> HeadObjective:
+    """The DSpark loss of one batch of blocks (see the module docstring), weighed as `spec` says.
 
     hidden (N, γ, H) final-normed backbone states; lm_head_weight (V', H): the target's head rows of the draft
     vocabulary (frozen); drafter: holds `markov_head` (and `confidence_head` if it has one) and `to_target_ids`;
@@ -174,15 +201,12 @@ def dspark_loss(
     (N, γ) target ids teacher-forced into the Markov head; target_logits: the target's logits at each slot's
     index, (N, γ, V), or a callable `flat_rows (m,) → (m, V)` over the flattened N·γ slots (or → (logits of the
     U distinct positions among them (U, V), each row's index into them (m,)), or → (their draft-id logits (U, V'),
-    log-sum-exp over V (U,), index (m,)), see `_target_probs`); weights (γ,) default
-    `dspark_slot_weights`; normalizer: divide by this instead of Σ w over valid slots (a global value across
-    micro-batches and ranks); draft_labels (N, γ): labels as draft ids (−100 outside a reduced vocabulary), default
-    = labels. position_weights "dpace": the CE term's slot weights are D-PACE's (`dpace_weights` of each block's
-    detached Markov-corrected CE, α = dpace_alpha) instead of `weights`, which the L1 and confidence terms keep,
-    and the default normalizer is the number of valid slots — speculators' DSpark + D-PACE (its CE-only loss and
-    confidence BCE) when the L1 weight is 0. Returns a LossOutput whose per-slot vectors have γ + 1 entries: entry 0
-    is the given token (always "right", as DFlash's slot 0), entry k + 1 is slot k — so `estimated_tau` reads them
-    as it reads DFlash's.
+    log-sum-exp over V (U,), index (m,)), see `_target_probs`); draft_labels (N, γ): labels as draft ids (−100
+    outside a reduced vocabulary), default = labels. Under D-PACE (`spec.dpace`) the CE term's slot weights are that
+    rule's of each block's detached Markov-corrected CE, the L1 and confidence terms keep `spec.weights`, and the
+    default normaliser is the number of valid slots — speculators' DSpark + D-PACE (its CE-only loss and confidence
+    BCE) when the L1 weight is 0. Returns the loss with, per slot (γ,), the argmax hits and the valid slots, and the
+    weight sum (the default normaliser).
     """
     n, g, h_dim = hidden.shape
     if labels.shape != (n, g) or prev_tokens.shape != (n, g):
@@ -191,12 +215,11 @@ def dspark_loss(
     if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
         raise ValueError("DSpark labels must be valid on a prefix of each block (teacher forcing reads slot k − 1)")
     acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
-    w = (dspark_slot_weights(g) if weights is None else weights).to(hidden.device, acc)
-    if position_weights not in ("decay", "dpace"):
-        raise ValueError(f"position_weights must be 'decay' or 'dpace', got {position_weights!r}")
-    dpace = position_weights == "dpace"
+    w = (dspark_slot_weights(g) if spec.weights is None else spec.weights).to(hidden.device, acc)
+    dpace = spec.dpace is not None
     slot_w = w[None] * valid  # (N, γ)
     weight_sum = valid.to(acc).sum() if dpace else slot_w.sum()  # D-PACE: N = the number of valid slots
+    normalizer = spec.normalizer
     norm = weight_sum if normalizer is None else torch.as_tensor(normalizer, dtype=acc, device=hidden.device)
     row_w = (slot_w / norm.clamp_min(torch.finfo(acc).tiny)).reshape(-1)  # (M,)
     live = (valid.reshape(-1) & (row_w != 0)).nonzero().squeeze(1)  # (M_live,)
@@ -212,18 +235,19 @@ def dspark_loss(
         flat_t = target_logits.reshape(n * g, -1)
         rows_of = lambda r0, r1: flat_t[live[r0:r1]]  # noqa: E731
     vocab = lm_head_weight.shape[0]
-    rows = chunk_rows if chunk_rows is not None else max(1, _CHUNK_LOGITS // max(1, vocab))
+    rows = spec.chunk_rows if spec.chunk_rows is not None else max(1, _CHUNK_LOGITS // max(1, vocab))
     d2t = drafter.draft_to_target.to(hidden.device) if getattr(drafter.config, "draft_vocab_size", None) else None
-    lw = loss_weights
+    lw = spec.loss_weights
     ce_row_w = lw.ce * row_w[live]  # (M_live,)
-    if dpace:  # D-PACE weights from this very forward's CE (a no-grad pass first: they depend on later slots)
+    # D-PACE weights from this very forward's CE (a no-grad pass first: they depend on later slots)
+    if spec.dpace is not None:
         ce_all = torch.zeros(n * g, dtype=acc, device=hidden.device)
         ce_all[live] = _markov_ce(flat_h, emb, markov.markov_w2.weight, lm_head_weight, lab_live, rows)
-        dw = dpace_weights(ce_all.view(n, g), valid, dpace_alpha).reshape(-1)  # (M,)
+        dw = spec.dpace(ce_all.view(n, g), valid).reshape(-1)  # (M,)
         ce_row_w = lw.ce * dw[live] / norm.clamp_min(torch.finfo(acc).tiny)
     total, l1, preds = _ChunkedDSparkTerms.apply(
-        flat_h, emb, markov.markov_w2.weight, lm_head_weight.detach(), lab_live, ce_row_w, lw.l1 * row_w[live],
-        rows_of, d2t, rows,
+        flat_h, emb, markov.markov_w2.weight, lm_head_weight.detach(),
+        _LiveRows(lab_live, ce_row_w, lw.l1 * row_w[live]), _TargetSide(rows_of, d2t, rows),
     )  # fmt: skip
     conf_head = getattr(drafter, "confidence_head", None)
     if conf_head is not None and lw.confidence and live.numel():
@@ -236,13 +260,34 @@ def dspark_loss(
         full[live] = preds
         correct = ((full.view(n, g) == dl) & valid & (dl >= 0)).sum(0)  # (γ,)
         counts = valid.sum(0)  # (γ,)
-        blocks = valid[:, 0].sum().reshape(1)
-        correct = torch.cat([blocks, correct])  # (γ + 1,) the given token first
-        counts = torch.cat([blocks, counts])
-        accuracy = correct.float() / counts.clamp_min(1).float()
-    return LossOutput(
-        loss=total, accuracy=accuracy, valid_counts=counts, correct_counts=correct, weight_sum=weight_sum.detach()
+    return HeadObjective(loss=total, correct_counts=correct, valid_counts=counts, weight_sum=weight_sum.detach())
+
+
+def dspark_objective(terms: TrainingTerms) -> HeadObjective:
+    """DSpark's objective of one training step: the step's labels (target ids for the valid prefix, draft ids for the
+    CE), the target's distribution at each slot (`terms.target_logits`), the run's slot weights — D-PACE's rule
+    (`terms.weights_of`) for the CE term under `position_weights: dpace`, where the L1 and confidence terms keep
+    exp(−k/4) — and its terms' weights from the training config."""
+    cfg = terms.train_cfg
+    dpace = cfg.position_weights == "dpace"
+    spec = DSparkLossSpec(
+        loss_weights=DSparkLossWeights(cfg.dspark_ce_weight, cfg.dspark_l1_weight, cfg.dspark_confidence_weight),
+        weights=None if dpace else terms.weights,
+        normalizer=terms.normalizer,
+        dpace=terms.weights_of if dpace else None,
     )
+    labels = terms.target_labels if terms.target_labels is not None else terms.labels
+    return dspark_loss(
+        terms.hidden, terms.head_weight, terms.drafter, labels, terms.prev_tokens, terms.target_logits, spec,
+        draft_labels=terms.labels,
+    )  # fmt: skip
 
 
-__all__ = ["DSPARK_DECAY", "DSparkLossWeights", "dspark_loss", "dspark_slot_weights"]
+__all__ = [
+    "DSPARK_DECAY",
+    "DSparkLossSpec",
+    "DSparkLossWeights",
+    "dspark_loss",
+    "dspark_objective",
+    "dspark_slot_weights",
+]
