@@ -225,15 +225,12 @@ class Runner:
 
 
 def pin_choices() -> dict[str, str]:
-    """Set DFLASHKIT_CHOICES to the entries the checkout's choice module names (none where it has none)."""
+    """The DFLASHKIT_CHOICES entries the checkout parses (none where it has no such variable)."""
     try:
-        from dflashkit.cpu_products.choice import NAMES
+        from dflashkit.cpu_products.choice import overrides
     except ImportError:
-        os.environ.pop("DFLASHKIT_CHOICES", None)
         return {}
-    entries = {k: v for k, v in CHOICES.items() if k in NAMES}
-    os.environ["DFLASHKIT_CHOICES"] = ",".join(f"{k}={v}" for k, v in entries.items())
-    return entries
+    return dict(overrides())
 
 
 def convert_formats() -> list[str]:
@@ -370,12 +367,28 @@ def worker(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- parent (the run)
 
 
+def choice_names(repo: Path) -> set[str] | None:
+    """The entry names the checkout's DFLASHKIT_CHOICES accepts (`NAMES` in cpu_products/choice.py, read from the
+    source: an unknown name is refused as the variable is parsed, which may be at import), None without that module."""
+    import ast
+
+    source = repo / "dflashkit" / "cpu_products" / "choice.py"
+    if not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NAMES" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
 def pinned_env(repo: Path, work: Path) -> dict[str, str]:
     """The environment of every worker: the checkout first on the path, one thread, no GPU, a fresh cache, and every
     measured-at-run-time choice forced (both spellings)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASHKIT_")}
     env.update(OLD_VARS)
-    env["DFLASHKIT_CHOICES"] = ",".join(f"{k}={v}" for k, v in CHOICES.items())  # the worker filters it
+    names = choice_names(repo)
+    if names is not None:  # a checkout without the variable never reads it
+        env["DFLASHKIT_CHOICES"] = ",".join(f"{k}={v}" for k, v in CHOICES.items() if k in names)
     env.update({
         "PYTHONPATH": str(repo), "DFLASHKIT_CACHE": str(work / "cache"), "OMP_NUM_THREADS": THREADS,
         "MKL_NUM_THREADS": THREADS, "OPENBLAS_NUM_THREADS": THREADS, "PYTHONHASHSEED": "0",
@@ -456,9 +469,16 @@ def compare(a_path: Path, b_path: Path) -> int:
     a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
     print(f"A: {a_path} ({a.get('commit', '?')[:12]}{' dirty' if a.get('dirty') else ''})")
     print(f"B: {b_path} ({b.get('commit', '?')[:12]}{' dirty' if b.get('dirty') else ''})")
-    rows = [("(shared)", n, a.get("shared", {}).get(n), b.get("shared", {}).get(n))
-            for n in dict.fromkeys([*a.get("shared", {}), *b.get("shared", {})])]  # fmt: skip
-    for kind in dict.fromkeys([*a.get("heads", {}), *b.get("heads", {})]):
+    both = not (a.get("shared_error") or b.get("shared_error"))  # else the failure is named below
+    shared = dict.fromkeys([*a.get("shared", {}), *b.get("shared", {})]) if both else {}
+    rows = [("(shared)", n, a.get("shared", {}).get(n), b.get("shared", {}).get(n)) for n in shared]
+    for side, x, y in (("A", a, b), ("B", b, a)):
+        if x.get("shared_error"):
+            print(f"  {side}: shared stages failed: {x['shared_error']}")
+        only = [k for k in x.get("heads", {}) if k not in y.get("heads", {})]
+        if only:
+            print(f"  not compared: {', '.join(only)} (only in {side})")
+    for kind in [k for k in a.get("heads", {}) if k in b.get("heads", {})]:
         sa = a.get("heads", {}).get(kind, {}).get("stages", {})
         sb = b.get("heads", {}).get(kind, {}).get("stages", {})
         rows += [(kind, n, sa.get(n), sb.get(n)) for n in dict.fromkeys([*sa, *sb])]
