@@ -9,7 +9,8 @@ Modules and their public functions:
   config.py        `TrainConfig.load(yaml, overrides)`, `check_resume_compatible`
   loop.py          `train(cfg)` → `TrainResult`; `TrainingDiverged`
   run.py           `setup_run(cfg)` → `Run` (target, drafter, rows, wrapper, optimizer, logger)
-  step.py          `prepare_inputs` (anchors, blocks, labels, masks), `step_loss`, `micro_batches`
+  step.py          `prepare_inputs` (anchors, blocks, labels, masks; drawn as a `StepDraw`), `step_loss`,
+                   `micro_batches`
   validation.py    `validate(run)`, `keep_if_best(run, val)`
   state.py         `save_checkpoint`, `save_final`, `latest_checkpoint`, `TrainState`
   schedule.py      `cosine_with_warmup`, `cosine_at`

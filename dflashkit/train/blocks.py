@@ -150,16 +150,14 @@ def build_blocks(
     loss_mask: Tensor,
     *,
     block_size: int,
-    anchors: Tensor | Sequence[Tensor] | None = None,
-    max_anchors: int = 512,
-    generator: torch.Generator | None = None,
+    anchors: Tensor | Sequence[Tensor],
     num_blocks: int | None = None,
     label_loss_mask: bool = True,
 ) -> BlockBatch:
     """Blocks for one row ((T,) inputs) or a batch ((B, T) inputs).
 
-    anchors: None → `sample_anchors` per row with `generator`; else a (B, Nb) / (Nb,) tensor with −1 padding, or
-    one 1-D tensor per row (any index whose doc_ids ≥ 0 is accepted, candidate or not).
+    anchors: a (B, Nb) / (Nb,) tensor with −1 padding, or one 1-D tensor per row (any index whose doc_ids ≥ 0 is
+    accepted, candidate or not; `sample_anchors` draws them).
     num_blocks: pad every row to this many blocks (fixed shapes for compiled kernels).
     label_loss_mask: also require loss_mask at the label's index for the label to be valid.
     """
@@ -174,9 +172,7 @@ def build_blocks(
         )
     b, t = ids.shape
     device = ids.device
-    if anchors is None:
-        rows = [sample_anchors(docs[i], lm[i], max_anchors=max_anchors, generator=generator) for i in range(b)]
-    elif isinstance(anchors, Tensor):
+    if isinstance(anchors, Tensor):
         a2 = anchors[None] if anchors.dim() == 1 else anchors
         if a2.dim() != 2 or a2.shape[0] != b:
             raise DataError(f"anchors must be (Nb,) or ({b}, Nb), got {tuple(anchors.shape)}")

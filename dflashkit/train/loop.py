@@ -51,7 +51,7 @@ from dflashkit.train.losses import estimated_tau
 from dflashkit.train.run import Run, metric_slots, setup_run
 from dflashkit.train.schedule import cosine_at
 from dflashkit.train.state import checkpoint_name, latest_checkpoint, save_checkpoint, save_final
-from dflashkit.train.step import micro_batches, noise_std_at, prepare_inputs, step_loss
+from dflashkit.train.step import StepDraw, micro_batches, noise_std_at, prepare_inputs, step_loss
 from dflashkit.train.validation import keep_if_best, validate
 
 
@@ -226,14 +226,14 @@ def _train_step(
     inputs = [
         prepare_inputs(
             rb,
-            drafter_config=run.drafter.config,
-            labels=cfg.labels,
-            max_anchors=cfg.max_anchors,
-            seed=cfg.seed,
-            epoch=epoch,
-            step=st.step,
-            progress=None if schedule_s is None else elapsed / schedule_s,
-            noise_std=noise,
+            run.drafter.config,
+            StepDraw.from_config(
+                cfg,
+                epoch,
+                step=st.step,
+                progress=None if schedule_s is None else elapsed / schedule_s,
+                noise_std=noise,
+            ),
             device=run.device,
             build_masks=False,
         )

@@ -56,6 +56,27 @@ class StepInputs:
     progress: float | None = None  # a time-based run: the fraction of its schedule spent (None: step-based)
 
 
+@dataclass(frozen=True)
+class StepDraw:
+    """What one step's inputs are drawn with: the label mode (`labels`: data or target), anchors per document, the
+    run's seed, the epoch, the optimizer step (0-based), the fraction of a time-based schedule spent (None:
+    step-based) and the std of the fc-input noise."""
+
+    labels: str
+    max_anchors: int
+    seed: int
+    epoch: int
+    step: int = 0
+    progress: float | None = None
+    noise_std: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, epoch: int, **step: Any) -> StepDraw:
+        """The run's label mode, anchors per document and seed, with this step's epoch (and `step`, `progress`,
+        `noise_std` as given)."""
+        return cls(labels=cfg.labels, max_anchors=cfg.max_anchors, seed=cfg.seed, epoch=epoch, **step)
+
+
 def row_anchors(rows: RowBatch, *, seed: int, epoch: int, max_anchors: int) -> list[Tensor]:
     """Anchor indices per row, drawn with a generator seeded by (seed, epoch, row id) → list of (n_i,) long."""
     out = []
@@ -89,24 +110,19 @@ def fc_noise(
 
 def prepare_inputs(
     rows: RowBatch,
-    *,
     drafter_config: Any,
-    labels: str,
-    max_anchors: int,
-    seed: int,
-    epoch: int,
-    step: int = 0,
-    progress: float | None = None,
-    noise_std: float = 0.0,
+    draw: StepDraw,
+    *,
     device: torch.device | str = "cpu",
     mask_dtype: torch.dtype = torch.float32,
     build_masks: bool = True,
 ) -> StepInputs:
-    """Rows (CPU) → blocks, labels and masks on `device`; noise only on the features.
+    """Rows (CPU) → blocks, labels and masks on `device`, drawn as `draw` says; noise only on the features.
 
     Masks are dense and made additive once here, in the attention dtype (`mask_dtype`), so every drafter layer
     shares one tensor instead of converting its own copy (and saving it for backward)."""
-    anchors = row_anchors(rows, seed=seed, epoch=epoch, max_anchors=max_anchors)
+    labels, seed, epoch, step = draw.labels, draw.seed, draw.epoch, draw.step
+    anchors = row_anchors(rows, seed=seed, epoch=epoch, max_anchors=draw.max_anchors)
     nb = max([1] + [int(a.numel()) for a in anchors])  # ≥ 1 block keeps shapes valid
     blocks = build_blocks(
         rows.input_ids,
@@ -132,7 +148,9 @@ def prepare_inputs(
         final = feats[..., width:] if j is None else feats[..., j * h : (j + 1) * h]  # (B, T, H)
         feats = feats[..., :width]
     blocks = blocks.to(device)
-    feats = fc_noise(feats, rows.doc_ids.to(device), noise_std, seed=seed, epoch=epoch, step=step, row_ids=rows.row_ids)
+    feats = fc_noise(
+        feats, rows.doc_ids.to(device), draw.noise_std, seed=seed, epoch=epoch, step=step, row_ids=rows.row_ids
+    )
     masks = attention_masks(drafter_config, blocks, mask_dtype) if build_masks else None
     return StepInputs(
         features=feats,
@@ -142,7 +160,7 @@ def prepare_inputs(
         prev_tokens=prev,
         final_hidden=final,
         step=step,
-        progress=progress,
+        progress=draw.progress,
     )
 
 
@@ -321,6 +339,7 @@ def micro_batches(run: Run, epoch: int, first_step: int) -> Iterator[RowBatch]:
 
 
 __all__ = [
+    "StepDraw",
     "StepInputs",
     "fc_noise",
     "micro_batches",

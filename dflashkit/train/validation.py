@@ -15,7 +15,7 @@ from dflashkit.train.losses import estimated_tau
 from dflashkit.train.packing import collate_rows
 from dflashkit.train.run import Run, metric_slots
 from dflashkit.train.state import save_final
-from dflashkit.train.step import prepare_inputs, step_loss
+from dflashkit.train.step import StepDraw, prepare_inputs, step_loss
 
 
 def keep_if_best(run: Run, val: dict[str, Any] | None) -> Path | None:
@@ -51,13 +51,13 @@ def validate(run: Run) -> dict[str, Any] | None:
         rows = collate_rows([run.val_rows[i] for i in ids], ids)
         inp = prepare_inputs(
             rows,
-            drafter_config=run.drafter.config,
-            labels=cfg.labels,
-            max_anchors=cfg.max_anchors,
-            seed=cfg.seed,
-            epoch=-1,
-            step=run.state.step,  # a head's step-dependent objective (Domino's λ) scored where training is
-            progress=run.state.elapsed_s / (60 * cfg.schedule_minutes) if cfg.schedule_minutes else None,
+            run.drafter.config,
+            StepDraw.from_config(
+                cfg,
+                -1,
+                step=run.state.step,  # a head's step-dependent objective (Domino's λ) scored where training is
+                progress=run.state.elapsed_s / (60 * cfg.schedule_minutes) if cfg.schedule_minutes else None,
+            ),
             device=run.device,
             mask_dtype=run.autocast_dtype or torch.float32,
         )

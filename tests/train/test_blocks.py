@@ -78,12 +78,20 @@ def test_sampler_valid_sorted_capped_and_seeded() -> None:
     assert everything.tolist() == sorted(cands)
 
 
+def drawn(rows: dict, *, seed: int) -> list[torch.Tensor]:
+    """`sample_anchors` per row of `rows` ((T,) or (B, T) tensors), one generator over the rows."""
+    g = torch.Generator().manual_seed(seed)
+    docs, lm = rows["doc_ids"].long(), rows["loss_mask"].bool()
+    docs, lm = (docs[None], lm[None]) if docs.dim() == 1 else (docs, lm)
+    return [sample_anchors(docs[i], lm[i], max_anchors=512, generator=g) for i in range(docs.shape[0])]
+
+
 # ---------------------------------------------------------------------------------------------- labels
 @pytest.mark.parametrize("bs", [2, 4, 16])
 def test_labels_and_positions(bs: int) -> None:
     rows = [packed_row(10 + bs), packed_row(20 + bs)]
     stacked = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-    batch = build_blocks(**stacked, block_size=bs, generator=torch.Generator().manual_seed(0))
+    batch = build_blocks(**stacked, block_size=bs, anchors=drawn(stacked, seed=0))
     t = stacked["doc_ids"].shape[1]
     assert batch.labels.shape == (2, batch.num_blocks, bs)
     for b, row in enumerate(rows):
@@ -269,7 +277,7 @@ def test_training_mask_forward_equals_per_block_inference(cfg_kw: dict) -> None:
 def test_masks_for_layer_types_keys() -> None:
     cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=2)
     row = packed_row(0)
-    batch = build_blocks(**row, block_size=4, generator=torch.Generator().manual_seed(0))
+    batch = build_blocks(**row, block_size=4, anchors=drawn(row, seed=0))
     masks = masks_for_layer_types(cfg, batch)
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert torch.equal(masks["full_attention"], dense_mask(batch))

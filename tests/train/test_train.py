@@ -32,7 +32,7 @@ from dflashkit.train.metrics import RollingStats, read_metrics
 from dflashkit.train.packing import collate_rows, pack_row
 from dflashkit.train.slot_targets import block_labels
 from dflashkit.train.state import latest_checkpoint
-from dflashkit.train.step import noise_std_at, prepare_inputs, row_anchors
+from dflashkit.train.step import StepDraw, noise_std_at, prepare_inputs, row_anchors
 from helpers.train_runs import DRAFTER, cfg_for, final_weights, make_samples, write_tokens_file
 from helpers.weights_close import assert_close_after_adam, assert_grads_close
 
@@ -92,10 +92,10 @@ def test_labels_same_position_data_and_final_layer_target(target: Target, sample
 def test_noise_only_on_fc_inputs(target: Target, samples: list[Sample]) -> None:
     cfg = default_drafter_config(target, **DRAFTER)
     rows = collate_rows([pack_row(samples[:2], 64), pack_row(samples[2:3], 64)], [0, 1])
-    kw = dict(drafter_config=cfg, max_anchors=512, seed=0, epoch=1, step=3)
+    kw = dict(max_anchors=512, seed=0, epoch=1, step=3)
     for labels in ("data", "target"):
-        clean = prepare_inputs(rows, labels=labels, noise_std=0.0, **kw)
-        noisy = prepare_inputs(rows, labels=labels, noise_std=0.5, **kw)
+        clean = prepare_inputs(rows, cfg, StepDraw(labels, noise_std=0.0, **kw))
+        noisy = prepare_inputs(rows, cfg, StepDraw(labels, noise_std=0.5, **kw))
         assert torch.equal(clean.labels, noisy.labels)
         assert torch.equal(clean.blocks.first_tokens, noisy.blocks.first_tokens)
         real = rows.doc_ids >= 0
