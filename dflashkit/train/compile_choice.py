@@ -1,7 +1,8 @@
 """Whether a training run's step runs through `torch.compile` (`compile: auto | on | off`), decided by timing it in
 the run's own first steps on this machine (the rule: `cpu_products.compile_choice`).
 
-    trial = start_trial(cfg, drafter_cfg, shape, precision="bf16", device=device, wrap="plain", remaining_s=f)
+    key = compile_key(drafter_cfg, shape, precision="bf16", device=device, wrap="plain")
+    trial = start_trial(cfg.compile, key, remaining_s=f)
     trial.current       # "eager" | "compiled": what the next step's forward runs (Run.step_module)
     trial.finished(s)   # after each step (seconds agreed over ranks)
 
@@ -47,19 +48,15 @@ def compile_key(cfg: DrafterConfig, shape: StepShape, *, precision: str, device:
 
 def start_trial(
     value: Any,
-    cfg: DrafterConfig,
-    shape: StepShape,
-    *,
-    precision: str,
-    device: torch.device,
-    wrap: str,
+    key: str,
     remaining_s: Callable[[float], float],
+    *,
     distributed: bool = False,
     write: bool = True,
     path: Path | None = None,
 ) -> CompileTrial:
-    """The compile choice of a run whose config says `value` (auto | on | off | true | false)."""
-    key = compile_key(cfg, shape, precision=precision, device=device, wrap=wrap)
+    """The compile choice of a run whose config says `value` (auto | on | off | true | false) for the step `key`
+    (`compile_key`)."""
     return TRAIN_COMPILE.start(key, setting(value), remaining_s, distributed=distributed, write=write, path=path)
 
 

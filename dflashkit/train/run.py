@@ -575,7 +575,7 @@ def _compile_trial(
     """Whether this run's steps run compiled (`compile_choice.start_trial`): settled now, or timed in its first
     steps against the training time it has left (steps left × a step, within `schedule_minutes` and
     `time_budget_minutes`)."""
-    from dflashkit.train.compile_choice import start_trial
+    from dflashkit.train.compile_choice import compile_key, start_trial
     from dflashkit.train.memory import StepShape
     from dflashkit.train.memory_check import blocks_per_row
 
@@ -593,17 +593,8 @@ def _compile_trial(
     # a step's work: its micro-batches, and the target's forward and objective where the run computes them
     wrap += f":ga{cfg.grad_accum}:{'online' if cfg.online else 'offline'}:{cfg.loss}"
     shape = StepShape(rows=cfg.batch_rows, tokens=cfg.max_tokens, blocks=blocks_per_row(cfg))
-    trial = start_trial(
-        cfg.compile,
-        drafter_config,
-        shape,
-        precision=state.precision,
-        device=device,
-        wrap=wrap,
-        remaining_s=remaining_s,
-        distributed=dist.distributed,
-        write=dist.is_main,
-    )
+    key = compile_key(drafter_config, shape, precision=state.precision, device=device, wrap=wrap)
+    trial = start_trial(cfg.compile, key, remaining_s, distributed=dist.distributed, write=dist.is_main)
     if dist.is_main:
         said = trial.message or "timing the first eager steps (compile: auto)"
         print(f"[dflashkit train] torch.compile: {said}", flush=True)
