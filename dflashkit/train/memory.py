@@ -16,7 +16,7 @@ Per device (a rank), the peak of one optimizer step is
     FSDP adds the parameters and gradients it gathers (the root's and one decoder layer's) to the drafter's phase.
       drafter   the context features (B, T, K·H) and dense masks, then the largest of: the drafter's forward, the
                 loss over its saved activations, its backward (with the parameters' gradients) — the forward and
-                backward from the real drafter run on fake tensors (`scaled_drafter_step`), so every head and
+                backward from the real drafter run on shape-only tensors (`scaled_drafter_step`), so every head and
                 attention path is counted as it runs; the loss from its chunked pass (`losses._chunked_pass`: a
                 chunk's logits and the arrays live beside them)
 
@@ -36,6 +36,8 @@ there are terms, and the moments at the step's shape are their exact interpolati
 the largest is the peak. A step of one block, or of fewer than 4 tiles, is traced at its own blocks and interpolated
 in T alone. tests/train/test_memory.py checks the scaled step equals the full trace for every head kind and both
 attention paths.
+Shape-only tensors: fp32 steps run on the meta device (SDPA as the CPU runs it, `_CpuAttention`), bf16 steps on
+fake CPU tensors, which autocast casts (slower to start); the test checks both give the same ops and bytes.
 
 Checked against the allocator's own peak on CPU (tests/train/test_memory.py: within 15 %). `traced=False` leaves
 the drafter's passes out: a lower bound in closed form, which train's pre-flight check tries first (memory_check).
@@ -52,6 +54,8 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -165,7 +169,7 @@ def _largest_gathered(cfg: DrafterConfig) -> int:
 
 @dataclass
 class FakeStep:
-    """The drafter and one micro-batch's inputs as fake tensors (shapes only, no memory): `fake_step` makes it."""
+    """The drafter and one micro-batch's inputs as shape-only tensors (no memory): `fake_step` makes it."""
 
     drafter: Any
     embed: torch.Tensor  # (V, H) the target's table, frozen
@@ -195,7 +199,7 @@ class FakeStep:
 
 
 def _step_inputs(drafter: Any, shape: StepShape, *, bf16: bool, tiled: bool) -> FakeStep:
-    """A micro-batch of `shape` for `drafter`, made under the FakeTensorMode that made the drafter."""
+    """A micro-batch of `shape` for `drafter`, made in the shape-only context that made the drafter."""
     cfg = drafter.config
     b, t, nq = shape.rows, shape.tokens, shape.blocks * cfg.block_size
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -214,22 +218,50 @@ def _step_inputs(drafter: Any, shape: StepShape, *, bf16: bool, tiled: bool) -> 
     )
 
 
-@contextlib.contextmanager
-def _fake_drafter(cfg: DrafterConfig) -> Iterator[Any]:
-    """The drafter of `cfg` in training mode, built under a FakeTensorMode that stays on while used."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class _CpuAttention(TorchFunctionMode):
+    """On meta tensors, `scaled_dot_product_attention` as CPU tensors run it: PyTorch picks the attention kernel by
+    device, and on the meta device it would pick the unfused math path (other ops, other memory) where the CPU picks
+    its flash kernel. tests/train/test_memory.py checks meta traces equal fake CPU tensors' op for op."""
 
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].is_meta and not kwargs.get("dropout_p"):
+            q, k, v = args[:3]
+            mask, scale, causal = kwargs.get("attn_mask"), kwargs.get("scale"), kwargs.get("is_causal", False)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+            )[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _shape_only(bf16: bool) -> Iterator[None]:
+    """Tensors made inside carry shapes and no memory. fp32: the meta device (with `_CpuAttention`); bf16: fake CPU
+    tensors (`FakeTensorMode`), since autocast casts CPU tensors only — slower to start (it imports TorchDynamo)."""
+    if bf16:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            yield
+    else:
+        with torch.device("meta"), _CpuAttention():
+            yield
+
+
+@contextlib.contextmanager
+def _shape_drafter(cfg: DrafterConfig, *, bf16: bool = False) -> Iterator[Any]:
+    """The drafter of `cfg` in training mode, built shape-only (`_shape_only`) in a context that stays on while used."""
     from dflashkit.drafter.model import DFlashDrafter
 
-    with FakeTensorMode():
+    with _shape_only(bf16):
         yield DFlashDrafter(cfg).train()
 
 
 @contextlib.contextmanager
 def fake_step(cfg: DrafterConfig, shape: StepShape, *, bf16: bool = False, tiled: bool = False) -> Iterator[FakeStep]:
-    """The drafter of `cfg` and a micro-batch of `shape`, built under a FakeTensorMode that stays on while used.
+    """The drafter of `cfg` and a micro-batch of `shape`, built shape-only in a context that stays on while used.
     `tiled`: the masks as CPU training cuts them (`tiled_attention`), at their widest; else dense."""
-    with _fake_drafter(cfg) as drafter:
+    with _shape_drafter(cfg, bf16=bf16) as drafter:
         yield _step_inputs(drafter, shape, bf16=bf16, tiled=tiled)
 
 
@@ -268,7 +300,7 @@ def _trace(step: FakeStep) -> _Moments:
 
 
 def trace_drafter_step(cfg: DrafterConfig, shape: StepShape, settings: MemorySettings) -> dict[str, int]:
-    """The drafter's forward and backward over one micro-batch of `shape` itself, run on fake tensors:
+    """The drafter's forward and backward over one micro-batch of `shape` itself, run on shape-only tensors:
     {"forward_peak", "saved" (live after the forward: the activations kept for backward), "backward_peak"} in
     bytes above the inputs (features, masks, parameters), the gradient arriving from the loss included. Its cost
     grows with the query tiles of the CPU path: `scaled_drafter_step` gives the same at a constant cost."""
@@ -425,7 +457,7 @@ def _fit(cfg: DrafterConfig, shape: StepShape, *, bf16: bool, tiled: bool, path:
     if len(chosen) < need:
         raise RuntimeError(f"no {need} independent small shapes to trace the {path} path of {cfg.block_size}-blocks")
     values, ops = [], None
-    with _fake_drafter(cfg) as drafter:
+    with _shape_drafter(cfg, bf16=bf16) as drafter:
         for traced in chosen:
             tiles = _tiles(cfg, traced)[0] if tiled else 1
             m = _trace(_step_inputs(drafter, traced, bf16=bf16, tiled=tiled))
@@ -519,7 +551,7 @@ def step_memory(
         f"features + masks, then forward {passes['forward_peak'] / 2**30:.3f} / loss over saved "
         f"{(passes['saved'] + loss) / 2**30:.3f} / backward + gradients "
         f"{(passes['backward_peak'] + grads) / 2**30:.3f} GiB "
-        + ("(traced on fake tensors at small shapes, scaled)" if traced else "(the drafter's activations left out)")
+        + ("(traced shape-only at small shapes, scaled)" if traced else "(the drafter's activations left out)")
     )
     if s.online and not s.target_elsewhere:
         est.phases["online features"] = forward_transient(

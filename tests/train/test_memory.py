@@ -143,6 +143,7 @@ def test_step_memory_of_the_embedded_target_within_15_percent(tmp_path: Path) ->
 PATHS = {
     "tiles fp32": MemorySettings(device="cpu"),
     "tiles bf16": MemorySettings(device="cpu", precision="bf16"),
+    "dense fp32": MemorySettings(device="cuda", precision="fp32"),
     "dense bf16": MemorySettings(device="cuda"),
 }
 # One block; fewer than 4 query tiles; a partial last tile (n = 6, r = 80); three rows over 9 tiles (r = 96).
@@ -157,12 +158,38 @@ def _drafter(kind: str = "dflash", block_size: int = 16) -> DrafterConfig:
 
 
 @pytest.mark.parametrize(
-    ("kind", "path"), [*((k, p) for k in KINDS for p in ("tiles bf16", "dense bf16")), ("dflash", "tiles fp32")]
+    ("kind", "path"),
+    [
+        *((k, p) for k in KINDS for p in ("tiles bf16", "dense bf16")),
+        ("dflash", "tiles fp32"),
+        ("dspark", "dense fp32"),
+    ],
 )
 def test_the_scaled_trace_equals_the_trace_at_the_shape_itself(kind: str, path: str) -> None:
     cfg = _drafter(kind)
     for shape in SHAPES:
         assert scaled_drafter_step(cfg, shape, PATHS[path]) == trace_drafter_step(cfg, shape, PATHS[path]), shape
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_fp32_trace_on_the_meta_device_equals_fake_cpu_tensors_op_for_op(kind: str) -> None:
+    """fp32 steps are traced on the meta device (quick to start) with SDPA as the CPU runs it (`_CpuAttention`):
+    the same ops and the same bytes after each as fake CPU tensors give, on both attention paths."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dflashkit.drafter.model import DFlashDrafter
+    from dflashkit.train import memory
+
+    cfg = _drafter(kind)
+    for tiled in (True, False):
+        for shape in (StepShape(2, 200, 5), StepShape(1, 150, 45)):
+            with memory._shape_drafter(cfg) as drafter:
+                meta = memory._trace(memory._step_inputs(drafter, shape, bf16=False, tiled=tiled))
+            with FakeTensorMode():
+                drafter = DFlashDrafter(cfg).train()
+                fake = memory._trace(memory._step_inputs(drafter, shape, bf16=False, tiled=tiled))
+            assert len(meta.forward) > 20 and len(meta.backward) > 20
+            assert meta == fake, (tiled, shape)
 
 
 @pytest.mark.parametrize("block_size", [3, 12, 64, 256])
