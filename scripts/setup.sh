@@ -29,8 +29,14 @@ for arg in "$@"; do
   esac
 done
 if [ -z "$build" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-    build=cuda why="auto: nvidia-smi lists $(nvidia-smi -L 2>/dev/null | grep -c '^GPU ') GPU(s)"
+  # grep -c reads the whole list: `grep -q` would stop at the first line, and under pipefail the SIGPIPE that
+  # nvidia-smi gets writing the rest would read as "no GPU"
+  gpus=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+  fi
+  if [ "${gpus:-0}" -gt 0 ]; then
+    build=cuda why="auto: nvidia-smi lists $gpus GPU(s)"
   else
     build=cpu why="auto: no NVIDIA GPU answers nvidia-smi"
   fi

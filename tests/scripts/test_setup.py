@@ -19,7 +19,10 @@ def _plan(tmp_path: Path, *args: str, gpus: int | None = None) -> list[str]:
     bin_dir.mkdir(exist_ok=True)
     smi = bin_dir / "nvidia-smi"
     if gpus is not None:
-        lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
+        # one write per line, a pause after the first: a reader that stops at the first line kills the rest (SIGPIPE)
+        lines = "".join(
+            f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" + "sleep 0.1\n" * (i == 0) for i in range(gpus)
+        )
         smi.write_text("#!/bin/sh\n" + (lines or "echo 'No devices were found' >&2; exit 6\n"))
         smi.chmod(0o755)
     elif smi.exists():
