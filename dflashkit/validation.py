@@ -268,11 +268,47 @@ def _locate(doc: Any, loc: tuple[Any, ...]) -> tuple[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- dataclass fields
+# metadata of a dataclass field that holds settings nested (`DrafterConfig.head_settings`): the settings dataclasses
+# whose fields it stands for at the doors, under their own (flat) names
+FLATTENS = "flattens"
+
+
 @functools.cache
 def field_types(cls: type) -> dict[str, Any]:
-    """Field name → declared (Annotated) type of a dataclass."""
+    """Field name → declared (Annotated) type of a dataclass, as the doors name its fields: a field holding settings
+    nested (metadata `FLATTENS`) stands for their fields, in its place, under their own names (`markov_rank`)."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        if FLATTENS in f.metadata:
+            for settings in f.metadata[FLATTENS]:
+                out.update(field_types(settings))
+        else:
+            out[f.name] = hints[f.name]
+    return out
+
+
+_Class = typing.TypeVar("_Class", bound=type)
+
+
+def flat_keywords(nest: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[_Class], _Class]:
+    """A class decorator over a dataclass holding settings nested (`FLATTENS`): its constructor takes their fields as
+    flat keywords too (`DrafterConfig(kind="dspark", markov_rank=128)`), which `nest(keywords)` (a new dict of its
+    fields' keywords) folds into the nested field — the doors give flat keys, the class holds them nested."""
+
+    def wrap(cls: _Class) -> _Class:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: Any, **keywords: Any) -> None:
+            init(self, **nest(dict(keywords)))
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return wrap
 
 
 Where = Callable[[str], str]
@@ -559,6 +595,7 @@ def finite(x: float) -> bool:
 
 
 __all__ = [
+    "FLATTENS",
     "MAX_COUNT",
     "MAX_NUMBER",
     "MAX_TOKENS",
@@ -591,6 +628,7 @@ __all__ = [
     "field_types",
     "finite",
     "flag",
+    "flat_keywords",
     "int_list",
     "json_problem",
     "key_value_flag",

@@ -17,6 +17,7 @@ Run `python -m dflashkit.drafter.config` to print the default drafter config for
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -26,10 +27,11 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 from dflashkit.drafter.config_fields import check_zlab_field_types
-from dflashkit.drafter.heads import DRAFTER_SETTINGS, KINDS, head_of, kind_fields, kind_of_config
+from dflashkit.drafter.heads import DRAFTER_SETTINGS, FLAT_DRAFTER_SETTINGS, KINDS, head_of, kind_fields, kind_of_config
 from dflashkit.errors import ConfigError
 from dflashkit.target.layer_ids import layer_ids_problem
 from dflashkit.validation import (
+    FLATTENS,
     BlockSize,
     Bool,
     Expect,
@@ -42,6 +44,7 @@ from dflashkit.validation import (
     choice,
     fail,
     field_types,
+    flat_keywords,
     memory_available,
     optional,
     problem,
@@ -83,7 +86,7 @@ def check_memory(
         name = _costliest_field(cfg)
         at = where(name) if callable(where) else where
         raise ConfigError(
-            f"{at}: {name} = {getattr(cfg, name)}: this drafter ({cfg.num_hidden_layers} layers, hidden_size "
+            f"{at}: {name} = {cfg.to_dict()[name]}: this drafter ({cfg.num_hidden_layers} layers, hidden_size "
             f"{cfg.hidden_size}, {len(cfg.target_layer_ids)} target features) needs {need / 1e9:,.1f} GB for {what}, "
             f"more than the {memory_available() / 1e9:,.1f} GB this machine can allocate; {name} is the size that "
             f"costs the most"
@@ -95,18 +98,21 @@ def _costliest_field(cfg: DrafterConfig) -> str:
     import copy
 
     total, best, name = parameter_count(cfg), -1, "hidden_size"
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in _NOT_SIZES or not isinstance(value, int) or isinstance(value, bool) or value <= 1:
+    own = cfg.head_fields()
+    for candidate, value in {**own, **_backbone_fields(cfg)}.items():  # the head's first: it wins a tie
+        if candidate in _NOT_SIZES or not isinstance(value, int) or isinstance(value, bool) or value <= 1:
             continue
-        smaller = copy.copy(cfg)
-        object.__setattr__(smaller, f.name, 1)
+        smaller = copy.copy(cfg)  # no validation: this size alone changes
+        if candidate in own:
+            object.__setattr__(smaller, "head_settings", dataclasses.replace(cfg.head_settings, **{candidate: 1}))
+        else:
+            object.__setattr__(smaller, candidate, 1)
         try:
             saved = total - parameter_count(smaller)
         except (TypeError, ValueError, ZeroDivisionError):
             continue
         if saved > best:
-            best, name = saved, f.name
+            best, name = saved, candidate
     return name
 
 
@@ -193,14 +199,57 @@ TARGET_COUPLED = {
 }
 # Fields that only one kind of drafter reads (its head's): given to another kind they would be dropped without a word.
 KIND_FIELDS = kind_fields()
+HEAD_DEFAULTS = {f.name: f.default for settings in DRAFTER_SETTINGS for f in fields(settings)}
+NESTED = "head_settings"  # the field holding the head's own fields
 
 
+def _nest_head_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """`DrafterConfig`'s keywords with the head's flat fields (`markov_rank=128`) folded into `head_settings`: the
+    kind's settings — a given instance of its class with those fields changed, else its defaults with them (a kind
+    changed by `replace` starts from the new kind's defaults) — or None for a kind without any. A field of another
+    kind is dropped at its default (a door lets a saved config repeat it) and refused, by name, otherwise: kept, it
+    would be ignored without a word."""
+    flat = {name: values.pop(name) for name in list(values) if name in KIND_FIELDS}
+    kind = values.get("kind", "dflash")
+    if kind not in KINDS:
+        return values  # `validate` names the kind
+    for name, value in flat.items():
+        owner = KIND_FIELDS[name]
+        if owner != kind and value != HEAD_DEFAULTS[name]:
+            check_fields(DrafterConfig, {name: value}, _default_where)  # a bad value is named as such first
+            raise ConfigError(
+                f"{_default_where(name)}: {name} belongs to kind={owner} drafters; this one is kind={kind} "
+                f"(add kind={owner}, or drop {name})"
+            )
+    settings, given = head_of(kind).settings, values.get(NESTED)
+    own = {name: value for name, value in flat.items() if KIND_FIELDS[name] == kind}
+    if settings is None:
+        values[NESTED] = None
+    elif isinstance(given, settings):
+        values[NESTED] = dataclasses.replace(given, **own)  # a copy: configs never share their settings
+    else:
+        values[NESTED] = settings(**own)
+    return values
+
+
+def _backbone_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """The backbone's fields (every one but the nested head settings), in their declared order."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != NESTED}
+
+
+@flat_keywords(_nest_head_fields)
 @dataclass
-class DrafterConfig(*DRAFTER_SETTINGS):
+class DrafterConfig:
     """Everything that defines a DFlash drafter network and its coupling to a target. Every field's type is its
     check (`dflashkit.validation`); `validate()` runs them and the rules between fields. The fields a head alone
-    reads (DSpark's, DFlash2's) are its settings' (`Head.settings`), inherited as keyword-only fields."""
+    reads (DSpark's `markov_rank`, DFlash2's `selector_rank`, …) are its settings' (`Head.settings`), held nested in
+    `head_settings`; every door names them flat — this constructor (`DrafterConfig(kind="dspark", markov_rank=128)`),
+    `for_target`, `replace`, `to_dict`, config.json and the command line."""
 
+    # The kind's own fields: an instance of its head's settings (`head_of(kind).settings`; None for a kind without
+    # any, DFlash's), read as `cfg.head_settings.markov_rank`. Declared first: the doors check (and `field_types`
+    # lists, `FLATTENS`) a head's fields before the backbone's.
+    head_settings: Any = field(default=None, kw_only=True, metadata={FLATTENS: FLAT_DRAFTER_SETTINGS})
     hidden_size: PositiveInt
     vocab_size: PositiveInt
     num_target_layers: PositiveInt
@@ -229,7 +278,7 @@ class DrafterConfig(*DRAFTER_SETTINGS):
     # Fields of the target's chat setup recorded at training time (checked by doctor at evaluation).
     extra: Annotated[dict[str, Any], Expect("a mapping")] = field(default_factory=dict)
     # the drafter's head (`dflashkit.drafter.heads`): "dflash" (slot 0 holds the given token, slots 1..bs−1 draft),
-    # "dspark" (DeepSpec's DSpark), "dflash2" (z-lab's DFlash2); a head's own fields come from its settings
+    # "dspark" (DeepSpec's DSpark), "dflash2" (z-lab's DFlash2), …; a head's own fields are in `head_settings`
     kind: choice(*KINDS) = "dflash"
 
     def __post_init__(self) -> None:
@@ -281,7 +330,16 @@ class DrafterConfig(*DRAFTER_SETTINGS):
     def validate(self, where: Where | None = None) -> None:
         """Raise ConfigError naming the field, its value and what was expected (`where(field)`: its source)."""
         where = where or _default_where
-        check_fields(DrafterConfig, {f.name: getattr(self, f.name) for f in fields(self)}, where)
+        check_fields(DrafterConfig, {**self.head_fields(), **_backbone_fields(self)}, where)
+        settings = head_of(self).settings
+        if not (isinstance(self.head_settings, settings) if settings is not None else self.head_settings is None):
+            raise fail(
+                where("kind"),
+                "kind",
+                self.kind,
+                f"head_settings of its kind ({settings.__name__ if settings else 'None'}), not "
+                f"{type(self.head_settings).__name__}",
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise fail(
                 where("num_attention_heads"),
@@ -325,6 +383,10 @@ class DrafterConfig(*DRAFTER_SETTINGS):
         problem = layer_ids_problem(self.target_layer_ids, num_target_layers)
         if problem:
             raise ConfigError(problem)
+
+    def head_fields(self) -> dict[str, Any]:
+        """The kind's own fields under their flat names (`{"markov_rank": 256, …}`; empty for a kind without any)."""
+        return asdict(self.head_settings) if self.head_settings is not None else {}
 
     @property
     def num_features(self) -> int:
@@ -480,11 +542,17 @@ class DrafterConfig(*DRAFTER_SETTINGS):
         return cls.from_zlab_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field; the backbone's first, then the heads' own."""
+        """Every field under its flat name: the backbone's first, then every head's (`FLAT_DRAFTER_SETTINGS`' order)
+        — this kind's values, another kind's defaults: one layout for every kind, which the identities hashed from it
+        (evaluate's `drafter_fingerprint`) keep."""
         out = asdict(self)
-        return {k: out[k] for k in sorted(out, key=lambda k: k in KIND_FIELDS)}
+        del out[NESTED]
+        for settings in FLAT_DRAFTER_SETTINGS:
+            out.update(asdict(self.head_settings if isinstance(self.head_settings, settings) else settings()))
+        return out
 
     def replace(self, **changes: Any) -> DrafterConfig:
+        """A new config with `changes` (flat names; a changed kind's own fields start from its defaults)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return DrafterConfig(**values)

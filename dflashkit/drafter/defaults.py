@@ -8,10 +8,9 @@ parser the CLI uses for drafter fields, and the one-line description of a drafte
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
-from dflashkit.drafter.config import KIND_FIELDS, TARGET_COUPLED, DrafterConfig
+from dflashkit.drafter.config import HEAD_DEFAULTS, KIND_FIELDS, TARGET_COUPLED, DrafterConfig
 from dflashkit.errors import ConfigError
 from dflashkit.validation import PositiveInt, Where, check_fields, parse_assignments, problem, show
 
@@ -40,9 +39,8 @@ def check_overrides(overrides: Any, where: Where, *, prefix: str = "") -> None:
                 f"drafter for another size is a drafter for another target (--target)"
             )
     kind = fields_only.get("kind", "dflash")
-    defaults = {f.name: f.default for f in fields(DrafterConfig)}
     for name, owner in KIND_FIELDS.items():
-        if name in fields_only and owner != kind and fields_only[name] != defaults[name]:
+        if name in fields_only and owner != kind and fields_only[name] != HEAD_DEFAULTS[name]:
             raise ConfigError(
                 f"{where(name)}: {prefix}{name} belongs to kind={owner} drafters; this one is kind={kind} "
                 f"(add {prefix}kind={owner}, or drop {prefix}{name})"

@@ -197,7 +197,7 @@ def _drafter_lines(cfg: DrafterConfig) -> list[str]:
         ("mask", mask + (f"; {why}" if why else "")),
         ("draft vocabulary", vocab),
         ("hidden size", str(cfg.hidden_size)),
-        *((f, f"{getattr(cfg, f)}") for f in head.fields),
+        *((f, f"{v}") for f, v in cfg.head_fields().items()),
     ]
     return ["## Drafter", "", "| | |", "| --- | --- |", *(f"| {k} | {_cell(v)} |" for k, v in rows), ""]
 

@@ -16,6 +16,7 @@ from the current step on (so only an unchanged config reproduces an uninterrupte
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -24,10 +25,11 @@ from typing import Annotated, Any
 import yaml
 from pydantic import Field
 
-from dflashkit.drafter.heads import TRAIN_SETTINGS
+from dflashkit.drafter.heads import FLAT_TRAIN_SETTINGS, HEADS, TRAIN_SETTINGS, train_kind_fields
 from dflashkit.errors import ConfigError
 from dflashkit.target.devices import resolve_device
 from dflashkit.validation import (
+    FLATTENS,
     AdamBetas,
     Bool,
     CompileSetting,
@@ -43,6 +45,8 @@ from dflashkit.validation import (
     check_fields,
     choice,
     fail,
+    field_types,
+    flat_keywords,
     load_yaml,
     optional,
     parse_yaml_value,
@@ -95,13 +99,47 @@ def _cadence(steps: int, minutes: float | None) -> str:
     return " or ".join(parts) or "end"
 
 
+# training option → the kind whose objective reads it; a head's options class → its kind
+_HEAD_OPTIONS = train_kind_fields()
+_KIND_OF = {h.train_settings: h.kind for h in HEADS.values() if h.train_settings is not None}
+NESTED = "head_options"  # the field holding the heads' own options
+
+
+def _default_head_options() -> dict[str, Any]:
+    """Every head's training options at their defaults: kind → an instance of its `Head.train_settings`."""
+    return {kind: settings() for settings, kind in _KIND_OF.items()}
+
+
+def _nest_head_options(values: dict[str, Any]) -> dict[str, Any]:
+    """`TrainConfig`'s keywords with the heads' flat options (`dspark_ce_weight=1.0`) folded into `head_options`: each
+    head's instance — of a given mapping (copied), else its defaults — with the options given for it changed. Every
+    head's are kept: which head trains is known only once the drafter is (`drafter.kind`, `init_from`, a resumed
+    checkpoint), and the run refuses an option of another head there (`train.run.check_kind_fits`)."""
+    given = values.get(NESTED) or {}
+    options = {kind: given.get(kind, default) for kind, default in _default_head_options().items()}
+    for kind in options:
+        own = {name: values.pop(name) for name in list(values) if _HEAD_OPTIONS.get(name) == kind}
+        options[kind] = dataclasses.replace(options[kind], **own)  # a copy: configs never share their options
+    values[NESTED] = options
+    return values
+
+
+@flat_keywords(_nest_head_options)
 @dataclass
-class TrainConfig(*TRAIN_SETTINGS):
+class TrainConfig:
     """A DFlash training run. Paths are relative to the working directory. Every field's type is its check
     (`dflashkit.validation`); `validate()` runs them and the rules between fields. The options one drafter head
-    alone reads (DSpark's loss weights, DFlash2's selector term) are its `Head.train_settings`, inherited as
-    keyword-only fields."""
+    alone reads (DSpark's loss weights, DFlash2's selector term) are its `Head.train_settings`, held nested in
+    `head_options` (one instance per head); every door names them flat — this constructor
+    (`TrainConfig(dspark_ce_weight=1.0)`), a YAML file, `key=value` overrides, `to_dict` and a checkpoint's
+    train_config.yaml."""
 
+    # Every head's own options: kind → an instance of its `Head.train_settings` (defaults where not given); its head
+    # reads them as `head.train_options(cfg)`. Declared first: a head's options lead `to_dict` (the layout of a
+    # checkpoint's train_config.yaml) and `field_types`.
+    head_options: dict[str, Any] = field(
+        default_factory=_default_head_options, metadata={FLATTENS: FLAT_TRAIN_SETTINGS}
+    )
     # ---- data and models
     features: optional(Text, "no captured features") = None  # directory written by `dflashkit capture`
     tokens: optional(Text, "no tokens file") = None  # tokens.jsonl from `dflashkit prepare` (with online: true)
@@ -189,7 +227,8 @@ class TrainConfig(*TRAIN_SETTINGS):
     # ------------------------------------------------------------------ construction
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if not f.metadata.get("internal")]
+        """Every option as the doors name it (a head's flat: `dspark_ce_weight`), the heads' first."""
+        return list(field_types(cls))
 
     @classmethod
     def from_dict(
@@ -227,7 +266,7 @@ class TrainConfig(*TRAIN_SETTINGS):
         from dflashkit.target.devices import device_problem
 
         where = _where(self.sources, source)
-        check_fields(TrainConfig, {n: getattr(self, n) for n in self.field_names()}, where)
+        check_fields(TrainConfig, self.to_dict(), where)
         check_overrides(self.drafter, lambda k: where(f"drafter.{k}"), prefix="drafter.")
         for name in ("drafter_device", "target_device"):
             why = device_problem(getattr(self, name), allow_auto=True)
@@ -328,7 +367,11 @@ class TrainConfig(*TRAIN_SETTINGS):
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:
-        return {n: v for n, v in asdict(self).items() if n != "sources"}
+        """Every option under its flat name: the heads' first (`FLAT_TRAIN_SETTINGS`' order), then the run's — the
+        layout of a checkpoint's train_config.yaml, which a resumed run compares (`check_resume_compatible`)."""
+        out = {k: v for s in FLAT_TRAIN_SETTINGS for k, v in asdict(self.head_options[_KIND_OF[s]]).items()}
+        out.update((n, v) for n, v in asdict(self).items() if n not in ("sources", NESTED))
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflashkit.drafter.heads import TRAIN_SETTINGS
 from dflashkit.train.config import RESUME_LOCKED, TrainConfig
-from dflashkit.validation import expected_text, field_types
+from dflashkit.validation import FLATTENS, expected_text, field_types
 
 BEGIN = "<!-- train-options:begin -->"
 END = "<!-- train-options:end -->"
@@ -28,9 +28,8 @@ def field_comments() -> dict[str, str]:
     """Field name → the comment beside it in the source of the class declaring it (`TrainConfig`, or a head's
     training settings), with the comment lines just above it (a `# ---- section` line starts none)."""
     out: dict[str, str] = {}
-    for cls in TrainConfig.__mro__:
-        if dataclasses.is_dataclass(cls):
-            out = {**_class_comments(cls), **out}
+    for cls in (TrainConfig, *TRAIN_SETTINGS):
+        out.update(_class_comments(cls))
     return out
 
 
@@ -84,11 +83,9 @@ def options_table() -> str:
     """The Markdown table: option, default, accepted values, meaning (a • marks options fixed for a resumed run)."""
     comments, types = field_comments(), field_types(TrainConfig)
     rows = ["| option | default | accepts | what it does |", "| --- | --- | --- | --- |"]
-    own = set(inspect.get_annotations(TrainConfig))
-    head_rank = {f.name: i for i, settings in enumerate(TRAIN_SETTINGS) for f in dataclasses.fields(settings)}
-    for f in sorted(dataclasses.fields(TrainConfig), key=lambda f: (f.name not in own, head_rank.get(f.name, 0))):
-        if f.metadata.get("internal"):
-            continue
+    own = [f for f in dataclasses.fields(TrainConfig) if not f.metadata.get("internal") and FLATTENS not in f.metadata]
+    # the run's options, then each head's (the registry's order), under their flat names
+    for f in [*own, *(f for settings in TRAIN_SETTINGS for f in dataclasses.fields(settings))]:
         name = f"`{f.name}`" + (" •" if f.name in RESUME_LOCKED else "")
         accepts = expected_text(types[f.name]) or ""
         rows.append(f"| {name} | {_cell(_default(f))} | {_cell(accepts)} | {_cell(comments.get(f.name, ''))} |")

@@ -17,7 +17,7 @@ import gc
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from dflashkit.train.packing import (
 from dflashkit.train.schedule import cosine_with_warmup
 from dflashkit.train.state import TrainState, latest_checkpoint, load_checkpoint_state, load_saved_config, restore_rng
 from dflashkit.train.target_lse import RowLogSumExp
+from dflashkit.validation import field_types
 
 
 class DrafterStep(nn.Module):
@@ -118,13 +119,14 @@ _FOLLOW_THE_TARGET = ("hidden_size", "vocab_size", "num_target_layers", "target_
 def _check_same_drafter(saved: DrafterConfig, wanted: DrafterConfig, where: str, asked: set[str]) -> None:
     """The checkpoint's drafter has every field the config asks for (`asked`: its `drafter:` keys) and the
     target's coupling."""
-    for f in fields(DrafterConfig):
-        if f.name == "extra" or (f.name not in asked and f.name not in _FOLLOW_THE_TARGET):
+    old, new = saved.to_dict(), wanted.to_dict()  # flat: a head's fields by the names `asked` uses
+    for name in field_types(DrafterConfig):  # as the doors check them: a head's fields first
+        if name == "extra" or (name not in asked and name not in _FOLLOW_THE_TARGET):
             continue
-        a, b = getattr(saved, f.name), getattr(wanted, f.name)
+        a, b = old[name], new[name]
         if a != b:
             raise ConfigError(
-                f"cannot resume {where}: the checkpoint's drafter has {f.name} = {a!r} but this "
+                f"cannot resume {where}: the checkpoint's drafter has {name} = {a!r} but this "
                 f"config builds {b!r}; use a new `out` directory"
             )
 
@@ -355,7 +357,8 @@ def check_kind_fits(cfg: Any, drafter_config: DrafterConfig) -> None:
     own, defaults = head_of(drafter_config), type(cfg)()
     for head in HEADS.values():
         for name in head.train_fields if head is not own else ():
-            if name in cfg.sources and getattr(cfg, name) != getattr(defaults, name):
+            given, default = head.train_options(cfg), head.train_options(defaults)
+            if name in cfg.sources and getattr(given, name) != getattr(default, name):
                 raise ConfigError(
                     f"{cfg.sources[name]}: {name} belongs to the objective of kind={head.kind} drafters; this drafter "
                     f"is kind={own.kind} (set drafter.kind={head.kind}, or drop {name})"

@@ -173,7 +173,7 @@ def test_cli_init_drafter_and_generate_with_confidence_cut_off(tiny_llama_dir, t
     args = ["init-drafter", str(ckpt), "--target", str(tiny_llama_dir), "kind=dspark", "num_hidden_layers=1"]
     assert main([*args, "block_size=3", "markov_rank=16"]) == 0
     d = load_drafter(ckpt)
-    assert d.config.kind == "dspark" and d.config.markov_rank == 16 and d.confidence_head is not None
+    assert d.config.kind == "dspark" and d.config.head_settings.markov_rank == 16 and d.confidence_head is not None
     gen = ["generate", "--target", str(tiny_llama_dir), "--drafter", str(ckpt), "--prompt-ids", "3,4,5,6"]
     assert main([*gen, "--max-new-tokens", "8", "--confidence-min", "0.2"]) == 0
     assert main([*gen, "--max-new-tokens", "8", "--confidence-min", "2"]) == 2

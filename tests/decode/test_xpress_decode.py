@@ -95,9 +95,9 @@ def test_no_passes_give_the_backbone_and_bs_passes_its_own_greedy_rollout() -> N
     g = torch.Generator().manual_seed(0)
     logits, hidden = torch.randn(bs - 1, vocab, generator=g) * 3, torch.randn(bs, 32, generator=g)
     block = BlockSlots(hidden, first=7, before=11)
-    d.config.num_jacobi_passes = 0
+    d.config.head_settings.num_jacobi_passes = 0
     assert xpress_draft.greedy_chain(d, logits, 7, block)[0] == logits.argmax(-1).tolist()
-    d.config.num_jacobi_passes = bs
+    d.config.head_settings.num_jacobi_passes = bs
     drafts = xpress_draft.greedy_chain(d, logits, 7, block)[0]
     w, prev = weights64(d), [11, 7]
     base = torch.cat([torch.zeros(1, vocab), logits]).double()

@@ -163,7 +163,7 @@ def test_the_dspark_loss_and_its_gradients_equal_deepspecs(deepspec) -> None:
     from helpers.dspark_blocks import dspark_blocks
 
     drafter, hidden, head, tokens, valid, labels, prev = dspark_blocks()
-    vocab, h_dim, rank = head.shape[0], head.shape[1], drafter.config.markov_rank
+    vocab, h_dim, rank = head.shape[0], head.shape[1], drafter.config.head_settings.markov_rank
     markov = VanillaMarkov(vocab_size=vocab, markov_rank=rank)
     markov.load_state_dict(drafter.markov_head.state_dict())
     predictor = AcceptRatePredictor(input_dim=h_dim + rank)

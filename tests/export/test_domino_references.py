@@ -21,6 +21,7 @@ from dflashkit.drafter.checkpoint import load_drafter, save_drafter
 from dflashkit.drafter.heads import TrainingTerms, head_of
 from dflashkit.drafter.heads.domino_net import corrected_logits, token_embeddings
 from dflashkit.drafter.model import DFlashDrafter
+from dflashkit.train.config import TrainConfig
 from helpers.checkpoints import small_config
 from helpers.reference_envs import HELPERS, speculators_python
 
@@ -75,7 +76,7 @@ def test_modelopt_and_specforge_give_dflashkits_corrected_logits_and_loss(tmp_pa
         torch.testing.assert_close(ours, ref[name]["final"].float(), rtol=1e-5, atol=1e-5, msg=name)
     weights = torch.exp(-k.float() / gamma)
     normalizer = float(weights.sum()) * n
-    cfg_train = type("T", (), {"lambda_base_start": lam, "lambda_base_decay_ratio": 1.0})()
+    cfg_train = TrainConfig(lambda_base_start=lam, lambda_base_decay_ratio=1.0)
     terms = TrainingTerms(
         drafter=d, hidden=hid, head_weight=lm_head, labels=labels, prev_tokens=prevs, weights=weights,
         normalizer=normalizer, step=0, train_cfg=cfg_train, weights_of=None, embed_weight=embed, total_steps=10,

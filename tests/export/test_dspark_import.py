@@ -114,7 +114,7 @@ def test_deepspec_checkpoint_imports_after_its_target_tables_are_checked(tmp_pat
     target_dir = tiny_target_dirs["qwen3"]
     target = Target.load(target_dir)
     src, cfg, sd = _deepspec_checkpoint(tmp_path / "deepspec", target_dir, target)
-    assert cfg.kind == "dspark" and cfg.markov_rank == 8 and cfg.target_layer_ids == [1, 3, 5]
+    assert cfg.kind == "dspark" and cfg.head_settings.markov_rank == 8 and cfg.target_layer_ids == [1, 3, 5]
     with pytest.raises(CheckpointError, match="DeepSpec's frozen copies of the target's tables"):
         load_drafter(src)  # read as it is, the copies are named and the import command given
     found = [f.line() for f in inspect_checkpoint(src).findings if f.status != "OK"]

@@ -141,6 +141,7 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
             assert not required, f"required key {key} missing"
     assert fields["general.architecture"].contents() == "dflash"
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)
+    own = cfg.head_settings
     table = loader_tensors(
         cfg.hidden_size,
         cfg.num_hidden_layers,
@@ -151,8 +152,8 @@ def check_against_loader(path: Path, cfg, *, outtype: str) -> dict:
         cfg.num_features,
         n_vocab,
         cfg.draft_vocab_size or n_vocab,
-        cfg.markov_rank if cfg.kind == "dspark" else None,
-        (cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size, cfg.selector_rank)
+        own.markov_rank if cfg.kind == "dspark" else None,
+        (own.conv_kernel_size, cfg.hidden_size // own.conv_group_size, own.selector_rank)
         if cfg.kind == "dflash2"
         else None,
     )

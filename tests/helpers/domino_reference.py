@@ -20,7 +20,7 @@ def weights64(d, grad: bool = False) -> dict:
         "w2": d.embed_proj[2].weight,
     }
     out = {k: v.detach().double().requires_grad_(grad) for k, v in raw.items()}
-    out["prefix"] = d.config.pure_draft_prefix_len
+    out["prefix"] = d.config.head_settings.pure_draft_prefix_len
     return out
 
 

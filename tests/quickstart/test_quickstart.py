@@ -103,7 +103,7 @@ def test_quickstart_with_a_dspark_drafter(tmp_path, capsys):
     assert main(args) == 0
     assert "τ macro" in capsys.readouterr().out
     drafter = load_drafter(out / "drafter")
-    assert drafter.config.kind == "dspark" and drafter.config.markov_rank == 32
+    assert drafter.config.kind == "dspark" and drafter.config.head_settings.markov_rank == 32
     assert Manifest.load(out / "features").layer_ids[-1] == drafter.config.num_target_layers - 1
     for dataset in ("mtbench", "humaneval"):
         doc = json.loads((out / "eval" / dataset / "results.json").read_text())
@@ -125,7 +125,7 @@ def test_quickstart_with_a_domino_drafter(tmp_path, capsys):
     assert main(["quickstart", "--out", str(out), *TINY, "--drafter", "kind=domino"]) == 0
     assert "τ macro" in capsys.readouterr().out
     drafter = load_drafter(out / "drafter")
-    assert drafter.config.kind == "domino" and drafter.config.emb_dim == 128  # the quickstart's preset
+    assert drafter.config.kind == "domino" and drafter.config.head_settings.emb_dim == 128  # the quickstart's preset
     assert drafter.config.num_target_layers - 1 not in Manifest.load(out / "features").layer_ids
     state = json.loads((out / "quickstart.json").read_text())
     assert any("vLLM has no Domino" in n for n in state["done"]["export"]["notes"])
@@ -147,7 +147,7 @@ def test_quickstart_with_an_xpress_drafter(tmp_path, capsys):
     assert main(["quickstart", "--out", str(out), *TINY, "--drafter", "kind=xpress"]) == 0
     assert "τ macro" in capsys.readouterr().out
     drafter = load_drafter(out / "drafter")
-    assert drafter.config.kind == "xpress" and drafter.config.xpress_rank == 64  # the quickstart's preset
+    assert drafter.config.kind == "xpress" and drafter.config.head_settings.xpress_rank == 64  # the quickstart's preset
     state = json.loads((out / "quickstart.json").read_text())
     assert any("no vLLM release has an XPress" in n for n in state["done"]["export"]["notes"])
     for dataset in ("mtbench", "humaneval"):
@@ -172,7 +172,7 @@ def test_the_quickstart_dspark_preset_and_what_overrides_it():
     )
     assert given.drafter_overrides()["markov_rank"] == 256
     assert given.train_settings() == {"dspark_ce_weight": 0.1, "lr": 1e-3}
-    assert TrainConfig().dspark_ce_weight == 0.1  # `dflashkit train` keeps DeepSpec's default
+    assert TrainConfig().head_options["dspark"].dspark_ce_weight == 0.1  # `dflashkit train` keeps DeepSpec's default
 
 
 def check_sweep_on(base, tmp_path, capsys):

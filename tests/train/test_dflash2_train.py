@@ -59,7 +59,7 @@ def reference64(d, hidden, head, labels, prevs, weights, rule, decay, normalizer
             if y < 0 or float(weights[s]) == 0:
                 continue
             h = hidden[n, s].double()
-            u = d.config.output_multiplier * (head.double() @ h)  # (V,)
+            u = d.config.head_settings.output_multiplier * (head.double() @ h)  # (V,)
             cands = u.topk(k).indices.tolist()
             if y not in cands:
                 if rule == "strict":
@@ -91,7 +91,7 @@ def test_selector_term_and_its_gradient_equal_a_float64_reference(rule: str, dec
         drafter=d, hidden=hidden, head_weight=head, labels=labels, prev_tokens=prevs, weights=weights,
         normalizer=3.0, step=0, train_cfg=cfg, weights_of=lambda ce, counted: weights[None].expand_as(ce) * counted,
     )  # fmt: skip
-    got = selector_loss(terms, terms.weights_of)
+    got = selector_loss(terms, cfg, terms.weights_of)
     hidden64 = hidden.detach().double().requires_grad_(True)
     want = 0.7 * reference64(d, hidden64, head, labels, prevs, weights, rule, decay, 3.0)
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)

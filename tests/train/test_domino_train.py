@@ -69,13 +69,13 @@ def test_objective_and_its_gradients_equal_a_float64_reference(prefix: int, step
     labels[1, 3] = labels[2, 2:] = -100
     prevs = torch.randint(0, 50, (3, 4), generator=g)
     weights = torch.exp(-torch.arange(4.0) / 7)
-    cfg = SimpleNamespace(lambda_base_start=0.8, lambda_base_decay_ratio=0.5)
+    cfg = TrainConfig(lambda_base_start=0.8, lambda_base_decay_ratio=0.5)
     terms = TrainingTerms(
         drafter=d, hidden=hidden, head_weight=head, labels=labels, prev_tokens=prevs, weights=weights,
         normalizer=2.5, step=step, train_cfg=cfg, weights_of=None, embed_weight=embed, total_steps=16,
     )  # fmt: skip
     own = head_of("domino").objective(terms)
-    lam = lambda_base_at(cfg, step, 16)
+    lam = lambda_base_at(cfg.head_options["domino"], step, 16)
     assert lam == pytest.approx(max(0.0, 0.8 * (1 - step / 8)))
     hidden64 = hidden.detach().double().requires_grad_(True)
     w = weights64(d, grad=True)
@@ -108,7 +108,7 @@ def test_a_block_without_live_slots_still_back_propagates() -> None:
     terms = TrainingTerms(
         drafter=d, hidden=hidden, head_weight=torch.randn(50, 32), labels=torch.full((2, 4), -100),
         prev_tokens=torch.zeros(2, 4, dtype=torch.long), weights=torch.ones(4), normalizer=1.0, step=0,
-        train_cfg=SimpleNamespace(lambda_base_start=1.0, lambda_base_decay_ratio=0.5), weights_of=None,
+        train_cfg=TrainConfig(lambda_base_start=1.0, lambda_base_decay_ratio=0.5), weights_of=None,
         embed_weight=torch.randn(50, 32), total_steps=4,
     )  # fmt: skip
     own = head_of("domino").objective(terms)

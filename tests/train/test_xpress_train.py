@@ -8,7 +8,6 @@ with is refused by name."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,7 +56,8 @@ def _terms(d, hidden, head, labels, prevs, weights, target, cfg, normalizer) -> 
 
 def reference64(w, hidden, head, labels, prevs, weights, target, cfg, normalizer):
     """The module docstring's loss from the definitions, block by block, slot by slot."""
-    alpha = cfg.xpress_ce_weight if cfg.loss != "ce" else 1.0
+    opts = cfg.head_options["xpress"]
+    alpha = opts.xpress_ce_weight if cfg.loss != "ce" else 1.0
 
     def term(n, z):  # Σ_k w_k·[(1 − α)·TV + α·CE] over block n's supervised slots
         out = 0.0
@@ -76,14 +76,14 @@ def reference64(w, hidden, head, labels, prevs, weights, target, cfg, normalizer
         base = hidden[n] @ head.double().t()  # (bs, V)
         total = total + term(n, base + bias64(w, hidden[n], prevs[n].tolist()))
         guess, rounds = base.argmax(-1).tolist(), []
-        for _ in range(cfg.consistency_passes):
+        for _ in range(opts.consistency_passes):
             guess[0] = int(prevs[n, 1])  # the anchor
             z = base + bias64(w, hidden[n], [int(prevs[n, 0]), *guess[:-1]])
             rounds.append(term(n, z))
             guess = z.argmax(-1).tolist()
         if rounds:
-            total = total + cfg.consistency_weight * sum(rounds) / len(rounds)
-        total = total + cfg.base_anchor_weight * term(n, base)
+            total = total + opts.consistency_weight * sum(rounds) / len(rounds)
+        total = total + opts.base_anchor_weight * term(n, base)
     return total / normalizer
 
 
@@ -100,8 +100,8 @@ def test_objective_and_its_gradients_equal_a_float64_reference(loss, passes, cw,
     labels[1, 3] = labels[2, 2:] = -100
     prevs = torch.randint(0, 50, (3, 4), generator=g)
     weights = decay_weights(4, 3.0)
-    cfg = SimpleNamespace(loss=loss, xpress_ce_weight=0.1, consistency_weight=cw, consistency_passes=passes,
-                          base_anchor_weight=bw)  # fmt: skip
+    cfg = TrainConfig(loss=loss, xpress_ce_weight=0.1, consistency_weight=cw, consistency_passes=passes,
+                      base_anchor_weight=bw)  # fmt: skip
     own = head_of("xpress").objective(_terms(d, hidden, head, labels, prevs, weights, target, cfg, 2.5))
     hidden64 = hidden.detach().double().requires_grad_(True)
     w = weights64(d, grad=True)

@@ -3,8 +3,8 @@
     head = head_of(cfg)        # cfg.kind (or a kind name) → its Head: what the stages need to know of it
     head.format                # what the kind is to formats and engines: one frozen HeadFormat record
     KINDS                      # the kinds a drafter config may name
-    DRAFTER_SETTINGS, TRAIN_SETTINGS   # the heads' own config fields and training options (base classes of the
-                                       # drafter config and the training config)
+    DRAFTER_SETTINGS, TRAIN_SETTINGS   # the classes of the heads' own config fields and training options, held
+                                       # nested: `DrafterConfig.head_settings`, `TrainConfig.head_options`
 
   base.py     `Head`: the interface, with the DFlash backbone's own behaviour as its defaults (the DFlash head)
   format.py   `HeadFormat`: what a kind is to formats and engines, DFlash's facts as its defaults
@@ -50,9 +50,16 @@ def kind_of_config(raw: dict[str, Any]) -> str:
     return next((h.kind for h in HEADS.values() if h.kind != "dflash" and h.format.recognises(raw)), "dflash")
 
 
-# each head's drafter config fields and training options, as base classes: DrafterConfig and TrainConfig inherit them
+# each head's drafter config fields and training options, as dataclasses the configs hold nested: a drafter config
+# holds its kind's settings (`DrafterConfig.head_settings`), a training config every head's options
+# (`TrainConfig.head_options`: which head trains is known only once the drafter is)
 DRAFTER_SETTINGS: tuple[type, ...] = tuple(h.settings for h in HEADS.values() if h.settings is not None)
 TRAIN_SETTINGS: tuple[type, ...] = tuple(h.train_settings for h in HEADS.values() if h.train_settings is not None)
+# Where a layout lists every head's keys flat (the doors' field types, `DrafterConfig.to_dict`, a checkpoint's
+# train_config.yaml), the registry's last head comes first: the order saved training configs hold them in, which a
+# resumed run's file and the identities hashed from these layouts keep.
+FLAT_DRAFTER_SETTINGS: tuple[type, ...] = DRAFTER_SETTINGS[::-1]
+FLAT_TRAIN_SETTINGS: tuple[type, ...] = TRAIN_SETTINGS[::-1]
 
 
 def kind_fields() -> dict[str, str]:
@@ -60,8 +67,15 @@ def kind_fields() -> dict[str, str]:
     return {name: head.kind for head in HEADS.values() for name in head.fields}
 
 
+def train_kind_fields() -> dict[str, str]:
+    """Training option → the kind whose objective reads it."""
+    return {name: head.kind for head in HEADS.values() for name in head.train_fields}
+
+
 __all__ = [
     "DRAFTER_SETTINGS",
+    "FLAT_DRAFTER_SETTINGS",
+    "FLAT_TRAIN_SETTINGS",
     "HEADS",
     "KINDS",
     "TRAIN_SETTINGS",
@@ -74,4 +88,5 @@ __all__ = [
     "head_of",
     "kind_fields",
     "kind_of_config",
+    "train_kind_fields",
 ]

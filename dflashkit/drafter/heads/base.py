@@ -5,10 +5,12 @@ an objective. Stages ask the head of a drafter's config (`dflashkit.drafter.head
 its kind:
 
     head.settings                   its drafter config fields: a keyword-only dataclass with their types (each type is
-                                    its check) and defaults, which `DrafterConfig` inherits; `head.fields` their names
-                                    (refused for other kinds by name)
-    head.train_settings             likewise the training options only its objective reads (`TrainConfig` inherits
-                                    them; `head.train_fields` their names)
+                                    its check) and defaults; a drafter config of its kind holds one nested
+                                    (`cfg.head_settings.markov_rank`), the doors take them as flat keys; `head.fields`
+                                    their names (refused for other kinds by name)
+    head.train_settings             likewise the training options only its objective reads; a training config holds one
+                                    per head (`head.train_options(train_cfg)`: this head's); `head.train_fields` their
+                                    names
     head.format                     what the kind *is* to formats and engines — architectures, config.json and GGUF
                                     fields, engine verdicts, inspect's words, the quickstart's preset: one frozen
                                     `HeadFormat` record (heads/format.py), read by export, inspect, serve-check and
@@ -132,8 +134,10 @@ class Head:
     """The DFlash head: the backbone's logits through the target's LM head, slot 0 holding the given token."""
 
     kind: ClassVar[str] = "dflash"
-    settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its drafter config fields
-    train_settings: ClassVar[type | None] = None  # @dataclass(kw_only=True): its training options
+    # @dataclass(kw_only=True): its drafter config fields, held as `DrafterConfig.head_settings` (None: it has none)
+    settings: ClassVar[type | None] = None
+    # @dataclass(kw_only=True): its training options, held in `TrainConfig.head_options` (None: it has none)
+    train_settings: ClassVar[type | None] = None
     fields: ClassVar[tuple[str, ...]] = ()  # names of `settings`' fields
     train_fields: ClassVar[tuple[str, ...]] = ()  # names of `train_settings`' fields
     first_draft_slot: ClassVar[int] = 1
@@ -146,6 +150,10 @@ class Head:
         super().__init_subclass__(**kwargs)
         cls.fields = _names(cls.settings)
         cls.train_fields = _names(cls.train_settings)
+
+    def train_options(self, train_cfg: Any) -> Any:
+        """Its training options in a training config: the instance of `train_settings` it holds for this kind."""
+        return train_cfg.head_options[self.kind]
 
     def scale_embeddings(self, cfg: Any, embeds: Tensor) -> Tensor:
         """The block's embeddings (…, H) as the backbone's layers read them."""

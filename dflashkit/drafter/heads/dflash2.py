@@ -39,7 +39,7 @@ from dflashkit.validation import (
 
 @dataclass(kw_only=True)
 class DFlash2Settings:
-    """drafter.kind: dflash2 — its fields of the drafter config (`DrafterConfig` inherits them)."""
+    """drafter.kind: dflash2 — its fields of the drafter config (held as a DFlash2 config's `head_settings`)."""
 
     conv_kernel_size: PositiveInt = 2  # taps of the grouped dynamic causal convolution around each attention and MLP
     conv_group_size: PositiveInt = 16  # channels that share one dynamic kernel
@@ -52,7 +52,7 @@ class DFlash2Settings:
 
 @dataclass(kw_only=True)
 class DFlash2TrainSettings:
-    """drafter.kind: dflash2 — its training options (`TrainConfig` inherits them)."""
+    """drafter.kind: dflash2 — its training options (held in `TrainConfig.head_options["dflash2"]`)."""
 
     # drafter.kind: dflash2 — the candidate selector's K-way CE, added to the unary objective with weight
     # selector_weight (0 during selector_warmup_steps, then a linear ramp over selector_ramp_steps). "inject": a gold
@@ -103,7 +103,7 @@ class DFlash2Format(HeadFormat):
 
     def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
         """Its fields inside `dflash_config`, where z-lab's model and llama.cpp's converter read them."""
-        out = {name: getattr(cfg, name) for name in _FIELDS}
+        out = cfg.head_fields()
         if out["final_logit_softcapping"] is None:
             del out["final_logit_softcapping"]
         return out
@@ -115,12 +115,13 @@ class DFlash2Format(HeadFormat):
                 f"vocabulary only (its DFlash2DraftModel refuses a draft vocabulary); export with --to zlab or "
                 f"--to gguf, or train with the whole vocabulary"
             )
-        if cfg.output_multiplier != 1.0 or cfg.final_logit_softcapping is not None or cfg.input_embedding_scale != 1.0:
+        s = cfg.head_settings
+        if s.output_multiplier != 1.0 or s.final_logit_softcapping is not None or s.input_embedding_scale != 1.0:
             raise ConfigError(
                 "output_multiplier, final_logit_softcapping or input_embedding_scale set: speculators' DFlash2 has no "
                 "such fields and would draft differently; export with --to zlab or --to gguf"
             )
-        return {name: getattr(cfg, name) for name in _FIELDS[:4]}
+        return {name: getattr(s, name) for name in _FIELDS[:4]}
 
     def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         """DrafterConfig fields of a speculators DFlash2 config (its defaults where a field is absent)."""
@@ -129,16 +130,17 @@ class DFlash2Format(HeadFormat):
 
     # ------------------------------------------------------------------ GGUF (llama.cpp's dflash architecture)
     def gguf_keys(self, cfg: Any) -> dict[str, Any]:
+        s = cfg.head_settings
         out: dict[str, Any] = {
-            "conv_kernel_size": int(cfg.conv_kernel_size),
-            "conv_group_size": int(cfg.conv_group_size),
-            "selector_rank": int(cfg.selector_rank),
-            "selector_top_k": int(cfg.selector_top_k),
-            "logit_scale": float(cfg.output_multiplier),
-            "embedding_scale": float(cfg.input_embedding_scale),
+            "conv_kernel_size": int(s.conv_kernel_size),
+            "conv_group_size": int(s.conv_group_size),
+            "selector_rank": int(s.selector_rank),
+            "selector_top_k": int(s.selector_top_k),
+            "logit_scale": float(s.output_multiplier),
+            "embedding_scale": float(s.input_embedding_scale),
         }
-        if cfg.final_logit_softcapping is not None:
-            out["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        if s.final_logit_softcapping is not None:
+            out["final_logit_softcapping"] = float(s.final_logit_softcapping)
         return out
 
     def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
@@ -158,7 +160,8 @@ class DFlash2Format(HeadFormat):
         return out
 
     def gguf_problems(self, cfg: Any) -> list[str]:
-        need = cfg.selector_top_k * (cfg.selector_top_k + 1)
+        k = cfg.head_settings.selector_top_k
+        need = k * (k + 1)
         if cfg.hidden_size < need:
             return [
                 f"hidden_size {cfg.hidden_size} < selector_top_k·(selector_top_k + 1) = {need}: llama.cpp returns "
@@ -179,10 +182,11 @@ class DFlash2Format(HeadFormat):
     def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
         base = tensors.get("layers.0.attention_conv.base_kernel")
         a = tensors.get("candidate_selector.predecessor_codebook")
+        s = cfg.head_settings if cfg else None
         return {
-            "conv_kernel_size": base["shape"][1] if base else (cfg.conv_kernel_size if cfg else None),
-            "selector_rank": a["shape"][1] if a else (cfg.selector_rank if cfg else None),
-            "selector_top_k": cfg.selector_top_k if cfg else None,
+            "conv_kernel_size": base["shape"][1] if base else (s.conv_kernel_size if s else None),
+            "selector_rank": a["shape"][1] if a else (s.selector_rank if s else None),
+            "selector_top_k": s.selector_top_k if s else None,
         }
 
 
@@ -221,30 +225,32 @@ class DFlash2Head(Head):
     )
 
     def check_config(self, cfg: Any, where: Any) -> None:
-        if cfg.hidden_size % cfg.conv_group_size:
+        s = cfg.head_settings
+        if cfg.hidden_size % s.conv_group_size:
             raise fail(
                 where("conv_group_size"),
                 "conv_group_size",
-                cfg.conv_group_size,
+                s.conv_group_size,
                 f"a divisor of hidden_size {cfg.hidden_size} (channels share a dynamic kernel in groups)",
             )
-        if cfg.conv_kernel_size > cfg.block_size:
+        if s.conv_kernel_size > cfg.block_size:
             raise fail(
                 where("conv_kernel_size"),
                 "conv_kernel_size",
-                cfg.conv_kernel_size,
+                s.conv_kernel_size,
                 f"at most block_size {cfg.block_size} (taps stay within a block)",
             )
-        if cfg.selector_top_k > (cfg.draft_vocab_size or cfg.vocab_size):
+        if s.selector_top_k > (cfg.draft_vocab_size or cfg.vocab_size):
             raise fail(
                 where("selector_top_k"),
                 "selector_top_k",
-                cfg.selector_top_k,
+                s.selector_top_k,
                 f"at most the draft vocabulary ({cfg.draft_vocab_size or cfg.vocab_size} tokens)",
             )
 
     def scale_embeddings(self, cfg: Any, embeds: Tensor) -> Tensor:
-        return embeds if cfg.input_embedding_scale == 1.0 else embeds * cfg.input_embedding_scale
+        scale = cfg.head_settings.input_embedding_scale
+        return embeds if scale == 1.0 else embeds * scale
 
     def unary_logits(self, cfg: Any, logits: Tensor) -> Tensor:
         from dflashkit.drafter.heads.dflash2_net import scaled_logits
@@ -253,25 +259,27 @@ class DFlash2Head(Head):
 
     def unary_weight(self, cfg: Any, weight: Tensor) -> Tensor:
         """m·(h·Wᵀ) = h·(m·W)ᵀ; a softcap is refused in training (`train_checks`)."""
-        return weight if cfg.output_multiplier == 1.0 else weight * cfg.output_multiplier
+        m = cfg.head_settings.output_multiplier
+        return weight if m == 1.0 else weight * m
 
     def extra_parameters(self, cfg: Any) -> int:
         """Two convolutions a layer (base 2·K·H, projection H·2·K·G), codebooks A (V × r), B (V' × r), P (H × r)."""
-        h, k, g = cfg.hidden_size, cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size
+        s = cfg.head_settings
+        h, k, g = cfg.hidden_size, s.conv_kernel_size, cfg.hidden_size // s.conv_group_size
         conv = 2 * (2 * k * h + h * 2 * k * g)
-        r = cfg.selector_rank
+        r = s.selector_rank
         return cfg.num_hidden_layers * conv + (cfg.vocab_size + (cfg.draft_vocab_size or cfg.vocab_size) + h) * r
 
     def add_modules(self, drafter: Any) -> None:
         from dflashkit.drafter.heads.dflash2_net import CandidateSelector, GroupedDynamicCausalConv
 
-        cfg = drafter.config
+        cfg, s = drafter.config, drafter.config.head_settings
         for layer in drafter.layers:
-            layer.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-            layer.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            layer.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, s.conv_kernel_size, s.conv_group_size)
+            layer.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, s.conv_kernel_size, s.conv_group_size)
         vocab = cfg.draft_vocab_size or cfg.vocab_size
         drafter.candidate_selector = CandidateSelector(
-            cfg.vocab_size, vocab, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k
+            cfg.vocab_size, vocab, cfg.hidden_size, s.selector_rank, s.selector_top_k
         )
 
     def reset(self, drafter: Any, std: float) -> None:
@@ -282,9 +290,10 @@ class DFlash2Head(Head):
 
     # ------------------------------------------------------------------ training
     def train_checks(self, train_cfg: Any, drafter_cfg: Any) -> None:
-        if drafter_cfg.final_logit_softcapping is not None:
+        cap = drafter_cfg.head_settings.final_logit_softcapping
+        if cap is not None:
             raise ConfigError(
-                f"final_logit_softcapping {drafter_cfg.final_logit_softcapping}: dflashkit's chunked objective "
+                f"final_logit_softcapping {cap}: dflashkit's chunked objective "
                 f"trains uncapped logits; drop it to train (a capped checkpoint still imports, drafts and exports)"
             )
         if train_cfg.fsdp:
@@ -300,7 +309,7 @@ class DFlash2Head(Head):
     def training_loss(self, terms: TrainingTerms) -> Tensor | None:
         from dflashkit.drafter.heads.dflash2_loss import selector_loss
 
-        return selector_loss(terms, terms.weights_of)
+        return selector_loss(terms, self.train_options(terms.train_cfg), terms.weights_of)
 
     # ------------------------------------------------------------------ decoding
     def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:

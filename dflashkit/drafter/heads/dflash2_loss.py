@@ -58,12 +58,13 @@ class _CandidateLogits(torch.autograd.Function):
         return gh, None, None
 
 
-def selector_weight_at(train_cfg: Any, step: int) -> float:
-    """α_sel at `step` (0-based): 0 during the warmup, then a linear ramp to selector_weight."""
-    warm, ramp = int(train_cfg.selector_warmup_steps), int(train_cfg.selector_ramp_steps)
+def selector_weight_at(options: Any, step: int) -> float:
+    """α_sel at `step` (0-based) under the training options (`DFlash2TrainSettings`): 0 during the warmup, then a
+    linear ramp to selector_weight."""
+    warm, ramp = int(options.selector_warmup_steps), int(options.selector_ramp_steps)
     if step < warm:
         return 0.0
-    return float(train_cfg.selector_weight) * (1.0 if ramp == 0 else min(1.0, (step - warm + 1) / ramp))
+    return float(options.selector_weight) * (1.0 if ramp == 0 else min(1.0, (step - warm + 1) / ramp))
 
 
 @torch.no_grad()
@@ -105,13 +106,13 @@ def selector_terms(t: TrainingTerms, rule: str) -> tuple[Tensor, Tensor, Tensor,
     return grid, counted, gold, scores
 
 
-def selector_loss(t: TrainingTerms, weights_of: Any) -> Tensor:
-    """α_sel(step) · Σ w·CE / N (module docstring); `weights_of(ce, counted)` → (N, bs) slot weights."""
-    cfg = t.train_cfg
-    ce, counted, _, _ = selector_terms(t, cfg.selector_rule)
-    w = weights_of(ce.detach(), counted).to(ce.dtype) if cfg.selector_decay else counted.to(ce.dtype)  # (N, bs)
+def selector_loss(t: TrainingTerms, options: Any, weights_of: Any) -> Tensor:
+    """α_sel(step) · Σ w·CE / N (module docstring) under the training options (`DFlash2TrainSettings`);
+    `weights_of(ce, counted)` → (N, bs) slot weights."""
+    ce, counted, _, _ = selector_terms(t, options.selector_rule)
+    w = weights_of(ce.detach(), counted).to(ce.dtype) if options.selector_decay else counted.to(ce.dtype)  # (N, bs)
     total = (w * counted * ce).sum() / t.normalizer
-    return selector_weight_at(cfg, t.step) * total
+    return selector_weight_at(options, t.step) * total
 
 
 __all__ = ["selector_loss", "selector_terms", "selector_weight_at"]

@@ -35,10 +35,12 @@ from torch import Tensor, nn
 
 
 def scaled_logits(cfg: Any, logits: Tensor) -> Tensor:
-    """The LM head's logits × output_multiplier, then tanh-capped at final_logit_softcapping (both off by default)."""
-    if cfg.output_multiplier != 1.0:
-        logits = logits * cfg.output_multiplier
-    cap = cfg.final_logit_softcapping
+    """The LM head's logits × output_multiplier, then tanh-capped at final_logit_softcapping (both off by default):
+    the settings of the drafter config `cfg`."""
+    m = cfg.head_settings.output_multiplier
+    if m != 1.0:
+        logits = logits * m
+    cap = cfg.head_settings.final_logit_softcapping
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 

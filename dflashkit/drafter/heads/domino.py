@@ -28,7 +28,7 @@ from dflashkit.validation import NonNegativeInt, PositiveInt, UnitInterval, fail
 
 @dataclass(kw_only=True)
 class DominoSettings:
-    """drafter.kind: domino — its fields of the drafter config (`DrafterConfig` inherits them)."""
+    """drafter.kind: domino — its fields of the drafter config (held as a Domino config's `head_settings`)."""
 
     gru_hidden_dim: PositiveInt = 256  # width of the GRU over the block's previous tokens
     emb_dim: PositiveInt = 256  # width of the projection [hidden ; GRU state] → logit correction
@@ -37,7 +37,7 @@ class DominoSettings:
 
 @dataclass(kw_only=True)
 class DominoTrainSettings:
-    """drafter.kind: domino — its training options (`TrainConfig` inherits them)."""
+    """drafter.kind: domino — its training options (held in `TrainConfig.head_options["domino"]`)."""
 
     # drafter.kind: domino — loss = (1 − λ)·CE(corrected) + λ·CE(backbone); λ starts at lambda_base_start and falls
     # linearly to 0 over lambda_base_decay_ratio of the run (SpecForge's 0.5; Model-Optimizer's default is 1.0)
@@ -80,16 +80,17 @@ class DominoFormat(HeadFormat):
         return out
 
     def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
+        s = cfg.head_settings
         return {
             "projector_type": "domino",
             "shift_label": True,
-            "pure_draft_prefix_len": cfg.pure_draft_prefix_len,
-            "gru_hidden_dim": cfg.gru_hidden_dim,
-            "emb_dim": cfg.emb_dim,
+            "pure_draft_prefix_len": s.pure_draft_prefix_len,
+            "gru_hidden_dim": s.gru_hidden_dim,
+            "emb_dim": s.emb_dim,
         }
 
     def zlab_fields(self, cfg: Any) -> dict[str, Any]:
-        return {"emb_dim": cfg.emb_dim}  # the references' checkpoints repeat it at the top level
+        return {"emb_dim": cfg.head_settings.emb_dim}  # the references' checkpoints repeat it at the top level
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
         raise ConfigError(
@@ -113,10 +114,11 @@ class DominoFormat(HeadFormat):
     def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
         hh = tensors.get("prefix_gru.weight_hh_l0")
         e = tensors.get("embed_proj.0.weight")
+        s = cfg.head_settings if cfg else None
         return {
-            "gru_hidden_dim": hh["shape"][1] if hh else (cfg.gru_hidden_dim if cfg else None),
-            "emb_dim": e["shape"][0] if e else (cfg.emb_dim if cfg else None),
-            "pure_draft_prefix_len": cfg.pure_draft_prefix_len if cfg else None,
+            "gru_hidden_dim": hh["shape"][1] if hh else (s.gru_hidden_dim if s else None),
+            "emb_dim": e["shape"][0] if e else (s.emb_dim if s else None),
+            "pure_draft_prefix_len": s.pure_draft_prefix_len if s else None,
         }
 
 
@@ -148,17 +150,18 @@ class DominoHead(Head):
 
     # ------------------------------------------------------------------ config
     def check_config(self, cfg: Any, where: Any) -> None:
-        if cfg.pure_draft_prefix_len >= cfg.block_size:
+        prefix = cfg.head_settings.pure_draft_prefix_len
+        if prefix >= cfg.block_size:
             raise fail(
                 where("pure_draft_prefix_len"),
                 "pure_draft_prefix_len",
-                cfg.pure_draft_prefix_len,
+                prefix,
                 f"below block_size {cfg.block_size} (at least one slot of a block is corrected)",
             )
 
     def extra_parameters(self, cfg: Any) -> int:
         """GRU (3G·H + 3G·G), projection (E·(H + G) + V'·E)."""
-        h, g, e = cfg.hidden_size, cfg.gru_hidden_dim, cfg.emb_dim
+        h, g, e = cfg.hidden_size, cfg.head_settings.gru_hidden_dim, cfg.head_settings.emb_dim
         return 3 * g * (h + g) + e * (h + g) + (cfg.draft_vocab_size or cfg.vocab_size) * e
 
     def add_modules(self, drafter: Any) -> None:
@@ -189,7 +192,7 @@ class DominoHead(Head):
             terms.drafter, terms.hidden, terms.head_weight, terms.labels, terms.prev_tokens, terms.weights,
             terms.embed_weight,
         )  # fmt: skip
-        lam = lambda_base_at(terms.train_cfg, terms.step, terms.total_steps, terms.progress)
+        lam = lambda_base_at(self.train_options(terms.train_cfg), terms.step, terms.total_steps, terms.progress)
         loss = ((1.0 - lam) * sums.final + lam * sums.base) / terms.normalizer
         return HeadObjective(loss=loss, correct_counts=sums.correct, valid_counts=sums.counted)
 

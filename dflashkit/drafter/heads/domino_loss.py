@@ -25,15 +25,16 @@ from dflashkit.drafter.heads.domino_net import prefix_states, token_embeddings
 _CHUNK_LOGITS = 1 << 25  # rows × vocabulary per chunk: a few (rows, V') float32 tensors live at once
 
 
-def lambda_base_at(train_cfg: Any, step: int, total_steps: int, progress: float | None = None) -> float:
-    """λ at `step` (0-based) of a run of `total_steps` (the references' linear decay); a time-based run gives the
-    fraction of its schedule spent as `progress` instead (its step count is not known ahead)."""
-    ratio = train_cfg.lambda_base_decay_ratio
+def lambda_base_at(options: Any, step: int, total_steps: int, progress: float | None = None) -> float:
+    """λ at `step` (0-based) of a run of `total_steps` (the references' linear decay) under the training options
+    (`DominoTrainSettings`); a time-based run gives the fraction of its schedule spent as `progress` instead (its step
+    count is not known ahead)."""
+    ratio = options.lambda_base_decay_ratio
     if progress is not None:
         done = min(progress / ratio, 1.0) if ratio > 0 else 1.0
     else:
         done = min(step / max(1, int(total_steps * ratio)), 1.0)
-    return max(0.0, min(1.0, train_cfg.lambda_base_start * (1.0 - done)))
+    return max(0.0, min(1.0, options.lambda_base_start * (1.0 - done)))
 
 
 @dataclass
@@ -68,7 +69,7 @@ def domino_terms(
     ids (−100: none), prev_tokens (N, bs) target ids (t_k: the token before slot k's label), weights (bs,) → the sums
     of the module docstring (unnormalised)."""
     n, bs, _ = hidden.shape
-    p = drafter.config.pure_draft_prefix_len
+    p = drafter.config.head_settings.pure_draft_prefix_len
     live = (labels >= 0) & (weights > 0).to(labels.device)[None]  # (N, bs)
     embeds = token_embeddings(drafter, prev_tokens, embed_weight)  # (N, bs, H)
     states = prefix_states(drafter, embeds)  # (N, bs, G): the GRU over whole blocks

@@ -24,12 +24,12 @@ from torch import Tensor, nn
 
 def build_correction(drafter: Any) -> None:
     """Add `prefix_gru` and `embed_proj` to the drafter (their init: `reset_correction`)."""
-    cfg = drafter.config
-    drafter.prefix_gru = nn.GRU(cfg.hidden_size, cfg.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
+    cfg, s = drafter.config, drafter.config.head_settings
+    drafter.prefix_gru = nn.GRU(cfg.hidden_size, s.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
     drafter.embed_proj = nn.Sequential(
-        nn.Linear(cfg.hidden_size + cfg.gru_hidden_dim, cfg.emb_dim, bias=False),
+        nn.Linear(cfg.hidden_size + s.gru_hidden_dim, s.emb_dim, bias=False),
         nn.SiLU(),
-        nn.Linear(cfg.emb_dim, cfg.draft_vocab_size or cfg.vocab_size, bias=False),
+        nn.Linear(s.emb_dim, cfg.draft_vocab_size or cfg.vocab_size, bias=False),
     )
 
 
@@ -59,7 +59,7 @@ def correction(drafter: Any, hidden: Tensor, states: Tensor) -> Tensor:
 def corrected_logits(drafter: Any, base: Tensor, hidden: Tensor, embeds: Tensor) -> Tensor:
     """Teacher-forced logits of whole blocks: base (N, bs, V'), hidden (N, bs, H), embeds (N, bs, H) of each slot's
     previous token t_k → (N, bs, V'), slots k < P left as they are."""
-    p = drafter.config.pure_draft_prefix_len
+    p = drafter.config.head_settings.pure_draft_prefix_len
     states = prefix_states(drafter, embeds)  # (N, bs, G)
     fix = correction(drafter, hidden[:, p:], states[:, p:])  # (N, bs − P, V')
     return torch.cat([base[:, :p], base[:, p:] + fix.to(base.dtype)], dim=1)
@@ -81,7 +81,7 @@ class PrefixWalk:
 
     def logits(self, k: int, base: Tensor, hidden: Tensor) -> Tensor:
         """Slot k's row (V',) from its base row (V',) and hidden state (H,), given the tokens read so far."""
-        if k < self.drafter.config.pure_draft_prefix_len:
+        if k < self.drafter.config.head_settings.pure_draft_prefix_len:
             return base
         return base + correction(self.drafter, hidden[None], self.state[0]).float()[0]
 

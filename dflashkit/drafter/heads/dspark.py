@@ -23,7 +23,7 @@ from dflashkit.validation import Bool, NonNegativeFloat, PositiveInt
 
 @dataclass(kw_only=True)
 class DSparkSettings:
-    """drafter.kind: dspark — its fields of the drafter config (`DrafterConfig` inherits them)."""
+    """drafter.kind: dspark — its fields of the drafter config (held as a DSpark config's `head_settings`)."""
 
     markov_rank: PositiveInt = 256  # rank of the Markov head's bias from the previous token
     confidence_head: Bool = True  # a confidence head estimating each slot's acceptance
@@ -31,7 +31,7 @@ class DSparkSettings:
 
 @dataclass(kw_only=True)
 class DSparkTrainSettings:
-    """drafter.kind: dspark — its training options (`TrainConfig` inherits them)."""
+    """drafter.kind: dspark — its training options (held in `TrainConfig.head_options["dspark"]`)."""
 
     # drafter.kind: dspark — the weights of its loss terms (DeepSpec's defaults): CE to the label, L1 distance to
     # the target's distribution, BCE of the confidence head against the acceptance rate 1 − L1/2
@@ -53,15 +53,16 @@ class DSparkFormat(HeadFormat):
     DSparkSpeculator, llama.cpp's Markov and confidence tensors."""
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
+        s = cfg.head_settings
         return {
-            "markov_rank": cfg.markov_rank,
+            "markov_rank": s.markov_rank,
             "markov_head_type": "vanilla",
-            "enable_confidence_head": cfg.confidence_head,
-            "confidence_head_with_markov": cfg.confidence_head,
+            "enable_confidence_head": s.confidence_head,
+            "confidence_head_with_markov": s.confidence_head,
         }
 
     def gguf_keys(self, cfg: Any) -> dict[str, bool | int | float]:
-        return {"sample_from_anchor": True, "has_confidence_head": bool(cfg.confidence_head)}
+        return {"sample_from_anchor": True, "has_confidence_head": bool(cfg.head_settings.confidence_head)}
 
     def gguf_tensors(self, cfg: Any, tensors: dict[str, Tensor]) -> dict[str, tuple[str, Tensor, bool]]:
         """gguf-py constants DSPARK_MARKOV_W1 / _W2 / DSPARK_CONF_PROJ."""
@@ -90,7 +91,7 @@ class DSparkFormat(HeadFormat):
     def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
         w1 = tensors.get("markov_head.markov_w1.weight")
         return {
-            "markov_rank": w1["shape"][1] if w1 else (cfg.markov_rank if cfg else None),
+            "markov_rank": w1["shape"][1] if w1 else (cfg.head_settings.markov_rank if cfg else None),
             "confidence_head": "confidence_head.proj.weight" in tensors,
         }
 
@@ -141,9 +142,9 @@ class DSparkFormat(HeadFormat):
     def zlab_fields(self, cfg: Any) -> dict[str, Any]:
         """As DeepSpec, vLLM and llama.cpp's converter read a DSpark config."""
         return {
-            "markov_rank": cfg.markov_rank,
+            "markov_rank": cfg.head_settings.markov_rank,
             "markov_head_type": "vanilla",
-            "enable_confidence_head": cfg.confidence_head,
+            "enable_confidence_head": cfg.head_settings.confidence_head,
             "confidence_head_with_markov": True,
             "sample_from_anchor": True,
             "target_layer_ids": list(cfg.target_layer_ids),
@@ -190,9 +191,9 @@ class DSparkHead(Head):
 
     def extra_parameters(self, cfg: Any) -> int:
         """Markov W1 (V × r), W2 (r → V'), confidence head (H + r → 1)."""
-        r = cfg.markov_rank
+        r = cfg.head_settings.markov_rank
         out = cfg.vocab_size * r + r * (cfg.draft_vocab_size or cfg.vocab_size)
-        return out + ((cfg.hidden_size + r + 1) if cfg.confidence_head else 0)
+        return out + ((cfg.hidden_size + r + 1) if cfg.head_settings.confidence_head else 0)
 
     def reads_target_lse(self, draft_vocab_size: int | None, target: Any) -> bool:
         """With a draft vocabulary on a target whose logits are final_norm(h) · Wᵀ (`Target.plain_head`), its loss
@@ -206,7 +207,8 @@ class DSparkHead(Head):
         ):
             if value != ok:
                 raise ConfigError(f"{name}: {value!r} cannot train a DSpark drafter (drafter.kind: dspark): {why}")
-        if all(getattr(train_cfg, name) == 0 for name in self.train_fields):
+        options = self.train_options(train_cfg)
+        if all(getattr(options, name) == 0 for name in self.train_fields):
             raise ConfigError(
                 f"{', '.join(self.train_fields)} are all 0: the objective trains nothing; "
                 f"give at least one a weight > 0"
@@ -217,15 +219,16 @@ class DSparkHead(Head):
         the backbone's objective."""
         from dflashkit.drafter.heads.dspark_loss import dspark_objective
 
-        return dspark_objective(terms)
+        return dspark_objective(terms, self.train_options(terms.train_cfg))
 
     def add_modules(self, drafter: Any) -> None:
         from dflashkit.drafter.heads.dspark_net import ConfidenceHead, MarkovHead
 
         cfg = drafter.config
-        drafter.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab_size or cfg.vocab_size)
-        if cfg.confidence_head:
-            drafter.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank)
+        rank = cfg.head_settings.markov_rank
+        drafter.markov_head = MarkovHead(cfg.vocab_size, rank, cfg.draft_vocab_size or cfg.vocab_size)
+        if cfg.head_settings.confidence_head:
+            drafter.confidence_head = ConfidenceHead(cfg.hidden_size, rank)
 
     def reset(self, drafter: Any, std: float) -> None:
         drafter.markov_head.reset_parameters(std)

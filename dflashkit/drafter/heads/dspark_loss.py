@@ -263,15 +263,16 @@ def dspark_loss(
     return HeadObjective(loss=total, correct_counts=correct, valid_counts=counts, weight_sum=weight_sum.detach())
 
 
-def dspark_objective(terms: TrainingTerms) -> HeadObjective:
+def dspark_objective(terms: TrainingTerms, options: Any) -> HeadObjective:
     """DSpark's objective of one training step: the step's labels (target ids for the valid prefix, draft ids for the
     CE), the target's distribution at each slot (`terms.target_logits`), the run's slot weights — D-PACE's rule
     (`terms.weights_of`) for the CE term under `position_weights: dpace`, where the L1 and confidence terms keep
-    exp(−k/4) — and its terms' weights from the training config."""
-    cfg = terms.train_cfg
-    dpace = cfg.position_weights == "dpace"
+    exp(−k/4) — and its terms' weights from its training options (`DSparkTrainSettings`)."""
+    dpace = terms.train_cfg.position_weights == "dpace"
     spec = DSparkLossSpec(
-        loss_weights=DSparkLossWeights(cfg.dspark_ce_weight, cfg.dspark_l1_weight, cfg.dspark_confidence_weight),
+        loss_weights=DSparkLossWeights(
+            options.dspark_ce_weight, options.dspark_l1_weight, options.dspark_confidence_weight
+        ),
         weights=None if dpace else terms.weights,
         normalizer=terms.normalizer,
         dpace=terms.weights_of if dpace else None,

@@ -34,7 +34,7 @@ SPECULATORS_DEFAULTS = {"xpress_rank": 256, "xpress_mlp_ratio": 2, "num_jacobi_p
 
 @dataclass(kw_only=True)
 class XPressSettings:
-    """drafter.kind: xpress — its fields of the drafter config (`DrafterConfig` inherits them)."""
+    """drafter.kind: xpress — its fields of the drafter config (held as an XPress config's `head_settings`)."""
 
     xpress_rank: PositiveInt = 256  # the refiner's width r (token table, fusion, mixer, MLP)
     xpress_mlp_ratio: PositiveInt = 2  # the refiner's SwiGLU MLP width: r × this
@@ -43,7 +43,7 @@ class XPressSettings:
 
 @dataclass(kw_only=True)
 class XPressTrainSettings:
-    """drafter.kind: xpress — its training options (`TrainConfig` inherits them)."""
+    """drafter.kind: xpress — its training options (held in `TrainConfig.head_options["xpress"]`)."""
 
     # drafter.kind: xpress — weight of the mean loss of the free-running rounds (each reads the previous round's
     # argmax as its previous tokens, as Jacobi decoding does; no gradient between rounds)
@@ -74,10 +74,10 @@ class XPressFormat(HeadFormat):
         return {n: dflash.get(n, raw.get(n)) for n in _FIELDS}
 
     def zlab_dflash_fields(self, cfg: Any) -> dict[str, Any]:
-        return {n: getattr(cfg, n) for n in _FIELDS}
+        return cfg.head_fields()
 
     def speculators_fields(self, cfg: Any) -> dict[str, Any]:
-        return {n: getattr(cfg, n) for n in _FIELDS}
+        return cfg.head_fields()
 
     def fields_from_speculators(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
         """DrafterConfig fields of a speculators XPress config (its defaults where a field is absent)."""
@@ -96,8 +96,8 @@ class XPressFormat(HeadFormat):
     def inspect_facts(self, tensors: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
         down = tensors.get("refiner_head.down_h.weight")
         return {
-            "xpress_rank": down["shape"][0] if down else (cfg.xpress_rank if cfg else None),
-            "passes": cfg.num_jacobi_passes if cfg else None,
+            "xpress_rank": down["shape"][0] if down else (cfg.head_settings.xpress_rank if cfg else None),
+            "passes": cfg.head_settings.num_jacobi_passes if cfg else None,
         }
 
 
@@ -130,9 +130,9 @@ class XPressHead(Head):
     # ------------------------------------------------------------------ config
     def extra_parameters(self, cfg: Any) -> int:
         """Token table V·r, D_h and D_g 2·H·r, fusion 3r·r, mixer r·bs², MLP 3·r·(r·ratio), readout V'·r."""
-        r, h = cfg.xpress_rank, cfg.hidden_size
+        r, ratio, h = cfg.head_settings.xpress_rank, cfg.head_settings.xpress_mlp_ratio, cfg.hidden_size
         v, vd = cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size
-        return v * r + 2 * h * r + 3 * r * r + r * cfg.block_size**2 + 3 * r * r * cfg.xpress_mlp_ratio + vd * r
+        return v * r + 2 * h * r + 3 * r * r + r * cfg.block_size**2 + 3 * r * r * ratio + vd * r
 
     def add_modules(self, drafter: Any) -> None:
         from dflashkit.drafter.heads.xpress_net import build_refiner
@@ -154,15 +154,15 @@ class XPressHead(Head):
                 "fsdp: True cannot train an XPress drafter (drafter.kind: xpress): its refiner runs outside the "
                 "sharded forward"
             )
-        defaults = XPressTrainSettings()
-        if train_cfg.loss == "ce" and train_cfg.xpress_ce_weight != defaults.xpress_ce_weight:
+        options, defaults = self.train_options(train_cfg), XPressTrainSettings()
+        if train_cfg.loss == "ce" and options.xpress_ce_weight != defaults.xpress_ce_weight:
             raise ConfigError(
-                f"xpress_ce_weight: {train_cfg.xpress_ce_weight} has no effect with loss: ce (every term is CE "
+                f"xpress_ce_weight: {options.xpress_ce_weight} has no effect with loss: ce (every term is CE "
                 f"already); leave it unset, or train a distribution loss (loss: tv)"
             )
-        if train_cfg.consistency_weight == 0 and train_cfg.consistency_passes != defaults.consistency_passes:
+        if options.consistency_weight == 0 and options.consistency_passes != defaults.consistency_passes:
             raise ConfigError(
-                f"consistency_passes: {train_cfg.consistency_passes} has no effect with consistency_weight: 0 (no "
+                f"consistency_passes: {options.consistency_passes} has no effect with consistency_weight: 0 (no "
                 f"free-running round is trained); leave it unset"
             )
 
@@ -170,7 +170,7 @@ class XPressHead(Head):
         """Teacher-forced, free-running and backbone terms (xpress_loss.py), replacing the backbone's objective."""
         from dflashkit.drafter.heads.xpress_loss import xpress_objective
 
-        return xpress_objective(terms)
+        return xpress_objective(terms, self.train_options(terms.train_cfg))
 
     # ------------------------------------------------------------------ decoding
     def draft_round(self, r: DraftRound) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:

@@ -44,7 +44,8 @@ def refined_rows(drafter: Any, draft_logits: Tensor, first: int, block: BlockSlo
     cache = drafter.refiner_head.hidden_cache(block.hidden[None])  # (1, bs, 2r)
     dev = draft_logits.device
     first_t, before_t = torch.tensor([int(first)], device=dev), torch.tensor([int(block.before)], device=dev)
-    passes = jacobi(drafter, _whole_block(draft_logits, bs), cache, first_t, before_t, drafter.config.num_jacobi_passes)
+    n_passes = drafter.config.head_settings.num_jacobi_passes
+    passes = jacobi(drafter, _whole_block(draft_logits, bs), cache, first_t, before_t, n_passes)
     return passes[-1][0, 1 : 1 + n] if passes else draft_logits.float()
 
 

@@ -27,12 +27,11 @@ from dflashkit.drafter.heads.base import HeadObjective, TrainingTerms
 _CHUNK_LOGITS = 1 << 25  # rows × vocabulary per argmax chunk
 
 
-def _compound(terms: TrainingTerms, states: Tensor, rows: Tensor, extra: Tensor | None = None) -> Any:
-    """The configured objective, with XPress's CE share under a distribution loss (a LossOutput)."""
-    cfg = terms.train_cfg
+def _compound(terms: TrainingTerms, alpha: float, states: Tensor, rows: Tensor, extra: Tensor | None = None) -> Any:
+    """The configured objective, with XPress's CE share `alpha` (its xpress_ce_weight) under a distribution loss (a
+    LossOutput)."""
     out = terms.backbone_loss(states, rows, extra=extra)
-    alpha = cfg.xpress_ce_weight
-    if cfg.loss == "ce" or alpha == 0:
+    if terms.train_cfg.loss == "ce" or alpha == 0:
         return out
     ce = terms.backbone_loss(states, rows, kind="ce", extra=extra)
     return dataclasses.replace(out, loss=(1 - alpha) * out.loss + alpha * ce.loss)
@@ -53,9 +52,10 @@ def _guesses(drafter: Any, h: Tensor, w: Tensor, x: Tensor | None = None, r: Ten
     return drafter.to_target_ids(torch.cat(parts)) if parts else h.new_zeros(0, bs, dtype=torch.long)
 
 
-def xpress_objective(terms: TrainingTerms) -> HeadObjective:
-    """The module docstring's loss (normalised as the backbone's), with the teacher-forced term's per-slot counts."""
-    cfg, drafter = terms.train_cfg, terms.drafter
+def xpress_objective(terms: TrainingTerms, options: Any) -> HeadObjective:
+    """The module docstring's loss (normalised as the backbone's) under the training options (`XPressTrainSettings`),
+    with the teacher-forced term's per-slot counts."""
+    drafter, alpha = terms.drafter, options.xpress_ce_weight
     refiner = drafter.refiner_head
     h = terms.hidden  # (N, bs, H)
     w = terms.head_weight.detach()  # (V', H), frozen
@@ -66,20 +66,20 @@ def xpress_objective(terms: TrainingTerms) -> HeadObjective:
     def states(x: Tensor) -> Tensor:  # (N, bs, H + r)
         return torch.cat([h, x.to(h.dtype)], dim=-1)
 
-    tf = _compound(terms, states(refiner.features(prev, cache)), w, readout)
+    tf = _compound(terms, alpha, states(refiner.features(prev, cache)), w, readout)
     loss = tf.loss
-    if cfg.consistency_weight > 0 and cfg.consistency_passes > 0:
+    if options.consistency_weight > 0 and options.consistency_passes > 0:
         before, anchor = prev[:, :1], prev[:, 1:2]  # slot 0's previous token, the anchor (slot 1's)
         guess = _guesses(drafter, h, w)
         rounds = []
-        for _ in range(cfg.consistency_passes):
+        for _ in range(options.consistency_passes):
             guess = torch.cat([anchor, guess[:, 1:]], dim=1)
             x = refiner.features(torch.cat([before, guess[:, :-1]], dim=1), cache)  # (N, bs, r)
-            rounds.append(_compound(terms, states(x), w, readout).loss)
+            rounds.append(_compound(terms, alpha, states(x), w, readout).loss)
             guess = _guesses(drafter, h, w, x, readout)
-        loss = loss + cfg.consistency_weight * torch.stack(rounds).mean()
-    if cfg.base_anchor_weight > 0:
-        loss = loss + cfg.base_anchor_weight * _compound(terms, h, w).loss
+        loss = loss + options.consistency_weight * torch.stack(rounds).mean()
+    if options.base_anchor_weight > 0:
+        loss = loss + options.base_anchor_weight * _compound(terms, alpha, h, w).loss
     return HeadObjective(loss=loss, correct_counts=tf.correct_counts, valid_counts=tf.valid_counts)
 
 

@@ -72,10 +72,10 @@ class Refiner(nn.Module):
 
 def build_refiner(drafter: Any) -> None:
     """Add `refiner_head` to the drafter (its init: `Refiner.reset`)."""
-    cfg = drafter.config
+    cfg, s = drafter.config, drafter.config.head_settings
     drafter.refiner_head = Refiner(
-        cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, cfg.block_size, cfg.xpress_rank,
-        cfg.xpress_mlp_ratio,
+        cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, cfg.block_size, s.xpress_rank,
+        s.xpress_mlp_ratio,
     )  # fmt: skip
 
 
