@@ -208,7 +208,8 @@ def test_a_step_of_any_size_is_estimated_exactly_in_integers() -> None:
     product (a tile's keys, n·T; the dense mask converted for the attention, Nq·(T + Nq))."""
     cfg = _drafter()
     shape = read_target_shape("default")
-    for path, settings in PATHS.items():
+    # fp32 on CUDA is left out: its mask is not converted for the attention, so nothing there grows with Nq·(T + Nq)
+    for path, settings in ((p, PATHS[p]) for p in ("tiles fp32", "tiles bf16", "dense bf16")):
         small, huge = StepShape(1, 10**6, 10**5), StepShape(1, 10**9, 10**8)
         a, b = scaled_drafter_step(cfg, small, settings), scaled_drafter_step(cfg, huge, settings)
         assert all(isinstance(v, int) and v > 0 for v in b.values())
