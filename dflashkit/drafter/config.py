@@ -203,6 +203,18 @@ HEAD_DEFAULTS = {f.name: f.default for settings in DRAFTER_SETTINGS for f in fie
 NESTED = "head_settings"  # the field holding the head's own fields
 
 
+def foreign_field_problem(name: str, value: Any, kind: str, prefix: str = "") -> str | None:
+    """Why head field `name` (flat, as `prefix` + name at its door) cannot be `value` on a kind=`kind` drafter — it
+    is another kind's and not at its default (kept, it would be ignored without a word) — or None."""
+    owner = KIND_FIELDS.get(name)
+    if owner is None or owner == kind or value == HEAD_DEFAULTS[name]:
+        return None
+    return (
+        f"{prefix}{name} belongs to kind={owner} drafters; this one is kind={kind} "
+        f"(add {prefix}kind={owner}, or drop {prefix}{name})"
+    )
+
+
 def _nest_head_fields(values: dict[str, Any]) -> dict[str, Any]:
     """`DrafterConfig`'s keywords with the head's flat fields (`markov_rank=128`) folded into `head_settings`: the
     kind's settings — a given instance of its class with those fields changed, else its defaults with them (a kind
@@ -214,13 +226,10 @@ def _nest_head_fields(values: dict[str, Any]) -> dict[str, Any]:
     if kind not in KINDS:
         return values  # `validate` names the kind
     for name, value in flat.items():
-        owner = KIND_FIELDS[name]
-        if owner != kind and value != HEAD_DEFAULTS[name]:
+        why = foreign_field_problem(name, value, kind)
+        if why:
             check_fields(DrafterConfig, {name: value}, _default_where)  # a bad value is named as such first
-            raise ConfigError(
-                f"{_default_where(name)}: {name} belongs to kind={owner} drafters; this one is kind={kind} "
-                f"(add kind={owner}, or drop {name})"
-            )
+            raise ConfigError(f"{_default_where(name)}: {why}")
     settings, given = head_of(kind).settings, values.get(NESTED)
     own = {name: value for name, value in flat.items() if KIND_FIELDS[name] == kind}
     if settings is None:

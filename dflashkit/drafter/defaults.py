@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflashkit.drafter.config import HEAD_DEFAULTS, KIND_FIELDS, TARGET_COUPLED, DrafterConfig
+from dflashkit.drafter.config import KIND_FIELDS, TARGET_COUPLED, DrafterConfig, foreign_field_problem
 from dflashkit.errors import ConfigError
 from dflashkit.validation import PositiveInt, Where, check_fields, parse_assignments, problem, show
 
@@ -39,12 +39,10 @@ def check_overrides(overrides: Any, where: Where, *, prefix: str = "") -> None:
                 f"drafter for another size is a drafter for another target (--target)"
             )
     kind = fields_only.get("kind", "dflash")
-    for name, owner in KIND_FIELDS.items():
-        if name in fields_only and owner != kind and fields_only[name] != HEAD_DEFAULTS[name]:
-            raise ConfigError(
-                f"{where(name)}: {prefix}{name} belongs to kind={owner} drafters; this one is kind={kind} "
-                f"(add {prefix}kind={owner}, or drop {prefix}{name})"
-            )
+    for name in KIND_FIELDS:
+        why = foreign_field_problem(name, fields_only[name], kind, prefix) if name in fields_only else None
+        if why:
+            raise ConfigError(f"{where(name)}: {why}")
     if "num_features" in overrides:
         why = problem(PositiveInt, overrides["num_features"])
         if why:

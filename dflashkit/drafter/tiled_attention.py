@@ -126,9 +126,9 @@ def _tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: TiledMask, *, scale
     ks = k.to(dtype).index_select(2, tiled.index).split(sizes, 2)  # per tile (B, kvh, Σ spans, d)
     vs = v.to(dtype).index_select(2, tiled.index).split(sizes, 2)
     qs = q.to(dtype).split([q1 - q0 for q0, q1, _ in tiled.tiles], 2)  # per tile (B, nh, q1 − q0, d)
-    # the meta device (shape-only traces of memory) has no autocast to turn off
-    off = contextlib.nullcontext() if q.device.type == "meta" else torch.autocast(q.device.type, enabled=False)
-    with off:
+    # autocast off where the device has one (the meta device of shape-only memory traces has none)
+    device = q.device.type
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
         outs = [
             F.scaled_dot_product_attention(qt, kt, vt, attn_mask=add.to(dtype), scale=scale, enable_gqa=enable_gqa)
             for qt, kt, vt, add in zip(qs, ks, vs, tiled.additive, strict=True)
