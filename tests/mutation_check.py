@@ -7,7 +7,8 @@ meant to guard each one fail.
     .venv/bin/python tests/mutation_check.py --repo /path/to/checkout
 
 The copy holds the repository's tracked files at HEAD (`git archive HEAD`, so uncommitted edits are not tested) in a
-temporary directory removed at exit. pytest runs there with the copy first on PYTHONPATH, so the copy's `dflashkit`
+temporary directory removed at exit; `--workers` copies (default: the cores, at most 4) try faults side by side, one
+fault a copy at a time (a fault's run is mostly pytest's single-threaded start-up). pytest runs there with the copy first on PYTHONPATH, so the copy's `dflashkit`
 is the one imported (checked before anything runs). First the union of every selected fault's tests runs on the
 unmutated copy and must pass; then, per fault, its `old` snippet is replaced by `new`, its tests run (`-x`: the first
 failure suffices) and the file is restored. A fault is caught when pytest reports a failure (or the run outlives its
@@ -26,11 +27,14 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import queue
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -524,26 +528,39 @@ def print_list(faults: tuple[Fault, ...], root: Path) -> None:
             print(f"{'':26s}   {node}")
 
 
-def mutate_all(copy: Path, env: dict[str, str], faults: tuple[Fault, ...], timeout: float) -> list[tuple[Fault, Run]]:
-    """Apply each fault alone, run its tests, restore the file; print one table row per fault as it finishes."""
-    results = []
+def mutate_all(copies: list[Path], faults: tuple[Fault, ...], timeout: float) -> list[tuple[Fault, Run]]:
+    """Apply each fault alone in one of `copies` (one fault a copy at a time: the copies run side by side, each
+    fault's pytest mostly single-threaded start-up), run its tests, restore the file; print one table row per fault
+    as it finishes. Results come back in the faults' order."""
     print(f"{'fault':26s} {'where':42s} {'result':7s} {'s':>6s}  caught by")
-    for f in faults:
-        path = copy / f.file
-        original = path.read_text(encoding="utf-8")
-        where = f"{f.file}:{line_of(original, f.old)}"
-        path.write_text(original.replace(f.old, f.new, 1), encoding="utf-8")
+    free: queue.Queue[Path] = queue.Queue()
+    for c in copies:
+        free.put(c)
+    printing = threading.Lock()
+
+    def one(f: Fault) -> Run:
+        copy = free.get()
         try:
-            run = run_tests(copy, env, list(f.tests), timeout)
+            path = copy / f.file
+            original = path.read_text(encoding="utf-8")
+            where = f"{f.file}:{line_of(original, f.old)}"
+            path.write_text(original.replace(f.old, f.new, 1), encoding="utf-8")
+            try:
+                run = run_tests(copy, copy_env(copy), list(f.tests), timeout)
+            finally:
+                path.write_text(original, encoding="utf-8")
         finally:
-            path.write_text(original, encoding="utf-8")
+            free.put(copy)
         verdict = "caught" if run.code is None or run.code in CAUGHT_CODES else "MISSED" if run.code == 0 else "ERROR"
         by = run.failed or ("" if verdict == "MISSED" else f"pytest exit {run.code}")
-        print(f"{f.id:26s} {where:42s} {verdict:7s} {run.seconds:6.1f}  {by}", flush=True)
-        if verdict == "ERROR":
-            print(run.tail)
-        results.append((f, run))
-    return results
+        with printing:
+            print(f"{f.id:26s} {where:42s} {verdict:7s} {run.seconds:6.1f}  {by}", flush=True)
+            if verdict == "ERROR":
+                print(run.tail)
+        return run
+
+    with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+        return list(zip(faults, pool.map(one, faults), strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,11 +568,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent, help="the checkout")
     parser.add_argument("--only", help="comma-separated fault ids (default: all)")
     parser.add_argument("--list", action="store_true", help="print the fault table and exit")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="faults tried side by side (default: cores, ≤ 4)",
+    )
     args = parser.parse_args(argv)
     faults = select(FAULTS, args.only)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dflashkit-mutation-") as tmp:
-        copy = Path(tmp)
+        copies = [Path(tmp) / f"copy{i}" for i in range(max(1, args.workers))]  # one a worker: one fault each at a time
+        copy = copies[0]
+        copy.mkdir()
         copy_head(args.repo, copy)
         if args.list:
             print_list(faults, copy)
@@ -576,7 +601,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         timeout = max(MIN_TIMEOUT, TIMEOUT_FACTOR * base.seconds)
         print(f"per-fault timeout {timeout:.0f} s\n")
-        results = mutate_all(copy, env, faults, timeout)
+        for other in copies[1:]:
+            other.mkdir()
+            copy_head(args.repo, other)
+        results = mutate_all(copies, faults, timeout)
     missed = [f.id for f, r in results if r.code == 0]
     errors = [f.id for f, r in results if r.code is not None and r.code not in (0, *CAUGHT_CODES)]
     caught = len(results) - len(missed) - len(errors)
