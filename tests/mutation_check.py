@@ -8,13 +8,14 @@ meant to guard each one fail.
 
 The copy holds the repository's tracked files at HEAD (`git archive HEAD`, so uncommitted edits are not tested) in a
 temporary directory removed at exit; `--workers` copies (default: the cores, at most 4) try faults side by side, one
-fault a copy at a time (a fault's run is mostly pytest's single-threaded start-up). pytest runs there with the copy first on PYTHONPATH, so the copy's `dflashkit`
-is the one imported (checked before anything runs). First the union of every selected fault's tests runs on the
-unmutated copy and must pass; then, per fault, its `old` snippet is replaced by `new`, its tests run (`-x`: the first
-failure suffices) and the file is restored. A fault is caught when pytest reports a failure (or the run outlives its
-timeout, as a hang would fail CI); it is missed when its tests pass. Exit status: 0 when every fault is caught, 1 when
-one is missed or the baseline fails, 2 when the fault table is stale (an `old` snippet no longer occurs exactly once in
-the function named, or a named test no longer exists) — a table that silently stopped matching the code proves nothing.
+fault a copy at a time (a fault's run is mostly pytest's single-threaded start-up). pytest runs there with the copy
+first on PYTHONPATH, so the copy's `dflashkit` is the one imported (checked before anything runs). First the union of
+every selected fault's tests runs on the unmutated copy and must pass; then, per fault, its `old` snippet is replaced by
+`new`, its tests run (`-x`: the first failure suffices) and the file is restored. A fault is caught when pytest reports
+a failure (or the run outlives its timeout, as a hang would fail CI); it is missed when its tests pass. Exit status: 0
+when every fault is caught, 1 when one is missed or the baseline fails, 2 when the fault table is stale (an `old`
+snippet no longer occurs exactly once in the function named, or a named test no longer exists) — a table that silently
+stopped matching the code proves nothing.
 
 Add a fault: append a `Fault` to FAULTS — a one-line change a careless engineer could make, the function that holds
 it, the narrowest existing tests that must catch it (`tests/…/test_x.py::test_name`, every parametrisation runs) and
