@@ -9,14 +9,17 @@ the compiled kernel (`~/.cache/dflashkit/kernels/`), all in the user cache (`io_
 
 The one entry point for the stages above (the target's decoder layers, the drafter, the decoding baselines):
 
-    route_linears(model.layers)            # every nn.Linear inside goes through linear_product
+    route_linears(model.layers)            # every nn.Linear inside goes through linear_product (CpuSpeed.apply):
+                                           # the one call that speeds a plain module up; `Target` makes it for the
+                                           # target's layers, `generate` for the drafter's
     logits = linear_product(hidden, w)     # hidden (..., H), w (V, H) → (..., V): a lone product (an LM head)
     with stock_products(): ...             # F.linear everywhere (HF's way: stock baselines, prefills)
     stock_active()                         # inside stock_products()?
     mode()                                 # "auto" (measured) or the candidate DFLASHKIT_CHOICES=products=… forces
 
 Modules:
-  products.py     the candidates and the `Chooser` that times them (ABBA-interleaved, kept only when faster)
+  products.py     the candidates and the `Chooser` that times them (ABBA-interleaved, kept only when faster);
+                  `CpuSpeed` (one instance, `SPEED`): the process's choosers and pass state, and `apply`
   step_trial.py   a pass group's candidates timed inside real decoding steps; `decide`
   siblings.py     a layer's products of one input (q/k/v, gate/up) as one product over stacked weights
   packed_weights.py MKL's packed GEMM, one packed copy per weight and row count, within a memory budget
@@ -31,7 +34,7 @@ Modules:
   machine.py      the CPU, its vector extensions, BLAS and threads, and a measured memory bandwidth
 
 Training, long prefills and GPUs always run `F.linear`: only CPU tensors of a few rows without autograd take part.
-This package imports no stage; `target` and `drafter` import it.
+This package imports no stage; `target`, `drafter` and `decode` import it.
 """
 
 from dflashkit.cpu_products.products import linear_product, mode, route_linears, stock_active, stock_products

@@ -84,9 +84,6 @@ LAYERS = "native_layers"  # whole decoder layers compiled for this CPU (target/n
 MODES = ("auto", "stock", "few_rows", "onednn", FUSED, PACKED, NATIVE, LAYERS)
 PRODUCTS = Choice("products", MODES)  # DFLASHKIT_CHOICES=products=…; the store <cache>/products/
 MAX_PAUSES = 3  # a step trial that stalls this often is given up (its width runs stock)
-_STOCK = [0]  # > 0 inside stock_products()
-_ENV_NOW = [os.environ.get(ENV)]  # DFLASHKIT_CHOICES as read when the current pass opened (linear_product)
-_EPOCH = [0]  # bumped by whatever comes between two decoding steps (a stock block, a prefill): breaks a step timing
 
 
 def _stock(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -151,17 +148,17 @@ def group_candidates(group: PassGroup) -> dict[str, Callable[[Tensor, Tensor, Te
 @contextlib.contextmanager
 def stock_products() -> Iterator[None]:
     """Within this block every product goes to F.linear (nestable): how HF and plain PyTorch run."""
-    _STOCK[0] += 1
-    _EPOCH[0] += 1
+    SPEED.stock_depth += 1
+    SPEED.epoch += 1
     try:
         yield
     finally:
-        _STOCK[0] -= 1
+        SPEED.stock_depth -= 1
 
 
 def stock_active() -> bool:
     """Whether the current code runs inside `stock_products()` (stock baselines compute everything as HF does)."""
-    return _STOCK[0] > 0
+    return SPEED.stock_depth > 0
 
 
 def mode() -> str:
@@ -240,8 +237,8 @@ class Chooser:
         trial = self._trials.get(key)
         if not opens_pass:
             return trial.current if trial is not None else "stock"
-        unbroken = self._last_opening.get(group.signature) == (key, _EPOCH[0])
-        self._last_opening[group.signature] = (key, _EPOCH[0])
+        unbroken = self._last_opening.get(group.signature) == (key, SPEED.epoch)
+        self._last_opening[group.signature] = (key, SPEED.epoch)
         self._openings += 1
         if trial is not None:
             self._busy()  # gives up stalled trials, this width's included
@@ -423,30 +420,22 @@ def shape_key(rows: int, w: Tensor, b: Tensor | None) -> str:
     return f"{rows}x{w.shape[1]}x{w.shape[0]}:{str(w.dtype).removeprefix('torch.')}{':b' if b is not None else ''}"
 
 
-_SCRATCH: list[Tensor] = []
-
-
 def _cold_timer(_name: str, fn: Callable[[], object]) -> float:
     """Seconds of one call with the weights out of the CPU caches, as in a real pass: a model streams each layer's
     weights from memory, so a product timed on cache-hot weights (a loop over one call) can rank the candidates
     the other way round. A read-modify-write of twice the last-level cache evicts them first."""
-    if not _SCRATCH:  # a normal tensor even when first met under inference_mode (regeneration): usable in both
+    if SPEED.scratch is None:  # a normal tensor even when first met under inference_mode (regeneration): usable in both
         with torch.inference_mode(False):
-            _SCRATCH.append(torch.zeros(max(64 << 20, 2 * last_level_cache_bytes()) // 4))
-    _SCRATCH[0].add_(1.0)
+            SPEED.scratch = torch.zeros(max(64 << 20, 2 * last_level_cache_bytes()) // 4)
+    SPEED.scratch.add_(1.0)
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-_CHOOSERS: dict[int, Chooser] = {}  # by thread count: a choice measured at 2 threads says nothing about 1
-
-
 def chooser() -> Chooser:
-    threads = torch.get_num_threads()
-    if threads not in _CHOOSERS:
-        _CHOOSERS[threads] = Chooser(store=store_path())
-    return _CHOOSERS[threads]
+    """The process's chooser at the current thread count (`CpuSpeed.chooser`)."""
+    return SPEED.chooser()
 
 
 def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group: PassGroup | None = None) -> Tensor:
@@ -459,7 +448,7 @@ def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, group:
     settled path is kept to one lookup (bench/product_overhead.py times both). DFLASHKIT_CHOICES is
     read when a pass opens (its group's first linear) and by every lone product: a change takes effect at the next
     pass."""
-    if _STOCK[0] or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if SPEED.stock_depth or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     siblings = group.siblings if group is not None else None
     if siblings is not None and not siblings.done and x.is_cpu and x.numel() <= MAX_ROWS * x.shape[-1]:
@@ -487,8 +476,8 @@ def _settled_or_chosen(x: Tensor, weight: Tensor, bias: Tensor | None, group: Pa
     c = chooser()
     memo = (group.signature if group is not None else (weight.shape, bias is not None), x.shape, x.dtype)
     if opening:  # the variable read once a pass, not once a call (each read costs microseconds)
-        _ENV_NOW[0] = os.environ.get(ENV)
-    memo += (x.is_cpu, _ENV_NOW[0])  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
+        SPEED.env_now = os.environ.get(ENV)
+    memo += (x.is_cpu, SPEED.env_now)  # is_cpu: a GPU call of a shape settled on CPU still runs F.linear
     how = c.settled.get(memo)
     if c._trials and group is not None and opening and how is not None:
         c._last_opening[group.signature] = None  # a settled width of the group between two timed steps: not one step
@@ -512,7 +501,7 @@ def _choose(
     pass of its group."""
     rows = x.numel() // max(1, x.shape[-1])
     if x.device.type != "cpu" or not 1 <= rows <= MAX_ROWS or x.dtype != weight.dtype:
-        _EPOCH[0] += 1  # (a prefill between two decoding steps is not part of a step)
+        SPEED.epoch += 1  # (a prefill between two decoding steps is not part of a step)
         return "stock", False  # GPUs, prefills, mixed dtypes: F.linear, decided per call
     how = mode()
     if how != "auto":
@@ -544,20 +533,49 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return linear_product(x, self.weight, self.bias, self._pass_group)
 
 
-def route_linears(module: nn.Module, *, lone: bool = False, fuse: bool = False, whole_layers: bool = False) -> int:
-    """Send every plain nn.Linear under `module` through `linear_product`, as one pass group timed in real steps, or
-    with `lone` each as a lone product timed per shape (an LM head: a pass group of its own would be timed in the
-    same steps as the layers', its candidates in lockstep with theirs). Idempotent: linears routed before keep
-    their way; returns how many were routed now. With `fuse` (frozen weights that are never saved from this model:
-    a target's layers) the products of one input may be computed as one (`siblings.py`, a timed candidate); with
-    `whole_layers` (a caller that opens its passes and can run them as compiled layers) LAYERS is one more."""
-    fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
-    group = None if lone else PassGroup(fresh, fuse=fuse, whole_layers=whole_layers)
-    for m in fresh:
-        m.forward = types.MethodType(_forward, m)
-        m._routed = True
-        m._pass_group = group
-    return len(fresh)
+class CpuSpeed:
+    """What the measured products keep in a process, in one place: the choosers (one per thread count: a choice
+    measured at 2 threads says nothing about 1), the depth of `stock_products()` blocks, the count of what broke a
+    run of decoding steps (a stock block, a prefill: a step timing spans no such thing), DFLASHKIT_CHOICES as read
+    when the current pass opened, and the buffer cold timings evict the CPU caches with. One instance, `SPEED`:
+    models are plain modules until `apply` (`route_linears`) routes their linears, the one call that speeds a model
+    up; the compiled kernel and the packed weight copies are caches of their own modules (native_rows.py,
+    packed_weights.py)."""
+
+    def __init__(self) -> None:
+        self.choosers: dict[int, Chooser] = {}
+        self.stock_depth = 0  # > 0 inside stock_products()
+        self.epoch = 0  # bumped by whatever comes between two decoding steps: breaks a step timing
+        self.env_now = os.environ.get(ENV)  # DFLASHKIT_CHOICES as read when the current pass opened (linear_product)
+        self.scratch: Tensor | None = None  # twice the last-level cache, rewritten before each cold timing
+
+    def chooser(self) -> Chooser:
+        threads = torch.get_num_threads()
+        if threads not in self.choosers:
+            self.choosers[threads] = Chooser(store=store_path())
+        return self.choosers[threads]
+
+    def apply(self, module: nn.Module, *, lone: bool = False, fuse: bool = False, whole_layers: bool = False) -> int:
+        """Send every plain nn.Linear under `module` through `linear_product`, as one pass group timed in real
+        steps, or with `lone` each as a lone product timed per shape (an LM head: a pass group of its own would be
+        timed in the same steps as the layers', its candidates in lockstep with theirs). Idempotent: linears routed
+        before keep their way; returns how many were routed now. With `fuse` (frozen weights that are never saved
+        from this model: a target's layers) the products of one input may be computed as one (`siblings.py`, a
+        timed candidate); with `whole_layers` (a caller that opens its passes and can run them as compiled layers)
+        LAYERS is one more."""
+        fresh = [m for m in module.modules() if type(m) is nn.Linear and not getattr(m, "_routed", False)]
+        if not fresh:
+            return 0
+        group = None if lone else PassGroup(fresh, fuse=fuse, whole_layers=whole_layers)
+        for m in fresh:
+            m.forward = types.MethodType(_forward, m)
+            m._routed = True
+            m._pass_group = group
+        return len(fresh)
+
+
+SPEED = CpuSpeed()
+route_linears = SPEED.apply  # the one call that routes a model's linears (CpuSpeed.apply)
 
 
 __all__ = [
@@ -569,7 +587,9 @@ __all__ = [
     "NATIVE",
     "PACKED",
     "PRODUCTS",
+    "SPEED",
     "Chooser",
+    "CpuSpeed",
     "PassGroup",
     "close_pass",
     "decide",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflashkit.cpu_products import stock_products
+from dflashkit.cpu_products import route_linears, stock_products
 from dflashkit.decode.hybrid_tree import resolve_mode, verify_tree
 from dflashkit.decode.tree import build_tree, follow_tree, tree_attention_bias
 from dflashkit.drafter.heads import DraftRound
@@ -153,6 +153,8 @@ def generate(
         confidence_min=s.confidence_min,
     )
     use_drafter = bs > 1
+    if use_drafter:  # a round's few rows: the measured products (a no-op for a drafter decoded before)
+        route_linears(drafter.layers)
     head = drafter.head if use_drafter else None
     slots = head.drafts_per_round(bs) if use_drafter else 0  # drafts a round can propose
     tree_mode = resolve_mode(target, s.hybrid_tree) if s.method == "tree" and target.is_hybrid else None
@@ -221,8 +223,7 @@ def generate(
         with clock("commit"):
             stopped = _commit(result, committed, next_token, stops, s.max_new_tokens)
             if use_drafter:
-                new_ctx = feats
-                new_pos = torch.arange(start, start + len(committed))[None]
+                new_ctx, new_pos = feats, torch.arange(start, start + len(committed))[None]
             bonus = next_token
             if s.check_invariants:
                 _check(

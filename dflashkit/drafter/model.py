@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflashkit.cpu_products import linear_product, route_linears
+from dflashkit.cpu_products import linear_product
 from dflashkit.drafter.config import DrafterConfig
 from dflashkit.drafter.heads import head_of
 from dflashkit.drafter.qwen3_blocks import DefaultRope, GatedMLP, RMSNorm, rotate_half
@@ -212,7 +212,6 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         head_of(config).add_modules(self)  # the head's own parameters (DSpark: Markov and confidence heads)
         self.reset_parameters()
-        route_linears(self.layers)  # a decoding round's few rows: the measured products (products.py)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:

@@ -145,13 +145,13 @@ def test_info_says_where_choices_are_kept_and_how_old_they_are(monkeypatch, tmp_
 
     from dflashkit.diagnose.info import _machine, _machine_lines
 
-    monkeypatch.setattr(products, "_CHOOSERS", {})  # choosers read the store variable when made
+    monkeypatch.setattr(products.SPEED, "choosers", {})  # choosers read the store variable when made
     lines = "\n".join(_machine_lines(_machine()))
     assert "choices kept      in this process only (DFLASHKIT_CHOICES=store=off" in lines  # as the suite runs
     set_choice(monkeypatch, "store", None)
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
     set_choice(monkeypatch, "max_age_days", "10")
-    monkeypatch.setattr(products, "_CHOOSERS", {})
+    monkeypatch.setattr(products.SPEED, "choosers", {})
     entry = {"choice": "stock", **{f"{n}_ms": 1.0 for n in CANDIDATES}, "measured_at": int(time.time() - 2 * DAY)}
     Store(store_path()).write({"3x8x8:float32": entry})
     lines = "\n".join(_machine_lines(_machine()))

@@ -176,7 +176,7 @@ def test_a_settled_choice_is_looked_up_and_follows_the_variable(monkeypatch):
 def test_the_cold_timer_works_in_and_out_of_inference_mode(monkeypatch):
     # Regeneration decodes under inference_mode; a later measurement outside it (a verify pass under no_grad) used
     # the same eviction buffer — created as an inference tensor, its in-place update raised there.
-    monkeypatch.setattr(products, "_SCRATCH", [])
+    monkeypatch.setattr(products.SPEED, "scratch", None)
     monkeypatch.setattr(products, "last_level_cache_bytes", lambda: 1 << 20)
     with torch.inference_mode():
         assert products._cold_timer("stock", lambda: None) >= 0

@@ -106,6 +106,26 @@ def test_random_drafter_is_lossless_and_stop_tokens(tiny_llama_dir):
     assert res.stop_reason == "stop_token" and res.tokens == ref[: ref.index(stop) + 1]
 
 
+def test_a_drafter_is_a_plain_module_until_generate_routes_its_layers(tiny_llama_dir):
+    # CPU speed is one explicit call (cpu_products.route_linears): a drafter built for training or export keeps
+    # nn.Linear's own forward; `generate` routes its layers (one pass group) on first use, and once only.
+    from torch import nn
+
+    target = Target.load(tiny_llama_dir)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config()).eval()
+    linears = [m for m in drafter.layers.modules() if type(m) is nn.Linear]
+    assert linears and not any(getattr(m, "_routed", False) or "forward" in vars(m) for m in linears)
+    prompt = torch.tensor([3, 14, 15, 92, 65, 35])
+    settings = DecodeSettings(method="chain", max_new_tokens=12)
+    first = generate(target, prompt, drafter=drafter, settings=settings).tokens
+    groups = {id(m._pass_group) for m in linears}
+    assert all(m._routed for m in linears) and len(groups) == 1
+    assert generate(target, prompt, drafter=drafter, settings=settings).tokens == first
+    assert {id(m._pass_group) for m in linears} == groups  # a second decode routes nothing anew
+    assert first == reference_greedy(target, prompt, 12)
+
+
 def test_chain_shaped_tree_equals_chain(tiny_llama_dir):
     target = Target.load(tiny_llama_dir)
     prompt = torch.randint(3, 97, (8,), generator=torch.Generator().manual_seed(5))
