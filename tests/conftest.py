@@ -92,6 +92,13 @@ def _tiny_config(kind: str):
     raise ValueError(kind)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Whole-pipeline tests (`integration`: the longest, minutes each) run first. With one worker per core
+    (scripts/test.sh), a long test started last holds one worker while the others have nothing left; started first,
+    the rest of the queue fills in beside it. The order is otherwise the collection's (a stable sort)."""
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+
+
 def build_tiny_target(kind: str, path: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
